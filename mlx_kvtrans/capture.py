@@ -1,0 +1,166 @@
+"""Capture: prefill tokens through an mlx-lm model and read every cache object at (1), (2), (3).
+
+Nothing of the model is copied: submodules are tapped by swapping the instance's class for a
+recording subclass (assigning a wrapper would rename or drop the weights), and the recurrence
+`gated_delta_update` is spied on by patching its name in the model's module, where the layers look
+it up at call time. Everything is restored when the prefill ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .layouts import ModelLayout, layout_of
+from .layouts.linear_attention import RecurrentInputs
+
+
+@dataclass
+class Capture:
+    """Cache objects of one prefill. `objects[layer][(name, point)]` holds each captured object:
+    per-token objects at (1)/(2) as `(B, T, token_dim)`, recurrent inputs at (2) as
+    `RecurrentInputs`, and (3) tensors as the engine caches them."""
+
+    layout: ModelLayout
+    tokens: mx.array  # (B, T)
+    objects: list[dict[tuple[str, int], Any]]
+    engine: list[Any] = field(repr=False)  # the mlx-lm cache the prefill filled
+    last_logits: mx.array | None = None  # (B, vocab) after the last token
+
+    @property
+    def length(self) -> int:
+        return self.tokens.shape[1]
+
+    def layer(self, index: int, point: int) -> dict[str, Any]:
+        """Layer `index`'s objects, each at `obj.point_for(point)`."""
+        found = self.objects[index]
+        return {o.name: found[(o.name, o.point_for(point))]
+                for o in self.layout.layers[index].objects}
+
+    def at(self, point: int) -> list[dict[str, Any]]:
+        return [self.layer(i, point) for i in range(len(self.objects))]
+
+
+def _join(parts: list[Any]) -> Any:
+    if len(parts) == 1:
+        return parts[0]
+    if isinstance(parts[0], RecurrentInputs):
+        return RecurrentInputs.concatenate(parts)
+    return mx.concatenate(parts, axis=1)
+
+
+class _Recorder:
+    """Collects tapped outputs per (layer, object, point) while a prefill runs."""
+
+    def __init__(self, layout: ModelLayout, points: set[int]):
+        self.layout, self.points = layout, points
+        self.layer = -1
+        self.parts: list[dict[tuple[str, int], list]] = [{} for _ in layout.layers]
+
+    def record(self, name: str, point: int, value: Any) -> None:
+        if point in self.points:
+            self.parts[self.layer].setdefault((name, point), []).append(value)
+
+    def pending(self) -> list[mx.array]:
+        out = []
+        for layer in self.parts:
+            for values in layer.values():
+                last = values[-1]
+                out.extend(last.arrays() if isinstance(last, RecurrentInputs) else [last])
+        return out
+
+    def joined(self) -> list[dict[tuple[str, int], Any]]:
+        return [{key: _join(values) for key, values in layer.items()} for layer in self.parts]
+
+
+def _swap_call(module: nn.Module, make_call) -> None:
+    """Give this one instance a subclass whose `__call__` is `make_call(base class)`."""
+    base = type(module)
+    module.__class__ = type("Tapped" + base.__name__, (base,),
+                            {"__call__": make_call(base), "_kvtrans_base": base})
+
+
+def _restore(module: nn.Module) -> None:
+    module.__class__ = type(module).__dict__["_kvtrans_base"]
+
+
+def _after(on_call):
+    def make_call(base):
+        def call(self, *args, **kwargs):
+            out = base.__call__(self, *args, **kwargs)
+            on_call(args, out)
+            return out
+        return call
+    return make_call
+
+
+@contextlib.contextmanager
+def tapped(model: nn.Module, layout: ModelLayout, points: set[int]):
+    """Within the block, running `model` records cache objects at `points` into the recorder."""
+    rec = _Recorder(layout, points)
+    swapped, patched = [], {}
+
+    def entering(index):  # marks the running layer, for the recurrence spy
+        def make_call(base):
+            def call(self, *args, **kwargs):
+                rec.layer = index
+                return base.__call__(self, *args, **kwargs)
+            return call
+        return make_call
+
+    try:
+        for layer_module, layer in zip(model.layers, layout.layers):
+            _swap_call(layer_module, entering(layer.index))
+            swapped.append(layer_module)
+            for module, on_call in layer.cache.taps():
+                _swap_call(module, _after(lambda args, out, f=on_call: f(rec.record, args, out)))
+                swapped.append(module)
+            namespace = getattr(layer.cache, "recurrence_namespace", None)
+            if namespace is not None and namespace not in patched:
+                owner = sys.modules[namespace]
+                patched[namespace] = original = owner.gated_delta_update
+
+                def recording_update(q, k, v, a, b, *args, _original=original, **kwargs):
+                    rec.record("state", 2, RecurrentInputs(q, k, v, a, b))
+                    return _original(q, k, v, a, b, *args, **kwargs)
+
+                owner.gated_delta_update = recording_update
+        yield rec
+    finally:
+        for module in reversed(swapped):
+            _restore(module)
+        for namespace, original in patched.items():
+            sys.modules[namespace].gated_delta_update = original
+
+
+def capture(model: nn.Module, tokens, points=(1, 2, 3), chunk_size: int | None = None,
+            layout: ModelLayout | None = None) -> Capture:
+    """Prefill `tokens` ((T,) or (B, T) ids) and capture every cache object at `points`.
+
+    `chunk_size` prefills in chunks (as mlx-lm's generation does), which bounds memory on long
+    prompts; the captured objects are the same.
+    """
+    from mlx_lm.models.cache import make_prompt_cache
+
+    layout = layout or layout_of(model)
+    tokens = mx.array(tokens)
+    if tokens.ndim == 1:
+        tokens = tokens[None]
+    points = set(points)
+    engine = make_prompt_cache(model)
+    step = chunk_size or tokens.shape[1]
+    with tapped(model, layout, points - {3}) as rec:
+        for start in range(0, tokens.shape[1], step):
+            logits = model(tokens[:, start:start + step], cache=engine)
+            mx.eval(logits[:, -1], rec.pending(), [c.state for c in engine])
+    objects = rec.joined()
+    if 3 in points:
+        for found, layer, cache in zip(objects, layout.layers, engine):
+            for name, value in layer.cache.read_engine(cache).items():
+                found[(name, 3)] = value
+    return Capture(layout, tokens, objects, engine, logits[:, -1])

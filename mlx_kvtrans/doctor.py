@@ -1,0 +1,32 @@
+"""`kvtrans doctor`: what MLX runs on here, and whether it is fast enough to trust timings."""
+
+from __future__ import annotations
+
+import platform
+
+from .blas import blas_report, matmul_gflops
+
+
+def diagnose() -> dict:
+    import mlx.core as mx
+    import mlx_lm
+
+    from .layouts.linear_attention import metal_recurrence_available
+
+    report = blas_report()
+    return {
+        "mlx": mx.__version__,
+        "mlx_lm": mlx_lm.__version__,
+        "python": platform.python_version(),
+        "platform": f"{platform.system()} {platform.machine()}",
+        "device": str(mx.default_device()),
+        "metal_available": bool(mx.metal.is_available()),
+        "metal_recurrence_kernel": metal_recurrence_available(),
+        "blas": report.name,
+        "blas_library": report.path,
+        "matmul_float32_gflops": round(report.gflops, 1),
+        # bf16 is what Macs run; on a CPU it is far slower than float32.
+        "matmul_bfloat16_gflops": round(matmul_gflops(n=512, repeats=4, dtype=mx.bfloat16), 1),
+        "blas_is_slow_reference": report.slow,
+        "fix": report.fix,
+    }

@@ -1,0 +1,45 @@
+"""Install: turn cache objects into mlx-lm cache objects the model continues from.
+
+Objects given at (1) or (2) become (3) with the target's own norm and RoPE at the target's
+positions (and, for recurrent states, by replaying the target's own recurrence). The result is a
+list of plain mlx-lm caches (`KVCache`, `ArraysCache`, `CacheList`): `model(tokens, cache=...)`,
+mlx-lm's generation and `save_prompt_cache` take it as they take their own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .layouts import ModelLayout, layout_of
+
+
+def resolve_layout(model_or_layout) -> ModelLayout:
+    return model_or_layout if isinstance(model_or_layout, ModelLayout) else layout_of(model_or_layout)
+
+
+def to_engine(model_or_layout: nn.Module | ModelLayout, layers: list[dict[str, Any]], point: int,
+              offset: int = 0, previous: list[dict[str, mx.array]] | None = None
+              ) -> list[dict[str, mx.array]]:
+    """Per-layer objects captured at `point` -> per-layer (3) objects, tokens from `offset` on."""
+    layout = resolve_layout(model_or_layout)
+    previous = previous or [None] * len(layout.layers)
+    return [layer.cache.to_engine(objects, point, offset, prev)
+            for layer, objects, prev in zip(layout.layers, layers, previous)]
+
+
+def install(model_or_layout: nn.Module | ModelLayout, layers: list[dict[str, Any]],
+            point: int = 3, offset: int = 0) -> list[Any]:
+    """Fresh mlx-lm cache objects holding `layers` (per-layer objects at `point`).
+
+    Build a new cache for every forward that should start from these objects: mlx-lm caches
+    grow in place.
+    """
+    layout = resolve_layout(model_or_layout)
+    if len(layers) != len(layout.layers):
+        raise ValueError(f"{len(layers)} layers of objects for a model of {len(layout.layers)}")
+    if point != 3:
+        layers = to_engine(layout, layers, point, offset)
+    return [layer.cache.build_cache(objects) for layer, objects in zip(layout.layers, layers)]

@@ -1,0 +1,56 @@
+"""Sparse-attention indexer keys (deepseek_v32, glm_moe_dsa): small per-token keys that decide
+which tokens the MLA attention reads once the cache is longer than `index_topk`.
+
+(1) = `indexer.wk` output; (2) = `indexer.k_norm` (LayerNorm) output; (3) = RoPE over the first
+`qk_rope_head_dim` features of (2), `(B, 1, T, index_head_dim)`. The indexer's KVCache "values"
+are dummies (zeros the shape of the keys), which mlx-lm also writes.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .base import LayerCache, kv_cache, kv_contents
+from .objects import ObjectKind, Rotation, activation_dtype, per_token_object
+
+
+class IndexerKeys(LayerCache):
+    mixer = "indexer"
+    cache_class = "KVCache"
+
+    def __init__(self, indexer):
+        self.indexer = indexer
+        self.head_dim = indexer.head_dim
+        self.top_k = indexer.index_topk
+        dtype = activation_dtype(indexer.wk)
+        self.objects = (
+            per_token_object("indexer_key", ObjectKind.INDEXER_KEY, (1, 1, "T", self.head_dim),
+                             dtype, Rotation.of(indexer.rope, self.head_dim)),
+        )
+
+    def taps(self):
+        def raw(record, args, out):
+            record("indexer_key", 1, out)
+
+        def normed(record, args, out):
+            record("indexer_key", 2, out)
+
+        return [(self.indexer.wk, raw), (self.indexer.k_norm, normed)]
+
+    def read_engine(self, cache):
+        keys, _ = kv_contents(cache)
+        return {"indexer_key": keys}
+
+    def to_engine(self, objects, point, offset=0, previous=None):
+        keys = objects["indexer_key"]
+        if point == 3:
+            return {"indexer_key": keys}
+        if point == 1:
+            keys = self.indexer.k_norm(keys)
+        B, T, _ = keys.shape
+        keys = self.indexer.rope(keys.reshape(B, 1, T, self.head_dim), offset=offset)
+        return {"indexer_key": self.cast("indexer_key", keys)}
+
+    def build_cache(self, objects):
+        keys = self.cast("indexer_key", objects["indexer_key"])
+        return kv_cache(keys, mx.zeros_like(keys))

@@ -1,0 +1,183 @@
+"""Linear-attention layers: conv histories and the gated-delta recurrent state.
+
+Gated DeltaNet (qwen3_next, qwen3_5): `ArraysCache(2)` = [conv history `(B, K-1, 2*Hk*Dk + Hv*Dv)`,
+state `S` `(B, Hv, Dv, Dk)` float32]. Kimi Delta Attention (kimi_linear): `ArraysCache(4)` =
+[q, k, v conv histories `(B, K-1, H*Dk)` each, `S`]. KDA's gate is per channel, GDN's per head.
+
+conv history: (1) = the raw projection rows entering the short convolution (pre-conv, pre-SiLU);
+(3) = the last K-1 of them (zeros in front when fewer tokens were read).
+recurrent state: (2) = the per-token inputs of `gated_delta_update` (q, k after conv, SiLU and
+`normalize_qk`; v after conv and SiLU; gate logits a; beta logits b); (3) = `S` after the last
+token, which `replay` rebuilds by running the model's own recurrence over (2).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, fields
+
+import mlx.core as mx
+
+from .base import LayerCache
+from .objects import ObjectKind, activation_dtype, fixed_object
+
+
+@dataclass
+class RecurrentInputs:
+    """Per-token inputs of the gated delta rule, as `gated_delta_update` takes them."""
+
+    q: mx.array  # (B, T, Hk, Dk)
+    k: mx.array  # (B, T, Hk, Dk)
+    v: mx.array  # (B, T, Hv, Dv)
+    a: mx.array  # gate logits: (B, T, Hv) for GDN, (B, T, Hv, Dk) for KDA
+    b: mx.array  # beta logits (B, T, Hv)
+
+    def arrays(self) -> list[mx.array]:
+        return [getattr(self, f.name) for f in fields(self)]
+
+    @property
+    def length(self) -> int:
+        return self.q.shape[1]
+
+    def slice(self, start: int, stop: int) -> "RecurrentInputs":
+        return RecurrentInputs(*(x[:, start:stop] for x in self.arrays()))
+
+    @classmethod
+    def concatenate(cls, parts: list["RecurrentInputs"]) -> "RecurrentInputs":
+        return cls(*(mx.concatenate(xs, axis=1) for xs in zip(*(p.arrays() for p in parts))))
+
+
+def _recurrence(mixer):
+    """The `gated_delta_update` that `mixer`'s mlx-lm module calls (looked up at call time)."""
+    return sys.modules[type(mixer).__module__].gated_delta_update
+
+
+class _DeltaRuleLayer(LayerCache):
+    """What GDN and KDA share: a recurrent state fed by conv'd projections."""
+
+    conv_names: tuple[str, ...]
+
+    def __init__(self, mixer, heads_k, heads_v, dk, dv, kernel, conv_widths, dtype):
+        self.mixer_module = mixer
+        self.heads_k, self.heads_v, self.dk, self.dv = heads_k, heads_v, dk, dv
+        self.kernel = kernel
+        self.objects = tuple(
+            fixed_object(name, ObjectKind.CONV_HISTORY, (1, kernel - 1, width), dtype, (1, 3),
+                         token_dim=width)
+            for name, width in zip(self.conv_names, conv_widths)
+        ) + (fixed_object("state", ObjectKind.RECURRENT_STATE, (1, heads_v, dv, dk), mx.float32,
+                          (2, 3)),)
+
+    # -- the recurrence ---------------------------------------------------------------------
+    def recurrence_constants(self) -> tuple[mx.array, mx.array]:
+        """(A_log, dt_bias) shaped as the module passes them to `gated_delta_update`."""
+        raise NotImplementedError
+
+    def replay(self, inputs: RecurrentInputs, state: mx.array | None = None,
+               chunk_size: int | None = None, use_kernel: bool = True):
+        """Run this layer's own recurrence over `inputs` from `state`; returns (outputs, state).
+
+        `use_kernel`: mlx-lm's Metal kernel where it can run (a Mac GPU), its pure-ops loop
+        elsewhere or when False. `chunk_size` splits the tokens; the state carries across.
+        """
+        A_log, dt_bias = self.recurrence_constants()
+        update = _recurrence(self.mixer_module)
+        step = chunk_size or max(inputs.length, 1)
+        outputs = []
+        for start in range(0, inputs.length, step):
+            part = inputs.slice(start, start + step)
+            y, state = update(part.q, part.k, part.v, part.a, part.b, A_log, dt_bias, state,
+                              use_kernel=use_kernel)
+            outputs.append(y)
+        if not outputs:
+            return None, state
+        return mx.concatenate(outputs, axis=1), state
+
+    @property
+    def recurrence_namespace(self) -> str:
+        """The mlx-lm module whose `gated_delta_update` this layer calls (capture spies on it)."""
+        return type(self.mixer_module).__module__
+
+    # -- engine cache ---------------------------------------------------------------------------
+    def read_engine(self, cache):
+        return {name: cache[i] for i, name in enumerate(self.conv_names + ("state",))}
+
+    def build_cache(self, objects):
+        from mlx_lm.models.cache import ArraysCache
+
+        names = self.conv_names + ("state",)
+        cache = ArraysCache(len(names))
+        for i, name in enumerate(names):
+            cache[i] = self.cast(name, objects[name])
+        return cache
+
+    def to_engine(self, objects, point, offset=0, previous=None):
+        previous = previous or {}
+        out = {}
+        for name in self.conv_names:
+            rows = objects[name]
+            if self.object(name).point_for(point) == 1:
+                rows = self.conv_history(rows, previous.get(name))
+            out[name] = rows
+        state = objects["state"]
+        if self.object("state").point_for(point) == 2:
+            _, state = self.replay(state, previous.get("state"))
+        out["state"] = state
+        return out
+
+    def conv_history(self, rows: mx.array, previous: mx.array | None = None) -> mx.array:
+        """The engine's conv history after `rows` (B, T, C): the last K-1 rows, zeros in front."""
+        B, _, C = rows.shape
+        if previous is None:
+            previous = mx.zeros((B, self.kernel - 1, C), dtype=rows.dtype)
+        history = mx.concatenate([previous.astype(rows.dtype), rows], axis=1)
+        return mx.contiguous(history[:, -(self.kernel - 1):, :])
+
+
+class GatedDeltaNet(_DeltaRuleLayer):
+    mixer = "gdn"
+    cache_class = "ArraysCache(2)"
+    conv_names = ("conv",)
+
+    def __init__(self, gdn):
+        super().__init__(gdn, gdn.num_k_heads, gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim,
+                         gdn.conv_kernel_size, (gdn.conv_dim,), activation_dtype(gdn.out_proj))
+
+    def taps(self):
+        def conv_rows(record, args, out):
+            record("conv", 1, args[0][:, self.kernel - 1:])  # input = [history | new rows]
+
+        return [(self.mixer_module.conv1d, conv_rows)]
+
+    def recurrence_constants(self):
+        return self.mixer_module.A_log, self.mixer_module.dt_bias
+
+
+class KimiDeltaAttention(_DeltaRuleLayer):
+    mixer = "kda"
+    cache_class = "ArraysCache(4)"
+    conv_names = ("conv_q", "conv_k", "conv_v")
+
+    def __init__(self, kda):
+        width = kda.projection_dim
+        super().__init__(kda, kda.num_heads, kda.num_heads, kda.head_dim, kda.head_dim,
+                         kda.conv_kernel, (width, width, width), activation_dtype(kda.o_proj))
+
+    def taps(self):
+        def conv_rows(name):
+            def on_call(record, args, out):
+                record(name, 1, args[0])  # ShortConv1d(x, state, ...): x = raw projection
+            return on_call
+
+        m = self.mixer_module
+        return [(m.q_conv, conv_rows("conv_q")), (m.k_conv, conv_rows("conv_k")),
+                (m.v_conv, conv_rows("conv_v"))]
+
+    def recurrence_constants(self):
+        m = self.mixer_module
+        return m.A_log.reshape(m.num_heads, 1), m.dt_bias.reshape(m.num_heads, m.head_dim)
+
+
+def metal_recurrence_available() -> bool:
+    """Whether mlx-lm's `gated_delta_update` would use its Metal kernel here (a Mac GPU)."""
+    return bool(mx.metal.is_available() and mx.default_device() == mx.gpu)

@@ -1,0 +1,66 @@
+"""Multi-head latent attention: the MLA latent and the rope key (deepseek_v3, kimi_vl, the MLA layers
+of kimi_linear and deepseek_v32 / glm_moe_dsa).
+
+`kv_a_proj_with_mqa` outputs `[latent | k_pe]` per token: that is (1) for both objects.
+latent: (2) = `kv_a_layernorm(latent)`; (3) = (2) as `(B, 1, T, kv_lora_rank)`, never rotated.
+rope key: no norm, so (2) = (1); (3) = RoPE(k_pe) `(B, 1, T, qk_rope_head_dim)`, interleaved,
+YaRN when configured. kimi_linear's MLA has no RoPE at all: its (3) rope key is the raw k_pe.
+mlx-lm stores the latent as the KVCache "keys" and the rope key as its "values".
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .base import LayerCache, kv_cache, kv_contents
+from .objects import ObjectKind, Rotation, activation_dtype, per_token_object
+
+
+class MLALatent(LayerCache):
+    mixer = "mla"
+    cache_class = "KVCache"
+
+    def __init__(self, attn):
+        self.attn = attn
+        self.rank = attn.kv_lora_rank
+        self.rope_dim = attn.qk_rope_head_dim
+        self.rope = attn["rope"] if "rope" in attn else None  # kimi_linear's MLA has none
+        dtype = activation_dtype(attn.kv_a_proj_with_mqa)
+        self.objects = (
+            per_token_object("latent", ObjectKind.MLA_LATENT, (1, 1, "T", self.rank), dtype,
+                             Rotation("none")),
+            per_token_object("rope_key", ObjectKind.ROPE_KEY, (1, 1, "T", self.rope_dim), dtype,
+                             Rotation.of(self.rope, self.rope_dim)),
+        )
+
+    def taps(self):
+        def raw(record, args, out):
+            record("latent", 1, out[..., : self.rank])
+            record("rope_key", 1, out[..., self.rank:])
+            record("rope_key", 2, out[..., self.rank:])
+
+        def normed(record, args, out):
+            record("latent", 2, out)
+
+        return [(self.attn.kv_a_proj_with_mqa, raw), (self.attn.kv_a_layernorm, normed)]
+
+    def read_engine(self, cache):
+        latent, rope_key = kv_contents(cache)
+        return {"latent": latent, "rope_key": rope_key}
+
+    def to_engine(self, objects, point, offset=0, previous=None):
+        latent, rope_key = objects["latent"], objects["rope_key"]
+        if point == 3:
+            return {"latent": latent, "rope_key": rope_key}
+        if point == 1:
+            latent = self.attn.kv_a_layernorm(latent)
+        B, T, _ = rope_key.shape
+        rope_key = rope_key.reshape(B, T, 1, self.rope_dim).transpose(0, 2, 1, 3)
+        if self.rope is not None:
+            rope_key = self.rope(rope_key, offset)
+        return {"latent": self.cast("latent", mx.expand_dims(latent, 1)),
+                "rope_key": self.cast("rope_key", rope_key)}
+
+    def build_cache(self, objects):
+        return kv_cache(self.cast("latent", objects["latent"]),
+                        self.cast("rope_key", objects["rope_key"]))

@@ -1,0 +1,129 @@
+"""One resolver for every command: a zoo alias, a local directory or a Hugging Face id -> a loaded
+mlx-lm model, with errors a user can act on instead of tracebacks."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import KvtransError, ModelNotFoundError
+from .layouts import SUPPORTED_FAMILIES, check_supported
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model")
+
+
+def weights_dir() -> Path:
+    """Where the shipped zoo lives: `$KVTRANS_WEIGHTS`, else `weights/` beside the package."""
+    if env := os.environ.get("KVTRANS_WEIGHTS"):
+        return Path(env)
+    return Path(__file__).resolve().parent.parent / "weights"
+
+
+def zoo_aliases() -> dict[str, Path]:
+    root = weights_dir()
+    if not root.is_dir():
+        return {}
+    return {p.name: p for p in sorted(root.iterdir()) if (p / "config.json").is_file()}
+
+
+def _looks_like_hf_id(name: str) -> bool:
+    parts = name.split("/")
+    return len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~"))
+
+
+def resolve(name: str) -> Path:
+    """The local directory of model `name`: zoo alias, existing directory, or HF id (cached, or
+    downloaded unless HF_HUB_OFFLINE is set)."""
+    aliases = zoo_aliases()
+    if name in aliases:
+        return aliases[name]
+    path = Path(name).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise ModelNotFoundError(f"{name} is a file, not a model directory")
+        return path
+    if _looks_like_hf_id(name):
+        return _hf_snapshot(name)
+    known = ", ".join(aliases) or "none shipped yet"
+    raise ModelNotFoundError(f"model {name!r} not found: not a zoo alias ({known}), a directory "
+                             "or a Hugging Face id")
+
+
+def _hf_snapshot(repo: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "*.py", "tokenizer.model", "*.tiktoken", "*.txt",
+                "*.jinja"]
+    try:
+        return Path(snapshot_download(repo, allow_patterns=patterns, local_files_only=True))
+    except Exception:
+        pass
+    try:
+        return Path(snapshot_download(repo, allow_patterns=patterns))
+    except Exception as err:
+        raise ModelNotFoundError(f"model {repo!r} is not a zoo alias or directory and could not "
+                                 f"be fetched from the Hugging Face hub "
+                                 f"({type(err).__name__})") from None
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ModelNotFoundError(f"{path} has no config.json: not a model directory")
+    try:
+        config = json.loads(config_file.read_text())
+    except json.JSONDecodeError as err:
+        raise KvtransError(f"{config_file} is not valid JSON ({err.msg}, line {err.lineno})")
+    if "model_type" not in config:
+        raise KvtransError(f"{config_file} has no model_type")
+    return config
+
+
+@dataclass
+class LoadedModel:
+    name: str  # as the user gave it
+    path: Path
+    model: Any  # the mlx-lm nn.Module
+    tokenizer: Any  # mlx-lm's TokenizerWrapper
+    config: dict[str, Any]
+
+    @property
+    def model_type(self) -> str:
+        return self.config["model_type"]
+
+
+def check_model_dir(path: Path) -> dict[str, Any]:
+    """Validate a model directory before loading anything heavy; returns its config."""
+    config = read_config(path)
+    check_supported(config["model_type"])
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+        raise KvtransError(f"{path} has no tokenizer ({' or '.join(TOKENIZER_FILES)})")
+    if not (path / "tokenizer_config.json").is_file():
+        # transformers then builds an empty tokenizer that encodes every text to [].
+        raise KvtransError(f"{path} has no tokenizer_config.json: its tokenizer would be empty")
+    if not any(path.glob("model*.safetensors")):
+        raise KvtransError(f"{path} has no model*.safetensors weights")
+    return config
+
+
+def load(name: str) -> LoadedModel:
+    """Load model `name` (zoo alias, directory or HF id) with mlx-lm."""
+    import mlx_lm
+    from transformers.utils import logging as hf_logging
+
+    path = resolve(str(name))
+    config = check_model_dir(path)
+    hf_logging.set_verbosity_error()  # tokenizer loading warns about unrelated config fields
+    try:
+        model, tokenizer = mlx_lm.load(str(path))
+    except (ValueError, FileNotFoundError, OSError) as err:
+        raise KvtransError(f"mlx-lm could not load {path}: {err}") from None
+    if not tokenizer.encode("hello world"):
+        raise KvtransError(f"the tokenizer of {path} encodes text to nothing: it is unusable")
+    return LoadedModel(str(name), path, model, tokenizer, config)
+
+
+__all__ = ["LoadedModel", "SUPPORTED_FAMILIES", "load", "resolve", "weights_dir", "zoo_aliases"]

@@ -1,0 +1,84 @@
+"""Small `config.json`s for every supported mlx-lm family, for random-weight models.
+
+Each config is what a Hugging Face checkpoint of that family would carry, shrunk: the cache objects
+(their kinds, rotations and layer pattern) are the family's real ones, only the sizes differ. MoE is
+off (dense MLPs) because MoE layers run only in float32 on the CPU.
+"""
+
+from __future__ import annotations
+
+import copy
+
+# A 4-layer stack so that hybrid families get both layer kinds (3 linear + 1 attention).
+_COMMON = dict(hidden_size=64, num_hidden_layers=4, intermediate_size=128, rms_norm_eps=1e-6,
+               max_position_embeddings=4096, tie_word_embeddings=True)
+
+_MLA = dict(num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=32,
+            qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, rope_theta=10000.0,
+            # Experts are declared (transformers' config validation wants ints) but unused:
+            # every layer is below first_k_dense_replace, so every MLP is dense.
+            n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=4)
+
+TINY: dict[str, dict] = {
+    "qwen3": dict(model_type="qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  rope_theta=1_000_000.0),
+    "llama": dict(model_type="llama", num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  rope_theta=500_000.0,
+                  rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 512}),
+    "qwen2": dict(model_type="qwen2", num_attention_heads=4, num_key_value_heads=2,
+                  rope_theta=1_000_000.0),
+    "deepseek_v3": dict(model_type="deepseek_v3", **_MLA,
+                        rope_scaling={"type": "yarn", "factor": 4.0, "mscale": 1.0,
+                                      "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1,
+                                      "original_max_position_embeddings": 1024}),
+    "kimi_vl": dict(model_type="kimi_vl", text_config=dict(model_type="deepseek_v3", **_MLA)),
+    "kimi_linear": dict(
+        model_type="kimi_linear", num_attention_heads=4, num_key_value_heads=4, head_dim=16,
+        kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+        mla_use_nope=True, rope_theta=10000.0, model_max_length=4096, num_experts=0,
+        moe_intermediate_size=64,
+        linear_attn_config={"kda_layers": [1, 2, 3], "full_attn_layers": [4], "num_heads": 2,
+                            "head_dim": 32, "short_conv_kernel_size": 4}),
+    "qwen3_next": dict(
+        model_type="qwen3_next", num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=32,
+        linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=0, num_experts_per_tok=0,
+        decoder_sparse_step=1, shared_expert_intermediate_size=0, mlp_only_layers=[],
+        moe_intermediate_size=0, rope_theta=10000.0, partial_rotary_factor=0.25,
+        full_attention_interval=4),
+    "qwen3_5": dict(
+        model_type="qwen3_5", num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=32,
+        linear_value_head_dim=16, linear_conv_kernel_dim=4, full_attention_interval=4,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                         "partial_rotary_factor": 0.25}),
+    "deepseek_v32": dict(model_type="deepseek_v32", **_MLA, index_head_dim=16, index_n_heads=2,
+                         index_topk=16),
+    "glm_moe_dsa": dict(
+        model_type="glm_moe_dsa", **{k: v for k, v in _MLA.items() if k != "rope_theta"},
+        index_head_dim=16, index_n_heads=2, index_topk=16, moe_intermediate_size=64,
+        routed_scaling_factor=1.0, topk_method="noaux_tc", scoring_func="sigmoid",
+        norm_topk_prob=True, n_group=1, topk_group=1, num_experts_per_tok=1, moe_layer_freq=1,
+        attention_bias=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+}
+
+FAMILIES = tuple(TINY)
+
+
+def tiny_config(family: str, vocab_size: int, special_token_ids: dict | None = None) -> dict:
+    """A complete `config.json` dict for a tiny model of `family` (an mlx-lm model_type).
+
+    `special_token_ids`: bos/eos/pad ids of the tokenizer, so that config defaults of the
+    full-size family (ids far outside a small vocab) do not leak in.
+    """
+    special_token_ids = special_token_ids or {}
+    if family not in TINY:
+        raise KeyError(f"no tiny config for {family!r}; families: {', '.join(FAMILIES)}")
+    config = copy.deepcopy(TINY[family])
+    target = config.get("text_config", config)
+    for key, value in _COMMON.items():
+        target.setdefault(key, value)
+    target["vocab_size"] = vocab_size
+    target.update(special_token_ids)
+    return config
