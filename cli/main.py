@@ -33,7 +33,7 @@ def user_errors(command):
         try:
             return command(*args, **kwargs)
         except KvtransError as e:
-            err.print(f"[bold red]error:[/] {e}", highlight=False)
+            err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
             raise typer.Exit(2)
         except KeyboardInterrupt:
             err.print("interrupted")
@@ -42,7 +42,7 @@ def user_errors(command):
             if os.environ.get("KVTRANS_DEBUG"):
                 raise
             err.print(f"[bold red]internal error:[/] {type(e).__name__}: {e} "
-                      "(set KVTRANS_DEBUG=1 for the traceback)", highlight=False)
+                      "(set KVTRANS_DEBUG=1 for the traceback)", highlight=False, soft_wrap=True)
             raise typer.Exit(1)
 
     return run

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Set up mlx-kvtrans in ./.venv. On Linux, also Debian's OpenBLAS: the mlx-cpu wheel's bundled
+# reference BLAS is ~50x slower, and mlx_kvtrans loads the system OpenBLAS in its place.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+if [ "$(uname -s)" = Linux ] && ! ls /usr/lib/*-linux-gnu/openblas-pthread/libopenblas.so.0 >/dev/null 2>&1; then
+  sudo=""
+  [ "$(id -u)" -ne 0 ] && sudo=sudo
+  if command -v apt-get >/dev/null; then
+    $sudo apt-get update -qq && $sudo apt-get install -y -qq libopenblas0-pthread >/dev/null
+  else
+    echo "setup.sh: install OpenBLAS (libopenblas) with your package manager" >&2
+  fi
+fi
+
+[ -x .venv/bin/python ] || python3 -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q -e ".[test]"

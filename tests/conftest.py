@@ -1,0 +1,49 @@
+"""Shared fixtures: tiny random-weight models of every supported family, built once per session."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import mlx_kvtrans  # first: selects OpenBLAS before mlx.core loads
+from mlx_kvtrans import blas
+from mlx_kvtrans.zoo.families import FAMILIES
+
+HYBRID_RECURRENT = ("kimi_linear", "qwen3_next", "qwen3_5")
+
+
+def pytest_configure(config):
+    # Tests must not silently run on the wheel's reference BLAS (~50x slower).
+    if blas.BLAS_NAME == "reference" and not os.environ.get("KVTRANS_ALLOW_REFERENCE_BLAS"):
+        pytest.exit(f"MLX would run on the slow reference BLAS. Fix: {blas.FIX} "
+                    "(or set KVTRANS_ALLOW_REFERENCE_BLAS=1 to run anyway)", returncode=3)
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory):
+    """family -> directory of a tiny random model, written lazily."""
+    from mlx_kvtrans.zoo.random_model import write_random_model
+
+    root = tmp_path_factory.mktemp("models")
+    made = {}
+
+    def get(family):
+        if family not in made:
+            made[family] = write_random_model(family, root / family, seed=FAMILIES.index(family))
+        return made[family]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def loaded(model_dirs):
+    """family -> LoadedModel (mlx-lm model + tokenizer), loaded once."""
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            cache[family] = mlx_kvtrans.load(str(model_dirs(family)))
+        return cache[family]
+
+    return get

@@ -1,0 +1,146 @@
+"""Capture -> install -> continue, and the identities between capture points, on every family."""
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import load_prompt_cache
+
+import mlx_kvtrans as kv
+from mlx_kvtrans.verify import max_abs_diff
+from mlx_kvtrans.zoo.families import FAMILIES
+
+from conftest import HYBRID_RECURRENT
+
+PREFIX, CONTINUATION = 40, 8  # 40 > index_topk (16) of the tiny DSA models: the indexer selects
+
+
+def tokens(vocab=259, n=PREFIX + CONTINUATION, seed=0):
+    return mx.random.randint(0, vocab, (1, n), key=mx.random.key(seed))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_install_reproduces_logits(loaded, family):
+    model = loaded(family).model
+    toks = tokens()
+    full = model(toks)[:, PREFIX:]
+    cap = kv.capture(model, toks[:, :PREFIX])
+    installed = model(toks[:, PREFIX:], cache=kv.install(model, cap.at(3)))
+    assert max_abs_diff(installed, full) <= 1e-5
+    # Against the cache the prefill itself filled, the computation is the same: exactly equal.
+    assert max_abs_diff(installed, model(toks[:, PREFIX:], cache=cap.engine)) == 0.0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("point", [1, 2])
+def test_raw_and_postnorm_convert_to_engine_cache(loaded, family, point):
+    model = loaded(family).model
+    cap = kv.capture(model, tokens()[:, :PREFIX])
+    converted = kv.to_engine(model, cap.at(point), point)
+    for layer, native in zip(converted, cap.at(3)):
+        assert layer.keys() == native.keys()
+        for name in native:
+            assert max_abs_diff(layer[name], native[name]) <= 1e-6, name
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_capture_points_match_layout(loaded, family):
+    model = loaded(family).model
+    cap = kv.capture(model, tokens()[:, :PREFIX])
+    for layer, found in zip(cap.layout.layers, cap.objects):
+        for obj in layer.objects:
+            for point in obj.capture_points:
+                value = found[(obj.name, point)]
+                if point == 3:
+                    shape = tuple(PREFIX if s == "T" else s for s in obj.engine_shape)
+                    assert value.shape == shape
+                elif obj.per_token or obj.kind == kv.ObjectKind.CONV_HISTORY:
+                    assert value.shape == (1, PREFIX, obj.token_dim)
+                else:
+                    assert isinstance(value, kv.RecurrentInputs)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_chunked_capture_equals_whole(loaded, family):
+    model = loaded(family).model
+    toks = tokens()[:, :PREFIX]
+    whole, chunked = kv.capture(model, toks), kv.capture(model, toks, chunk_size=13)
+    for a, b in zip(whole.objects, chunked.objects):
+        for key in a:
+            xs = a[key].arrays() if isinstance(a[key], kv.RecurrentInputs) else [a[key]]
+            ys = b[key].arrays() if isinstance(b[key], kv.RecurrentInputs) else [b[key]]
+            for x, y in zip(xs, ys):
+                assert max_abs_diff(x, y) <= 1e-5, key
+
+
+@pytest.mark.parametrize("family", HYBRID_RECURRENT)
+def test_replay_reproduces_state(loaded, family):
+    model = loaded(family).model
+    cap = kv.capture(model, tokens()[:, :PREFIX])
+    replayed = 0
+    for layer in cap.layout.layers:
+        if layer.mixer not in ("gdn", "kda"):
+            continue
+        inputs = cap.layer(layer.index, 2)["state"]
+        native = cap.layer(layer.index, 3)["state"]
+        _, whole = kv.replay(layer.cache, inputs)
+        _, chunked = kv.replay(layer.cache, inputs, chunk_size=7)
+        # From a given state: the first 25 tokens, then the rest starting from their state.
+        _, first = kv.replay(layer.cache, inputs.slice(0, 25))
+        _, resumed = kv.replay(layer.cache, inputs.slice(25, PREFIX), state=first)
+        for state in (whole, chunked, resumed):
+            assert max_abs_diff(state, native) <= 1e-6
+        replayed += 1
+    assert replayed == 3
+
+
+@pytest.mark.parametrize("family", HYBRID_RECURRENT)
+def test_conv_history_is_last_raw_rows(loaded, family):
+    model = loaded(family).model
+    short = tokens()[:, :2]  # fewer tokens than K-1: the history is zero-padded in front
+    for toks in (tokens()[:, :PREFIX], short):
+        cap = kv.capture(model, toks)
+        for layer in cap.layout.layers:
+            for obj in layer.objects:
+                if obj.kind == kv.ObjectKind.CONV_HISTORY:
+                    rows = cap.objects[layer.index][(obj.name, 1)]
+                    history = cap.objects[layer.index][(obj.name, 3)]
+                    k1 = history.shape[1]
+                    padded = mx.concatenate([mx.zeros((1, k1, rows.shape[2])), rows], axis=1)
+                    assert max_abs_diff(padded[:, -k1:], history) == 0.0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prompt_cache_file_round_trip(loaded, family, tmp_path):
+    lm = loaded(family)
+    model, toks = lm.model, tokens()
+    cap = kv.capture(model, toks[:, :PREFIX])
+    expected = model(toks[:, PREFIX:], cache=kv.install(model, cap.at(3)))
+    path = kv.write_prompt_cache(tmp_path / "cache.safetensors", kv.install(model, cap.at(3)),
+                                 str(lm.path))
+    caches, metadata = load_prompt_cache(str(path), return_metadata=True)
+    assert metadata["model"] == str(lm.path) and "tokenizer_config" in metadata
+    assert max_abs_diff(model(toks[:, PREFIX:], cache=caches), expected) <= 1e-6
+    objects, _ = kv.read_prompt_cache(path, model)
+    assert max_abs_diff(model(toks[:, PREFIX:], cache=kv.install(model, objects)), expected) <= 1e-6
+
+
+@pytest.mark.parametrize("family", ["qwen3", "kimi_linear", "deepseek_v32"])
+def test_mlx_lm_generation_continues_from_installed_cache(loaded, family):
+    from mlx_lm.generate import generate_step
+
+    model = loaded(family).model
+    toks = tokens()
+    prompt, last = toks[0, :PREFIX - 1], toks[0, PREFIX - 1:PREFIX]
+
+    def greedy(cache):
+        steps = generate_step(last, model, prompt_cache=cache, max_tokens=6)
+        return [int(t) for t, _ in steps]
+
+    cap = kv.capture(model, prompt)
+    assert greedy(kv.install(model, cap.at(1), point=1)) == greedy(cap.engine)
+
+
+def test_install_rejects_wrong_layer_count(loaded):
+    model = loaded("qwen3").model
+    cap = kv.capture(model, tokens()[:, :8])
+    with pytest.raises(ValueError):
+        kv.install(model, cap.at(3)[:-1])

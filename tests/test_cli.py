@@ -1,0 +1,117 @@
+"""The `kvtrans` command: inspect, verify, doctor, and clear errors (exit 2, no traceback)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from mlx_kvtrans.cli.main import app
+from mlx_kvtrans.zoo.families import FAMILIES
+
+from test_layouts import EXPECTED_KINDS
+
+runner = CliRunner()
+
+
+def kvtrans(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_inspect_json_lists_every_object(model_dirs, family):
+    result = kvtrans("inspect", model_dirs(family), "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    kinds = {o["kind"] for layer in data["layers"] for o in layer["objects"]}
+    assert kinds == {k.value for k in EXPECTED_KINDS[family]}
+    assert len(data["layers"]) == 4
+    assert data["totals"]["bytes_per_token"] > 0
+
+
+def test_inspect_table(model_dirs):
+    result = kvtrans("inspect", model_dirs("kimi_linear"))
+    assert result.exit_code == 0
+    for word in ("kda", "mla", "recurrent_state", "conv_history", "mla_latent", "per token"):
+        assert word in result.output
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_verify_passes(model_dirs, family):
+    result = kvtrans("verify", model_dirs(family), "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["passed"] and all(c["passed"] for c in data["checks"])
+    names = " ".join(c["name"] for c in data["checks"])
+    assert "install" in names and "prompt-cache" in names
+    if family in ("kimi_linear", "qwen3_5", "qwen3_next"):
+        assert "replay" in names
+
+
+def test_doctor_reports_blas(model_dirs):
+    result = kvtrans("doctor", "--json")
+    assert result.exit_code == 0
+    data = json.loads(result.output)
+    assert data["blas"] == "openblas" and not data["blas_is_slow_reference"]
+    assert data["matmul_float32_gflops"] > 0
+
+
+def _broken_dirs(tmp_path, model_dirs):
+    good = model_dirs("qwen3")
+    no_config = tmp_path / "no_config"
+    no_config.mkdir()
+    no_tok_config = tmp_path / "no_tok_config"
+    shutil.copytree(good, no_tok_config)
+    (no_tok_config / "tokenizer_config.json").unlink()
+    unsupported = tmp_path / "unsupported"
+    shutil.copytree(good, unsupported)
+    config = json.loads((unsupported / "config.json").read_text())
+    (unsupported / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
+    bad_json = tmp_path / "bad_json"
+    shutil.copytree(good, bad_json)
+    (bad_json / "config.json").write_text("{not json")
+    return {"missing": tmp_path / "nowhere", "no config.json": no_config,
+            "no tokenizer_config.json": no_tok_config, "unsupported": unsupported,
+            "bad json": bad_json}
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify"])
+def test_bad_models_exit_2_with_one_line(tmp_path, model_dirs, command):
+    for why, path in _broken_dirs(tmp_path, model_dirs).items():
+        result = kvtrans(command, path)
+        assert result.exit_code == 2, (why, result.output)
+        assert "Traceback" not in result.output
+        assert "error:" in result.output
+        assert len(result.output.strip().splitlines()) == 1
+        if why == "unsupported":
+            assert "deepseek_v32" in result.output  # the error lists the supported families
+
+
+def test_console_script_has_no_traceback(tmp_path):
+    """The installed entry point, as a user runs it."""
+    exe = shutil.which("kvtrans") or [sys.executable, "-m", "mlx_kvtrans.cli.main"]
+    cmd = ([exe] if isinstance(exe, str) else exe) + ["inspect", str(tmp_path / "nothing")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert "not found" in proc.stderr
+
+
+def test_mlx_lm_generate_continues_from_written_prompt_cache(loaded, tmp_path):
+    import mlx_kvtrans as kv
+
+    lm = loaded("qwen3_5")
+    ids = lm.tokenizer.apply_chat_template([{"role": "user", "content": "Hello there"}],
+                                           add_generation_prompt=False)
+    cap = kv.capture(lm.model, ids)
+    path = kv.write_prompt_cache(tmp_path / "c.safetensors",
+                                 kv.install(lm.model, cap.at(1), point=1), str(lm.path))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-m", "mlx_lm", "generate", "--prompt-cache-file",
+                           str(path), "--prompt", "and then?", "--max-tokens", "4"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Generation:" in proc.stdout
