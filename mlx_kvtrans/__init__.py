@@ -21,14 +21,17 @@ from .prompt_cache import read_prompt_cache, write_prompt_cache
 __version__ = "0.1.0"
 
 
-def replay(layer_cache, inputs: RecurrentInputs, state=None, chunk_size=None, use_kernel=True):
+def replay(layer_cache, inputs: RecurrentInputs, state=None, chunk_size=None, use_kernel=True,
+           parallel=False):
     """Run a linear-attention layer's own recurrence over per-token (2) `inputs` from `state`.
 
     `layer_cache`: `layout.layers[i].cache` of a GDN or KDA layer. Returns (outputs, state).
+    `parallel=True` uses the chunkwise-parallel pure-MLX form (differentiable on every device).
     """
     if not hasattr(layer_cache, "replay"):
         raise KvtransError(f"layer kind {layer_cache.mixer!r} has no recurrent state to replay")
-    return layer_cache.replay(inputs, state, chunk_size=chunk_size, use_kernel=use_kernel)
+    return layer_cache.replay(inputs, state, chunk_size=chunk_size, use_kernel=use_kernel,
+                              parallel=parallel)
 
 
 __all__ = ["CAPTURE_POINTS", "Capture", "CacheObject", "KvtransError", "LayerLayout",

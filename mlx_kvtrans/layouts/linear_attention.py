@@ -74,14 +74,17 @@ class _DeltaRuleLayer(LayerCache):
         raise NotImplementedError
 
     def replay(self, inputs: RecurrentInputs, state: mx.array | None = None,
-               chunk_size: int | None = None, use_kernel: bool = True):
+               chunk_size: int | None = None, use_kernel: bool = True, parallel: bool = False):
         """Run this layer's own recurrence over `inputs` from `state`; returns (outputs, state).
 
         `use_kernel`: mlx-lm's Metal kernel where it can run (a Mac GPU), its pure-ops loop
-        elsewhere or when False. `chunk_size` splits the tokens; the state carries across.
+        elsewhere or when False. `parallel`: the chunkwise-parallel pure-MLX form instead
+        (differentiable everywhere). `chunk_size` splits the tokens; the state carries across.
         """
+        from ..gated_delta import gated_delta_update_chunked
+
         A_log, dt_bias = self.recurrence_constants()
-        update = _recurrence(self.mixer_module)
+        update = gated_delta_update_chunked if parallel else _recurrence(self.mixer_module)
         step = chunk_size or max(inputs.length, 1)
         outputs = []
         for start in range(0, inputs.length, step):
