@@ -144,3 +144,26 @@ def test_install_rejects_wrong_layer_count(loaded):
     cap = kv.capture(model, tokens()[:, :8])
     with pytest.raises(ValueError):
         kv.install(model, cap.at(3)[:-1])
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "kimi_linear", "deepseek_v32"])
+def test_checks_hold_in_bfloat16(model_dirs, family):
+    """Real checkpoints run in bf16 on a Mac: the same identities hold there."""
+    from mlx_kvtrans.verify import run_checks
+
+    lm = kv.load(str(model_dirs(family)))
+    lm.model.set_dtype(mx.bfloat16)
+    checks = run_checks(lm.model, lm.tokenizer)
+    assert all(c.passed for c in checks), [c for c in checks if not c.passed]
+    assert kv.layout_of(lm.model).layers[-1].objects[0].dtype == "bfloat16"
+
+
+def test_checks_hold_on_a_quantized_model(model_dirs):
+    import mlx.nn as nn
+
+    from mlx_kvtrans.verify import run_checks
+
+    lm = kv.load(str(model_dirs("qwen3")))
+    nn.quantize(lm.model, group_size=32, bits=8)
+    assert kv.layout_of(lm.model).layers[0].cache.object("keys").engine_shape == (1, 2, "T", 16)
+    assert all(c.passed for c in run_checks(lm.model, lm.tokenizer))
