@@ -76,7 +76,7 @@ def read_config(path: Path) -> dict[str, Any]:
     try:
         config = json.loads(config_file.read_text())
     except json.JSONDecodeError as err:
-        raise KvtransError(f"{config_file} is not valid JSON ({err.msg}, line {err.lineno})")
+        raise KvtransError(f"{config_file} is not valid JSON ({err.msg}, line {err.lineno})") from None
     if "model_type" not in config:
         raise KvtransError(f"{config_file} has no model_type")
     return config
@@ -119,8 +119,8 @@ def load(name: str) -> LoadedModel:
     hf_logging.set_verbosity_error()  # tokenizer loading warns about unrelated config fields
     try:
         model, tokenizer = mlx_lm.load(str(path))
-    except (ValueError, FileNotFoundError, OSError) as err:
-        raise KvtransError(f"mlx-lm could not load {path}: {err}") from None
+    except Exception as err:  # a malformed checkpoint is bad input, not an internal failure
+        raise KvtransError(f"mlx-lm could not load {path}: {type(err).__name__}: {err}") from None
     if not tokenizer.encode("hello world"):
         raise KvtransError(f"the tokenizer of {path} encodes text to nothing: it is unusable")
     return LoadedModel(str(name), path, model, tokenizer, config)

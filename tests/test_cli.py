@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -92,8 +93,9 @@ def test_bad_models_exit_2_with_one_line(tmp_path, model_dirs, command):
 
 def test_console_script_has_no_traceback(tmp_path):
     """The installed entry point, as a user runs it."""
-    exe = shutil.which("kvtrans") or [sys.executable, "-m", "mlx_kvtrans.cli.main"]
-    cmd = ([exe] if isinstance(exe, str) else exe) + ["inspect", str(tmp_path / "nothing")]
+    script = Path(sys.executable).parent / "kvtrans"  # the venv's console script
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "mlx_kvtrans.cli.main"]
+    cmd += ["inspect", str(tmp_path / "nothing")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr + proc.stdout
@@ -115,3 +117,13 @@ def test_mlx_lm_generate_continues_from_written_prompt_cache(loaded, tmp_path):
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Generation:" in proc.stdout
+
+
+def test_malformed_config_is_a_user_error(tmp_path, model_dirs):
+    broken = tmp_path / "missing_fields"
+    shutil.copytree(model_dirs("qwen3"), broken)
+    config = json.loads((broken / "config.json").read_text())
+    del config["hidden_size"]
+    (broken / "config.json").write_text(json.dumps(config))
+    result = kvtrans("inspect", broken)
+    assert result.exit_code == 2 and "Traceback" not in result.output

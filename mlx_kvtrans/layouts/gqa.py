@@ -8,7 +8,6 @@ Values are the raw `v_proj` output at every point.
 
 from __future__ import annotations
 
-import mlx.core as mx
 
 from .base import LayerCache, kv_cache, kv_contents
 from .objects import ObjectKind, Rotation, activation_dtype, per_token_object
