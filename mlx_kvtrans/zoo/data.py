@@ -1,0 +1,132 @@
+"""Training batches for the zoo: corpus windows mixed with synthetic recall tasks.
+
+Every row is exactly `length + 1` tokens. A synthetic sample (needle, key-value, dialogue) takes the
+end of its row and a corpus window fills the front, so recall is trained at every depth and at
+every prompt length up to the row length. The batch of step `s` depends only on (seed, s): training
+resumes from a checkpoint without storing any random state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from . import synthetic
+from .corpus import read_split, sentences
+from .tokenizer import CHAT_TEMPLATE  # noqa: F401  (the template the dialogue rendering follows)
+
+
+def render_chat(messages: list[dict]) -> str:
+    """The zoo chat template, rendered (what `apply_chat_template` gives) + generation prompt."""
+    text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+    return text + "<|im_start|>assistant\n"
+
+
+class TokenStream:
+    """The corpus split as one array of token ids, tokenized once and cached beside the corpus."""
+
+    def __init__(self, corpus_dir: Path, split: str, tokenizer):
+        text = (Path(corpus_dir) / f"{split}.txt").read_bytes()
+        key = hashlib.sha256(text + tokenizer.to_str().encode()).hexdigest()[:16]
+        cache = Path(corpus_dir) / f"{split}.{key}.npy"
+        if cache.exists():
+            self.ids = np.load(cache)
+        else:
+            docs = read_split(corpus_dir, split)
+            eot = tokenizer.token_to_id("<|endoftext|>")
+            parts = []
+            for enc in tokenizer.encode_batch(docs):
+                parts.append(np.asarray(enc.ids + [eot], dtype=np.int32))
+            self.ids = np.concatenate(parts)
+            np.save(cache, self.ids)
+
+    def window(self, rng: random.Random, n: int) -> np.ndarray:
+        start = rng.randrange(0, len(self.ids) - n)
+        return self.ids[start:start + n]
+
+
+@dataclass
+class Mix:
+    text: float = 0.5
+    needle: float = 0.3
+    kv: float = 0.1
+    dialogue: float = 0.1
+    answer_weight: float = 4.0  # loss weight on answer tokens (the copied digits)
+
+    def draw(self, rng: random.Random) -> str:
+        kinds = ["text", "needle", "kv", "dialogue"]
+        return rng.choices(kinds, weights=[getattr(self, k) for k in kinds])[0]
+
+
+class SampleMaker:
+    """Tokenized synthetic samples that fit a token budget."""
+
+    def __init__(self, tokenizer, filler: list[str]):
+        self.tok = tokenizer
+        self.filler = filler
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text).ids
+
+    def needle(self, seed: int, budget: int) -> tuple[list[int], list[int]]:
+        n_chars = max(60, int(budget * 3.6))
+        for _ in range(6):
+            s = synthetic.needle(seed, n_chars=n_chars, filler=self.filler)
+            prompt, answer = self.encode(s.prompt), self.encode(s.answer)
+            if len(prompt) + len(answer) <= budget:
+                return prompt, answer
+            n_chars = int(n_chars * 0.8 * budget / (len(prompt) + len(answer)))
+        return prompt[-(budget - len(answer)):], answer  # last resort: keep the question
+
+    def key_value(self, seed: int, budget: int):
+        n_pairs = 2
+        best = None
+        while True:
+            s = synthetic.key_value(seed, n_pairs=n_pairs)
+            prompt, answer = self.encode(s.prompt), self.encode(s.answer)
+            if len(prompt) + len(answer) > budget or n_pairs > len(synthetic.KEYS):
+                return best or (prompt[-(budget - len(answer)):], answer)
+            best = (prompt, answer)
+            n_pairs += 2
+
+    def dialogue(self, seed: int, budget: int):
+        turns = 8
+        while True:
+            s = synthetic.dialogue(seed, turns=turns, filler=self.filler)
+            prompt = self.encode(render_chat(s.messages))
+            answer = self.encode(s.answer + "<|im_end|>")
+            if len(prompt) + len(answer) <= budget or turns <= 2:
+                return prompt[-(budget - len(answer)):], answer
+            turns -= 2
+
+
+def make_batch(step: int, seed: int, batch: int, length: int, stream: TokenStream,
+               maker: SampleMaker, mix: Mix) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens (batch, length+1) int32, loss weights (batch, length) float32) for step `step`."""
+    rng = random.Random(seed * 1_000_003 + step)
+    tokens = np.zeros((batch, length + 1), dtype=np.int32)
+    weights = np.ones((batch, length), dtype=np.float32)
+    eot = maker.tok.token_to_id("<|endoftext|>")
+    for row in range(batch):
+        kind = mix.draw(rng)
+        if kind == "text":
+            tokens[row] = stream.window(rng, length + 1)
+            continue
+        budget = rng.randrange(min(48, length), length)  # mixed prompt lengths
+        sample_seed = rng.randrange(1 << 30)
+        prompt, answer = getattr(maker, {"kv": "key_value"}.get(kind, kind))(sample_seed, budget)
+        sample = prompt + answer
+        front = length + 1 - len(sample)
+        prefix = list(stream.window(rng, front - 1)) + [eot] if front > 0 else []
+        tokens[row] = np.asarray(prefix + sample, dtype=np.int32)[-(length + 1):]
+        # targets are tokens[1:]: the answer occupies the last len(answer) targets
+        weights[row, length - len(answer):] = mix.answer_weight
+    return tokens, weights
+
+
+def needle_filler(corpus_dir: Path) -> list[str]:
+    return sentences(read_split(corpus_dir, "train"), limit=20_000, seed=1)

@@ -1,0 +1,84 @@
+"""The recipe of every zoo model: architecture, seed, data mix and schedule.
+
+`kvtrans zoo train ALIAS` reproduces a model from its recipe. Sizes follow what trains in under
+an hour on a 2-core CPU (float32): hidden 128-192, 4-6 layers, tied embeddings, 4K vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from .data import Mix
+
+VOCAB = 4096
+
+_MLA = dict(num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=64, q_lora_rank=64,
+            qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, rope_theta=10000.0,
+            n_routed_experts=4, n_shared_experts=1)
+
+
+@dataclass
+class Recipe:
+    alias: str
+    family: str  # mlx-lm model_type
+    role: str
+    config: dict  # config.json fields (vocab and special-token ids are added)
+    seed: int
+    steps: int
+    batch: int = 8
+    length: int = 256  # the longest training prompt, in tokens
+    lr: float = 3e-3
+    warmup: int = 100
+    mix: Mix = field(default_factory=Mix)
+    init_from: str | None = None  # continue training this alias (a "next generation")
+    dense_warmup: float = 0.0  # DSA: share of steps with dense attention while the indexer learns
+
+    def to_json(self) -> dict:
+        data = asdict(self)
+        data["mix"] = asdict(self.mix)
+        return data
+
+
+def _base(hidden, layers, **extra):
+    return dict(hidden_size=hidden, num_hidden_layers=layers, intermediate_size=3 * hidden,
+                rms_norm_eps=1e-6, max_position_embeddings=16384, tie_word_embeddings=True,
+                **extra)
+
+
+RECIPES = {r.alias: r for r in [
+    Recipe("qwen3-small", "qwen3", "GQA pair, smaller (KV-Lingo's Qwen3-4B side)",
+           dict(model_type="qwen3", **_base(128, 4), num_attention_heads=4, num_key_value_heads=2,
+                head_dim=32, rope_theta=10000.0),
+           seed=11, steps=1800),
+    Recipe("qwen3-large", "qwen3", "GQA pair, larger (KV-Lingo's Qwen3-8B side)",
+           dict(model_type="qwen3", **_base(192, 6), num_attention_heads=6, num_key_value_heads=2,
+                head_dim=32, rope_theta=10000.0),
+           seed=12, steps=1500),
+    Recipe("kimi-vl", "kimi_vl", "full MLA with RoPE'd rope key (Pair A)",
+           dict(model_type="kimi_vl", text_config=dict(model_type="deepseek_v3", **_base(128, 4),
+                **_MLA, first_k_dense_replace=4)),
+           seed=13, steps=1800),
+    Recipe("kimi-linear", "kimi_linear", "MLA without RoPE + KDA (Pair A)",
+           dict(model_type="kimi_linear", **_base(128, 6), num_attention_heads=4,
+                num_key_value_heads=4, head_dim=32, kv_lora_rank=64, qk_nope_head_dim=32,
+                qk_rope_head_dim=16, v_head_dim=32, mla_use_nope=True, rope_theta=10000.0,
+                model_max_length=16384, num_experts=0, moe_intermediate_size=128,
+                linear_attn_config={"kda_layers": [1, 2, 4, 5], "full_attn_layers": [3, 6],
+                                    "num_heads": 4, "head_dim": 32, "short_conv_kernel_size": 4}),
+           seed=14, steps=1500),
+    Recipe("qwen3.5-a", "qwen3_5", "GQA + Gated DeltaNet hybrid (Pair B, Pair C source)",
+           dict(model_type="qwen3_5", **_base(128, 4), num_attention_heads=4,
+                num_key_value_heads=2, head_dim=32, linear_num_value_heads=4,
+                linear_num_key_heads=2, linear_key_head_dim=32, linear_value_head_dim=32,
+                linear_conv_kernel_dim=4, full_attention_interval=4,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                 "partial_rotary_factor": 0.25}),
+           seed=15, steps=1500),
+    Recipe("qwen3.5-b", "qwen3_5", "same geometry, next generation: qwen3.5-a trained on (Pair B)",
+           {}, seed=16, steps=600, lr=1.5e-3, warmup=50, init_from="qwen3.5-a",
+           mix=Mix(text=0.4, needle=0.25, kv=0.1, dialogue=0.25)),
+    Recipe("dsa", "deepseek_v32", "MLA + sparse indexer (Pair C target)",
+           dict(model_type="deepseek_v32", **_base(128, 4), **_MLA, first_k_dense_replace=4,
+                index_head_dim=32, index_n_heads=2, index_topk=64),
+           seed=17, steps=1800, dense_warmup=0.4),
+]}

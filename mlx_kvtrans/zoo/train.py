@@ -1,0 +1,286 @@
+"""Train a zoo model from its recipe, with checkpoints that resume where they stopped.
+
+Float32 on the CPU (bf16 is ~8x slower there). Linear-attention families train with the
+chunkwise-parallel recurrence (`mlx_kvtrans.gated_delta`); the saved models are plain mlx-lm
+checkpoints. The DSA model's indexer gets its own loss (the LM loss gives it no gradient: the
+top-k selection is not differentiable): KL from the layer's attention distribution to the
+indexer's score distribution, with dense attention for the first steps while it learns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+from mlx.utils import tree_flatten, tree_unflatten
+
+from ..gated_delta import chunked_recurrence
+from .corpus import build_corpus
+from .data import SampleMaker, TokenStream, make_batch, needle_filler
+from .evaluate import needle_recall, perplexity, unigram_perplexity
+from .recipes import RECIPES, VOCAB, Recipe
+from .tokenizer import save_tokenizer, special_token_ids, train_bpe
+
+RECURRENT = ("qwen3_5", "qwen3_next", "kimi_linear")
+
+
+# -- shared assets -----------------------------------------------------------------------------
+def ensure_corpus(workdir: Path, progress=print) -> Path:
+    corpus = workdir / "corpus"
+    if not (corpus / "corpus.json").exists():
+        build_corpus(corpus, workdir / "sources", progress=progress)
+    return corpus
+
+
+def ensure_tokenizer(weights: Path, corpus: Path):
+    """The zoo's shared tokenizer: `weights/tokenizer/`, trained on the corpus once."""
+    from tokenizers import Tokenizer
+
+    from .corpus import read_split
+
+    path = weights / "tokenizer" / "tokenizer.json"
+    if not path.exists():
+        tok = train_bpe(read_split(corpus, "train"), VOCAB)
+        save_tokenizer(tok, path.parent)
+    return Tokenizer.from_file(str(path))
+
+
+# -- the DSA indexer's own loss ----------------------------------------------------------------
+def indexer_scores(indexer, x, qr):
+    """The indexer's pre-top-k scores (B, L, L), as mlx-lm's `Indexer.__call__` computes them."""
+    b, s, _ = x.shape
+    q = indexer.wq_b(qr).reshape(b, s, indexer.n_heads, indexer.head_dim).swapaxes(1, 2)
+    k = indexer.k_norm(indexer.wk(x)).reshape(b, 1, s, indexer.head_dim)
+    q, k = indexer.rope(q), indexer.rope(k)
+    scores = mx.maximum(q @ k.swapaxes(-1, -2), 0)
+    weights = indexer.weights_proj(x) * (indexer.n_heads**-0.5 * indexer.softmax_scale)
+    return (scores * weights.swapaxes(-1, -2)[..., None]).sum(axis=1)
+
+
+@contextlib.contextmanager
+def indexer_supervision(model):
+    """Within the block, each DSA layer's forward appends (attention probs, indexer scores)."""
+    module = sys.modules[type(model).__module__]
+    pairs: list[tuple[mx.array, mx.array]] = []
+    original_sdpa = module.scaled_dot_product_attention
+    current = {}
+
+    def recording_sdpa(queries, keys, values, cache, scale, mask, **kw):
+        scores = (queries * scale) @ keys.swapaxes(-1, -2) + mask  # mask = rope scores (+ -inf)
+        attn = mx.stop_gradient(mx.softmax(scores.astype(mx.float32), axis=-1).mean(axis=1))
+        pairs.append((attn, current.pop("index")))
+        return original_sdpa(queries, keys, values, cache=cache, scale=scale, mask=mask, **kw)
+
+    swapped = []
+    for layer in model.layers:
+        attn = layer.self_attn
+        base = type(attn)
+
+        def call(self, x, mask=None, cache=None, _base=base):
+            x_in = mx.stop_gradient(x)
+            qr = mx.stop_gradient(self.q_a_layernorm(self.q_a_proj(x_in)))
+            current["index"] = indexer_scores(self.indexer, x_in, qr)
+            return _base.__call__(self, x, mask, cache)
+
+        attn.__class__ = type("Supervised" + base.__name__, (base,), {"__call__": call})
+        swapped.append((attn, base))
+    module.scaled_dot_product_attention = recording_sdpa
+    try:
+        yield pairs
+    finally:
+        module.scaled_dot_product_attention = original_sdpa
+        for attn, base in swapped:
+            attn.__class__ = base
+
+
+def indexer_kl(pairs) -> mx.array:
+    """Mean over layers and queries of KL(attention || softmax(indexer scores)), causal."""
+    losses = []
+    for attn, scores in pairs:
+        L = scores.shape[-1]
+        causal = mx.tril(mx.ones((L, L), dtype=mx.bool_))
+        logq = nn.log_softmax(mx.where(causal, scores.astype(mx.float32), -1e9), axis=-1)
+        kl = mx.where(causal, attn * (mx.log(attn + 1e-9) - logq), 0.0).sum(-1)
+        losses.append(kl.mean())
+    return mx.stack(losses).mean()
+
+
+# -- training ---------------------------------------------------------------------------------
+def build_config(recipe: Recipe, tok, weights: Path) -> dict:
+    if recipe.init_from:
+        return json.loads((weights / recipe.init_from / "config.json").read_text())
+    config = json.loads(json.dumps(recipe.config))
+    target = config.get("text_config", config)
+    target["vocab_size"] = tok.get_vocab_size()
+    target.update(special_token_ids(tok))
+    return config
+
+
+def _schedule(recipe: Recipe):
+    warm = optim.linear_schedule(1e-7, recipe.lr, recipe.warmup)
+    decay = optim.cosine_decay(recipe.lr, max(1, recipe.steps - recipe.warmup), recipe.lr * 0.1)
+    return optim.join_schedules([warm, decay], [recipe.warmup])
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def train(alias: str, workdir: Path, weights: Path, log=print, eval_samples: int = 50,
+          max_minutes: float | None = None) -> dict | None:
+    """Train (or resume) `alias`; when done, write `weights/alias` with its manifest.
+
+    Returns the manifest, or None when `max_minutes` ran out first (the checkpoint is kept).
+    """
+    from mlx_lm.utils import _get_classes, save_config, save_model
+
+    recipe = RECIPES[alias]
+    mx.random.seed(recipe.seed)
+    corpus = ensure_corpus(workdir, progress=log)
+    tok = ensure_tokenizer(weights, corpus)
+    stream = TokenStream(corpus, "train", tok)
+    maker = SampleMaker(tok, needle_filler(corpus))
+    config = build_config(recipe, tok, weights)
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    if recipe.init_from:
+        model.load_weights(str(weights / recipe.init_from / "model.safetensors"))
+    model.train()
+
+    run = workdir / alias
+    run.mkdir(parents=True, exist_ok=True)
+    optimizer = optim.AdamW(learning_rate=_schedule(recipe), weight_decay=0.01)
+    state = {"step": 0, "seconds": 0.0, "tokens": 0}
+    if (run / "state.json").exists():
+        state = json.loads((run / "state.json").read_text())
+        model.load_weights(str(run / "model.safetensors"))
+        optimizer.state = tree_unflatten(list(mx.load(str(run / "optimizer.safetensors")).items()))
+        log(f"{alias}: resuming at step {state['step']}")
+    mx.eval(model.parameters())
+
+    dsa = recipe.family in ("deepseek_v32", "glm_moe_dsa")
+    top_k = [layer.self_attn.indexer.index_topk for layer in model.layers] if dsa else []
+
+    def loss_fn(model, tokens, weights_):
+        with contextlib.ExitStack() as stack:
+            pairs = stack.enter_context(indexer_supervision(model)) if dsa else None
+            logits = model(tokens[:, :-1])
+            ce = nn.losses.cross_entropy(logits, tokens[:, 1:])
+            loss = (ce * weights_).sum() / weights_.sum()
+            if dsa:
+                aux = indexer_kl(pairs)
+                return loss + aux, (ce.mean(), aux)
+            return loss, (ce.mean(), mx.array(0.0))
+
+    step_fn = nn.value_and_grad(model, loss_fn)
+    recurrence = chunked_recurrence() if recipe.family in RECURRENT else contextlib.nullcontext()
+    started = time.perf_counter() - state["seconds"]
+    last_save = time.perf_counter()
+
+    def save_checkpoint():
+        state["seconds"] = time.perf_counter() - started
+        mx.save_safetensors(str(run / "model.safetensors"), dict(tree_flatten(model.parameters())))
+        mx.save_safetensors(str(run / "optimizer.safetensors"),
+                            dict(tree_flatten(optimizer.state)))
+        (run / "state.json").write_text(json.dumps(state))
+
+    with recurrence, open(run / "log.jsonl", "a") as logf:
+        while state["step"] < recipe.steps:
+            step = state["step"]
+            if dsa:  # dense attention while the indexer learns, then sparse
+                dense = step < recipe.dense_warmup * recipe.steps
+                for layer, k in zip(model.layers, top_k):
+                    layer.self_attn.indexer.index_topk = 1 << 30 if dense else k
+            tokens, weights_ = make_batch(step, recipe.seed, recipe.batch, recipe.length, stream,
+                                          maker, recipe.mix)
+            (loss, (ce, aux)), grads = step_fn(model, mx.array(tokens), mx.array(weights_))
+            optimizer.update(model, grads)
+            mx.eval(model.parameters(), optimizer.state, loss)
+            state["step"] += 1
+            state["tokens"] += int(tokens.size - len(tokens))
+            record = {"step": state["step"], "loss": float(loss), "ce": float(ce),
+                      "indexer_kl": float(aux), "seconds": round(time.perf_counter() - started, 1)}
+            logf.write(json.dumps(record) + "\n")
+            if state["step"] % 25 == 0 or state["step"] == recipe.steps:
+                logf.flush()
+                log(f"{alias} step {state['step']}/{recipe.steps} loss {record['loss']:.3f} "
+                    f"ce {record['ce']:.3f} kl {record['indexer_kl']:.3f} "
+                    f"{record['seconds'] / 60:.1f} min")
+            if time.perf_counter() - last_save > 120 or state["step"] == recipe.steps:
+                save_checkpoint()
+                last_save = time.perf_counter()
+            if max_minutes and time.perf_counter() - started > max_minutes * 60 \
+                    and state["step"] < recipe.steps:
+                save_checkpoint()
+                return None
+    for layer, k in zip(model.layers, top_k):
+        layer.self_attn.indexer.index_topk = k
+
+    # -- the shipped model and its manifest ------------------------------------------------------
+    model.eval()
+    out = weights / alias
+    if out.exists():
+        shutil.rmtree(out)
+    save_model(out, model)
+    (out / "model.safetensors.index.json").unlink(missing_ok=True)  # single shard: not needed
+    save_config(dict(config), out / "config.json")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(weights / "tokenizer" / name, out / name)
+    return write_manifest(alias, model, tok, corpus, stream, state, eval_samples, out)
+
+
+def write_manifest(alias, model, tok, corpus, stream, state, samples, out: Path) -> dict:
+    manifest = evaluate_and_describe(alias, model, tok, corpus, stream, state, samples)
+    manifest["files"] = {p.name: _sha256(p) for p in sorted(out.iterdir())
+                         if p.is_file() and p.name != "manifest.json"}
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def reevaluate(alias: str, workdir: Path, weights: Path, samples: int = 50) -> dict:
+    """Measure a trained zoo model again and rewrite its manifest."""
+    import mlx_lm
+
+    corpus = ensure_corpus(workdir)
+    tok = ensure_tokenizer(weights, corpus)
+    model, _ = mlx_lm.load(str(weights / alias))
+    state = json.loads((workdir / alias / "state.json").read_text())
+    return write_manifest(alias, model, tok, corpus, TokenStream(corpus, "train", tok), state,
+                          samples, weights / alias)
+
+
+def evaluate_and_describe(alias, model, tok, corpus, stream, state, samples) -> dict:
+    recipe = RECIPES[alias]
+    val = TokenStream(corpus, "validation", tok)
+    ppl = perplexity(model, val.ids, recipe.length)
+    uni = unigram_perplexity(stream.ids, val.ids, tok.get_vocab_size())
+    lengths = [recipe.length * m for m in (1, 2, 4, 8)]
+    recall = needle_recall(model, lambda s: tok.encode(s).ids, lengths, samples=samples)
+    return {
+        "alias": alias,
+        "model_type": recipe.family,
+        "role": recipe.role,
+        "parameters": sum(v.size for _, v in tree_flatten(model.parameters())),
+        "recipe": recipe.to_json(),
+        "tokens_seen": state["tokens"],
+        "training_minutes": round(state["seconds"] / 60, 1),
+        "held_out_perplexity": round(ppl, 2),
+        "unigram_perplexity": round(uni, 2),
+        "needle_recall": {str(k): v for k, v in recall.items()},
+        "needle_samples": samples,
+        "longest_training_prompt": recipe.length,
+        "corpus": json.loads((corpus / "corpus.json").read_text())["splits"]["train"]["sha256"],
+    }
+

@@ -1,0 +1,107 @@
+"""The zoo's data pipeline (corpus cleaning, tokenizer, batches) and the shipped models."""
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import mlx_kvtrans as kv
+from mlx_kvtrans.models import weights_dir, zoo_aliases
+from mlx_kvtrans.verify import run_checks
+from mlx_kvtrans.zoo import corpus
+from mlx_kvtrans.zoo.data import Mix, SampleMaker, make_batch, render_chat
+from mlx_kvtrans.zoo.tokenizer import CHAT_TEMPLATE, train_bpe
+
+SAMPLE = Path(__file__).parent / "data" / "corpus_sample.txt"
+
+
+@pytest.fixture(scope="module")
+def sample_docs():
+    return [d for d in SAMPLE.read_text().split(corpus.DOC_SEPARATOR) if d.strip()]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(sample_docs):
+    return train_bpe(sample_docs, vocab_size=600)
+
+
+def test_cleaning_dedupes_documents_and_repeated_paragraphs():
+    footer = "Mailing list footer: to unsubscribe send a message to the list administrator."
+    a = corpus.clean("First  message\tbody,\r\nlong enough. " * 10 + "\n\n" + footer)
+    b = corpus.clean("Second message body, also long enough. " * 10 + "\n\n" + footer)
+    kept = corpus.dedupe([("ham", a), ("ham", a), ("ham", b)])
+    assert len(kept) == 2
+    assert footer in kept[0][1] and footer not in kept[1][1]
+    assert "\t" not in kept[0][1] and "\r" not in kept[0][1]
+
+
+def test_split_is_by_document_disjoint_and_seeded():
+    docs = [("s", f"document {i} " * 30) for i in range(500)]
+    one, two = corpus.split(docs), corpus.split(docs)
+    assert one == two
+    texts = [set(t for _, t in part) for part in one.values()]
+    assert sum(len(t) for t in texts) == 500
+    assert not (texts[0] & texts[1]) and not (texts[1] & texts[2]) and not (texts[0] & texts[2])
+
+
+def test_email_bodies_lose_quotes_and_signatures():
+    raw = (b"From: a@b.c\nSubject: hi\n\nA real question about backups?\n"
+           b"> quoted text from before\nTim> quoted with a name\n-- \nsignature line\n")
+    body = corpus._email_body(raw)
+    assert "real question" in body and "quoted" not in body and "signature" not in body
+
+
+def test_tokenizer_has_single_digit_tokens_and_round_trips(tokenizer):
+    text = "The code is 418207. Ship it!"
+    enc = tokenizer.encode(text)
+    assert tokenizer.decode(enc.ids) == text
+    digits = [t for t in enc.tokens if any(ch.isdigit() for ch in t)]
+    assert digits == list("418207")
+    assert tokenizer.token_to_id("<|im_end|>") is not None
+
+
+def test_batches_are_deterministic_and_answers_weighted(tokenizer, sample_docs):
+    class Stream:
+        ids = np.asarray(tokenizer.encode(" ".join(sample_docs)).ids, dtype=np.int32)
+
+        def window(self, rng, n):
+            start = rng.randrange(0, len(self.ids) - n)
+            return self.ids[start:start + n]
+
+    maker = SampleMaker(tokenizer, ["A plain sentence about the weather and the sea."] * 5)
+    mix = Mix(text=0.0, needle=1.0, kv=0.0, dialogue=0.0, answer_weight=4.0)
+    t1, w1 = make_batch(3, 7, 4, 128, Stream(), maker, mix)
+    t2, w2 = make_batch(3, 7, 4, 128, Stream(), maker, mix)
+    assert (t1 == t2).all() and (w1 == w2).all()
+    assert t1.shape == (4, 129) and w1.shape == (4, 128)
+    for row, weights in zip(t1, w1):
+        answer = row[1:][weights == 4.0]
+        text = tokenizer.decode(answer.tolist())
+        assert len(text) == 7 and text[:6].isdigit() and text.endswith(".")
+        assert text[:6] in tokenizer.decode(row[:-len(answer)].tolist())  # stated in the prompt
+
+
+def test_dialogue_rendering_follows_the_chat_template():
+    from jinja2 import Template
+
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    expected = Template(CHAT_TEMPLATE).render(messages=messages, add_generation_prompt=True)
+    assert render_chat(messages) == expected
+
+
+ALIASES = sorted(a for a in zoo_aliases() if (weights_dir() / a / "manifest.json").exists())
+
+
+@pytest.mark.parametrize("alias", ALIASES)
+def test_zoo_model_loads_verifies_and_matches_manifest(alias):
+    path = weights_dir() / alias
+    manifest = json.loads((path / "manifest.json").read_text())
+    for name, digest in manifest["files"].items():
+        assert hashlib.sha256((path / name).read_bytes()).hexdigest() == digest, name
+    lm = kv.load(alias)
+    text = "The code is 418207. Hello, world!"
+    assert lm.tokenizer.decode(lm.tokenizer.encode(text)) == text
+    assert all(c.passed for c in run_checks(lm.model, lm.tokenizer))
+    assert manifest["held_out_perplexity"] < manifest["unigram_perplexity"]
