@@ -203,15 +203,15 @@ def zoo_train(alias: str = typer.Argument(..., help="a zoo alias (see recipes)")
         out.print(json.dumps({k: v for k, v in manifest.items() if k != "files"}, indent=2))
 
 
-@zoo_app.command("evaluate")
+@zoo_app.command("ship")
 @user_errors
-def zoo_evaluate(alias: str, workdir: Path = typer.Option(Path("runs")),
+def zoo_ship(alias: str, workdir: Path = typer.Option(Path("runs")),
                  samples: int = typer.Option(50, help="held-out needles per length")):
-    """Measure a trained zoo model again (perplexity, needle recall) and rewrite its manifest."""
+    """Ship a trained zoo model again from its checkpoint, measure it, rewrite its manifest."""
     from mlx_kvtrans.models import weights_dir
-    from mlx_kvtrans.zoo.train import reevaluate
+    from mlx_kvtrans.zoo.train import ship
 
-    manifest = reevaluate(alias, workdir, weights_dir(), samples)
+    manifest = ship(alias, workdir, weights_dir(), samples)
     out.print(json.dumps({k: v for k, v in manifest.items() if k != "files"}, indent=2))
 
 

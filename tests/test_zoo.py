@@ -105,3 +105,35 @@ def test_zoo_model_loads_verifies_and_matches_manifest(alias):
     assert lm.tokenizer.decode(lm.tokenizer.encode(text)) == text
     assert all(c.passed for c in run_checks(lm.model, lm.tokenizer))
     assert manifest["held_out_perplexity"] < manifest["unigram_perplexity"]
+
+
+def test_dsa_indexer_learns_only_from_its_own_loss(loaded):
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    from mlx_kvtrans.zoo.train import indexer_kl, indexer_supervision
+
+    model = loaded("deepseek_v32").model  # index_topk 16 < 40 tokens: the indexer selects
+    tokens = mx.random.randint(0, 259, (2, 41), key=mx.random.key(0))
+
+    def lm_loss(model):
+        return nn.losses.cross_entropy(model(tokens[:, :-1]), tokens[:, 1:]).mean()
+
+    def indexer_loss(model):
+        with indexer_supervision(model) as pairs:
+            model(tokens[:, :-1])
+            return indexer_kl(pairs)
+
+    def grad_norms(loss):
+        _, grads = nn.value_and_grad(model, loss)(model)
+        flat = dict(tree_flatten(grads))
+        on_indexer = sum(float(mx.abs(v).sum()) for k, v in flat.items() if ".indexer." in k)
+        elsewhere = sum(float(mx.abs(v).sum()) for k, v in flat.items() if ".indexer." not in k)
+        return on_indexer, elsewhere
+
+    lm_indexer, lm_rest = grad_norms(lm_loss)
+    assert lm_indexer == 0.0 and lm_rest > 0  # top-k selection passes no gradient
+    aux_indexer, aux_rest = grad_norms(indexer_loss)
+    assert aux_indexer > 0 and aux_rest == 0.0  # the indexer loss trains the indexer alone
+    assert type(model.layers[0].self_attn).__name__ == "DeepseekV32Attention"  # restored

@@ -144,7 +144,7 @@ def train(alias: str, workdir: Path, weights: Path, log=print, eval_samples: int
 
     Returns the manifest, or None when `max_minutes` ran out first (the checkpoint is kept).
     """
-    from mlx_lm.utils import _get_classes, save_config, save_model
+    from mlx_lm.utils import _get_classes
 
     recipe = RECIPES[alias]
     mx.random.seed(recipe.seed)
@@ -225,40 +225,47 @@ def train(alias: str, workdir: Path, weights: Path, log=print, eval_samples: int
                     and state["step"] < recipe.steps:
                 save_checkpoint()
                 return None
-    for layer, k in zip(model.layers, top_k):
-        layer.self_attn.indexer.index_topk = k
+    return ship(alias, workdir, weights, eval_samples)
 
-    # -- the shipped model and its manifest ------------------------------------------------------
-    model.eval()
+
+SHIPPED_DTYPE = mx.bfloat16  # half the bytes of float32; computed in float32 on a CPU
+
+
+def ship(alias: str, workdir: Path, weights: Path, samples: int = 50) -> dict:
+    """Write `weights/alias` (bf16 weights, config, tokenizer) from the finished checkpoint, then
+    measure the shipped files as a user loads them and write the manifest."""
+    from mlx_lm.utils import _get_classes, save_config, save_model
+
+    from ..models import cast_parameters, load
+
+    recipe = RECIPES[alias]
+    run = workdir / alias
+    state = json.loads((run / "state.json").read_text())
+    if state["step"] < recipe.steps:
+        raise RuntimeError(f"{alias} has trained {state['step']} of {recipe.steps} steps")
+    corpus = ensure_corpus(workdir)
+    tok = ensure_tokenizer(weights, corpus)
+    config = build_config(recipe, tok, weights)
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    model.load_weights(str(run / "model.safetensors"))
+    cast_parameters(model, SHIPPED_DTYPE)
     out = weights / alias
     if out.exists():
         shutil.rmtree(out)
     save_model(out, model)
-    (out / "model.safetensors.index.json").unlink(missing_ok=True)  # single shard: not needed
+    (out / "model.safetensors.index.json").unlink(missing_ok=True)  # one shard: not needed
     save_config(dict(config), out / "config.json")
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(weights / "tokenizer" / name, out / name)
-    return write_manifest(alias, model, tok, corpus, stream, state, eval_samples, out)
-
-
-def write_manifest(alias, model, tok, corpus, stream, state, samples, out: Path) -> dict:
-    manifest = evaluate_and_describe(alias, model, tok, corpus, stream, state, samples)
+    shipped = load(str(out)).model
+    manifest = evaluate_and_describe(alias, shipped, tok, corpus,
+                                     TokenStream(corpus, "train", tok), state, samples)
+    manifest["shipped_dtype"] = str(SHIPPED_DTYPE).removeprefix("mlx.core.")
     manifest["files"] = {p.name: _sha256(p) for p in sorted(out.iterdir())
                          if p.is_file() and p.name != "manifest.json"}
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
-
-
-def reevaluate(alias: str, workdir: Path, weights: Path, samples: int = 50) -> dict:
-    """Measure a trained zoo model again and rewrite its manifest."""
-    import mlx_lm
-
-    corpus = ensure_corpus(workdir)
-    tok = ensure_tokenizer(weights, corpus)
-    model, _ = mlx_lm.load(str(weights / alias))
-    state = json.loads((workdir / alias / "state.json").read_text())
-    return write_manifest(alias, model, tok, corpus, TokenStream(corpus, "train", tok), state,
-                          samples, weights / alias)
 
 
 def evaluate_and_describe(alias, model, tok, corpus, stream, state, samples) -> dict:
