@@ -195,8 +195,20 @@ def zoo_train(alias: str = typer.Argument(..., help="a zoo alias (see recipes)")
 
     if alias not in RECIPES:
         raise KvtransError(f"no recipe for {alias!r}; recipes: {', '.join(RECIPES)}")
-    manifest = train(alias, workdir, weights_dir(), log=out.print, eval_samples=eval_samples,
-                     max_minutes=max_minutes)
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                               TimeElapsedColumn, TimeRemainingColumn)
+
+    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn(), TimeRemainingColumn()]
+    with Progress(*columns, console=out, disable=not out.is_terminal) as progress:
+        task = progress.add_task(alias, total=None, loss="-")
+
+        def on_step(step, total, record):
+            progress.update(task, completed=step, total=total, loss=f"{record['loss']:.3f}")
+
+        log = out.print if not out.is_terminal else (lambda line: None)
+        manifest = train(alias, workdir, weights_dir(), log=log, eval_samples=eval_samples,
+                         max_minutes=max_minutes, on_step=on_step)
     if manifest is None:
         out.print(f"{alias}: stopped after {max_minutes} minutes; run again to resume")
     else:

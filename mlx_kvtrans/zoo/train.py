@@ -139,9 +139,10 @@ def _sha256(path: Path) -> str:
 
 
 def train(alias: str, workdir: Path, weights: Path, log=print, eval_samples: int = 50,
-          max_minutes: float | None = None) -> dict | None:
+          max_minutes: float | None = None, on_step=None) -> dict | None:
     """Train (or resume) `alias`; when done, write `weights/alias` with its manifest.
 
+    `log(line)` gets a line every 25 steps; `on_step(step, total, record)` every step.
     Returns the manifest, or None when `max_minutes` ran out first (the checkpoint is kept).
     """
     from mlx_lm.utils import _get_classes
@@ -213,6 +214,8 @@ def train(alias: str, workdir: Path, weights: Path, log=print, eval_samples: int
             record = {"step": state["step"], "loss": float(loss), "ce": float(ce),
                       "indexer_kl": float(aux), "seconds": round(time.perf_counter() - started, 1)}
             logf.write(json.dumps(record) + "\n")
+            if on_step:
+                on_step(state["step"], recipe.steps, record)
             if state["step"] % 25 == 0 or state["step"] == recipe.steps:
                 logf.flush()
                 log(f"{alias} step {state['step']}/{recipe.steps} loss {record['loss']:.3f} "
