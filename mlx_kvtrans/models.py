@@ -16,10 +16,14 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model")
 
 
 def weights_dir() -> Path:
-    """Where the shipped zoo lives: `$KVTRANS_WEIGHTS`, else `weights/` beside the package."""
+    """Where the shipped zoo lives: `$KVTRANS_WEIGHTS`, else `weights/` of the checkout, else
+    the copy installed with the package (`mlx_kvtrans/weights`)."""
     if env := os.environ.get("KVTRANS_WEIGHTS"):
         return Path(env)
-    return Path(__file__).resolve().parent.parent / "weights"
+    checkout = Path(__file__).resolve().parent.parent / "weights"
+    if checkout.is_dir():
+        return checkout
+    return Path(__file__).resolve().parent / "weights"
 
 
 def zoo_aliases() -> dict[str, Path]:

@@ -50,6 +50,8 @@ def ensure_tokenizer(weights: Path, corpus: Path):
     if not path.exists():
         tok = train_bpe(read_split(corpus, "train"), VOCAB)
         save_tokenizer(tok, path.parent)
+    # The sources, licences and split hashes of what the zoo was trained on, beside the weights.
+    shutil.copy(corpus / "corpus.json", weights / "corpus.json")
     return Tokenizer.from_file(str(path))
 
 

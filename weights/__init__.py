@@ -1,0 +1,1 @@
+"""The shipped zoo models and translators (data only; see README.md)."""
