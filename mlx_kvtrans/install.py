@@ -20,18 +20,21 @@ def resolve_layout(model_or_layout) -> ModelLayout:
     return model_or_layout if isinstance(model_or_layout, ModelLayout) else layout_of(model_or_layout)
 
 
-def to_engine(model_or_layout: nn.Module | ModelLayout, layers: list[dict[str, Any]], point: int,
-              offset: int = 0, previous: list[dict[str, mx.array]] | None = None
-              ) -> list[dict[str, mx.array]]:
-    """Per-layer objects captured at `point` -> per-layer (3) objects, tokens from `offset` on."""
+def to_engine(model_or_layout: nn.Module | ModelLayout, layers: list[dict[str, Any]],
+              point: int | list[dict[str, int]], offset: int = 0,
+              previous: list[dict[str, mx.array]] | None = None) -> list[dict[str, mx.array]]:
+    """Per-layer objects captured at `point` -> per-layer (3) objects, tokens from `offset` on.
+
+    `point`: one capture point for every object, or per layer a point per object name."""
     layout = resolve_layout(model_or_layout)
     previous = previous or [None] * len(layout.layers)
-    return [layer.cache.to_engine(objects, point, offset, prev)
-            for layer, objects, prev in zip(layout.layers, layers, previous)]
+    points = point if isinstance(point, list) else [point] * len(layout.layers)
+    return [layer.cache.to_engine(objects, p, offset, prev)
+            for layer, objects, p, prev in zip(layout.layers, layers, points, previous)]
 
 
 def install(model_or_layout: nn.Module | ModelLayout, layers: list[dict[str, Any]],
-            point: int = 3, offset: int = 0) -> list[Any]:
+            point: int | list[dict[str, int]] = 3, offset: int = 0) -> list[Any]:
     """Fresh mlx-lm cache objects holding `layers` (per-layer objects at `point`).
 
     Build a new cache for every forward that should start from these objects: mlx-lm caches

@@ -38,7 +38,8 @@ class LayerCache:
                   previous: dict[str, mx.array] | None = None) -> dict[str, mx.array]:
         """Objects captured at `point` for tokens starting at position `offset` -> (3) objects.
 
-        Each object is read at `obj.point_for(point)`, as `Capture.layer` gives them.
+        `point`: one capture point for all objects (each is read at `obj.point_for(point)`, as
+        `Capture.layer` gives them), or a point per object name (a translator's output).
         `previous`: the (3) objects of the tokens before `offset`, for fixed-size objects that
         summarise the whole history (conv history, recurrent state).
         """
@@ -46,6 +47,9 @@ class LayerCache:
 
     def build_cache(self, objects: dict[str, mx.array]):
         raise NotImplementedError
+
+    def point_of(self, name: str, point: int | dict[str, int]) -> int:
+        return point[name] if isinstance(point, dict) else self.object(name).point_for(point)
 
     def object(self, name: str) -> CacheObject:
         return next(o for o in self.objects if o.name == name)
@@ -87,7 +91,8 @@ class CacheListLayer(LayerCache):
         out = {}
         for p in self.parts:
             mine = {o.name: objects[o.name] for o in p.objects}
-            out.update(p.to_engine(mine, point, offset, previous))
+            out.update(p.to_engine(mine, point, offset, previous and
+                                   {o.name: previous[o.name] for o in p.objects}))
         return out
 
     def build_cache(self, objects):

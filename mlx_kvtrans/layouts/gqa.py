@@ -58,14 +58,15 @@ class GQAKeysValues(LayerCache):
 
     def to_engine(self, objects, point, offset=0, previous=None):
         keys, values = objects["keys"], objects["values"]
-        if point == 3:
-            return {"keys": keys, "values": values}
-        B, T, _ = keys.shape
-        keys = keys.reshape(B, T, self.n_kv, self.head_dim)
-        if point == 1 and self.k_norm is not None:
-            keys = self.k_norm(keys)
-        keys = self.attn.rope(keys.transpose(0, 2, 1, 3), offset=offset)
-        values = values.reshape(B, T, self.n_kv, self.v_head_dim).transpose(0, 2, 1, 3)
+        if (p := self.point_of("keys", point)) != 3:
+            B, T, _ = keys.shape
+            keys = keys.reshape(B, T, self.n_kv, self.head_dim)
+            if p == 1 and self.k_norm is not None:
+                keys = self.k_norm(keys)
+            keys = self.attn.rope(keys.transpose(0, 2, 1, 3), offset=offset)
+        if self.point_of("values", point) != 3:
+            B, T, _ = values.shape
+            values = values.reshape(B, T, self.n_kv, self.v_head_dim).transpose(0, 2, 1, 3)
         return {"keys": self.cast("keys", keys), "values": self.cast("values", values)}
 
     def build_cache(self, objects):

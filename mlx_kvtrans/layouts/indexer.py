@@ -43,12 +43,11 @@ class IndexerKeys(LayerCache):
 
     def to_engine(self, objects, point, offset=0, previous=None):
         keys = objects["indexer_key"]
-        if point == 3:
-            return {"indexer_key": keys}
-        if point == 1:
-            keys = self.indexer.k_norm(keys)
-        B, T, _ = keys.shape
-        keys = self.indexer.rope(keys.reshape(B, 1, T, self.head_dim), offset=offset)
+        if (p := self.point_of("indexer_key", point)) != 3:
+            if p == 1:
+                keys = self.indexer.k_norm(keys)
+            B, T, _ = keys.shape
+            keys = self.indexer.rope(keys.reshape(B, 1, T, self.head_dim), offset=offset)
         return {"indexer_key": self.cast("indexer_key", keys)}
 
     def build_cache(self, objects):

@@ -119,11 +119,11 @@ class _DeltaRuleLayer(LayerCache):
         out = {}
         for name in self.conv_names:
             rows = objects[name]
-            if self.object(name).point_for(point) == 1:
+            if self.point_of(name, point) == 1:
                 rows = self.conv_history(rows, previous.get(name))
             out[name] = rows
         state = objects["state"]
-        if self.object("state").point_for(point) == 2:
+        if self.point_of("state", point) == 2:
             _, state = self.replay(state, previous.get("state"))
         out["state"] = state
         return out

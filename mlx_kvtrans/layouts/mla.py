@@ -50,16 +50,16 @@ class MLALatent(LayerCache):
 
     def to_engine(self, objects, point, offset=0, previous=None):
         latent, rope_key = objects["latent"], objects["rope_key"]
-        if point == 3:
-            return {"latent": latent, "rope_key": rope_key}
-        if point == 1:
-            latent = self.attn.kv_a_layernorm(latent)
-        B, T, _ = rope_key.shape
-        rope_key = rope_key.reshape(B, T, 1, self.rope_dim).transpose(0, 2, 1, 3)
-        if self.rope is not None:
-            rope_key = self.rope(rope_key, offset)
-        return {"latent": self.cast("latent", mx.expand_dims(latent, 1)),
-                "rope_key": self.cast("rope_key", rope_key)}
+        if (p := self.point_of("latent", point)) != 3:
+            if p == 1:
+                latent = self.attn.kv_a_layernorm(latent)
+            latent = mx.expand_dims(latent, 1)
+        if self.point_of("rope_key", point) != 3:
+            B, T, _ = rope_key.shape
+            rope_key = rope_key.reshape(B, T, 1, self.rope_dim).transpose(0, 2, 1, 3)
+            if self.rope is not None:
+                rope_key = self.rope(rope_key, offset)
+        return {"latent": self.cast("latent", latent), "rope_key": self.cast("rope_key", rope_key)}
 
     def build_cache(self, objects):
         return kv_cache(self.cast("latent", objects["latent"]),

@@ -1,0 +1,103 @@
+"""Streaming second moments and the closed-form (ridge) solve of a linear map.
+
+Stage 1 fits y ~ W x + b over every token of a corpus without holding activations: it keeps
+X^T X, X^T Y and the sums of x, y and y^2 (float64 on the host, so millions of tokens add up
+exactly enough), then solves W with a ridge term scaled to the data and falls back to the
+pseudo-inverse if the system is singular. R^2 per output is reported from the same moments.
+Optional per-token weights give attention-weighted fitting (KV-Lingo section 3.2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+
+
+@dataclass
+class Moments:
+    """Running sums for y ~ W x + b, x in R^din, y in R^dout."""
+
+    din: int
+    dout: int
+    n: float = 0.0  # total weight (tokens when unweighted)
+    xx: np.ndarray = field(init=False)
+    xy: np.ndarray = field(init=False)
+    sx: np.ndarray = field(init=False)
+    sy: np.ndarray = field(init=False)
+    syy: np.ndarray = field(init=False)
+
+    def __post_init__(self):
+        self.xx = np.zeros((self.din, self.din))
+        self.xy = np.zeros((self.din, self.dout))
+        self.sx = np.zeros(self.din)
+        self.sy = np.zeros(self.dout)
+        self.syy = np.zeros(self.dout)
+
+    def add(self, x: mx.array, y: mx.array, weights: mx.array | None = None) -> None:
+        """Accumulate tokens: x (..., din), y (..., dout), optional weights (...)."""
+        x = x.reshape(-1, self.din).astype(mx.float32)
+        y = y.reshape(-1, self.dout).astype(mx.float32)
+        w = mx.ones((x.shape[0],)) if weights is None else weights.reshape(-1).astype(mx.float32)
+        xw = x * w[:, None]
+        # matmuls on the device in float32 per batch, summed in float64 across batches
+        parts = [xw.T @ x, xw.T @ y, xw.sum(0), (y * w[:, None]).sum(0),
+                 (y * y * w[:, None]).sum(0), w.sum()]
+        mx.eval(parts)
+        xx, xy, sx, sy, syy, n = (np.asarray(p, dtype=np.float64) for p in parts)
+        self.xx += xx
+        self.xy += xy
+        self.sx += sx
+        self.sy += sy
+        self.syy += syy
+        self.n += float(n)
+
+    def merge(self, other: "Moments") -> None:
+        for name in ("xx", "xy", "sx", "sy", "syy"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.n += other.n
+
+
+@dataclass
+class LinearFit:
+    weight: np.ndarray  # (dout, din): y = x @ weight.T + bias
+    bias: np.ndarray  # (dout,)
+    r2: np.ndarray  # (dout,) coefficient of determination per output
+    used_pinv: bool
+
+    @property
+    def mean_r2(self) -> float:
+        return float(np.mean(self.r2))
+
+
+def solve(m: Moments, ridge: float = 1e-4, bias: bool = True) -> LinearFit:
+    """argmin_W,b sum_t w_t ||W x_t + b - y_t||^2 + ridge * tr(Cxx) / din * ||W||^2."""
+    if m.n <= 0:
+        raise ValueError("no tokens accumulated")
+    if bias:  # centre: fit on deviations from the means, then b = mean_y - W mean_x
+        mx_, my = m.sx / m.n, m.sy / m.n
+        cxx = m.xx - m.n * np.outer(mx_, mx_)
+        cxy = m.xy - m.n * np.outer(mx_, my)
+    else:
+        mx_, my = np.zeros(m.din), np.zeros(m.dout)
+        cxx, cxy = m.xx, m.xy
+    lam = ridge * max(np.trace(cxx) / m.din, 1e-12)
+    a = cxx + lam * np.eye(m.din)
+    used_pinv = False
+    try:
+        w = np.linalg.solve(a, cxy)
+        if not np.all(np.isfinite(w)):
+            raise np.linalg.LinAlgError
+    except np.linalg.LinAlgError:
+        w = np.linalg.pinv(a) @ cxy
+        used_pinv = True
+    b = my - mx_ @ w
+    # residual sum of squares from the moments: sum (y - xW - b)^2
+    #   = syy - 2 sum y(xW+b) + sum (xW+b)^2, expanded per output column
+    pred_y = np.einsum("ij,ij->j", w, m.xy) + b * m.sy
+    pred_pred = np.einsum("ij,ik,kj->j", w, m.xx, w) + 2 * b * (m.sx @ w) + m.n * b * b
+    rss = m.syy - 2 * pred_y + pred_pred
+    tss = m.syy - m.sy**2 / m.n
+    r2 = 1.0 - rss / np.maximum(tss, 1e-12)
+    return LinearFit(w.T.astype(np.float32), b.astype(np.float32), r2, used_pinv)
