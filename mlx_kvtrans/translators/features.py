@@ -1,0 +1,50 @@
+"""What a translator reads from the source: per-token features of each source layer.
+
+A source layer's features at a capture point are its per-token objects there, flattened and
+concatenated per token: GQA keys and values; MLA latent and rope key (and indexer key); the raw
+conv rows of a linear-attention layer at (1), or its recurrence inputs (q, k, v, a, b) at (2).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..capture import Capture
+from ..layouts import ObjectKind
+from ..layouts.linear_attention import RecurrentInputs
+
+
+def _per_token(value, B: int, T: int) -> mx.array:
+    if isinstance(value, RecurrentInputs):
+        return mx.concatenate([x.reshape(B, T, -1) for x in value.arrays()], axis=-1)
+    if value.ndim == 4:  # (3): (B, heads, T, dim)
+        return value.transpose(0, 2, 1, 3).reshape(B, T, -1)
+    return value
+
+
+def layer_features(capture: Capture, layer: int, point: int) -> mx.array:
+    """(B, T, D) features of source `layer` at capture `point`."""
+    B, T = capture.tokens.shape
+    found = capture.objects[layer]
+    parts = []
+    for obj in capture.layout.layers[layer].objects:
+        key = (obj.name, point)
+        if key not in found:
+            continue
+        if obj.kind == ObjectKind.CONV_HISTORY and point != 1:
+            continue  # (3) conv history is a fixed-size summary, not per token
+        if obj.kind == ObjectKind.RECURRENT_STATE and point != 2:
+            continue
+        parts.append(_per_token(found[key], B, T).astype(mx.float32))
+    if not parts:
+        raise ValueError(f"source layer {layer} has no per-token objects at ({point})")
+    return mx.concatenate(parts, axis=-1)
+
+
+def input_embedding(model: nn.Module) -> nn.Module:
+    """The token embedding of an mlx-lm model (the first embedding in its module tree)."""
+    for _, module in model.named_modules():
+        if type(module).__name__ in ("Embedding", "QuantizedEmbedding"):
+            return module
+    raise ValueError("the model has no token embedding")

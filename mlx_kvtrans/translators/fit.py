@@ -1,0 +1,148 @@
+"""Stage 1: plan a translator for a model pair and fit it in closed form.
+
+Layer assignment: target layer l reads the `nu` source layers nearest its relative depth
+(KV-Lingo section 3.1). Each per-token target object gets a token-wise linear map fitted by ridge
+regression on streamed second moments; recurrent states get zero / copy / bilinear correction;
+conv histories are mapped as per-token rows (or copied when the geometry matches).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Iterable
+
+import mlx.core as mx
+import numpy as np
+
+from ..capture import capture
+from ..layouts import ModelLayout, ObjectKind, layout_of
+from .features import input_embedding, layer_features
+from .state import bilinear_r2, fit_bilinear
+from .stats import Moments, solve
+from .translator import RECIPES, ObjectSpec, Translator
+
+PER_TOKEN = {ObjectKind.TOKEN_KEY, ObjectKind.TOKEN_VALUE, ObjectKind.MLA_LATENT,
+             ObjectKind.ROPE_KEY, ObjectKind.INDEXER_KEY}
+
+
+def relative_depth(n_source: int, n_target: int, layer: int, nu: int,
+                   candidates: list[int] | None = None) -> tuple[int, ...]:
+    """The `nu` source layers (of `candidates`) nearest target `layer`'s relative depth."""
+    candidates = list(range(n_source)) if candidates is None else candidates
+    centre = (layer + 0.5) / n_target * n_source - 0.5
+    nearest = sorted(candidates, key=lambda s: (abs(s - centre), s))[:max(1, nu)]
+    return tuple(sorted(nearest))
+
+
+def _state_source(source: ModelLayout, target: ModelLayout, layer: int, name: str):
+    """The source layer holding a state of the same shape at the nearest relative depth."""
+    shape = target.layers[layer].cache.object(name).engine_shape
+    same = [l.index for l in source.layers
+            if any(o.name == name and o.engine_shape == shape for o in l.objects)]
+    if not same:
+        return None
+    return relative_depth(len(source.layers), len(target.layers), layer, 1, same)[0]
+
+
+def plan(source: ModelLayout, target: ModelLayout, point: int = 1, nu: int = 2,
+         recipes: dict[str, str] | None = None) -> list[ObjectSpec]:
+    """Which recipe builds each target object. `recipes` overrides by object kind or name
+    (e.g. {"recurrent_state": "bilinear"})."""
+    recipes = recipes or {}
+    for choice in recipes.values():
+        if choice not in RECIPES:
+            raise ValueError(f"unknown recipe {choice!r}; recipes: {', '.join(RECIPES)}")
+    specs = []
+    n_s, n_t = len(source.layers), len(target.layers)
+    for layer in target.layers:
+        sources = relative_depth(n_s, n_t, layer.index, nu)
+        for obj in layer.objects:
+            wanted = recipes.get(obj.name, recipes.get(obj.kind.value))
+            if obj.kind in PER_TOKEN:
+                specs.append(ObjectSpec(layer.index, obj.name, "map", obj.point_for(point),
+                                        sources))
+            elif obj.kind == ObjectKind.CONV_HISTORY:
+                src = _state_source(source, target, layer.index, obj.name)
+                if wanted == "copy" and src is not None:
+                    specs.append(ObjectSpec(layer.index, obj.name, "copy", 3, (src,)))
+                elif wanted not in (None, "map"):
+                    raise ValueError(f"conv history {obj.name} can be mapped, or copied from a "
+                                     "source conv history of the same shape")
+                else:
+                    specs.append(ObjectSpec(layer.index, obj.name, "map", 1, sources))
+            else:  # recurrent state
+                src = _state_source(source, target, layer.index, obj.name)
+                choice = wanted or ("copy" if src is not None else "zero")
+                if choice in ("copy", "bilinear") and src is None:
+                    raise ValueError(f"target layer {layer.index}: no source state of shape "
+                                     f"{obj.engine_shape} to {choice}; use zero")
+                if choice == "map":
+                    raise ValueError("a recurrent state is not per token: zero, copy or bilinear")
+                specs.append(ObjectSpec(layer.index, obj.name, choice, 3,
+                                        (src,) if choice != "zero" else ()))
+    return specs
+
+
+def per_token_target(value: mx.array) -> mx.array:
+    """A target object as (B, T, D) rows: (3) per-token tensors are (B, heads, T, dim)."""
+    if value.ndim == 4:
+        B, H, T, D = value.shape
+        return value.transpose(0, 2, 1, 3).reshape(B, T, H * D)
+    return value
+
+
+def fit(source_model, target_model, batches: Iterable[mx.array], specs: list[ObjectSpec],
+        source_point: int = 1, token_identity: str = "off", ridge: float = 1e-3,
+        codebook: mx.array | None = None, progress=None) -> Translator:
+    """Fit every `map` and `bilinear` spec on token `batches` ((B, T) id arrays)."""
+    source_layout, target_layout = layout_of(source_model), layout_of(target_model)
+    shell = Translator(source_point, token_identity, specs, {})
+    moments: dict[str, Moments] = {}
+    states: dict[str, tuple[list, list]] = {}
+    target_points = {spec.point for spec in specs if spec.recipe == "map"} | {3}
+    data_hash = hashlib.sha256()
+    tokens_seen = 0
+    embed = input_embedding(target_model)
+    for i, tokens in enumerate(batches):
+        tokens = mx.array(tokens)
+        data_hash.update(np.asarray(tokens, dtype=np.int32).tobytes())
+        src = capture(source_model, tokens, points=shell.source_points(), layout=source_layout)
+        tgt = capture(target_model, tokens, points=target_points, layout=target_layout)
+        identity = None
+        if token_identity != "off":
+            ids = tokens if token_identity == "ids" else shell.decode(src, codebook)
+            identity = embed(ids).astype(mx.float32)
+        features = {s: layer_features(src, s, source_point) for s in shell.source_layers()}
+        for spec in specs:
+            if spec.recipe == "map":
+                x = mx.concatenate([features[s] for s in spec.sources]
+                                   + ([identity] if identity is not None else []), axis=-1)
+                y = per_token_target(tgt.objects[spec.layer][(spec.name, spec.point)])
+                if spec.key not in moments:
+                    moments[spec.key] = Moments(x.shape[-1], y.shape[-1])
+                moments[spec.key].add(x, y)
+            elif spec.recipe == "bilinear":
+                pair = states.setdefault(spec.key, ([], []))
+                pair[0].append(np.asarray(src.objects[spec.sources[0]][(spec.name, 3)]))
+                pair[1].append(np.asarray(tgt.objects[spec.layer][(spec.name, 3)]))
+        tokens_seen += tokens.size
+        if progress:
+            progress(i + 1, tokens_seen)
+    params, metrics = {}, {}
+    for key, m in moments.items():
+        solution = solve(m, ridge=ridge)
+        params[f"{key}.weight"] = mx.array(solution.weight)
+        params[f"{key}.bias"] = mx.array(solution.bias)
+        metrics[key] = {"r2": round(solution.mean_r2, 5), "pinv": solution.used_pinv}
+    for key, (s, t) in states.items():
+        s, t = np.concatenate(s), np.concatenate(t)
+        A, B = fit_bilinear(s, t, ridge=ridge)
+        params[f"{key}.A"], params[f"{key}.B"] = mx.array(A), mx.array(B)
+        metrics[key] = {"r2": round(bilinear_r2(A, B, s, t), 5),
+                        "r2_copy": round(bilinear_r2(np.eye(A.shape[-1]), np.eye(B.shape[-1]),
+                                                     s, t), 5)}
+    shell.params = params
+    shell.info = {"fit": {"stage": 1, "tokens": tokens_seen, "ridge": ridge,
+                          "data_sha256": data_hash.hexdigest()},
+                  "metrics": metrics}
+    return shell

@@ -1,0 +1,70 @@
+"""Token identity: which token each cached position holds, for exact long-range recall.
+
+The layer-0 MLA latent is a function of the token alone (embedding -> norm -> kv_a_proj: nothing
+mixes positions before it), so a codebook with one row per vocabulary entry decodes cached latents
+back to token ids by nearest neighbour. The target's input embedding of the decoded ids is then
+appended to every map's input (hybrid-translation paper, "Token identity"). With `ids` the ids
+are taken as given instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import mlx.core as mx
+
+from ..capture import capture
+from ..layouts import ObjectKind
+
+CODEBOOK_POINT = 2  # the normalised latent: scale-free, so nearest neighbour is well posed
+
+
+def first_mla_layer(layout) -> int:
+    for layer in layout.layers:
+        if any(o.kind == ObjectKind.MLA_LATENT for o in layer.objects):
+            return layer.index
+    raise ValueError("the source has no MLA layer: codebook token identity needs one; "
+                     "use --token-identity ids")
+
+
+def build_codebook(model, vocab_size: int, chunk: int = 4096) -> mx.array:
+    """(vocab, kv_lora_rank) layer-0 latents of every token id, at capture point (2)."""
+    from ..layouts import layout_of
+
+    layout = layout_of(model)
+    layer = first_mla_layer(layout)
+    if layer != 0:
+        raise ValueError(f"the first MLA layer is layer {layer}: earlier layers mix positions, "
+                         "so its latent is not a function of the token alone")
+    rows = []
+    for start in range(0, vocab_size, chunk):
+        ids = mx.arange(start, min(start + chunk, vocab_size))[None]
+        cap = capture(model, ids, points=(CODEBOOK_POINT,), layout=layout)
+        rows.append(cap.objects[0][("latent", CODEBOOK_POINT)][0])
+    return mx.concatenate(rows, axis=0)
+
+
+def cached_codebook(model, vocab_size: int, fingerprint: str, cache_dir: Path) -> mx.array:
+    """The codebook of a source model, built once and kept under `cache_dir`."""
+    path = Path(cache_dir) / f"codebook-{hashlib.sha256(fingerprint.encode()).hexdigest()[:16]}.safetensors"
+    if path.exists():
+        return mx.load(str(path))["codebook"]
+    book = build_codebook(model, vocab_size)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(path), {"codebook": book})
+    return book
+
+
+def decode_ids(latents: mx.array, codebook: mx.array, chunk: int = 1024) -> mx.array:
+    """Nearest codebook row of each latent (B, T, r) -> ids (B, T)."""
+    B, T, r = latents.shape
+    flat = latents.reshape(-1, r).astype(mx.float32)
+    book = codebook.astype(mx.float32)
+    book_sq = (book * book).sum(-1)
+    out = []
+    for start in range(0, flat.shape[0], chunk):
+        x = flat[start:start + chunk]
+        dist = book_sq[None, :] - 2 * (x @ book.T)  # ||x||^2 is the same for every row
+        out.append(mx.argmin(dist, axis=-1))
+    return mx.concatenate(out).reshape(B, T)

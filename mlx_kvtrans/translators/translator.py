@@ -1,0 +1,128 @@
+"""A translator: per target object, the recipe that builds it from the source's cache.
+
+Recipes (one home each): `map` token-wise linear map (token_map.py math: y = W [x_s1 | ... | x_sv |
+emb(id)] + b); `zero`, `copy`, `bilinear` for recurrent states (state.py); conv histories are
+per-token rows, so they are mapped (only the last K-1 rows are ever computed) or copied.
+Translating reads the source capture once and builds the target's objects layer by layer, each at
+its own capture point; `install` then applies the target's own norm, RoPE and positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import mlx.core as mx
+
+from ..capture import Capture
+from ..layouts import ModelLayout, ObjectKind
+from .features import input_embedding, layer_features
+from .state import apply_bilinear, zero_state
+
+RECIPES = ("map", "zero", "copy", "bilinear")
+
+
+@dataclass(frozen=True)
+class ObjectSpec:
+    layer: int  # target layer
+    name: str  # target object
+    recipe: str  # one of RECIPES
+    point: int  # the target capture point the recipe produces
+    sources: tuple[int, ...] = ()  # source layers read (map: features; copy/bilinear: the state)
+
+    @property
+    def key(self) -> str:
+        return f"{self.layer}.{self.name}"
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "sources": list(self.sources)}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "ObjectSpec":
+        return cls(**{**data, "sources": tuple(data["sources"])})
+
+
+@dataclass
+class Translator:
+    source_point: int  # capture point of the source features
+    token_identity: str  # off, ids, codebook
+    specs: list[ObjectSpec]
+    params: dict[str, mx.array]  # "<layer>.<name>.weight|bias|A|B"
+    info: dict[str, Any] = field(default_factory=dict)  # manifest fields (pair, fit, metrics)
+
+    def source_layers(self) -> set[int]:
+        return {s for spec in self.specs if spec.recipe == "map" for s in spec.sources}
+
+    def source_points(self) -> set[int]:
+        """Capture points the source must be read at."""
+        points = {self.source_point}
+        if any(spec.recipe in ("copy", "bilinear") for spec in self.specs):
+            points.add(3)
+        if self.token_identity == "codebook":
+            from .token_identity import CODEBOOK_POINT
+            points.add(CODEBOOK_POINT)
+        return points
+
+    def translate(self, source: Capture, target_model, target_layout: ModelLayout,
+                  token_ids: mx.array | None = None, codebook: mx.array | None = None
+                  ) -> tuple[list[dict[str, mx.array]], list[dict[str, int]]]:
+        """(per target layer: object name -> tensor, per target layer: name -> capture point)."""
+        B, T = source.tokens.shape
+        features = {s: layer_features(source, s, self.source_point) for s in self.source_layers()}
+        identity = None
+        if self.token_identity != "off":
+            ids = token_ids if self.token_identity == "ids" else None
+            if ids is None:
+                ids = self.decode(source, codebook)
+            identity = input_embedding(target_model)(ids).astype(mx.float32)
+        objects = [{} for _ in target_layout.layers]
+        points = [{} for _ in target_layout.layers]
+        for layer in target_layout.layers:
+            for spec in (s for s in self.specs if s.layer == layer.index):
+                obj = layer.cache.object(spec.name)
+                objects[spec.layer][spec.name] = self._build(spec, obj, source, features,
+                                                             identity, B)
+                points[spec.layer][spec.name] = spec.point
+            mx.eval(list(objects[layer.index].values()))  # stream: one layer at a time
+        return objects, points
+
+    def decode(self, source: Capture, codebook: mx.array | None) -> mx.array:
+        from .token_identity import CODEBOOK_POINT, decode_ids, first_mla_layer
+
+        if codebook is None:
+            raise ValueError("codebook token identity needs the source's codebook")
+        layer = first_mla_layer(source.layout)
+        return decode_ids(source.objects[layer][("latent", CODEBOOK_POINT)], codebook)
+
+    def _build(self, spec, obj, source, features, identity, B):
+        if spec.recipe == "map":
+            parts = [features[s] for s in spec.sources] + ([identity] if identity is not None else [])
+            x = mx.concatenate(parts, axis=-1)
+            if obj.kind == ObjectKind.CONV_HISTORY:
+                x = x[:, -(obj.engine_shape[1]):]  # only the rows the history keeps
+            y = x @ self.params[f"{spec.key}.weight"].T + self.params[f"{spec.key}.bias"]
+            if spec.point == 3:  # (B, T, heads * dim) -> the engine's (B, heads, T, dim)
+                _, heads, _, dim = obj.engine_shape
+                y = y.reshape(B, -1, heads, dim).transpose(0, 2, 1, 3)
+            return y
+        if spec.recipe == "zero":
+            return zero_state(obj.engine_shape, B)
+        state = source.objects[spec.sources[0]][(spec.name, 3)]  # same geometry: same name
+        if spec.recipe == "copy":
+            return state
+        return apply_bilinear(self.params[f"{spec.key}.A"], self.params[f"{spec.key}.B"], state)
+
+
+def translate_cache(translator: Translator, source_model, target_model, tokens,
+                    codebook: mx.array | None = None) -> list:
+    """Prefill `tokens` on the source, translate, and install: mlx-lm caches for the target."""
+    from ..capture import capture
+    from ..install import install
+    from ..layouts import layout_of
+
+    tokens = mx.array(tokens)
+    tokens = tokens[None] if tokens.ndim == 1 else tokens
+    source = capture(source_model, tokens, points=translator.source_points())
+    target_layout = layout_of(target_model)
+    objects, points = translator.translate(source, target_model, target_layout, tokens, codebook)
+    return install(target_layout, objects, points)
