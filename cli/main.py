@@ -299,6 +299,113 @@ def eval_needle(model: str = typer.Option(..., "--model", help="zoo alias, direc
     out.print(table)
 
 
+def _read_texts(data: Path | None) -> list[str]:
+    if data is None:
+        default = Path("runs/corpus/train.txt")
+        if not default.exists():
+            raise KvtransError("no fitting data: give --data FILE|DIR (text), or build the zoo "
+                               "corpus with `kvtrans zoo corpus`")
+        data = default
+    if data.is_dir():
+        files = sorted(data.rglob("*.txt"))
+    elif data.is_file():
+        files = [data]
+    else:
+        raise KvtransError(f"--data {data}: no such file or directory")
+    if not files:
+        raise KvtransError(f"--data {data}: no .txt files")
+    return [f.read_text(errors="replace") for f in files]
+
+
+def _same_tokenizer(a, b) -> bool:
+    return a.tokenizer.get_vocab() == b.tokenizer.get_vocab()
+
+
+def _parse_recipes(items: list[str]) -> dict[str, str]:
+    out = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise KvtransError(f"--recipe {item!r}: expected OBJECT=RECIPE, e.g. "
+                               "recurrent_state=bilinear")
+        out[key] = value
+    return out
+
+
+@app.command()
+@user_errors
+def fit(source: str = typer.Option(..., "--from", help="source model"),
+        target: str = typer.Option(..., "--to", help="target model"),
+        out_dir: Path = typer.Option(..., "--out", help="translator directory to write"),
+        data: Path = typer.Option(None, help="text file or directory (default: the zoo corpus)"),
+        capture_point: int = typer.Option(1, "--capture", min=1, max=3,
+                                          help="capture point of source and target objects"),
+        nu: int = typer.Option(2, "--nu", min=1, help="source layers per target layer"),
+        recipe: list[str] = typer.Option(None, help="OBJECT=RECIPE, e.g. recurrent_state=bilinear"),
+        token_identity: str = typer.Option("off", help="codebook, ids or off"),
+        windows: int = typer.Option(256, help="fitting windows"),
+        length: int = typer.Option(256, help="tokens per window"),
+        ridge: float = typer.Option(1e-3, help="ridge strength, relative to the data scale"),
+        as_json: bool = typer.Option(False, "--json")):
+    """Fit a translator from SOURCE's cache to TARGET's in closed form (stage 1)."""
+    import os
+
+    from mlx_kvtrans.translators import artifact
+    from mlx_kvtrans.translators.fit import fit as fit_translator
+    from mlx_kvtrans.translators.fit import plan, token_windows
+    from mlx_kvtrans.translators.token_identity import cached_codebook
+
+    if token_identity not in ("codebook", "ids", "off"):
+        raise KvtransError(f"--token-identity must be codebook, ids or off, not {token_identity!r}")
+    src, tgt = mlx_kvtrans.load(source), mlx_kvtrans.load(target)
+    if not _same_tokenizer(src, tgt):
+        raise KvtransError(f"{source} and {target} do not share a tokenizer; translation "
+                           "between tokenizers is not supported yet")
+    try:
+        specs = plan(mlx_kvtrans.layout_of(src.model), mlx_kvtrans.layout_of(tgt.model),
+                     capture_point, nu, _parse_recipes(recipe))
+    except ValueError as e:
+        raise KvtransError(str(e))
+    codebook = None
+    if token_identity == "codebook":
+        cache = Path(os.environ.get("KVTRANS_CACHE", Path.home() / ".cache" / "mlx-kvtrans"))
+        try:
+            codebook = cached_codebook(src.model, len(src.tokenizer.get_vocab()),
+                                       artifact.weights_fingerprint(src.path), cache)
+        except ValueError as e:
+            raise KvtransError(str(e))
+    ids = [t for text in _read_texts(data) for t in src.tokenizer.encode(text)]
+    batches = list(token_windows(ids, length, windows, batch=4))
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    with Progress(TextColumn("fitting"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("{task.fields[tokens]} tokens"), console=out,
+                  disable=not out.is_terminal) as progress:
+        task = progress.add_task("fit", total=len(batches), tokens=0)
+        translator = fit_translator(
+            src.model, tgt.model, batches, specs, source_point=capture_point,
+            token_identity=token_identity, ridge=ridge, codebook=codebook,
+            progress=lambda i, n: progress.update(task, completed=i, tokens=f"{n:,}"))
+    artifact.save(translator, out_dir, src, tgt)
+    summary = {"out": str(out_dir), **translator.info}
+    if as_json:
+        print(json.dumps(summary, indent=2))
+        return
+    table = Table(title=f"{source} -> {target} (stage 1, capture ({capture_point}), nu={nu})",
+                  title_justify="left")
+    for col in ("target layer", "object", "recipe", "source layers", "R^2"):
+        table.add_column(col)
+    for spec in translator.specs:
+        metric = translator.info["metrics"].get(spec.key, {})
+        table.add_row(str(spec.layer), spec.name, spec.recipe,
+                      ",".join(map(str, spec.sources)), f"{metric['r2']:.4f}" if metric else "")
+    out.print(table)
+    fit_info = translator.info["fit"]
+    extra = (f" · codebook decode accuracy {fit_info['codebook_decode_accuracy']:.4f}"
+             if "codebook_decode_accuracy" in fit_info else "")
+    out.print(f"{fit_info['tokens']:,} tokens{extra} · wrote {out_dir}")
+
+
 def main() -> None:  # pragma: no cover
     app()
 

@@ -101,7 +101,7 @@ def fit(source_model, target_model, batches: Iterable[mx.array], specs: list[Obj
     states: dict[str, tuple[list, list]] = {}
     target_points = {spec.point for spec in specs if spec.recipe == "map"} | {3}
     data_hash = hashlib.sha256()
-    tokens_seen = 0
+    tokens_seen = decoded_right = 0
     embed = input_embedding(target_model)
     for i, tokens in enumerate(batches):
         tokens = mx.array(tokens)
@@ -111,6 +111,7 @@ def fit(source_model, target_model, batches: Iterable[mx.array], specs: list[Obj
         identity = None
         if token_identity != "off":
             ids = tokens if token_identity == "ids" else shell.decode(src, codebook)
+            decoded_right += int((ids == tokens).sum())
             identity = embed(ids).astype(mx.float32)
         features = {s: layer_features(src, s, source_point) for s in shell.source_layers()}
         for spec in specs:
@@ -145,4 +146,17 @@ def fit(source_model, target_model, batches: Iterable[mx.array], specs: list[Obj
     shell.info = {"fit": {"stage": 1, "tokens": tokens_seen, "ridge": ridge,
                           "data_sha256": data_hash.hexdigest()},
                   "metrics": metrics}
+    if token_identity == "codebook":
+        shell.info["fit"]["codebook_decode_accuracy"] = round(decoded_right / tokens_seen, 5)
     return shell
+
+
+def token_windows(token_ids: list[int], length: int, count: int, batch: int, seed: int = 0):
+    """`count` windows of `length` tokens, evenly spread over `token_ids`, in batches."""
+    stride = max(1, (len(token_ids) - length) // max(1, count))
+    starts = [i * stride for i in range(count) if i * stride + length <= len(token_ids)]
+    if not starts:
+        raise ValueError(f"the fitting text has {len(token_ids)} tokens: fewer than one window "
+                         f"of {length}")
+    for i in range(0, len(starts), batch):
+        yield mx.array([token_ids[s:s + length] for s in starts[i:i + batch]])

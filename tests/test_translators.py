@@ -1,0 +1,153 @@
+"""Stage-1 translators: exact on a model translated to itself, every pair kind installs, the
+artifact refuses tampering and wrong pairs."""
+
+import json
+import shutil
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+import mlx_kvtrans as kv
+from mlx_kvtrans.errors import KvtransError
+from mlx_kvtrans.translators import artifact
+from mlx_kvtrans.translators.fit import fit, plan, relative_depth
+from mlx_kvtrans.translators.state import bilinear_r2, fit_bilinear
+from mlx_kvtrans.translators.token_identity import build_codebook, decode_ids
+from mlx_kvtrans.translators.translator import translate_cache
+
+
+def batches(n=6, length=48, seed=0):
+    return [mx.random.randint(0, 259, (4, length), key=mx.random.key(seed + i)) for i in range(n)]
+
+
+def continuation_kl(model, native, translated, tokens):
+    p = nn.log_softmax(model(tokens, cache=native).astype(mx.float32), -1)
+    q = nn.log_softmax(model(tokens, cache=translated).astype(mx.float32), -1)
+    return float((mx.exp(p) * (p - q)).sum(-1).mean())
+
+
+def self_translation_kl(model, specs, point, **kw):
+    tr = fit(model, model, batches(), specs, source_point=point, ridge=1e-7, **kw)
+    toks = mx.random.randint(0, 259, (1, 56), key=mx.random.key(99))
+    native = kv.capture(model, toks[:, :48]).engine
+    translated = translate_cache(tr, model, model, toks[:, :48])
+    return tr, continuation_kl(model, native, translated, toks[:, 48:])
+
+
+@pytest.mark.parametrize("family,point", [("qwen3", 3), ("qwen3", 1), ("deepseek_v3", 1),
+                                          ("kimi_linear", 1), ("qwen3_5", 1),
+                                          ("deepseek_v32", 1)])
+def test_fitting_a_model_to_itself_is_exact(loaded, family, point):
+    model = loaded(family).model
+    layout = kv.layout_of(model)
+    specs = plan(layout, layout, point=point, nu=1)
+    tr, kl = self_translation_kl(model, specs, point)
+    assert min(m["r2"] for m in tr.info["metrics"].values()) >= 0.999
+    assert kl <= 1e-3
+
+
+def test_bilinear_state_correction_recovers_a_known_map():
+    rng = np.random.default_rng(0)
+    H, Dv, Dk = 3, 8, 6
+    A = np.eye(Dv) + 0.3 * rng.normal(size=(H, Dv, Dv))
+    B = np.eye(Dk) + 0.3 * rng.normal(size=(H, Dk, Dk))
+    S = rng.normal(size=(40, H, Dv, Dk))
+    a, b = fit_bilinear(S, A @ S @ B, rounds=30, ridge=1e-9)
+    assert np.abs(a @ S @ b - A @ S @ B).max() < 1e-4
+    assert bilinear_r2(a, b, S, A @ S @ B) > 0.999999
+
+
+def test_bilinear_self_translation_of_a_hybrid(loaded):
+    model = loaded("qwen3_5").model
+    layout = kv.layout_of(model)
+    specs = plan(layout, layout, point=1, nu=1, recipes={"recurrent_state": "bilinear"})
+    assert {s.recipe for s in specs if s.name == "state"} == {"bilinear"}
+    tr, kl = self_translation_kl(model, specs, 1)
+    assert kl <= 1e-3
+
+
+def test_relative_depth_assignment():
+    assert relative_depth(8, 4, 0, 2) == (0, 1)
+    assert relative_depth(8, 4, 3, 2) == (6, 7)
+    assert relative_depth(4, 4, 2, 1) == (2,)
+    picks = [relative_depth(27, 7, l, 1)[0] for l in range(7)]
+    assert picks == sorted(picks) and picks[0] < 3 and picks[-1] > 23
+
+
+PAIRS = [("qwen3", "llama"), ("kimi_linear", "kimi_vl"), ("kimi_vl", "kimi_linear"),
+         ("qwen3_5", "qwen3_next"), ("qwen3_5", "deepseek_v32"), ("deepseek_v32", "qwen3")]
+
+
+@pytest.mark.parametrize("source,target", PAIRS)
+def test_translated_caches_install_and_continue(loaded, source, target):
+    S, T = loaded(source).model, loaded(target).model
+    specs = plan(kv.layout_of(S), kv.layout_of(T), point=1, nu=2)
+    tr = fit(S, T, batches(3), specs, source_point=1)
+    toks = mx.random.randint(0, 259, (1, 40), key=mx.random.key(5))
+    cache = translate_cache(tr, S, T, toks)
+    logits = T(toks[:, -1:] * 0 + 7, cache=cache)
+    assert logits.shape == (1, 1, 259) and bool(mx.isfinite(logits).all())
+    assert cache[0].offset if hasattr(cache[0], "offset") else True
+
+
+def test_codebook_decodes_layer0_latents(loaded):
+    model = loaded("kimi_vl").model
+    book = build_codebook(model, 259)
+    assert book.shape == (259, 32)
+    toks = mx.random.randint(0, 259, (2, 30), key=mx.random.key(1))
+    cap = kv.capture(model, toks, points=(2,))
+    assert bool((decode_ids(cap.objects[0][("latent", 2)], book) == toks).all())
+
+
+def test_token_identity_from_ids_and_codebook(loaded):
+    S, T = loaded("kimi_linear").model, loaded("kimi_vl").model
+    specs = plan(kv.layout_of(S), kv.layout_of(T), point=1, nu=1)
+    for identity in ("ids",):
+        tr = fit(S, T, batches(3), specs, token_identity=identity)
+        assert tr.params["0.latent.weight"].shape[1] > 80  # source features + embedding
+    with pytest.raises(ValueError):
+        build_codebook(S, 259)  # kimi_linear's first MLA layer is not layer 0
+
+
+@pytest.fixture
+def saved_translator(model_dirs, tmp_path):
+    src, tgt = kv.load(str(model_dirs("qwen3"))), kv.load(str(model_dirs("llama")))
+    specs = plan(kv.layout_of(src.model), kv.layout_of(tgt.model), point=1, nu=2)
+    tr = fit(src.model, tgt.model, batches(2), specs)
+    return artifact.save(tr, tmp_path / "tr", src, tgt), src, tgt, tr
+
+
+def test_artifact_round_trip(saved_translator):
+    path, src, tgt, tr = saved_translator
+    loaded_tr = artifact.load(path, src, tgt)
+    toks = mx.random.randint(0, 259, (1, 20), key=mx.random.key(2))
+    a = translate_cache(tr, src.model, tgt.model, toks)
+    b = translate_cache(loaded_tr, src.model, tgt.model, toks)
+    assert tr.params.keys() == loaded_tr.params.keys()
+    assert all(mx.array_equal(tr.params[k], loaded_tr.params[k]) for k in tr.params)
+    assert loaded_tr.specs == tr.specs
+    assert mx.allclose(a[0].keys, b[0].keys, atol=1e-5)
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["source"]["model_type"] == "qwen3" and manifest["target"]["model_type"] == "llama"
+    assert manifest["fit"]["data_sha256"] and manifest["objects"][0]["sources"]
+
+
+def test_tampered_artifact_is_refused(saved_translator):
+    path, src, tgt, _ = saved_translator
+    weights = path / "weights.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    with pytest.raises(KvtransError, match="SHA256SUMS"):
+        artifact.load(path, src, tgt)
+
+
+def test_wrong_pair_is_refused(saved_translator, model_dirs):
+    path, src, tgt, _ = saved_translator
+    other = kv.load(str(model_dirs("qwen2")))
+    with pytest.raises(KvtransError, match="different model"):
+        artifact.load(path, other, tgt)
+    with pytest.raises(KvtransError, match="different model"):
+        artifact.load(path, src, other)
