@@ -406,6 +406,68 @@ def fit(source: str = typer.Option(..., "--from", help="source model"),
     out.print(f"{fit_info['tokens']:,} tokens{extra} · wrote {out_dir}")
 
 
+def _load_translator_pair(translator_dir: Path, source: str | None, target: str | None):
+    """The translator and its models: named in its manifest unless given, and checked."""
+    from mlx_kvtrans.translators import artifact
+
+    manifest = artifact.read_manifest(translator_dir)
+    src = mlx_kvtrans.load(source or manifest["source"]["name"])
+    tgt = mlx_kvtrans.load(target or manifest["target"]["name"])
+    translator = artifact.load(translator_dir, src, tgt)
+    codebook = None
+    if translator.token_identity == "codebook":
+        import os
+
+        from mlx_kvtrans.translators.token_identity import cached_codebook
+
+        cache = Path(os.environ.get("KVTRANS_CACHE", Path.home() / ".cache" / "mlx-kvtrans"))
+        codebook = cached_codebook(src.model, len(src.tokenizer.get_vocab()),
+                                   artifact.weights_fingerprint(src.path), cache)
+    return translator, src, tgt, codebook
+
+
+@eval_app.command("fidelity")
+@user_errors
+def eval_fidelity(translator_dir: Path = typer.Option(..., "--translator"),
+                  text: Path = typer.Option(None, help="held-out text (default: zoo test split)"),
+                  prefix_lengths: str = typer.Option("64,256", help="comma-separated"),
+                  windows: int = typer.Option(8, help="held-out windows per length"),
+                  source: str = typer.Option(None, "--from", help="override the manifest's"),
+                  target: str = typer.Option(None, "--to", help="override the manifest's"),
+                  as_json: bool = typer.Option(False, "--json")):
+    """KL and greedy agreement of the target continuing from translated caches, with the
+    no-cache floor beside them."""
+    from mlx_kvtrans.translators.fidelity import fidelity
+
+    translator, src, tgt, codebook = _load_translator_pair(translator_dir, source, target)
+    if text is None:
+        text = Path("runs/corpus/test.txt")
+        if not text.exists():
+            raise KvtransError("no held-out text: give --text FILE or run `kvtrans zoo corpus`")
+    if not text.is_file():
+        raise KvtransError(f"--text {text}: no such file")
+    try:
+        lengths = [int(x) for x in prefix_lengths.split(",")]
+    except ValueError:
+        raise KvtransError(f"--prefix-lengths must be integers separated by commas")
+    ids = src.tokenizer.encode(text.read_text(errors="replace"))
+    try:
+        rows = fidelity(translator, src.model, tgt.model, ids, lengths, windows=windows,
+                        codebook=codebook)
+    except ValueError as e:
+        raise KvtransError(str(e))
+    if as_json:
+        print(json.dumps({"translator": str(translator_dir), "rows": rows}, indent=2))
+        return
+    table = Table(title=f"fidelity · {translator_dir}", title_justify="left")
+    for col in ("prefix", "KL nats/token", "KL no cache", "greedy agreement", "agreement no cache"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(str(r["prefix_length"]), f"{r['kl']:.4f}", f"{r['kl_no_cache']:.4f}",
+                      f"{r['greedy_agreement']:.3f}", f"{r['greedy_agreement_no_cache']:.3f}")
+    out.print(table)
+
+
 def main() -> None:  # pragma: no cover
     app()
 

@@ -151,3 +151,44 @@ def test_wrong_pair_is_refused(saved_translator, model_dirs):
         artifact.load(path, other, tgt)
     with pytest.raises(KvtransError, match="different model"):
         artifact.load(path, src, other)
+
+
+def test_cli_fit_then_fidelity_and_refusals(model_dirs, tmp_path):
+    from typer.testing import CliRunner
+
+    from mlx_kvtrans.cli.main import app
+
+    runner = CliRunner()
+    text = tmp_path / "text.txt"
+    text.write_text("A short passage about ships, harbours and the weather at sea. " * 80)
+    out = tmp_path / "tr"
+    src, tgt = str(model_dirs("kimi_linear")), str(model_dirs("kimi_vl"))
+    result = runner.invoke(app, ["fit", "--from", src, "--to", tgt, "--data", str(text),
+                                 "--out", str(out), "--windows", "8", "--length", "48", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["fit"]["tokens"] == 8 * 48
+    result = runner.invoke(app, ["eval", "fidelity", "--translator", str(out), "--text", str(text),
+                                 "--prefix-lengths", "32", "--windows", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    row = json.loads(result.output)["rows"][0]
+    assert 0 <= row["greedy_agreement"] <= 1 and row["kl"] >= 0
+    # a wrong pair and a tampered artifact: one line, exit 2
+    wrong = runner.invoke(app, ["eval", "fidelity", "--translator", str(out), "--text", str(text),
+                                "--from", str(model_dirs("qwen3_5"))])
+    assert wrong.exit_code == 2 and "different model" in wrong.output
+    tampered = tmp_path / "tampered"
+    shutil.copytree(out, tampered)
+    with open(tampered / "weights.safetensors", "ab") as f:
+        f.write(b"\0")
+    result = runner.invoke(app, ["eval", "fidelity", "--translator", str(tampered), "--text",
+                                 str(text)])
+    assert result.exit_code == 2 and "SHA256SUMS" in result.output and "Traceback" not in result.output
+    # models that do not share a tokenizer are refused
+    other = tmp_path / "other_tok"
+    shutil.copytree(model_dirs("qwen3"), other)
+    tok = json.loads((other / "tokenizer.json").read_text())
+    tok["added_tokens"][0]["content"] = "<|other|>"
+    (other / "tokenizer.json").write_text(json.dumps(tok))
+    result = runner.invoke(app, ["fit", "--from", str(other), "--to", tgt, "--data", str(text),
+                                 "--out", str(tmp_path / "x")])
+    assert result.exit_code == 2 and "tokenizer" in result.output
