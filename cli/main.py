@@ -267,7 +267,10 @@ def zoo_list(as_json: bool = typer.Option(False, "--json")):
 
 @eval_app.command("needle")
 @user_errors
-def eval_needle(model: str = typer.Option(..., "--model", help="zoo alias, directory or HF id"),
+def eval_needle(model: str = typer.Option(None, "--model", help="zoo alias, directory or HF id"),
+                translator_dir: Path = typer.Option(None, "--translator",
+                                                    help="recall of its target continuing from "
+                                                    "translated caches, beside native recall"),
                 lengths: str = typer.Option(None, help="comma-separated prompt lengths in tokens "
                                             "(default: 1x, 2x, 4x, 8x the training length)"),
                 samples: int = typer.Option(50, help="held-out needles per length"),
@@ -275,7 +278,17 @@ def eval_needle(model: str = typer.Option(..., "--model", help="zoo alias, direc
     """Exact six-digit needle recall of a model on held-out needles, per prompt length."""
     from mlx_kvtrans.zoo.evaluate import needle_recall
 
-    lm = mlx_kvtrans.load(model)
+    if (model is None) == (translator_dir is None):
+        raise KvtransError("give --model (native recall) or --translator (translated recall)")
+    translated = None
+    if translator_dir is not None:
+        from mlx_kvtrans.translators.translator import translate_cache
+
+        translator, src, lm, codebook = _load_translator_pair(translator_dir, None, None)
+        model = f"{src.name} -> {lm.name}"
+        translated = lambda ids: translate_cache(translator, src.model, lm.model, ids, codebook)
+    else:
+        lm = mlx_kvtrans.load(model)
     if lengths:
         try:
             sizes = [int(x) for x in lengths.split(",")]
@@ -286,16 +299,22 @@ def eval_needle(model: str = typer.Option(..., "--model", help="zoo alias, direc
         base = json.loads(manifest.read_text())["longest_training_prompt"] if manifest.exists() else 256
         sizes = [base * m for m in (1, 2, 4, 8)]
     recall = needle_recall(lm.model, lm.tokenizer.encode, sizes, samples=samples)
+    result = {"model": model, "samples": samples, "recall": {str(k): v for k, v in recall.items()}}
+    if translated is not None:
+        result["native_recall"] = result.pop("recall")
+        result["translated_recall"] = {str(k): v for k, v in needle_recall(
+            lm.model, lm.tokenizer.encode, sizes, samples=samples, cache_for=translated).items()}
     if as_json:
-        print(json.dumps({"model": model, "samples": samples,
-                          "recall": {str(k): v for k, v in recall.items()}}, indent=2))
+        print(json.dumps(result, indent=2))
         return
     table = Table(title=f"needle recall · {model} · {samples} held-out needles per length",
                   title_justify="left")
     table.add_column("prompt tokens", justify="right")
-    table.add_column("exact recall", justify="right")
-    for length, value in recall.items():
-        table.add_row(str(length), f"{value:.2f}")
+    columns = [k for k in ("recall", "native_recall", "translated_recall") if k in result]
+    for key in columns:
+        table.add_column(key.replace("_", " ").replace("recall", "exact recall"), justify="right")
+    for length in sizes:
+        table.add_row(str(length), *(f"{result[k][str(length)]:.2f}" for k in columns))
     out.print(table)
 
 

@@ -61,8 +61,12 @@ def needle_prompt_tokens(encode, seed: int, n_tokens: int, filler: list[str]):
 
 
 def needle_recall(model, encode, lengths: list[int], samples: int = 50, filler=None,
-                  seed: int = HELD_OUT_SEED) -> dict[int, float]:
-    """Exact six-digit recall at each prompt length (tokens), on held-out needles."""
+                  seed: int = HELD_OUT_SEED, cache_for=None) -> dict[int, float]:
+    """Exact six-digit recall at each prompt length (tokens), on held-out needles.
+
+    `cache_for(prompt_ids)`, when given, builds the cache the model continues from (a translated
+    cache); by default the model reads the prompt itself.
+    """
     filler = filler or held_out_filler()
     results = {}
     for length in lengths:
@@ -70,8 +74,12 @@ def needle_recall(model, encode, lengths: list[int], samples: int = 50, filler=N
         for i in range(samples):
             prompt, answer = needle_prompt_tokens(encode, seed + i, length, filler)
             digits = len(answer) - 1  # the answer is the code and a full stop
-            x = mx.array(prompt + answer[:digits - 1])[None]
-            logits = model(x)[0, len(prompt) - 1:]
+            if cache_for is None:
+                x, cache, first = mx.array(prompt + answer[:digits - 1])[None], None, len(prompt) - 1
+            else:  # the cache holds all but the last prompt token, which the model then reads
+                x = mx.array(prompt[-1:] + answer[:digits - 1])[None]
+                cache, first = cache_for(prompt[:-1]), 0
+            logits = model(x, cache=cache)[0, first:]
             guess = mx.argmax(logits, axis=-1).tolist()
             hits += guess == answer[:digits]
         results[length] = hits / samples
