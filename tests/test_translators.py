@@ -192,3 +192,28 @@ def test_cli_fit_then_fidelity_and_refusals(model_dirs, tmp_path):
     result = runner.invoke(app, ["fit", "--from", str(other), "--to", tgt, "--data", str(text),
                                  "--out", str(tmp_path / "x")])
     assert result.exit_code == 2 and "tokenizer" in result.output
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "kimi_linear"])
+def test_replay_from_predicted_inputs_is_exact_on_itself(loaded, family):
+    """Read at (2), a layer's own recurrence inputs map to themselves; replaying them through
+    the target's recurrence rebuilds its state."""
+    model = loaded(family).model
+    layout = kv.layout_of(model)
+    specs = plan(layout, layout, point=2, nu=1,
+                 recipes={"recurrent_state": "replay", "conv_history": "copy"})
+    assert {s.recipe for s in specs if s.name == "state"} == {"replay"}
+    tr, kl = self_translation_kl(model, specs, 2)
+    assert kl <= 1e-3
+
+
+def test_replay_is_the_default_when_the_source_has_no_state(loaded):
+    S, T = loaded("kimi_vl").model, loaded("kimi_linear").model
+    specs = plan(kv.layout_of(S), kv.layout_of(T))
+    assert {s.recipe for s in specs if s.name == "state"} == {"replay"}
+    tr = fit(S, T, batches(3), specs)
+    toks = mx.random.randint(0, 259, (1, 40), key=mx.random.key(5))
+    cache = translate_cache(tr, S, T, toks)
+    state = cache[0][3]
+    assert state.shape == (1, 2, 32, 32)  # the tiny kimi_linear: 2 heads of 32
+    assert float(mx.abs(state).sum()) > 0  # replayed, not empty

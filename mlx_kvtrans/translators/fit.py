@@ -19,7 +19,7 @@ from ..layouts import ModelLayout, ObjectKind, layout_of
 from .features import input_embedding, layer_features
 from .state import bilinear_r2, fit_bilinear
 from .stats import Moments, solve
-from .translator import RECIPES, ObjectSpec, Translator
+from .translator import RECIPES, REPLAY_INPUTS, ObjectSpec, Translator
 
 PER_TOKEN = {ObjectKind.TOKEN_KEY, ObjectKind.TOKEN_VALUE, ObjectKind.MLA_LATENT,
              ObjectKind.ROPE_KEY, ObjectKind.INDEXER_KEY}
@@ -70,16 +70,20 @@ def plan(source: ModelLayout, target: ModelLayout, point: int = 1, nu: int = 2,
                                      "source conv history of the same shape")
                 else:
                     specs.append(ObjectSpec(layer.index, obj.name, "map", 1, sources))
-            else:  # recurrent state
+            else:  # recurrent state: copy when the source has one like it, else replay
                 src = _state_source(source, target, layer.index, obj.name)
-                choice = wanted or ("copy" if src is not None else "zero")
+                choice = wanted or ("copy" if src is not None else "replay")
                 if choice in ("copy", "bilinear") and src is None:
                     raise ValueError(f"target layer {layer.index}: no source state of shape "
-                                     f"{obj.engine_shape} to {choice}; use zero")
+                                     f"{obj.engine_shape} to {choice}; use replay or zero")
                 if choice == "map":
-                    raise ValueError("a recurrent state is not per token: zero, copy or bilinear")
-                specs.append(ObjectSpec(layer.index, obj.name, choice, 3,
-                                        (src,) if choice != "zero" else ()))
+                    raise ValueError("a recurrent state is not per token: zero, copy, bilinear "
+                                     "or replay")
+                if choice == "replay":
+                    specs.append(ObjectSpec(layer.index, obj.name, "replay", 2, sources))
+                else:
+                    specs.append(ObjectSpec(layer.index, obj.name, choice, 3,
+                                            (src,) if choice != "zero" else ()))
     return specs
 
 
@@ -96,10 +100,11 @@ def fit(source_model, target_model, batches: Iterable[mx.array], specs: list[Obj
         codebook: mx.array | None = None, progress=None) -> Translator:
     """Fit every `map` and `bilinear` spec on token `batches` ((B, T) id arrays)."""
     source_layout, target_layout = layout_of(source_model), layout_of(target_model)
-    shell = Translator(source_point, token_identity, specs, {})
+    shell = Translator(source_point, token_identity, specs, {}, {"replay_shapes": {}})
     moments: dict[str, Moments] = {}
     states: dict[str, tuple[list, list]] = {}
-    target_points = {spec.point for spec in specs if spec.recipe == "map"} | {3}
+    target_points = {spec.point for spec in specs if spec.recipe in ("map", "replay")} | {3}
+    replay_shapes: dict[str, dict[str, list[int]]] = {}
     data_hash = hashlib.sha256()
     tokens_seen = decoded_right = 0
     embed = input_embedding(target_model)
@@ -122,6 +127,17 @@ def fit(source_model, target_model, batches: Iterable[mx.array], specs: list[Obj
                 if spec.key not in moments:
                     moments[spec.key] = Moments(x.shape[-1], y.shape[-1])
                 moments[spec.key].add(x, y)
+            elif spec.recipe == "replay":
+                x = mx.concatenate([features[s] for s in spec.sources]
+                                   + ([identity] if identity is not None else []), axis=-1)
+                inputs = tgt.objects[spec.layer][(spec.name, 2)]
+                for name in REPLAY_INPUTS:
+                    y = getattr(inputs, name)
+                    replay_shapes.setdefault(spec.key, {})[name] = list(y.shape[2:])
+                    key = f"{spec.key}.{name}"
+                    if key not in moments:
+                        moments[key] = Moments(x.shape[-1], int(np.prod(y.shape[2:])))
+                    moments[key].add(x, y.reshape(*y.shape[:2], -1))
             elif spec.recipe == "bilinear":
                 pair = states.setdefault(spec.key, ([], []))
                 pair[0].append(np.asarray(src.objects[spec.sources[0]][(spec.name, 3)]))
@@ -145,7 +161,7 @@ def fit(source_model, target_model, batches: Iterable[mx.array], specs: list[Obj
     shell.params = params
     shell.info = {"fit": {"stage": 1, "tokens": tokens_seen, "ridge": ridge,
                           "data_sha256": data_hash.hexdigest()},
-                  "metrics": metrics}
+                  "metrics": metrics, "replay_shapes": replay_shapes}
     if token_identity == "codebook":
         shell.info["fit"]["codebook_decode_accuracy"] = round(decoded_right / tokens_seen, 5)
     return shell

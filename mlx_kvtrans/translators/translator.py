@@ -16,10 +16,12 @@ import mlx.core as mx
 
 from ..capture import Capture
 from ..layouts import ModelLayout, ObjectKind
+from ..layouts.linear_attention import RecurrentInputs
 from .features import input_embedding, layer_features
 from .state import apply_bilinear, zero_state
 
-RECIPES = ("map", "zero", "copy", "bilinear")
+RECIPES = ("map", "zero", "copy", "bilinear", "replay")
+REPLAY_INPUTS = ("k", "v", "a", "b")  # what the state needs; q only reads it out
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,7 @@ class Translator:
     info: dict[str, Any] = field(default_factory=dict)  # manifest fields (pair, fit, metrics)
 
     def source_layers(self) -> set[int]:
-        return {s for spec in self.specs if spec.recipe == "map" for s in spec.sources}
+        return {s for spec in self.specs if spec.recipe in ("map", "replay") for s in spec.sources}
 
     def source_points(self) -> set[int]:
         """Capture points the source must be read at."""
@@ -86,6 +88,22 @@ class Translator:
             mx.eval(list(objects[layer.index].values()))  # stream: one layer at a time
         return objects, points
 
+    def _replay_inputs(self, spec, features, identity):
+        """Predicted per-token recurrence inputs (2); install replays the target's recurrence."""
+        from mlx_lm.models.gated_delta import normalize_qk
+
+        x = mx.concatenate([features[s] for s in spec.sources]
+                           + ([identity] if identity is not None else []), axis=-1)
+        B, T, _ = x.shape
+        shapes = self.info["replay_shapes"][spec.key]  # per input: per-token shape
+        pred = {}
+        for name in REPLAY_INPUTS:
+            y = x @ self.params[f"{spec.key}.{name}.weight"].T + self.params[f"{spec.key}.{name}.bias"]
+            pred[name] = y.reshape(B, T, *shapes[name])
+        k = pred["k"]
+        _, k = normalize_qk(k, k, inv_scale=k.shape[-1] ** -0.5, eps=1e-6)  # the target's own
+        return RecurrentInputs(mx.zeros_like(k), k, pred["v"], pred["a"], pred["b"])
+
     def decode(self, source: Capture, codebook: mx.array | None) -> mx.array:
         from .token_identity import CODEBOOK_POINT, decode_ids, first_mla_layer
 
@@ -107,6 +125,8 @@ class Translator:
             return y
         if spec.recipe == "zero":
             return zero_state(obj.engine_shape, B)
+        if spec.recipe == "replay":
+            return self._replay_inputs(spec, features, identity)
         state = source.objects[spec.sources[0]][(spec.name, 3)]  # same geometry: same name
         if spec.recipe == "copy":
             return state

@@ -51,8 +51,8 @@ class TokenStream:
 
 @dataclass
 class Mix:
-    text: float = 0.5
-    needle: float = 0.3
+    text: float = 0.3
+    needle: float = 0.5
     kv: float = 0.1
     dialogue: float = 0.1
     answer_weight: float = 4.0  # loss weight on answer tokens (the copied digits)
@@ -105,8 +105,13 @@ class SampleMaker:
 
 
 def make_batch(step: int, seed: int, batch: int, length: int, stream: TokenStream,
-               maker: SampleMaker, mix: Mix) -> tuple[np.ndarray, np.ndarray]:
-    """(tokens (batch, length+1) int32, loss weights (batch, length) float32) for step `step`."""
+               maker: SampleMaker, mix: Mix, curriculum: int = 0
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens (batch, length+1) int32, loss weights (batch, length) float32) for step `step`.
+
+    `curriculum`: over its first steps the longest synthetic sample grows from 64 tokens to
+    `length`: copying is found first over short distances, then stretched.
+    """
     rng = random.Random(seed * 1_000_003 + step)
     tokens = np.zeros((batch, length + 1), dtype=np.int32)
     weights = np.ones((batch, length), dtype=np.float32)
@@ -116,7 +121,10 @@ def make_batch(step: int, seed: int, batch: int, length: int, stream: TokenStrea
         if kind == "text":
             tokens[row] = stream.window(rng, length + 1)
             continue
-        budget = rng.randrange(min(48, length), length)  # mixed prompt lengths
+        longest = length
+        if curriculum and step < curriculum:
+            longest = min(length, 64 + (length - 64) * step // curriculum)
+        budget = rng.randrange(min(32, longest - 1), longest)  # mixed prompt lengths
         sample_seed = rng.randrange(1 << 30)
         prompt, answer = getattr(maker, {"kv": "key_value"}.get(kind, kind))(sample_seed, budget)
         sample = prompt + answer

@@ -32,6 +32,7 @@ class Recipe:
     mix: Mix = field(default_factory=Mix)
     init_from: str | None = None  # continue training this alias (a "next generation")
     dense_warmup: float = 0.0  # DSA: share of steps with dense attention while the indexer learns
+    curriculum: int = 600  # steps over which synthetic samples grow from 64 tokens to `length`
 
     def to_json(self) -> dict:
         data = asdict(self)
@@ -49,7 +50,7 @@ RECIPES = {r.alias: r for r in [
     Recipe("qwen3-small", "qwen3", "GQA pair, smaller (KV-Lingo's Qwen3-4B side)",
            dict(model_type="qwen3", **_base(128, 4), num_attention_heads=4, num_key_value_heads=2,
                 head_dim=32, rope_theta=10000.0),
-           seed=11, steps=1800),
+           seed=11, steps=2400),
     Recipe("qwen3-large", "qwen3", "GQA pair, larger (KV-Lingo's Qwen3-8B side)",
            dict(model_type="qwen3", **_base(192, 6), num_attention_heads=6, num_key_value_heads=2,
                 head_dim=32, rope_theta=10000.0),
@@ -57,7 +58,7 @@ RECIPES = {r.alias: r for r in [
     Recipe("kimi-vl", "kimi_vl", "full MLA with RoPE'd rope key (Pair A)",
            dict(model_type="kimi_vl", text_config=dict(model_type="deepseek_v3", **_base(128, 4),
                 **_MLA, first_k_dense_replace=4)),
-           seed=13, steps=1800),
+           seed=13, steps=2400),
     Recipe("kimi-linear", "kimi_linear", "MLA without RoPE + KDA (Pair A)",
            dict(model_type="kimi_linear", **_base(128, 6), num_attention_heads=4,
                 num_key_value_heads=4, head_dim=32, kv_lora_rank=64, qk_nope_head_dim=32,
@@ -76,7 +77,7 @@ RECIPES = {r.alias: r for r in [
            seed=15, steps=1500),
     Recipe("qwen3.5-b", "qwen3_5", "same geometry, next generation: qwen3.5-a trained on (Pair B)",
            {}, seed=16, steps=600, lr=1.5e-3, warmup=50, init_from="qwen3.5-a",
-           mix=Mix(text=0.4, needle=0.25, kv=0.1, dialogue=0.25)),
+           curriculum=0, mix=Mix(text=0.35, needle=0.35, kv=0.1, dialogue=0.2)),
     Recipe("dsa", "deepseek_v32", "MLA + sparse indexer (Pair C target)",
            dict(model_type="deepseek_v32", **_base(128, 4), **_MLA, first_k_dense_replace=4,
                 index_head_dim=32, index_n_heads=2, index_topk=64),

@@ -207,7 +207,7 @@ def train(alias: str, workdir: Path, weights: Path, log=print, eval_samples: int
                 for layer, k in zip(model.layers, top_k):
                     layer.self_attn.indexer.index_topk = 1 << 30 if dense else k
             tokens, weights_ = make_batch(step, recipe.seed, recipe.batch, recipe.length, stream,
-                                          maker, recipe.mix)
+                                          maker, recipe.mix, recipe.curriculum)
             (loss, (ce, aux)), grads = step_fn(model, mx.array(tokens), mx.array(weights_))
             optimizer.update(model, grads)
             mx.eval(model.parameters(), optimizer.state, loss)
