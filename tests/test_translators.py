@@ -217,3 +217,32 @@ def test_replay_is_the_default_when_the_source_has_no_state(loaded):
     state = cache[0][3]
     assert state.shape == (1, 2, 32, 32)  # the tiny kimi_linear: 2 heads of 32
     assert float(mx.abs(state).sum()) > 0  # replayed, not empty
+
+
+def test_best_single_fit_finds_the_same_layer_on_itself(loaded):
+    from mlx_kvtrans.translators.fit import assign_best_single
+
+    model = loaded("qwen3").model
+    layout = kv.layout_of(model)
+    specs = plan(layout, layout, point=1, nu=2)
+    best, scores = assign_best_single(model, model, batches(2), specs)
+    for spec in best:
+        assert spec.sources == (spec.layer,)
+        assert scores[spec.layer][spec.layer] >= 0.999
+
+
+def test_split_kv_and_per_object_capture_points(loaded):
+    S, T = loaded("qwen3").model, loaded("llama").model
+    specs = plan(kv.layout_of(S), kv.layout_of(T), point=1, nu=1, split_kv=True,
+                 points={"token_value": 3})
+    keys = [s for s in specs if s.name == "keys"]
+    values = [s for s in specs if s.name == "values"]
+    assert all(s.source_kinds == ("token_key",) and s.point == 1 for s in keys)
+    assert all(s.source_kinds == ("token_value",) and s.point == 3 for s in values)
+    tr = fit(S, T, batches(2), specs)
+    assert tr.params["0.keys.weight"].shape == (2 * 16, 2 * 16)  # keys from keys alone
+    toks = mx.random.randint(0, 259, (1, 30), key=mx.random.key(4))
+    logits = T(toks[:, -1:], cache=translate_cache(tr, S, T, toks))
+    assert bool(mx.isfinite(logits).all())
+    with pytest.raises(ValueError):
+        plan(kv.layout_of(loaded("qwen3_5").model), kv.layout_of(T), split_kv=True)

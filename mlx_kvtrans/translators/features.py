@@ -23,14 +23,16 @@ def _per_token(value, B: int, T: int) -> mx.array:
     return value
 
 
-def layer_features(capture: Capture, layer: int, point: int) -> mx.array:
-    """(B, T, D) features of source `layer` at capture `point`."""
+def layer_features(capture: Capture, layer: int, point: int, kinds: tuple[str, ...] = ()
+                   ) -> mx.array:
+    """(B, T, D) features of source `layer` at capture `point` (only objects of `kinds`, if
+    given)."""
     B, T = capture.tokens.shape
     found = capture.objects[layer]
     parts = []
     for obj in capture.layout.layers[layer].objects:
         key = (obj.name, point)
-        if key not in found:
+        if key not in found or (kinds and obj.kind.value not in kinds):
             continue
         if obj.kind == ObjectKind.CONV_HISTORY and point != 1:
             continue  # (3) conv history is a fixed-size summary, not per token

@@ -45,10 +45,18 @@ def _state_source(source: ModelLayout, target: ModelLayout, layer: int, name: st
 
 
 def plan(source: ModelLayout, target: ModelLayout, point: int = 1, nu: int = 2,
-         recipes: dict[str, str] | None = None) -> list[ObjectSpec]:
-    """Which recipe builds each target object. `recipes` overrides by object kind or name
-    (e.g. {"recurrent_state": "bilinear"})."""
-    recipes = recipes or {}
+         recipes: dict[str, str] | None = None, points: dict[str, int] | None = None,
+         split_kv: bool = False) -> list[ObjectSpec]:
+    """Which recipe builds each target object.
+
+    `recipes` overrides by object kind or name (e.g. {"recurrent_state": "bilinear"}); `points`
+    sets the capture point per object kind or name (default `point`); `split_kv` maps keys from
+    source keys and values from source values (GQA to GQA), instead of from all source objects.
+    """
+    recipes, points = recipes or {}, points or {}
+    if split_kv and not all(o.kind in (ObjectKind.TOKEN_KEY, ObjectKind.TOKEN_VALUE)
+                            for lay in (*source.layers, *target.layers) for o in lay.objects):
+        raise ValueError("split K/V maps need GQA keys and values on both sides")
     for choice in recipes.values():
         if choice not in RECIPES:
             raise ValueError(f"unknown recipe {choice!r}; recipes: {', '.join(RECIPES)}")
@@ -59,8 +67,9 @@ def plan(source: ModelLayout, target: ModelLayout, point: int = 1, nu: int = 2,
         for obj in layer.objects:
             wanted = recipes.get(obj.name, recipes.get(obj.kind.value))
             if obj.kind in PER_TOKEN:
-                specs.append(ObjectSpec(layer.index, obj.name, "map", obj.point_for(point),
-                                        sources))
+                p = obj.point_for(points.get(obj.name, points.get(obj.kind.value, point)))
+                kinds = (obj.kind.value,) if split_kv else ()
+                specs.append(ObjectSpec(layer.index, obj.name, "map", p, sources, kinds))
             elif obj.kind == ObjectKind.CONV_HISTORY:
                 src = _state_source(source, target, layer.index, obj.name)
                 if wanted == "copy" and src is not None:
@@ -118,18 +127,16 @@ def fit(source_model, target_model, batches: Iterable[mx.array], specs: list[Obj
             ids = tokens if token_identity == "ids" else shell.decode(src, codebook)
             decoded_right += int((ids == tokens).sum())
             identity = embed(ids).astype(mx.float32)
-        features = {s: layer_features(src, s, source_point) for s in shell.source_layers()}
+        features = shell.features(src)
         for spec in specs:
             if spec.recipe == "map":
-                x = mx.concatenate([features[s] for s in spec.sources]
-                                   + ([identity] if identity is not None else []), axis=-1)
+                x = spec.features(features, identity)
                 y = per_token_target(tgt.objects[spec.layer][(spec.name, spec.point)])
                 if spec.key not in moments:
                     moments[spec.key] = Moments(x.shape[-1], y.shape[-1])
                 moments[spec.key].add(x, y)
             elif spec.recipe == "replay":
-                x = mx.concatenate([features[s] for s in spec.sources]
-                                   + ([identity] if identity is not None else []), axis=-1)
+                x = spec.features(features, identity)
                 inputs = tgt.objects[spec.layer][(spec.name, 2)]
                 for name in REPLAY_INPUTS:
                     y = getattr(inputs, name)
@@ -176,3 +183,44 @@ def token_windows(token_ids: list[int], length: int, count: int, batch: int, see
                          f"of {length}")
     for i in range(0, len(starts), batch):
         yield mx.array([token_ids[s:s + length] for s in starts[i:i + batch]])
+
+
+def assign_best_single(source_model, target_model, batches: Iterable[mx.array],
+                       specs: list[ObjectSpec], source_point: int = 1,
+                       ridge: float = 1e-3) -> tuple[list[ObjectSpec], dict[int, dict]]:
+    """Best-single-fit layer assignment: each target layer reads the one source layer whose
+    features fit its per-token objects best (mean R^2), instead of relative depth.
+
+    Holds second moments for every (target object, source layer) pair: meant for small models or
+    a few layers at a time. Returns the re-assigned specs and the R^2 table per target layer.
+    """
+    from dataclasses import replace
+
+    source_layout, target_layout = layout_of(source_model), layout_of(target_model)
+    maps = [s for s in specs if s.recipe == "map"]
+    candidates = range(len(source_layout.layers))
+    moments: dict[tuple[str, int], Moments] = {}
+    for tokens in batches:
+        tokens = mx.array(tokens)
+        src = capture(source_model, tokens, points={source_point}, layout=source_layout)
+        tgt = capture(target_model, tokens, points={s.point for s in maps}, layout=target_layout)
+        for s in candidates:
+            for spec in maps:
+                try:
+                    x = layer_features(src, s, source_point, spec.source_kinds)
+                except ValueError:
+                    continue  # this source layer has none of the kinds the map reads
+                y = per_token_target(tgt.objects[spec.layer][(spec.name, spec.point)])
+                key = (spec.key, s)
+                if key not in moments:
+                    moments[key] = Moments(x.shape[-1], y.shape[-1])
+                moments[key].add(x, y)
+    table: dict[int, dict[int, float]] = {}
+    for (key, s), m in moments.items():
+        layer = int(key.split(".")[0])
+        table.setdefault(layer, {}).setdefault(s, []).append(solve(m, ridge=ridge).mean_r2)
+    scores = {layer: {s: float(np.mean(v)) for s, v in by_source.items()}
+              for layer, by_source in table.items()}
+    best = {layer: max(by_source, key=by_source.get) for layer, by_source in scores.items()}
+    return ([replace(s, sources=(best[s.layer],)) if s.recipe == "map" and s.layer in best else s
+             for s in specs], scores)

@@ -31,17 +31,25 @@ class ObjectSpec:
     recipe: str  # one of RECIPES
     point: int  # the target capture point the recipe produces
     sources: tuple[int, ...] = ()  # source layers read (map: features; copy/bilinear: the state)
+    source_kinds: tuple[str, ...] = ()  # map: only these source object kinds (split K/V); () = all
 
     @property
     def key(self) -> str:
         return f"{self.layer}.{self.name}"
 
     def to_json(self) -> dict:
-        return {**asdict(self), "sources": list(self.sources)}
+        return {**asdict(self), "sources": list(self.sources),
+                "source_kinds": list(self.source_kinds)}
 
     @classmethod
     def from_json(cls, data: dict) -> "ObjectSpec":
-        return cls(**{**data, "sources": tuple(data["sources"])})
+        return cls(**{**data, "sources": tuple(data["sources"]),
+                      "source_kinds": tuple(data.get("source_kinds", ()))})
+
+    def features(self, features: dict, identity) -> mx.array:
+        """The map's input: the features of its source layers (+ token identity)."""
+        parts = [features[(s, self.source_kinds)] for s in self.sources]
+        return mx.concatenate(parts + ([identity] if identity is not None else []), axis=-1)
 
 
 @dataclass
@@ -52,8 +60,14 @@ class Translator:
     params: dict[str, mx.array]  # "<layer>.<name>.weight|bias|A|B"
     info: dict[str, Any] = field(default_factory=dict)  # manifest fields (pair, fit, metrics)
 
-    def source_layers(self) -> set[int]:
-        return {s for spec in self.specs if spec.recipe in ("map", "replay") for s in spec.sources}
+    def source_reads(self) -> set[tuple[int, tuple[str, ...]]]:
+        """(source layer, object kinds) pairs whose features the maps read."""
+        return {(s, spec.source_kinds) for spec in self.specs if spec.recipe in ("map", "replay")
+                for s in spec.sources}
+
+    def features(self, source: Capture) -> dict:
+        return {(s, kinds): layer_features(source, s, self.source_point, kinds)
+                for s, kinds in self.source_reads()}
 
     def source_points(self) -> set[int]:
         """Capture points the source must be read at."""
@@ -70,7 +84,7 @@ class Translator:
                   ) -> tuple[list[dict[str, mx.array]], list[dict[str, int]]]:
         """(per target layer: object name -> tensor, per target layer: name -> capture point)."""
         B, T = source.tokens.shape
-        features = {s: layer_features(source, s, self.source_point) for s in self.source_layers()}
+        features = self.features(source)
         identity = None
         if self.token_identity != "off":
             ids = token_ids if self.token_identity == "ids" else None
@@ -92,8 +106,7 @@ class Translator:
         """Predicted per-token recurrence inputs (2); install replays the target's recurrence."""
         from mlx_lm.models.gated_delta import normalize_qk
 
-        x = mx.concatenate([features[s] for s in spec.sources]
-                           + ([identity] if identity is not None else []), axis=-1)
+        x = spec.features(features, identity)
         B, T, _ = x.shape
         shapes = self.info["replay_shapes"][spec.key]  # per input: per-token shape
         pred = {}
@@ -114,8 +127,7 @@ class Translator:
 
     def _build(self, spec, obj, source, features, identity, B):
         if spec.recipe == "map":
-            parts = [features[s] for s in spec.sources] + ([identity] if identity is not None else [])
-            x = mx.concatenate(parts, axis=-1)
+            x = spec.features(features, identity)
             if obj.kind == ObjectKind.CONV_HISTORY:
                 x = x[:, -(obj.engine_shape[1]):]  # only the rows the history keeps
             y = x @ self.params[f"{spec.key}.weight"].T + self.params[f"{spec.key}.bias"]
