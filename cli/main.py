@@ -362,6 +362,11 @@ def fit(source: str = typer.Option(..., "--from", help="source model"),
         nu: int = typer.Option(2, "--nu", min=1, help="source layers per target layer"),
         recipe: list[str] = typer.Option(None, help="OBJECT=RECIPE, e.g. recurrent_state=bilinear"),
         token_identity: str = typer.Option("off", help="codebook, ids or off"),
+        point: list[str] = typer.Option(None, help="OBJECT=P: capture point of one object kind "
+                                        "or name, e.g. rope_key=3"),
+        split_kv: bool = typer.Option(False, help="keys from source keys, values from values"),
+        assign: str = typer.Option("relative", help="layer assignment: relative (depth) or best "
+                                   "(best single fit)"),
         windows: int = typer.Option(256, help="fitting windows"),
         length: int = typer.Option(256, help="tokens per window"),
         ridge: float = typer.Option(1e-3, help="ridge strength, relative to the data scale"),
@@ -380,9 +385,15 @@ def fit(source: str = typer.Option(..., "--from", help="source model"),
     if not _same_tokenizer(src, tgt):
         raise KvtransError(f"{source} and {target} do not share a tokenizer; translation "
                            "between tokenizers is not supported yet")
+    if assign not in ("relative", "best"):
+        raise KvtransError(f"--assign must be relative or best, not {assign!r}")
+    try:
+        points = {k: int(v) for k, v in _parse_recipes(point).items()}
+    except ValueError:
+        raise KvtransError("--point takes OBJECT=1|2|3")
     try:
         specs = plan(mlx_kvtrans.layout_of(src.model), mlx_kvtrans.layout_of(tgt.model),
-                     capture_point, nu, _parse_recipes(recipe))
+                     capture_point, nu, _parse_recipes(recipe), points, split_kv)
     except ValueError as e:
         raise KvtransError(str(e))
     codebook = None
@@ -395,6 +406,11 @@ def fit(source: str = typer.Option(..., "--from", help="source model"),
             raise KvtransError(str(e))
     ids = [t for text in _read_texts(data) for t in src.tokenizer.encode(text)]
     batches = list(token_windows(ids, length, windows, batch=4))
+    if assign == "best":
+        from mlx_kvtrans.translators.fit import assign_best_single
+
+        specs, _ = assign_best_single(src.model, tgt.model, batches[: max(1, len(batches) // 4)],
+                                      specs, capture_point)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     with Progress(TextColumn("fitting"), BarColumn(), MofNCompleteColumn(),
