@@ -367,6 +367,8 @@ def fit(source: str = typer.Option(..., "--from", help="source model"),
         split_kv: bool = typer.Option(False, help="keys from source keys, values from values"),
         assign: str = typer.Option("relative", help="layer assignment: relative (depth) or best "
                                    "(best single fit)"),
+        attention_weighted: int = typer.Option(0, help="C > 0: weight prefix tokens by the "
+                                               "attention of each window's last C tokens"),
         windows: int = typer.Option(256, help="fitting windows"),
         length: int = typer.Option(256, help="tokens per window"),
         ridge: float = typer.Option(1e-3, help="ridge strength, relative to the data scale"),
@@ -420,6 +422,7 @@ def fit(source: str = typer.Option(..., "--from", help="source model"),
         translator = fit_translator(
             src.model, tgt.model, batches, specs, source_point=capture_point,
             token_identity=token_identity, ridge=ridge, codebook=codebook,
+            attention_weighted=attention_weighted,
             progress=lambda i, n: progress.update(task, completed=i, tokens=f"{n:,}"))
     artifact.save(translator, out_dir, src, tgt)
     summary = {"out": str(out_dir), **translator.info}

@@ -16,6 +16,7 @@ from mlx_kvtrans.translators.fit import fit, plan, relative_depth
 from mlx_kvtrans.translators.state import bilinear_r2, fit_bilinear
 from mlx_kvtrans.translators.token_identity import build_codebook, decode_ids
 from mlx_kvtrans.translators.translator import translate_cache
+from mlx_kvtrans.verify import max_abs_diff
 
 
 def batches(n=6, length=48, seed=0):
@@ -246,3 +247,41 @@ def test_split_kv_and_per_object_capture_points(loaded):
     assert bool(mx.isfinite(logits).all())
     with pytest.raises(ValueError):
         plan(kv.layout_of(loaded("qwen3_5").model), kv.layout_of(T), split_kv=True)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "deepseek_v3", "qwen3_5"])
+def test_attention_weights_match_the_models_attention(loaded, family):
+    """The recorded weights are the continuation's real attention, checked against MLX's own
+    attention kernel run with one-hot values (its output is then the attention matrix)."""
+    import sys
+
+    from mlx_kvtrans.translators.attention_weights import recording_attention
+
+    model = loaded(family).model
+    layout = kv.layout_of(model)
+    toks = mx.random.randint(0, 259, (2, 40), key=mx.random.key(8))
+    attention_layers = [l.index for l in layout.layers if l.mixer not in ("gdn", "kda")]
+    owner = sys.modules[type(model.layers[attention_layers[0]]["self_attn"]).__module__]
+    calls = []
+    original = owner.scaled_dot_product_attention
+
+    def spy(queries, keys, values, cache=None, scale=1.0, mask=None, **kw):
+        eye = mx.broadcast_to(mx.eye(keys.shape[2]), (*keys.shape[:2], keys.shape[2], keys.shape[2]))
+        calls.append(mx.fast.scaled_dot_product_attention(queries, keys, eye, scale=scale,
+                                                          mask=mask))
+        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, **kw)
+
+    owner.scaled_dot_product_attention = spy
+    try:
+        with recording_attention(model, layout, continuation=8) as found:
+            model(toks)
+    finally:
+        owner.scaled_dot_product_attention = original
+    assert sorted(found) == attention_layers and len(calls) == len(attention_layers)
+    for layer, probs in zip(attention_layers, calls):
+        expected = probs[:, :, -8:, :32].mean(axis=(1, 2))
+        expected = expected / expected.mean(axis=-1, keepdims=True)
+        assert max_abs_diff(found[layer], expected) <= 1e-4
+    specs = plan(layout, layout, point=1, nu=1)
+    tr = fit(model, model, batches(3), specs, ridge=1e-7, attention_weighted=8)
+    assert min(m["r2"] for m in tr.info["metrics"].values()) >= 0.999

@@ -8,6 +8,7 @@ conv histories are mapped as per-token rows (or copied when the geometry matches
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from typing import Iterable
 
@@ -16,6 +17,7 @@ import numpy as np
 
 from ..capture import capture
 from ..layouts import ModelLayout, ObjectKind, layout_of
+from .attention_weights import recording_attention
 from .features import input_embedding, layer_features
 from .state import bilinear_r2, fit_bilinear
 from .stats import Moments, solve
@@ -106,8 +108,14 @@ def per_token_target(value: mx.array) -> mx.array:
 
 def fit(source_model, target_model, batches: Iterable[mx.array], specs: list[ObjectSpec],
         source_point: int = 1, token_identity: str = "off", ridge: float = 1e-3,
-        codebook: mx.array | None = None, progress=None) -> Translator:
-    """Fit every `map` and `bilinear` spec on token `batches` ((B, T) id arrays)."""
+        codebook: mx.array | None = None, progress=None,
+        attention_weighted: int = 0) -> Translator:
+    """Fit every `map`, `replay` and `bilinear` spec on token `batches` ((B, T) id arrays).
+
+    `attention_weighted` = c > 0: the last c tokens of each window act as a continuation whose
+    attention (in the target) weights the prefix tokens' errors; maps of attention layers are
+    then fitted on the prefix only.
+    """
     source_layout, target_layout = layout_of(source_model), layout_of(target_model)
     shell = Translator(source_point, token_identity, specs, {}, {"replay_shapes": {}})
     moments: dict[str, Moments] = {}
@@ -121,7 +129,11 @@ def fit(source_model, target_model, batches: Iterable[mx.array], specs: list[Obj
         tokens = mx.array(tokens)
         data_hash.update(np.asarray(tokens, dtype=np.int32).tobytes())
         src = capture(source_model, tokens, points=shell.source_points(), layout=source_layout)
-        tgt = capture(target_model, tokens, points=target_points, layout=target_layout)
+        with contextlib.ExitStack() as stack:
+            attention = (stack.enter_context(recording_attention(target_model, target_layout,
+                                                                  attention_weighted))
+                         if attention_weighted else {})
+            tgt = capture(target_model, tokens, points=target_points, layout=target_layout)
         identity = None
         if token_identity != "off":
             ids = tokens if token_identity == "ids" else shell.decode(src, codebook)
@@ -132,9 +144,12 @@ def fit(source_model, target_model, batches: Iterable[mx.array], specs: list[Obj
             if spec.recipe == "map":
                 x = spec.features(features, identity)
                 y = per_token_target(tgt.objects[spec.layer][(spec.name, spec.point)])
+                weights = attention.get(spec.layer)
+                if weights is not None:  # the prefix, weighted by the continuation's attention
+                    x, y = x[:, : weights.shape[1]], y[:, : weights.shape[1]]
                 if spec.key not in moments:
                     moments[spec.key] = Moments(x.shape[-1], y.shape[-1])
-                moments[spec.key].add(x, y)
+                moments[spec.key].add(x, y, weights)
             elif spec.recipe == "replay":
                 x = spec.features(features, identity)
                 inputs = tgt.objects[spec.layer][(spec.name, 2)]
@@ -167,6 +182,7 @@ def fit(source_model, target_model, batches: Iterable[mx.array], specs: list[Obj
                                                      s, t), 5)}
     shell.params = params
     shell.info = {"fit": {"stage": 1, "tokens": tokens_seen, "ridge": ridge,
+                          "attention_weighted": attention_weighted,
                           "data_sha256": data_hash.hexdigest()},
                   "metrics": metrics, "replay_shapes": replay_shapes}
     if token_identity == "codebook":
