@@ -40,6 +40,8 @@ def user_errors(command):
         except KeyboardInterrupt:
             err.print("interrupted")
             raise typer.Exit(130)
+        except BrokenPipeError:  # output piped into `head` and closed: not an error
+            raise typer.Exit(0)
         except Exception as e:  # an internal failure: still one line unless debugging
             if os.environ.get("KVTRANS_DEBUG"):
                 raise
@@ -365,6 +367,8 @@ def fit(source: str = typer.Option(..., "--from", help="source model"),
         point: list[str] = typer.Option(None, help="OBJECT=P: capture point of one object kind "
                                         "or name, e.g. rope_key=3"),
         split_kv: bool = typer.Option(False, help="keys from source keys, values from values"),
+        headwise: bool = typer.Option(False, help="with --split-kv: target head h reads source "
+                                      "head h only"),
         assign: str = typer.Option("relative", help="layer assignment: relative (depth) or best "
                                    "(best single fit)"),
         attention_weighted: int = typer.Option(0, help="C > 0: weight prefix tokens by the "
@@ -395,7 +399,7 @@ def fit(source: str = typer.Option(..., "--from", help="source model"),
         raise KvtransError("--point takes OBJECT=1|2|3")
     try:
         specs = plan(mlx_kvtrans.layout_of(src.model), mlx_kvtrans.layout_of(tgt.model),
-                     capture_point, nu, _parse_recipes(recipe), points, split_kv)
+                     capture_point, nu, _parse_recipes(recipe), points, split_kv, headwise)
     except ValueError as e:
         raise KvtransError(str(e))
     codebook = None

@@ -285,3 +285,17 @@ def test_attention_weights_match_the_models_attention(loaded, family):
     specs = plan(layout, layout, point=1, nu=1)
     tr = fit(model, model, batches(3), specs, ridge=1e-7, attention_weighted=8)
     assert min(m["r2"] for m in tr.info["metrics"].values()) >= 0.999
+
+
+def test_headwise_maps_are_block_diagonal_and_exact_on_itself(loaded):
+    model = loaded("qwen3").model
+    layout = kv.layout_of(model)
+    specs = plan(layout, layout, point=1, nu=2, split_kv=True, headwise=True)
+    assert all(s.heads == 2 for s in specs)
+    for identity in ("off", "ids"):
+        tr = fit(model, model, batches(3), specs, ridge=1e-7, token_identity=identity)
+        w = np.asarray(tr.params["1.keys.weight"])  # 2 heads x 16; sources: layers 0, 1
+        assert np.all(w[:16, 16:32] == 0) and np.all(w[16:, 0:16] == 0)  # no head mixing
+        assert min(m["r2"] for m in tr.info["metrics"].values()) >= 0.999
+    with pytest.raises(ValueError):
+        plan(layout, layout, headwise=True)  # head-wise needs split K/V

@@ -20,7 +20,7 @@ from ..layouts import ModelLayout, ObjectKind, layout_of
 from .attention_weights import recording_attention
 from .features import input_embedding, layer_features
 from .state import bilinear_r2, fit_bilinear
-from .stats import Moments, solve
+from .stats import LinearFit, Moments, solve
 from .translator import RECIPES, REPLAY_INPUTS, ObjectSpec, Translator
 
 PER_TOKEN = {ObjectKind.TOKEN_KEY, ObjectKind.TOKEN_VALUE, ObjectKind.MLA_LATENT,
@@ -48,17 +48,25 @@ def _state_source(source: ModelLayout, target: ModelLayout, layer: int, name: st
 
 def plan(source: ModelLayout, target: ModelLayout, point: int = 1, nu: int = 2,
          recipes: dict[str, str] | None = None, points: dict[str, int] | None = None,
-         split_kv: bool = False) -> list[ObjectSpec]:
+         split_kv: bool = False, headwise: bool = False) -> list[ObjectSpec]:
     """Which recipe builds each target object.
 
     `recipes` overrides by object kind or name (e.g. {"recurrent_state": "bilinear"}); `points`
     sets the capture point per object kind or name (default `point`); `split_kv` maps keys from
-    source keys and values from source values (GQA to GQA), instead of from all source objects.
+    source keys and values from source values (GQA to GQA), instead of from all source objects;
+    `headwise` (with `split_kv`, equal KV head counts) lets target head h read source head h only.
     """
     recipes, points = recipes or {}, points or {}
     if split_kv and not all(o.kind in (ObjectKind.TOKEN_KEY, ObjectKind.TOKEN_VALUE)
                             for lay in (*source.layers, *target.layers) for o in lay.objects):
         raise ValueError("split K/V maps need GQA keys and values on both sides")
+    heads = 0
+    if headwise:
+        counts = {o.engine_shape[1] for lay in (*source.layers, *target.layers) for o in lay.objects}
+        if not split_kv or len(counts) != 1:
+            raise ValueError("head-wise maps need split K/V and the same number of KV heads on "
+                             "both sides")
+        heads = counts.pop()
     for choice in recipes.values():
         if choice not in RECIPES:
             raise ValueError(f"unknown recipe {choice!r}; recipes: {', '.join(RECIPES)}")
@@ -71,7 +79,7 @@ def plan(source: ModelLayout, target: ModelLayout, point: int = 1, nu: int = 2,
             if obj.kind in PER_TOKEN:
                 p = obj.point_for(points.get(obj.name, points.get(obj.kind.value, point)))
                 kinds = (obj.kind.value,) if split_kv else ()
-                specs.append(ObjectSpec(layer.index, obj.name, "map", p, sources, kinds))
+                specs.append(ObjectSpec(layer.index, obj.name, "map", p, sources, kinds, heads))
             elif obj.kind == ObjectKind.CONV_HISTORY:
                 src = _state_source(source, target, layer.index, obj.name)
                 if wanted == "copy" and src is not None:
@@ -98,6 +106,20 @@ def plan(source: ModelLayout, target: ModelLayout, point: int = 1, nu: int = 2,
     return specs
 
 
+def _blocks(spec: ObjectSpec, din: int, dout: int, per_layer: int):
+    """(moments key, input columns, output rows) of each block a map is fitted as: the whole map,
+    or with head-wise maps one block per head: its slice of each source layer's `per_layer`
+    features, plus the token-identity columns after them, which every head reads."""
+    if not spec.heads:
+        return [(spec.key, None, None)]
+    n, layers = spec.heads, len(spec.sources)
+    d_src, d_tgt = per_layer // n, dout // n
+    shared = list(range(layers * per_layer, din))
+    return [(f"{spec.key}.h{h}",
+             [j * per_layer + h * d_src + c for j in range(layers) for c in range(d_src)] + shared,
+             list(range(h * d_tgt, (h + 1) * d_tgt))) for h in range(n)]
+
+
 def per_token_target(value: mx.array) -> mx.array:
     """A target object as (B, T, D) rows: (3) per-token tensors are (B, heads, T, dim)."""
     if value.ndim == 4:
@@ -122,6 +144,7 @@ def fit(source_model, target_model, batches: Iterable[mx.array], specs: list[Obj
     states: dict[str, tuple[list, list]] = {}
     target_points = {spec.point for spec in specs if spec.recipe in ("map", "replay")} | {3}
     replay_shapes: dict[str, dict[str, list[int]]] = {}
+    shapes: dict[str, tuple[int, int, int]] = {}  # map key -> (din, dout, per source layer)
     data_hash = hashlib.sha256()
     tokens_seen = decoded_right = 0
     embed = input_embedding(target_model)
@@ -144,12 +167,16 @@ def fit(source_model, target_model, batches: Iterable[mx.array], specs: list[Obj
             if spec.recipe == "map":
                 x = spec.features(features, identity)
                 y = per_token_target(tgt.objects[spec.layer][(spec.name, spec.point)])
+                per_layer = features[(spec.sources[0], spec.source_kinds)].shape[-1]
+                shapes[spec.key] = (x.shape[-1], y.shape[-1], per_layer)
                 weights = attention.get(spec.layer)
                 if weights is not None:  # the prefix, weighted by the continuation's attention
                     x, y = x[:, : weights.shape[1]], y[:, : weights.shape[1]]
-                if spec.key not in moments:
-                    moments[spec.key] = Moments(x.shape[-1], y.shape[-1])
-                moments[spec.key].add(x, y, weights)
+                for key, cols, rows in _blocks(spec, *shapes[spec.key]):
+                    xb, yb = (x, y) if cols is None else (x[..., cols], y[..., rows])
+                    if key not in moments:
+                        moments[key] = Moments(xb.shape[-1], yb.shape[-1])
+                    moments[key].add(xb, yb, weights)
             elif spec.recipe == "replay":
                 x = spec.features(features, identity)
                 inputs = tgt.objects[spec.layer][(spec.name, 2)]
@@ -168,8 +195,19 @@ def fit(source_model, target_model, batches: Iterable[mx.array], specs: list[Obj
         if progress:
             progress(i + 1, tokens_seen)
     params, metrics = {}, {}
-    for key, m in moments.items():
-        solution = solve(m, ridge=ridge)
+    solutions = {key: solve(m, ridge=ridge) for key, m in moments.items()}
+    for spec in specs:  # head-wise blocks -> one block-diagonal map
+        if spec.recipe == "map" and spec.heads:
+            parts = [(cols, rows, solutions.pop(key))
+                     for key, cols, rows in _blocks(spec, *shapes[spec.key])]
+            din, dout, _ = shapes[spec.key]
+            weight, bias = np.zeros((dout, din), np.float32), np.zeros(dout, np.float32)
+            for cols, rows, sol in parts:
+                weight[np.ix_(rows, cols)] = sol.weight
+                bias[rows] = sol.bias
+            r2 = float(np.mean([sol.mean_r2 for _, _, sol in parts]))
+            solutions[spec.key] = LinearFit(weight, bias, np.array([r2]), False)
+    for key, solution in solutions.items():
         params[f"{key}.weight"] = mx.array(solution.weight)
         params[f"{key}.bias"] = mx.array(solution.bias)
         metrics[key] = {"r2": round(solution.mean_r2, 5), "pinv": solution.used_pinv}

@@ -32,6 +32,7 @@ class ObjectSpec:
     point: int  # the target capture point the recipe produces
     sources: tuple[int, ...] = ()  # source layers read (map: features; copy/bilinear: the state)
     source_kinds: tuple[str, ...] = ()  # map: only these source object kinds (split K/V); () = all
+    heads: int = 0  # map: 0 = head-mixing; n = head-wise (target head h reads source head h)
 
     @property
     def key(self) -> str:
