@@ -1,0 +1,42 @@
+"""The zoo's native figures, gathered from the manifests the training command wrote.
+
+Every figure here was measured by `kvtrans zoo train` / `kvtrans zoo ship` when it wrote
+weights/ALIAS/manifest.json; this script only tabulates them into benchmarks/results/zoo.md.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from mlx_kvtrans.models import weights_dir, zoo_aliases
+
+OUT = Path(__file__).parent / "results" / "zoo.md"
+
+
+def main():
+    lines = ["# The zoo: native figures\n",
+             "Held-out perplexity on the validation split beside the unigram baseline of the train "
+             "split; exact six-digit needle recall on held-out needles at 1x, 2x, 4x and 8x the "
+             "longest training prompt. Tabulated from weights/*/manifest.json by "
+             "`python benchmarks/zoo.py`.\n",
+             "| alias | model_type | params | steps | tokens | minutes | ppl | unigram ppl | "
+             "recall 1x | 2x | 4x | 8x |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for alias, path in zoo_aliases().items():
+        manifest_file = path / "manifest.json"
+        if not manifest_file.exists():
+            continue
+        m = json.loads(manifest_file.read_text())
+        recall = [f"{v:.2f}" for v in m["needle_recall"].values()]
+        lines.append(f"| {alias} | {m['model_type']} | {m['parameters'] / 1e6:.2f}M | "
+                     f"{m['recipe']['steps']} | {m['tokens_seen']:,} | {m['training_minutes']} | "
+                     f"{m['held_out_perplexity']} | {m['unigram_perplexity']} | "
+                     + " | ".join(recall) + " |")
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
