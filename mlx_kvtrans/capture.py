@@ -139,11 +139,13 @@ def tapped(model: nn.Module, layout: ModelLayout, points: set[int]):
 
 
 def capture(model: nn.Module, tokens, points=(1, 2, 3), chunk_size: int | None = None,
-            layout: ModelLayout | None = None) -> Capture:
+            layout: ModelLayout | None = None, cache: list | None = None) -> Capture:
     """Prefill `tokens` ((T,) or (B, T) ids) and capture every cache object at `points`.
 
     `chunk_size` prefills in chunks (as mlx-lm's generation does), which bounds memory on long
-    prompts; the captured objects are the same.
+    prompts; the captured objects are the same. With `cache` (an mlx-lm cache that has read
+    earlier tokens) the prefill continues it: (1)/(2) objects cover the new tokens, (3) objects
+    are the whole cache.
     """
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -152,7 +154,7 @@ def capture(model: nn.Module, tokens, points=(1, 2, 3), chunk_size: int | None =
     if tokens.ndim == 1:
         tokens = tokens[None]
     points = set(points)
-    engine = make_prompt_cache(model)
+    engine = cache if cache is not None else make_prompt_cache(model)
     step = chunk_size or tokens.shape[1]
     with tapped(model, layout, points - {3}) as rec:
         for start in range(0, tokens.shape[1], step):

@@ -167,3 +167,27 @@ def test_checks_hold_on_a_quantized_model(model_dirs):
     nn.quantize(lm.model, group_size=32, bits=8)
     assert kv.layout_of(lm.model).layers[0].cache.object("keys").engine_shape == (1, 2, "T", 16)
     assert all(c.passed for c in run_checks(lm.model, lm.tokenizer))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_capture_continues_a_cache_and_append_grows_one(loaded, family):
+    """Segment by segment: capturing the second half on the first half's cache gives that
+    half's objects, and appending converted (1) objects to an installed cache continues exactly."""
+    model = loaded(family).model
+    toks = tokens()
+    first = kv.capture(model, toks[:, :24])
+    second = kv.capture(model, toks[:, 24:PREFIX], cache=first.engine)
+    whole = kv.capture(model, toks[:, :PREFIX])
+    layout = whole.layout
+    cache = kv.install(model, kv.capture(model, toks[:, :24]).at(3))
+    previous = [layer.cache.read_engine(c) for layer, c in zip(layout.layers, cache)]
+    converted = kv.to_engine(model, second.at(1), 1, offset=24, previous=previous)
+    for layer, c, objects in zip(layout.layers, cache, converted):
+        layer.cache.append(c, objects)
+        for name in objects:  # per-token objects of the half equal the whole's slice
+            got = second.objects[layer.index].get((name, 1))
+            want = whole.objects[layer.index].get((name, 1))
+            if got is not None and not isinstance(got, kv.RecurrentInputs):
+                assert max_abs_diff(got, want[:, 24:]) <= 1e-5
+    expected = model(toks[:, PREFIX:], cache=whole.engine)
+    assert max_abs_diff(model(toks[:, PREFIX:], cache=cache), expected) <= 1e-5

@@ -48,6 +48,11 @@ class LayerCache:
     def build_cache(self, objects: dict[str, mx.array]):
         raise NotImplementedError
 
+    def append(self, cache, objects: dict[str, mx.array]):
+        """Grow `cache` by (3) objects of the tokens after it (per-token objects are appended,
+        fixed-size ones replaced); returns the cache."""
+        raise NotImplementedError
+
     def point_of(self, name: str, point: int | dict[str, int]) -> int:
         return point[name] if isinstance(point, dict) else self.object(name).point_for(point)
 
@@ -64,6 +69,12 @@ def kv_cache(keys: mx.array, values: mx.array):
 
     cache = KVCache()
     cache.keys, cache.values, cache.offset = keys, values, keys.shape[2]
+    return cache
+
+
+def kv_append(cache, keys: mx.array, values: mx.array):
+    """Append to a `KVCache` the way the engine does (offset advances, RoPE positions follow)."""
+    cache.update_and_fetch(keys, values)
     return cache
 
 
@@ -100,3 +111,8 @@ class CacheListLayer(LayerCache):
 
         return CacheList(*(p.build_cache({o.name: objects[o.name] for o in p.objects})
                            for p in self.parts))
+
+    def append(self, cache, objects):
+        for part, c in zip(self.parts, cache.caches):
+            part.append(c, {o.name: objects[o.name] for o in part.objects})
+        return cache

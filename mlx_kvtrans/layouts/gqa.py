@@ -9,7 +9,7 @@ Values are the raw `v_proj` output at every point.
 from __future__ import annotations
 
 
-from .base import LayerCache, kv_cache, kv_contents
+from .base import LayerCache, kv_append, kv_cache, kv_contents
 from .objects import ObjectKind, Rotation, activation_dtype, per_token_object
 
 
@@ -71,3 +71,7 @@ class GQAKeysValues(LayerCache):
 
     def build_cache(self, objects):
         return kv_cache(self.cast("keys", objects["keys"]), self.cast("values", objects["values"]))
+
+    def append(self, cache, objects):
+        return kv_append(cache, self.cast("keys", objects["keys"]),
+                         self.cast("values", objects["values"]))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .base import LayerCache, kv_cache, kv_contents
+from .base import LayerCache, kv_append, kv_cache, kv_contents
 from .objects import ObjectKind, Rotation, activation_dtype, per_token_object
 
 
@@ -53,3 +53,7 @@ class IndexerKeys(LayerCache):
     def build_cache(self, objects):
         keys = self.cast("indexer_key", objects["indexer_key"])
         return kv_cache(keys, mx.zeros_like(keys))
+
+    def append(self, cache, objects):
+        keys = self.cast("indexer_key", objects["indexer_key"])
+        return kv_append(cache, keys, mx.zeros_like(keys))

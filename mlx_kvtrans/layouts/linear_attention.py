@@ -114,6 +114,11 @@ class _DeltaRuleLayer(LayerCache):
             cache[i] = self.cast(name, objects[name])
         return cache
 
+    def append(self, cache, objects):
+        for i, name in enumerate(self.conv_names + ("state",)):
+            cache[i] = self.cast(name, objects[name])
+        return cache
+
     def to_engine(self, objects, point, offset=0, previous=None):
         previous = previous or {}
         out = {}

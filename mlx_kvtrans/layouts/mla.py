@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .base import LayerCache, kv_cache, kv_contents
+from .base import LayerCache, kv_append, kv_cache, kv_contents
 from .objects import ObjectKind, Rotation, activation_dtype, per_token_object
 
 
@@ -64,3 +64,7 @@ class MLALatent(LayerCache):
     def build_cache(self, objects):
         return kv_cache(self.cast("latent", objects["latent"]),
                         self.cast("rope_key", objects["rope_key"]))
+
+    def append(self, cache, objects):
+        return kv_append(cache, self.cast("latent", objects["latent"]),
+                         self.cast("rope_key", objects["rope_key"]))
