@@ -34,6 +34,8 @@ def user_errors(command):
     def run(*args, **kwargs):
         try:
             return command(*args, **kwargs)
+        except (typer.Exit, typer.Abort):
+            raise  # a command's own exit code
         except KvtransError as e:
             err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
             raise typer.Exit(2)

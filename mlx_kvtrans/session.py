@@ -127,15 +127,15 @@ class Session:
         logits = self._read(line, len(self.tokens))
         if logits is None:
             raise ValueError("nothing new to respond to: add tokens first")
-        for _ in range(max_tokens):
+        for i in range(max_tokens):
             if temperature > 0:
                 token = int(mx.random.categorical(logits / temperature))
             else:
                 token = int(mx.argmax(logits, axis=-1))
             self.tokens.append(token)
             yield token
-            if stop and token in stop:
-                break
+            if (stop and token in stop) or i == max_tokens - 1:
+                break  # the last token is read with the next turn
             logits = self._read(line, len(self.tokens))
 
     # -- switching ----------------------------------------------------------------------------

@@ -127,3 +127,19 @@ def test_malformed_config_is_a_user_error(tmp_path, model_dirs):
     (broken / "config.json").write_text(json.dumps(config))
     result = kvtrans("inspect", broken)
     assert result.exit_code == 2 and "Traceback" not in result.output
+
+
+def test_failed_verification_exits_1_without_internal_error(model_dirs, monkeypatch):
+    from mlx_kvtrans import verify
+
+    real = verify.run_checks
+
+    def one_failing(*args, **kwargs):
+        checks = real(*args, **kwargs)
+        checks[0].passed = False
+        return checks
+
+    monkeypatch.setattr(verify, "run_checks", one_failing)
+    result = kvtrans("verify", model_dirs("qwen3"))
+    assert result.exit_code == 1
+    assert "FAIL" in result.output and "internal error" not in result.output

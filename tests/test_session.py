@@ -1,0 +1,189 @@
+"""Handoff sessions and the chat: segment-wise transfer, visible fallbacks, a transcript that
+survives."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import load_prompt_cache
+
+import mlx_kvtrans as kv
+from mlx_kvtrans.chat import Chat, Transcript
+from mlx_kvtrans.session import Session
+from mlx_kvtrans.translators import artifact
+from mlx_kvtrans.translators.fit import fit, plan
+from mlx_kvtrans.verify import max_abs_diff
+
+
+@pytest.fixture(scope="module")
+def pair(model_dirs, tmp_path_factory):
+    """kimi_linear <-> kimi_vl tiny models with stage-1 translators both ways, saved."""
+    a, b = kv.load(str(model_dirs("kimi_linear"))), kv.load(str(model_dirs("kimi_vl")))
+    batches = [mx.random.randint(0, 259, (4, 48), key=mx.random.key(i)) for i in range(3)]
+    root = tmp_path_factory.mktemp("translators")
+    paths = {}
+    for s, t in ((a, b), (b, a)):
+        specs = plan(kv.layout_of(s.model), kv.layout_of(t.model))
+        tr = fit(s.model, t.model, batches, specs)
+        paths[(s.name, t.name)] = artifact.save(tr, root / f"{Path(s.name).name}__{Path(t.name).name}", s, t)
+    return a, b, paths
+
+
+def session_for(pair, strategy="segment", both=True):
+    a, b, paths = pair
+    translators = {key: (artifact.load(p), None) for key, p in paths.items()
+                   if both or key == (a.name, b.name)}
+    return Session({a.name: a, b.name: b}, translators, active=a.name, strategy=strategy)
+
+
+def test_segment_wise_transfer_translates_only_new_tokens(pair):
+    a, b, _ = pair
+    s = session_for(pair)
+    s.add(list(range(60, 90)))
+    list(s.generate(5))
+    first = s.switch(b.name)
+    assert first.status == "applied" and first.tokens_translated == 34  # 30 read + 4 generated
+    s.add(list(range(100, 110)))
+    list(s.generate(5))
+    # b read a's last token, the 10 new ones and 4 of its 5: a lacks those 15
+    back = s.switch(a.name)
+    assert back.status == "applied" and back.tokens_translated == 15
+    s.add([5, 6, 7])
+    list(s.generate(3))
+    # a read b's last token, the 3 new ones and 2 of its 3 tokens: b lacks those 6
+    again = s.switch(b.name)
+    assert again.tokens_translated == 6
+    assert s.lines[b.name].seen == s.lines[a.name].seen == len(s.tokens) - 1
+
+
+def test_segment_translation_equals_translating_the_whole_prefix(pair):
+    """Appending a translated span to a cache equals translating everything at once, when the
+    source computed the whole history itself."""
+    a, b, _ = pair
+    seg, naive = session_for(pair), session_for(pair, strategy="naive")
+    for s in (seg, naive):
+        s.add(list(range(40, 80)))
+        list(s.generate(4))
+    seg.switch(b.name)
+    naive.switch(b.name)
+    x = mx.array([[11, 12, 13]])
+    assert max_abs_diff(b.model(x, cache=seg.lines[b.name].cache),
+                        b.model(x, cache=naive.lines[b.name].cache)) <= 1e-4
+
+
+def test_missing_translator_falls_back_visibly(pair):
+    a, b, _ = pair
+    s = session_for(pair, both=False)
+    s.add(list(range(30, 50)))
+    list(s.generate(3))
+    s.switch(b.name)
+    s.add([1, 2, 3])
+    list(s.generate(3))
+    back = s.switch(a.name)
+    assert back.status == "fallback_reprefill" and "no translator" in back.reason
+    assert back.tokens_reprefilled > 0 and s.lines[a.name].seen == s.lines[b.name].seen
+
+
+def test_non_finite_translation_falls_back(pair):
+    a, b, _ = pair
+    s = session_for(pair)
+    tr, _ = s.translators[(a.name, b.name)]
+    poisoned = dict(tr.params)
+    key = next(k for k in poisoned if k.endswith(".weight"))
+    poisoned[key] = poisoned[key] * mx.nan
+    s.translators[(a.name, b.name)] = (type(tr)(tr.source_point, tr.token_identity, tr.specs,
+                                                poisoned, tr.info), None)
+    s.add(list(range(30, 50)))
+    list(s.generate(2))
+    status = s.switch(b.name)
+    assert status.status == "fallback_reprefill" and "not finite" in status.reason
+    assert s.lines[b.name].seen == s.lines[a.name].seen
+
+
+def test_refresh_reprefills_every_n_switches(pair):
+    a, b, _ = pair
+    s = session_for(pair, strategy="refresh")
+    s.refresh_every = 2
+    s.add(list(range(30, 50)))
+    kinds = []
+    for i in range(4):
+        list(s.generate(2))
+        kinds.append(s.switch(b.name if i % 2 == 0 else a.name).status)
+    assert kinds == ["applied", "applied", "fallback_reprefill", "fallback_reprefill"]
+
+
+def test_saved_session_cache_continues_in_mlx_lm(pair, tmp_path):
+    a, b, _ = pair
+    s = session_for(pair)
+    s.add(list(range(30, 60)))
+    list(s.generate(3))
+    s.switch(b.name)
+    chat = Chat(s, Transcript(tmp_path / "t.json", {}))
+    message = chat.command(f"/save {tmp_path / 'c.safetensors'}")
+    assert "saved" in message
+    x = mx.array([[9, 8, 7]])
+    reloaded = load_prompt_cache(str(tmp_path / "c.safetensors"))
+    assert max_abs_diff(b.model(x, cache=reloaded), b.model(x, cache=s.lines[b.name].cache)) \
+        <= 1e-5
+
+
+def _script(tmp_path, lines):
+    path = tmp_path / "script.txt"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_scripted_chat_with_two_switches(pair, tmp_path):
+    a, b, paths = pair
+    script = _script(tmp_path, ["hello there", "/switch", "and you?", "/switch", "bye"])
+    transcript = tmp_path / "chat.json"
+    cmd = [sys.executable, "-m", "mlx_kvtrans.cli.main", "chat", "--from", a.name, "--to", b.name,
+           "--translator", str(paths[(a.name, b.name)]), "--back", str(paths[(b.name, a.name)]),
+           "--script", str(script), "--transcript", str(transcript), "--max-tokens", "6"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    events = json.loads(transcript.read_text())["events"]
+    switches = [e for e in events if e["kind"] == "switch"]
+    assert [e["status"] for e in switches] == ["applied", "applied"]
+    replies = [e["model"] for e in events if e["kind"] == "reply"]
+    assert replies == [a.name, b.name, a.name]
+
+
+def test_killed_chat_keeps_its_transcript(pair, tmp_path):
+    a, b, paths = pair
+    script = _script(tmp_path, ["turn one"] + ["another turn"] * 200)
+    transcript = tmp_path / "chat.json"
+    cmd = [sys.executable, "-m", "mlx_kvtrans.cli.main", "chat", "--from", a.name, "--to", b.name,
+           "--translator", str(paths[(a.name, b.name)]), "--script", str(script),
+           "--transcript", str(transcript), "--max-tokens", "20"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if transcript.exists() and '"reply"' in transcript.read_text():
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    events = json.loads(transcript.read_text())["events"]  # complete, valid JSON
+    assert events[0] == {**events[0], "kind": "user", "text": "turn one"}
+    assert any(e["kind"] == "reply" for e in events)
+    # Ctrl-C: exit 130, transcript saved
+    transcript = tmp_path / "chat2.json"
+    cmd[cmd.index("--transcript") + 1] = str(transcript)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (transcript.exists() and
+                                          '"reply"' in transcript.read_text()):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    code = proc.wait(timeout=60)
+    stderr = proc.stderr.read()
+    assert code == 130, stderr[-2000:]
+    assert "Traceback" not in stderr
+    assert any(e["kind"] == "reply" for e in json.loads(transcript.read_text())["events"])
