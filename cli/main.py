@@ -610,6 +610,136 @@ def chat(source: str = typer.Option("kimi-linear", "--from", help="the model tha
     _ = COMMANDS
 
 
+def _realistic_pair(name: str, dtype):
+    """Random-weight models with real checkpoints' per-layer sizes, and a translator of the
+    right shapes (fitted on random tokens: timings depend on shapes, not values)."""
+    from mlx_kvtrans.models import LoadedModel, cast_parameters
+    from mlx_kvtrans.translators.fit import fit as fit_translator
+    from mlx_kvtrans.translators.fit import plan
+    from mlx_kvtrans.zoo.families import REALISTIC_PAIRS, realistic_config
+    from mlx_kvtrans.zoo.random_model import build_model
+
+    if name not in REALISTIC_PAIRS:
+        raise KvtransError(f"--realistic takes {', '.join(REALISTIC_PAIRS)}")
+    source_name, target_name = REALISTIC_PAIRS[name]
+    models = []
+    for i, n in enumerate((source_name, target_name)):
+        config = realistic_config(n, vocab_size=4096)
+        model = build_model(config, seed=i)
+        cast_parameters(model, dtype)
+        models.append(LoadedModel(n, Path("."), model, None, config))
+    specs = plan(mlx_kvtrans.layout_of(models[0].model), mlx_kvtrans.layout_of(models[1].model))
+    tokens = [mx_random_tokens(1, 64, 4096)]
+    translator = fit_translator(models[0].model, models[1].model, tokens, specs)
+    return models[0], models[1], translator
+
+
+def mx_random_tokens(batch, length, vocab, seed=0):
+    import mlx.core as mx
+
+    return mx.random.randint(0, vocab, (batch, length), key=mx.random.key(seed))
+
+
+@app.command()
+@user_errors
+def bench(source: str = typer.Option("kimi-linear", "--from"),
+          target: str = typer.Option("kimi-vl", "--to"),
+          translator_dir: Path = typer.Option(None, "--translator",
+                                              help="default: the shipped FROM -> TO"),
+          realistic: str = typer.Option(None, help="time random models with real per-layer "
+                                        "sizes instead: kimi, qwen3.5 or dsa"),
+          lengths: str = typer.Option("1024,2048,4096", help="prompt lengths (comma-separated)"),
+          repeats: int = typer.Option(3, min=1),
+          dtype: str = typer.Option("float32", help="float32 or bfloat16 (bf16 is ~8x slower on "
+                                    "a CPU; Macs run it)"),
+          out_dir: Path = typer.Option(Path("benchmarks/results"), help="JSON and PNG go here"),
+          as_json: bool = typer.Option(False, "--json")):
+    """Time to first token after a switch (warm, cold) versus re-prefill on the target."""
+    import mlx.core as mx
+
+    from mlx_kvtrans.bench import bench_switch
+    from mlx_kvtrans.blas import blas_report
+    from mlx_kvtrans.models import cast_parameters
+    from mlx_kvtrans.translators import artifact
+
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise KvtransError("--dtype must be float32, bfloat16 or float16")
+    try:
+        sizes = [int(x) for x in lengths.split(",")]
+    except ValueError:
+        raise KvtransError("--lengths must be integers separated by commas")
+    codebook = None
+    if realistic:
+        src, tgt, translator = _realistic_pair(realistic, getattr(mx, dtype))
+        label = f"realistic-{realistic}"
+        vocab = 4096
+    else:
+        path = translator_dir or _default_translator(source, target)
+        if path is None:
+            raise KvtransError(f"no translator {source} -> {target}: give --translator DIR "
+                               "(kvtrans fit makes one) or use --realistic")
+        translator, src, tgt, codebook = _load_translator_pair(path, source, target)
+        for lm in (src, tgt):
+            cast_parameters(lm.model, getattr(mx, dtype))
+        label = f"{Path(src.name).name}__{Path(tgt.name).name}"
+        vocab = len(src.tokenizer.get_vocab())
+    blas = blas_report()
+    rows = bench_switch(translator, src.model, tgt.model, sizes, repeats, vocab, codebook)
+    result = {"pair": label, "source": src.name, "target": tgt.name, "dtype": dtype,
+              "device": str(mx.default_device()), "blas": blas.name,
+              "matmul_peak_gflops": round(blas.gflops, 1), "repeats": repeats,
+              "rows": [r.to_json() for r in rows]}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path = out_dir / f"bench-{label}-{dtype}.json"
+    json_path.write_text(json.dumps(result, indent=2) + "\n")
+    plot = _plot_bench(result, out_dir / f"bench-{label}-{dtype}.png")
+    if as_json:
+        print(json.dumps(result, indent=2))
+        return
+    table = Table(title=f"TTFT after a switch · {label} · {dtype} · {blas.name} "
+                        f"({blas.gflops:.0f} GFLOP/s peak) · median of {repeats}",
+                  title_justify="left")
+    for col in ("tokens", "re-prefill", "warm switch", "speed-up", "cold switch", "speed-up",
+                "translate GFLOP/s", "peak MB switch / prefill"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(str(r.length), f"{r.reprefill_s * 1000:.1f} ms",
+                      f"{r.warm_switch_s * 1000:.1f} ms", f"x{r.speedup_warm:.1f}",
+                      f"{r.cold_switch_s * 1000:.1f} ms", f"x{r.speedup_cold:.2f}",
+                      f"{r.translate_gflops:.1f} ({100 * r.translate_gflops / blas.gflops:.0f}%)",
+                      f"{r.peak_mb_switch:.0f} / {r.peak_mb_reprefill:.0f}")
+    out.print(table)
+    out.print(f"wrote {json_path}" + (f" and {plot}" if plot else " (no plot: pip install "
+                                                                  "matplotlib)"))
+
+
+def _plot_bench(result: dict, path: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    rows = result["rows"]
+    x = [r["length"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key, label in (("reprefill_s", "re-prefill"), ("cold_switch_s", "cold switch"),
+                       ("warm_switch_s", "warm switch (translate)")):
+        ax.plot(x, [r[key] * 1000 for r in rows], marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("time to first token (ms)")
+    ax.set_title(f"{result['pair']} · {result['dtype']} · {result['blas']}")
+    ax.legend()
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def main() -> None:  # pragma: no cover
     app()
 

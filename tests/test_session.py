@@ -187,3 +187,23 @@ def test_killed_chat_keeps_its_transcript(pair, tmp_path):
     assert code == 130, stderr[-2000:]
     assert "Traceback" not in stderr
     assert any(e["kind"] == "reply" for e in json.loads(transcript.read_text())["events"])
+
+
+def test_bench_times_switch_and_reprefill_side_by_side(pair, tmp_path):
+    from typer.testing import CliRunner
+
+    from mlx_kvtrans.cli.main import app
+
+    a, b, paths = pair
+    result = CliRunner().invoke(app, ["bench", "--from", a.name, "--to", b.name, "--translator",
+                                      str(paths[(a.name, b.name)]), "--lengths", "32,64",
+                                      "--repeats", "1", "--out-dir", str(tmp_path), "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert [r["length"] for r in data["rows"]] == [32, 64]
+    for r in data["rows"]:
+        assert r["warm_switch_s"] > 0 and r["reprefill_s"] > 0 and r["cold_switch_s"] > 0
+        assert r["speedup_warm"] == pytest.approx(r["reprefill_s"] / r["warm_switch_s"])
+    assert data["blas"] == "openblas" and data["dtype"] == "float32"
+    assert (tmp_path / "bench-kimi_linear__kimi_vl-float32.json").exists()
+    assert (tmp_path / "bench-kimi_linear__kimi_vl-float32.png").exists()

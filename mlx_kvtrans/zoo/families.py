@@ -82,3 +82,49 @@ def tiny_config(family: str, vocab_size: int, special_token_ids: dict | None = N
     target["vocab_size"] = vocab_size
     target.update(special_token_ids)
     return config
+
+
+# Per-layer sizes of the real checkpoints, with 4 layers and MoE off (dense MLPs of the
+# checkpoint's dense width), for timing: a switch's cost depends on the per-layer objects, a
+# prefill's on the per-layer weights, so the ratios carry over per layer.
+REALISTIC: dict[str, dict] = {
+    "kimi-linear": dict(  # Kimi-Linear-48B-A3B: MLA latent 512 + rope 64 (no RoPE), KDA 32 x 128
+        model_type="kimi_linear", hidden_size=2304, num_hidden_layers=4, intermediate_size=9216,
+        num_attention_heads=32, num_key_value_heads=32, head_dim=72, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, mla_use_nope=True,
+        rope_theta=10000.0, model_max_length=131072, num_experts=0, moe_intermediate_size=1024,
+        rms_norm_eps=1e-5, tie_word_embeddings=False,
+        linear_attn_config={"kda_layers": [1, 2, 3], "full_attn_layers": [4], "num_heads": 32,
+                            "head_dim": 128, "short_conv_kernel_size": 4}),
+    "kimi-vl": dict(  # Kimi-VL-A3B text model: DeepSeek-V3 MLA, latent 512 + rope 64
+        model_type="kimi_vl", text_config=dict(
+            model_type="deepseek_v3", hidden_size=2048, num_hidden_layers=4,
+            intermediate_size=11264, num_attention_heads=16, num_key_value_heads=16,
+            kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=128,
+            v_head_dim=128, n_routed_experts=64, n_shared_experts=2, first_k_dense_replace=4,
+            rope_theta=800000.0, rms_norm_eps=1e-5, max_position_embeddings=131072)),
+    "qwen3.5": dict(  # Qwen3.5-27B: GDN 16 x 128 keys, 48 x 128 values; attention 24/4 x 256
+        model_type="qwen3_5", hidden_size=5120, num_hidden_layers=4, intermediate_size=17408,
+        num_attention_heads=24, num_key_value_heads=4, head_dim=256, linear_num_value_heads=48,
+        linear_num_key_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_conv_kernel_dim=4, full_attention_interval=4, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, max_position_embeddings=262144,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                         "partial_rotary_factor": 0.25}),
+    "deepseek-v3.2": dict(  # DeepSeek-V3.2: MLA 512 + 64, indexer 64 heads x 128, top-k 2048
+        model_type="deepseek_v32", hidden_size=7168, num_hidden_layers=4, intermediate_size=18432,
+        num_attention_heads=128, num_key_value_heads=128, kv_lora_rank=512, q_lora_rank=1536,
+        qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, n_routed_experts=256,
+        n_shared_experts=1, first_k_dense_replace=4, index_head_dim=128, index_n_heads=64,
+        index_topk=2048, rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=163840),
+}
+REALISTIC_PAIRS = {"kimi": ("kimi-linear", "kimi-vl"), "qwen3.5": ("qwen3.5", "qwen3.5"),
+                   "dsa": ("qwen3.5", "deepseek-v3.2")}
+
+
+def realistic_config(name: str, vocab_size: int, special_token_ids: dict | None = None) -> dict:
+    config = copy.deepcopy(REALISTIC[name])
+    target = config.get("text_config", config)
+    target["vocab_size"] = vocab_size
+    target.update(special_token_ids or {})
+    return config
