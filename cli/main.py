@@ -610,6 +610,41 @@ def chat(source: str = typer.Option("kimi-linear", "--from", help="the model tha
     _ = COMMANDS
 
 
+@eval_app.command("multiturn")
+@user_errors
+def eval_multiturn(translator_dir: Path = typer.Option(..., "--translator", help="A -> B"),
+                   back: Path = typer.Option(None, help="B -> A (default: shipped, else re-read)"),
+                   dialogues: int = typer.Option(20, help="held-out dialogues"),
+                   turns: int = typer.Option(10, min=2),
+                   as_json: bool = typer.Option(False, "--json")):
+    """Per-turn answer accuracy of dialogues alternating models, for segment-wise, naive and
+    refresh switching and for re-prefill."""
+    from mlx_kvtrans.multiturn import evaluate
+    from mlx_kvtrans.translators import artifact
+
+    forward, src, tgt, codebook = _load_translator_pair(translator_dir, None, None)
+    translators = {(src.name, tgt.name): (forward, codebook)}
+    back_path = back or _default_translator(tgt.name, src.name)
+    if back_path is not None:
+        translators[(tgt.name, src.name)] = (artifact.load(back_path, tgt, src), None)
+    table = evaluate({src.name: src, tgt.name: tgt}, translators, dialogues, turns)
+    if as_json:
+        print(json.dumps({"models": [src.name, tgt.name], "dialogues": dialogues,
+                          "accuracy": table}, indent=2))
+        return
+    turn_keys = sorted({k for row in table.values() for k in row if k != "all"}, key=int)
+    view = Table(title=f"multi-turn accuracy · {src.name} <-> {tgt.name} · {dialogues} dialogues",
+                 title_justify="left")
+    view.add_column("strategy")
+    for k in turn_keys:
+        view.add_column(f"turn {int(k) + 1}", justify="right")
+    view.add_column("all", justify="right")
+    for strategy, row in table.items():
+        view.add_row(strategy, *(f"{row[k]:.2f}" if k in row else "-" for k in turn_keys),
+                     f"{row['all']:.2f}")
+    out.print(view)
+
+
 def _realistic_pair(name: str, dtype):
     """Random-weight models with real checkpoints' per-layer sizes, and a translator of the
     right shapes (fitted on random tokens: timings depend on shapes, not values)."""

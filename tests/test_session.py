@@ -207,3 +207,20 @@ def test_bench_times_switch_and_reprefill_side_by_side(pair, tmp_path):
     assert data["blas"] == "openblas" and data["dtype"] == "float32"
     assert (tmp_path / "bench-kimi_linear__kimi_vl-float32.json").exists()
     assert (tmp_path / "bench-kimi_linear__kimi_vl-float32.png").exists()
+
+
+def test_multiturn_dialogues_alternate_models_and_find_the_questions(pair):
+    from mlx_kvtrans.multiturn import HELD_OUT_DIALOGUES, run_dialogue
+    from mlx_kvtrans.zoo import synthetic
+
+    a, b, paths = pair
+    translators = {key: (artifact.load(p), None) for key, p in paths.items()}
+    rows = run_dialogue({a.name: a, b.name: b}, translators, "segment", HELD_OUT_DIALOGUES, 6,
+                        max_tokens=4)
+    sample = synthetic.dialogue(HELD_OUT_DIALOGUES, turns=6)
+    users = [m for m in sample.messages if m["role"] == "user"]
+    assert len(rows) == len(users) == 6
+    assert [r["model"] for r in rows] == [a.name, b.name] * 3
+    assert [r["question"] for r in rows] == [u["content"].startswith("What was the number")
+                                            for u in users]
+    assert rows[-1]["question"] and all(r["right"] in (True, False) for r in rows if r["question"])
