@@ -1,8 +1,8 @@
 """Training batches for the zoo: corpus windows mixed with synthetic recall tasks.
 
-Every row is exactly `length + 1` tokens. A synthetic sample (needle, key-value, dialogue) takes the
-end of its row and a corpus window fills the front, so recall is trained at every depth and at
-every prompt length up to the row length. The batch of step `s` depends only on (seed, s): training
+Every row is exactly `length + 1` tokens: a corpus window, or a synthetic sample (needle,
+key-value, dialogue) of a random length up to the row's, padded in front outside the loss, so
+recall is trained at every depth and at every prompt length up to the row length. The batch of step `s` depends only on (seed, s): training
 resumes from a checkpoint without storing any random state.
 """
 
@@ -129,8 +129,10 @@ def make_batch(step: int, seed: int, batch: int, length: int, stream: TokenStrea
         prompt, answer = getattr(maker, {"kv": "key_value"}.get(kind, kind))(sample_seed, budget)
         sample = prompt + answer
         front = length + 1 - len(sample)
-        prefix = list(stream.window(rng, front - 1)) + [eot] if front > 0 else []
-        tokens[row] = np.asarray(prefix + sample, dtype=np.int32)[-(length + 1):]
+        # Padding in front, outside the loss: the sample is the whole context, as when measured
+        # (a corpus window in front would put unrelated numbers beside the code).
+        tokens[row] = np.asarray([eot] * front + sample, dtype=np.int32)[-(length + 1):]
+        weights[row, :max(0, front - 1)] = 0.0
         # targets are tokens[1:]: the answer occupies the last len(answer) targets
         weights[row, length - len(answer):] = mix.answer_weight
     return tokens, weights
