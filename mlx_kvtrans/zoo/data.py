@@ -73,14 +73,15 @@ class SampleMaker:
         return self.tok.encode(text).ids
 
     def needle(self, seed: int, budget: int) -> tuple[list[int], list[int]]:
+        """A needle of at most `budget` tokens: filler shrinks until it fits (never cut, so
+        the code and the question always stay in)."""
         n_chars = max(60, int(budget * 3.6))
-        for _ in range(6):
+        while True:
             s = synthetic.needle(seed, n_chars=n_chars, filler=self.filler)
             prompt, answer = self.encode(s.prompt), self.encode(s.answer)
-            if len(prompt) + len(answer) <= budget:
+            if len(prompt) + len(answer) <= budget or n_chars == 0:
                 return prompt, answer
-            n_chars = int(n_chars * 0.8 * budget / (len(prompt) + len(answer)))
-        return prompt[-(budget - len(answer)):], answer  # last resort: keep the question
+            n_chars = int(n_chars * 0.85 * budget / (len(prompt) + len(answer)))
 
     def key_value(self, seed: int, budget: int):
         n_pairs = 2
@@ -94,6 +95,8 @@ class SampleMaker:
             n_pairs += 2
 
     def dialogue(self, seed: int, budget: int):
+        """The longest dialogue (8, 6, 4 or 2 turns) that fits; a 2-turn one is cut in front
+        only if it must (its fact is in the last user turn but one)."""
         turns = 8
         while True:
             s = synthetic.dialogue(seed, turns=turns, filler=self.filler)
@@ -125,6 +128,8 @@ def make_batch(step: int, seed: int, batch: int, length: int, stream: TokenStrea
         if curriculum and step < curriculum:
             longest = min(length, 64 + (length - 64) * step // curriculum)
         budget = rng.randrange(min(32, longest - 1), longest)  # mixed prompt lengths
+        if kind == "dialogue" and budget < 128:
+            kind = "needle"  # too short for a dialogue whose fact survives whole
         sample_seed = rng.randrange(1 << 30)
         prompt, answer = getattr(maker, {"kv": "key_value"}.get(kind, kind))(sample_seed, budget)
         sample = prompt + answer
