@@ -52,14 +52,16 @@ class TokenStream:
 @dataclass
 class Mix:
     text: float = 0.3
-    needle: float = 0.5
+    needle: float = 0.35
     kv: float = 0.1
     dialogue: float = 0.1
+    copy: float = 0.15  # a passage then the same passage again: grows induction heads early
     answer_weight: float = 4.0  # loss weight on answer tokens (the copied digits)
 
+    KINDS = ("text", "needle", "kv", "dialogue", "copy")
+
     def draw(self, rng: random.Random) -> str:
-        kinds = ["text", "needle", "kv", "dialogue"]
-        return rng.choices(kinds, weights=[getattr(self, k) for k in kinds])[0]
+        return rng.choices(self.KINDS, weights=[getattr(self, k) for k in self.KINDS])[0]
 
 
 class SampleMaker:
@@ -131,7 +133,12 @@ def make_batch(step: int, seed: int, batch: int, length: int, stream: TokenStrea
         if kind == "dialogue" and budget < 128:
             kind = "needle"  # too short for a dialogue whose fact survives whole
         sample_seed = rng.randrange(1 << 30)
-        prompt, answer = getattr(maker, {"kv": "key_value"}.get(kind, kind))(sample_seed, budget)
+        if kind == "copy":  # a corpus passage, a separator, the passage again (the "answer")
+            passage = list(stream.window(rng, max(4, (budget - 1) // 2)))
+            prompt, answer = passage + [eot], passage
+        else:
+            prompt, answer = getattr(maker, {"kv": "key_value"}.get(kind, kind))(sample_seed,
+                                                                               budget)
         sample = prompt + answer
         front = length + 1 - len(sample)
         # Padding in front, outside the loss: the sample is the whole context, as when measured

@@ -77,7 +77,7 @@ RECIPES = {r.alias: r for r in [
            seed=15, steps=1500),
     Recipe("qwen3.5-b", "qwen3_5", "same geometry, next generation: qwen3.5-a trained on (Pair B)",
            {}, seed=16, steps=600, lr=1.5e-3, warmup=50, init_from="qwen3.5-a",
-           curriculum=0, mix=Mix(text=0.35, needle=0.35, kv=0.1, dialogue=0.2)),
+           curriculum=0, mix=Mix(text=0.35, needle=0.3, kv=0.1, dialogue=0.2, copy=0.05)),
     Recipe("dsa", "deepseek_v32", "MLA + sparse indexer (Pair C target)",
            dict(model_type="deepseek_v32", **_base(128, 4), **_MLA, first_k_dense_replace=4,
                 index_head_dim=32, index_n_heads=2, index_topk=64),
