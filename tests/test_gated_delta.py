@@ -65,3 +65,17 @@ def test_models_run_the_chunked_recurrence_unchanged(loaded, family):
     layer = cap.layout.layers[0]
     _, state = kv.replay(layer.cache, cap.layer(0, 2)["state"], parallel=True)
     assert max_abs_diff(state, cap.layer(0, 3)["state"]) <= 1e-5
+
+
+@pytest.mark.skipif(not kv.layouts.linear_attention.metal_recurrence_available(),
+                    reason="mlx-lm's Metal recurrence kernel runs only on a Mac GPU")
+@pytest.mark.parametrize("family", ["kimi_linear", "qwen3_5"])
+def test_metal_kernel_replay_equals_the_pure_mlx_twins(loaded, family):
+    model = loaded(family).model
+    cap = kv.capture(model, mx.random.randint(0, 259, (1, 64), key=mx.random.key(2)))
+    layer = cap.layout.layers[0]
+    inputs = cap.layer(0, 2)["state"]
+    _, kernel = kv.replay(layer.cache, inputs, use_kernel=True)
+    _, ops = kv.replay(layer.cache, inputs, use_kernel=False)
+    _, chunked = kv.replay(layer.cache, inputs, parallel=True)
+    assert max_abs_diff(kernel, ops) <= 1e-4 and max_abs_diff(kernel, chunked) <= 1e-4
