@@ -134,7 +134,7 @@ def main():
 
 
 def markdown(results) -> str:
-    lines = [f"# Stage-1 translators on the zoo (closed form)\n",
+    lines = ["# Stage-1 translators on the zoo (closed form)\n",
              f"Fitted on {results['fit_windows']} windows of {results['fit_length']} tokens of the "
              f"train split; measured on the test split. KL in nats/token over 64 continuation "
              f"tokens (no-cache floor in brackets); greedy agreement of 32 tokens; exact needle "

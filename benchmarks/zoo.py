@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from mlx_kvtrans.models import weights_dir, zoo_aliases
+from mlx_kvtrans.models import zoo_aliases
 
 OUT = Path(__file__).parent / "results" / "zoo.md"
 

@@ -493,7 +493,7 @@ def eval_fidelity(translator_dir: Path = typer.Option(..., "--translator"),
     try:
         lengths = [int(x) for x in prefix_lengths.split(",")]
     except ValueError:
-        raise KvtransError(f"--prefix-lengths must be integers separated by commas")
+        raise KvtransError("--prefix-lengths must be integers separated by commas")
     ids = src.tokenizer.encode(text.read_text(errors="replace"))
     try:
         rows = fidelity(translator, src.model, tgt.model, ids, lengths, windows=windows,
@@ -533,7 +533,7 @@ def chat(source: str = typer.Option("kimi-linear", "--from", help="the model tha
     """Chat with one model and switch to the other mid-conversation without re-reading."""
     import time
 
-    from mlx_kvtrans.chat import COMMANDS, Chat, Transcript
+    from mlx_kvtrans.chat import Chat, Transcript
     from mlx_kvtrans.session import STRATEGIES, Session
     from mlx_kvtrans.translators import artifact
 
@@ -607,7 +607,6 @@ def chat(source: str = typer.Option("kimi-linear", "--from", help="the model tha
     finally:
         log.save()
     out.print(f"[dim]transcript saved to {transcript}[/]")
-    _ = COMMANDS
 
 
 @eval_app.command("multiturn")
@@ -664,15 +663,11 @@ def _realistic_pair(name: str, dtype):
         cast_parameters(model, dtype)
         models.append(LoadedModel(n, Path("."), model, None, config))
     specs = plan(mlx_kvtrans.layout_of(models[0].model), mlx_kvtrans.layout_of(models[1].model))
-    tokens = [mx_random_tokens(1, 64, 4096)]
-    translator = fit_translator(models[0].model, models[1].model, tokens, specs)
-    return models[0], models[1], translator
-
-
-def mx_random_tokens(batch, length, vocab, seed=0):
     import mlx.core as mx
 
-    return mx.random.randint(0, vocab, (batch, length), key=mx.random.key(seed))
+    tokens = [mx.random.randint(0, 4096, (1, 64), key=mx.random.key(0))]
+    translator = fit_translator(models[0].model, models[1].model, tokens, specs)
+    return models[0], models[1], translator
 
 
 @app.command()
@@ -695,7 +690,6 @@ def bench(source: str = typer.Option("kimi-linear", "--from"),
     from mlx_kvtrans.bench import bench_switch
     from mlx_kvtrans.blas import blas_report
     from mlx_kvtrans.models import cast_parameters
-    from mlx_kvtrans.translators import artifact
 
     if dtype not in ("float32", "bfloat16", "float16"):
         raise KvtransError("--dtype must be float32, bfloat16 or float16")

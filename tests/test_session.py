@@ -2,7 +2,6 @@
 survives."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
