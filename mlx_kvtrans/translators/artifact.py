@@ -19,19 +19,12 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..errors import KvtransError
+from ..files import sha256_file
 from .translator import ObjectSpec, Translator
 
 FORMAT = "mlx-kvtrans-translator"
 FORMAT_VERSION = 1
 FILES = ("weights.safetensors", "manifest.json")
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def config_fingerprint(config: dict) -> str:
@@ -72,7 +65,7 @@ def save(translator: Translator, directory: str | Path, source, target) -> Path:
         **translator.info,
     }
     (directory / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-    sums = "".join(f"{_sha256(directory / name)}  {name}\n" for name in FILES)
+    sums = "".join(f"{sha256_file(directory / name)}  {name}\n" for name in FILES)
     (directory / "SHA256SUMS").write_text(sums)
     return directory
 
@@ -93,7 +86,7 @@ def read_manifest(directory: str | Path) -> dict:
         path = directory / name
         if name not in expected or not path.is_file():
             raise KvtransError(f"translator {directory} is incomplete: {name} missing")
-        if _sha256(path) != expected[name]:
+        if sha256_file(path) != expected[name]:
             raise KvtransError(f"translator {directory}: {name} does not match SHA256SUMS "
                                "(modified or corrupt); refusing to load it")
     manifest = json.loads((directory / "manifest.json").read_text())

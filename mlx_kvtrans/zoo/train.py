@@ -10,7 +10,6 @@ indexer's score distribution, with dense attention for the first steps while it 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import shutil
 import sys
@@ -22,6 +21,7 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_unflatten
 
+from ..files import sha256_file
 from ..gated_delta import chunked_recurrence
 from .corpus import build_corpus
 from .data import SampleMaker, TokenStream, make_batch, needle_filler
@@ -130,14 +130,6 @@ def _schedule(recipe: Recipe):
     warm = optim.linear_schedule(1e-7, recipe.lr, recipe.warmup)
     decay = optim.cosine_decay(recipe.lr, max(1, recipe.steps - recipe.warmup), recipe.lr * 0.1)
     return optim.join_schedules([warm, decay], [recipe.warmup])
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def train(alias: str, workdir: Path, weights: Path, log=print, eval_samples: int = 50,
@@ -267,7 +259,7 @@ def ship(alias: str, workdir: Path, weights: Path, samples: int = 50) -> dict:
     manifest = evaluate_and_describe(alias, shipped, tok, corpus,
                                      TokenStream(corpus, "train", tok), state, samples)
     manifest["shipped_dtype"] = str(SHIPPED_DTYPE).removeprefix("mlx.core.")
-    manifest["files"] = {p.name: _sha256(p) for p in sorted(out.iterdir())
+    manifest["files"] = {p.name: sha256_file(p) for p in sorted(out.iterdir())
                          if p.is_file() and p.name != "manifest.json"}
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
