@@ -39,6 +39,12 @@ class SwitchStatus:
     translate_seconds: float = 0.0
 
 
+def _covers(value, length: int) -> bool:
+    """Whether a translated object holds every token of the span (conv rows may hold K-1)."""
+    n = value.length if isinstance(value, RecurrentInputs) else value.shape[1]
+    return n == length
+
+
 @dataclass
 class CacheLine:
     """One model's view of the conversation: its cache and what it has read."""
@@ -56,7 +62,8 @@ class CacheLine:
 
 
 def _join_recorded(parts: list[Capture], start: int, stop: int, base: int) -> dict:
-    """Per layer, (name, point) -> objects of conversation tokens [start, stop)."""
+    """Per layer, (name, point) -> objects of conversation tokens [start, stop), for the objects
+    every part recorded (a translated span holds what its translator produced)."""
     layers = [{} for _ in parts[0].objects]
     offset = base
     for part in parts:
@@ -72,13 +79,25 @@ def _join_recorded(parts: list[Capture], start: int, stop: int, base: int) -> di
                     layer.setdefault(key, []).append(piece)
         offset += n
     joined = []
-    for layer in layers:
+    spanned = [p for p, off in zip(parts, _offsets(parts, base)) if off < stop and
+               off + p.tokens.shape[1] > start]
+    for i, layer in enumerate(layers):
         out = {}
         for key, pieces in layer.items():
+            if len(pieces) != len(spanned):
+                continue  # some part of the span lacks it
             out[key] = (RecurrentInputs.concatenate(pieces) if isinstance(pieces[0], RecurrentInputs)
                         else mx.concatenate(pieces, axis=1))
         joined.append(out)
     return joined
+
+
+def _offsets(parts: list[Capture], base: int) -> list[int]:
+    out, offset = [], base
+    for part in parts:
+        out.append(offset)
+        offset += part.tokens.shape[1]
+    return out
 
 
 class Session:
@@ -166,9 +185,13 @@ class Session:
                 self._fallback(tgt, status, "the source did not record the span the target "
                                             "has not seen")
             else:
-                ok = self._translate(pair, src, tgt, start, n, status)
-                if not ok:
-                    self._fallback(tgt, status, "translated tensors are not finite")
+                try:
+                    ok = self._translate(pair, src, tgt, start, n, status)
+                except ValueError as e:  # the recorded span lacks what the translator reads
+                    self._fallback(tgt, status, f"cannot translate the source's cache: {e}")
+                else:
+                    if not ok:
+                        self._fallback(tgt, status, "translated tensors are not finite")
         status.translate_seconds = time.perf_counter() - started
         self.active = target
         self.switches.append(status)
@@ -186,7 +209,7 @@ class Session:
                 found[(name, 3)] = value  # fixed-size objects: the source's current state
         target_layout = tgt.layout
         objects, points = translator.translate(span, tgt.lm.model, target_layout, span.tokens,
-                                               codebook)
+                                               codebook, all_rows=True)
         fresh = start == 0 or tgt.cache is None
         cache = make_prompt_cache(tgt.lm.model) if fresh else tgt.cache
         previous = None if fresh else [layer.cache.read_engine(c)
@@ -202,8 +225,15 @@ class Session:
         else:
             for layer, c, objs in zip(target_layout.layers, cache, engine):
                 layer.cache.append(c, objs)
+        if fresh:
+            tgt.recorded, tgt.recorded_from = [], start
+        # What the target now holds for the span, at the points the translator produced it:
+        # a later switch away (naive) translates it onwards, errors and all.
+        held = [{(name, points[i][name]): value for name, value in objs.items()
+                 if points[i][name] in (1, 2) and _covers(value, stop - start)}
+                for i, objs in enumerate(objects)]
+        tgt.recorded.append(Capture(target_layout, span.tokens, held, cache))
         tgt.cache, tgt.seen = cache, stop
-        tgt.recorded, tgt.recorded_from = [], stop  # it did not compute these itself
         status.tokens_translated = stop - start
         return True
 

@@ -223,3 +223,16 @@ def test_multiturn_dialogues_alternate_models_and_find_the_questions(pair):
     assert [r["question"] for r in rows] == [u["content"].startswith("What was the number")
                                             for u in users]
     assert rows[-1]["question"] and all(r["right"] in (True, False) for r in rows if r["question"])
+
+
+def test_naive_retranslates_the_whole_prefix_including_translated_spans(pair):
+    a, b, _ = pair
+    s = session_for(pair, strategy="naive")
+    s.add(list(range(30, 50)))
+    for i in range(3):
+        list(s.generate(3))
+        status = s.switch(b.name if i % 2 == 0 else a.name)
+        assert status.status == "applied", status.reason
+        # every switch translates everything the source holds, its translated spans included
+        assert status.tokens_translated == s.lines[status.source].seen
+        s.add([1, 2])

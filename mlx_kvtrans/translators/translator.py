@@ -81,9 +81,14 @@ class Translator:
         return points
 
     def translate(self, source: Capture, target_model, target_layout: ModelLayout,
-                  token_ids: mx.array | None = None, codebook: mx.array | None = None
+                  token_ids: mx.array | None = None, codebook: mx.array | None = None,
+                  all_rows: bool = False
                   ) -> tuple[list[dict[str, mx.array]], list[dict[str, int]]]:
-        """(per target layer: object name -> tensor, per target layer: name -> capture point)."""
+        """(per target layer: object name -> tensor, per target layer: name -> capture point).
+
+        Conv histories keep K-1 rows, so only those are mapped, unless `all_rows` (a session
+        that keeps every token's objects, to translate them onwards later)."""
+        self._all_rows = all_rows
         B, T = source.tokens.shape
         features = self.features(source)
         identity = None
@@ -129,7 +134,7 @@ class Translator:
     def _build(self, spec, obj, source, features, identity, B):
         if spec.recipe == "map":
             x = spec.features(features, identity)
-            if obj.kind == ObjectKind.CONV_HISTORY:
+            if obj.kind == ObjectKind.CONV_HISTORY and not getattr(self, "_all_rows", False):
                 x = x[:, -(obj.engine_shape[1]):]  # only the rows the history keeps
             y = x @ self.params[f"{spec.key}.weight"].T + self.params[f"{spec.key}.bias"]
             if spec.point == 3:  # (B, T, heads * dim) -> the engine's (B, heads, T, dim)
