@@ -1,7 +1,7 @@
 """Training batches for the zoo: corpus windows mixed with synthetic recall tasks.
 
 Every row is exactly `length + 1` tokens: a corpus window, or a synthetic sample (needle,
-key-value, dialogue) of a random length up to the row's, padded in front outside the loss, so
+key-value, dialogue, copy) of a random length up to the row's with digit-free prose in front, so
 recall is trained at every depth and at every prompt length up to the row length. The batch of step `s` depends only on (seed, s): training
 resumes from a checkpoint without storing any random state.
 """
@@ -70,6 +70,16 @@ class SampleMaker:
     def __init__(self, tokenizer, filler: list[str]):
         self.tok = tokenizer
         self.filler = filler
+        self._prose = np.asarray(tokenizer.encode(" ".join(filler)).ids, dtype=np.int32)
+
+    def prose(self, rng: random.Random, n: int) -> np.ndarray:
+        """`n` tokens of the digit-free filler prose, from a random place."""
+        if n <= 0:
+            return self._prose[:0]
+        reps = -(-(n + 1) // len(self._prose)) + 1
+        pool = np.tile(self._prose, reps) if reps > 1 else self._prose
+        start = rng.randrange(0, len(pool) - n)
+        return pool[start:start + n]
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text).ids
@@ -141,10 +151,10 @@ def make_batch(step: int, seed: int, batch: int, length: int, stream: TokenStrea
                                                                                budget)
         sample = prompt + answer
         front = length + 1 - len(sample)
-        # Padding in front, outside the loss: the sample is the whole context, as when measured
-        # (a corpus window in front would put unrelated numbers beside the code).
-        tokens[row] = np.asarray([eot] * front + sample, dtype=np.int32)[-(length + 1):]
-        weights[row, :max(0, front - 1)] = 0.0
+        # Digit-free prose in front (not padding: a long run of one pad token kept these models
+        # from learning to copy at all; not raw corpus: its numbers would sit beside the code).
+        prefix = list(maker.prose(rng, front - 1)) + [eot] if front > 0 else []
+        tokens[row] = np.asarray(prefix + sample, dtype=np.int32)[-(length + 1):]
         # targets are tokens[1:]: the answer occupies the last len(answer) targets
         weights[row, length - len(answer):] = mix.answer_weight
     return tokens, weights
