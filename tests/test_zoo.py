@@ -71,7 +71,7 @@ def test_batches_are_deterministic_and_answers_weighted(tokenizer, sample_docs):
             return self.ids[start:start + n]
 
     maker = SampleMaker(tokenizer, ["A plain sentence about the weather and the sea."] * 5)
-    mix = Mix(text=0.0, needle=1.0, kv=0.0, dialogue=0.0, answer_weight=4.0)
+    mix = Mix(text=0.0, needle=1.0, kv=0.0, dialogue=0.0, copy=0.0, answer_weight=4.0)
     t1, w1 = make_batch(3, 7, 4, 128, Stream(), maker, mix)
     t2, w2 = make_batch(3, 7, 4, 128, Stream(), maker, mix)
     assert (t1 == t2).all() and (w1 == w2).all()
