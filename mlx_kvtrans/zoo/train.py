@@ -198,8 +198,9 @@ def train(alias: str, workdir: Path, weights: Path, log=print, eval_samples: int
                 dense = step < recipe.dense_warmup * recipe.steps
                 for layer, k in zip(model.layers, top_k):
                     layer.self_attn.indexer.index_topk = 1 << 30 if dense else k
+            mix = recipe.warm_mix if step < recipe.warm_steps else recipe.mix
             tokens, weights_ = make_batch(step, recipe.seed, recipe.batch, recipe.length, stream,
-                                          maker, recipe.mix, recipe.curriculum)
+                                          maker, mix, recipe.curriculum)
             (loss, (ce, aux)), grads = step_fn(model, mx.array(tokens), mx.array(weights_))
             optimizer.update(model, grads)
             mx.eval(model.parameters(), optimizer.state, loss)
