@@ -299,3 +299,17 @@ def test_headwise_maps_are_block_diagonal_and_exact_on_itself(loaded):
         assert min(m["r2"] for m in tr.info["metrics"].values()) >= 0.999
     with pytest.raises(ValueError):
         plan(layout, layout, headwise=True)  # head-wise needs split K/V
+
+
+def test_capture_3_reads_only_layers_with_per_token_objects(loaded):
+    from mlx_kvtrans.translators.fit import feature_layers
+
+    S, T = loaded("kimi_linear").model, loaded("kimi_vl").model
+    layout = kv.layout_of(S)
+    assert feature_layers(layout, 3) == [3]  # KDA layers 0-2 hold only conv/state summaries
+    assert feature_layers(layout, 1) == [0, 1, 2, 3]
+    specs = plan(layout, kv.layout_of(T), point=3, nu=2)
+    assert all(s.sources == (3,) for s in specs)
+    tr = fit(S, T, batches(2), specs, source_point=3)
+    toks = mx.random.randint(0, 259, (1, 30), key=mx.random.key(4))
+    assert bool(mx.isfinite(T(toks[:, -1:], cache=translate_cache(tr, S, T, toks))).all())

@@ -46,6 +46,16 @@ def _state_source(source: ModelLayout, target: ModelLayout, layer: int, name: st
     return relative_depth(len(source.layers), len(target.layers), layer, 1, same)[0]
 
 
+def feature_layers(source: ModelLayout, point: int) -> list[int]:
+    """Source layers with per-token features at `point` (at (3) a linear-attention layer holds
+    only fixed-size summaries, so it has none)."""
+    def readable(o):
+        return ((o.per_token and point in o.capture_points)
+                or (point == 1 and o.kind == ObjectKind.CONV_HISTORY)
+                or (point == 2 and o.kind == ObjectKind.RECURRENT_STATE))
+    return [l.index for l in source.layers if any(readable(o) for o in l.objects)]
+
+
 def plan(source: ModelLayout, target: ModelLayout, point: int = 1, nu: int = 2,
          recipes: dict[str, str] | None = None, points: dict[str, int] | None = None,
          split_kv: bool = False, headwise: bool = False) -> list[ObjectSpec]:
@@ -72,8 +82,9 @@ def plan(source: ModelLayout, target: ModelLayout, point: int = 1, nu: int = 2,
             raise ValueError(f"unknown recipe {choice!r}; recipes: {', '.join(RECIPES)}")
     specs = []
     n_s, n_t = len(source.layers), len(target.layers)
+    readable = feature_layers(source, point)
     for layer in target.layers:
-        sources = relative_depth(n_s, n_t, layer.index, nu)
+        sources = relative_depth(n_s, n_t, layer.index, nu, readable)
         for obj in layer.objects:
             wanted = recipes.get(obj.name, recipes.get(obj.kind.value))
             if obj.kind in PER_TOKEN:
