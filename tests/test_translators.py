@@ -90,7 +90,6 @@ def test_translated_caches_install_and_continue(loaded, source, target):
     cache = translate_cache(tr, S, T, toks)
     logits = T(toks[:, -1:] * 0 + 7, cache=cache)
     assert logits.shape == (1, 1, 259) and bool(mx.isfinite(logits).all())
-    assert cache[0].offset if hasattr(cache[0], "offset") else True
 
 
 def test_codebook_decodes_layer0_latents(loaded):

@@ -88,7 +88,6 @@ class Translator:
 
         Conv histories keep K-1 rows, so only those are mapped, unless `all_rows` (a session
         that keeps every token's objects, to translate them onwards later)."""
-        self._all_rows = all_rows
         B, T = source.tokens.shape
         features = self.features(source)
         identity = None
@@ -103,7 +102,7 @@ class Translator:
             for spec in (s for s in self.specs if s.layer == layer.index):
                 obj = layer.cache.object(spec.name)
                 objects[spec.layer][spec.name] = self._build(spec, obj, source, features,
-                                                             identity, B)
+                                                             identity, B, all_rows)
                 points[spec.layer][spec.name] = spec.point
             mx.eval(list(objects[layer.index].values()))  # stream: one layer at a time
         return objects, points
@@ -131,10 +130,10 @@ class Translator:
         layer = first_mla_layer(source.layout)
         return decode_ids(source.objects[layer][("latent", CODEBOOK_POINT)], codebook)
 
-    def _build(self, spec, obj, source, features, identity, B):
+    def _build(self, spec, obj, source, features, identity, B, all_rows=False):
         if spec.recipe == "map":
             x = spec.features(features, identity)
-            if obj.kind == ObjectKind.CONV_HISTORY and not getattr(self, "_all_rows", False):
+            if obj.kind == ObjectKind.CONV_HISTORY and not all_rows:
                 x = x[:, -(obj.engine_shape[1]):]  # only the rows the history keeps
             y = x @ self.params[f"{spec.key}.weight"].T + self.params[f"{spec.key}.bias"]
             if spec.point == 3:  # (B, T, heads * dim) -> the engine's (B, heads, T, dim)
