@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from mlx_kvtrans.zoo.evaluate import needle_recall
 
 ROOT = Path(__file__).resolve().parent
 FIT_LENGTH = 256  # the longest fitting prompt
-FIT_WINDOWS = int(__import__("os").environ.get("KVTRANS_FIT_WINDOWS", 256))
+FIT_WINDOWS = int(os.environ.get("KVTRANS_FIT_WINDOWS", 256))  # fewer for a quick check
 
 # pair -> variants: (name, plan options, fit options); the first variant is the one shipped
 DEFAULT = ("default", {"point": 1, "nu": 2}, {"token_identity": "off"})

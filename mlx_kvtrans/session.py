@@ -65,26 +65,24 @@ def _join_recorded(parts: list[Capture], start: int, stop: int, base: int) -> di
     """Per layer, (name, point) -> objects of conversation tokens [start, stop), for the objects
     every part recorded (a translated span holds what its translator produced)."""
     layers = [{} for _ in parts[0].objects]
-    offset = base
-    for part in parts:
-        n = part.tokens.shape[1]
-        lo, hi = max(start, offset) - offset, min(stop, offset + n) - offset
-        if hi > lo:
-            for layer, found in zip(layers, part.objects):
-                for key, value in found.items():
-                    if key[1] == 3:
-                        continue
-                    piece = value.slice(lo, hi) if isinstance(value, RecurrentInputs) \
-                        else value[:, lo:hi]
-                    layer.setdefault(key, []).append(piece)
-        offset += n
+    spanned = 0
+    for part, offset in zip(parts, _offsets(parts, base)):
+        lo, hi = max(start, offset) - offset, min(stop, offset + part.tokens.shape[1]) - offset
+        if hi <= lo:
+            continue
+        spanned += 1
+        for layer, found in zip(layers, part.objects):
+            for key, value in found.items():
+                if key[1] == 3:
+                    continue
+                piece = value.slice(lo, hi) if isinstance(value, RecurrentInputs) \
+                    else value[:, lo:hi]
+                layer.setdefault(key, []).append(piece)
     joined = []
-    spanned = [p for p, off in zip(parts, _offsets(parts, base)) if off < stop and
-               off + p.tokens.shape[1] > start]
-    for i, layer in enumerate(layers):
+    for layer in layers:
         out = {}
         for key, pieces in layer.items():
-            if len(pieces) != len(spanned):
+            if len(pieces) != spanned:
                 continue  # some part of the span lacks it
             out[key] = (RecurrentInputs.concatenate(pieces) if isinstance(pieces[0], RecurrentInputs)
                         else mx.concatenate(pieces, axis=1))

@@ -17,11 +17,10 @@ import numpy as np
 
 from . import synthetic
 from .corpus import read_split, sentences
-from .tokenizer import CHAT_TEMPLATE  # noqa: F401  (the template the dialogue rendering follows)
 
 
 def render_chat(messages: list[dict]) -> str:
-    """The zoo chat template, rendered (what `apply_chat_template` gives) + generation prompt."""
+    """The zoo chat template (`tokenizer.CHAT_TEMPLATE`), rendered + the generation prompt."""
     text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
     return text + "<|im_start|>assistant\n"
 
