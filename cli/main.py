@@ -450,6 +450,107 @@ def fit(source: str = typer.Option(..., "--from", help="source model"),
     out.print(f"{fit_info['tokens']:,} tokens{extra} · wrote {out_dir}")
 
 
+@app.command()
+@user_errors
+def distill(translator_dir: Path = typer.Option(..., "--translator", help="stage-1 translator"),
+            out_dir: Path = typer.Option(None, "--out", help="distilled translator to write "
+                                         "(default: DIR-distilled)"),
+            data: Path = typer.Option(None, help="text file or directory (default: the zoo "
+                                      "corpus's train split)"),
+            validation: Path = typer.Option(None, help="held-out text (default: the zoo corpus's "
+                                            "validation split)"),
+            steps: int = typer.Option(300, min=1),
+            batch: int = typer.Option(8, min=1, help="windows per step, over all processes"),
+            lr: float = typer.Option(1e-4, help="Adam learning rate after warm-up"),
+            warmup: int = typer.Option(20, min=0),
+            min_prefix: int = typer.Option(32, min=2),
+            max_prefix: int = typer.Option(256, min=2),
+            continuation: int = typer.Option(32, min=1, help="positions the KL is taken over"),
+            indexer_weight: float = typer.Option(1.0, help="weight of the indexer-key rehearsal"),
+            validate_every: int = typer.Option(50, min=1),
+            validation_windows: int = typer.Option(16, min=1),
+            seed: int = typer.Option(0),
+            workdir: Path = typer.Option(None, help="checkpoints (default: runs/distill/NAME)"),
+            resume: bool = typer.Option(False, help="continue from the checkpoint in --workdir"),
+            max_minutes: float = typer.Option(None, help="stop (resumable) after this long"),
+            as_json: bool = typer.Option(False, "--json")):
+    """Distil a translator end to end: KL of the target reading the translated cache against
+    it reading its own (stage 2). Under `mlx.launch` the batch is shared among processes."""
+    import hashlib
+
+    import mlx.core as mx
+
+    from mlx_kvtrans.translators import artifact
+    from mlx_kvtrans.translators.distill import DistillConfig, Distiller
+
+    if min_prefix > max_prefix:
+        raise KvtransError("--min-prefix must not exceed --max-prefix")
+    translator, src, tgt, codebook = _load_translator_pair(translator_dir, None, None)
+    if translator.info.get("stage") == 2:
+        out.print(f"{translator_dir} is already distilled; distilling it further")
+    texts = _read_texts(data)
+    train_ids = [t for text in texts for t in src.tokenizer.encode(text)]
+    if validation is None:
+        validation = Path("runs/corpus/validation.txt")
+        if not validation.exists():
+            raise KvtransError("no held-out text: give --validation FILE or run "
+                               "`kvtrans zoo corpus`")
+    if not validation.is_file():
+        raise KvtransError(f"--validation {validation}: no such file")
+    validation_ids = src.tokenizer.encode(validation.read_text(errors="replace"))
+    config = DistillConfig(steps=steps, lr=lr, warmup=warmup, batch=batch, min_prefix=min_prefix,
+                           max_prefix=max_prefix, continuation=continuation,
+                           indexer_weight=indexer_weight, validate_every=validate_every,
+                           validation_windows=validation_windows, seed=seed)
+    group = mx.distributed.init()
+    name = translator_dir.resolve().name
+    workdir = workdir or Path("runs") / "distill" / name
+    distiller = Distiller(translator, src.model, tgt.model, train_ids, validation_ids, config,
+                          workdir, codebook, group if group.size() > 1 else None)
+    if (workdir / "state.json").exists() and not resume:
+        raise KvtransError(f"{workdir} holds a checkpoint: pass --resume to continue it, or "
+                           "another --workdir")
+    if resume and distiller.resume():
+        out.print(f"resuming at step {distiller.state['step']} of {steps}")
+    main_process = distiller.rank == 0
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    with Progress(TextColumn(f"distilling {name}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("KL {task.fields[kl]}  held-out {task.fields[val]}"), console=out,
+                  disable=not (out.is_terminal and main_process)) as progress:
+        task = progress.add_task("distill", total=steps, completed=distiller.state["step"],
+                                 kl="...", val="...")
+
+        def on_step(record):
+            fields = {"kl": f"{record['kl']:.4f}"}
+            if "validation_kl" in record:
+                fields["val"] = f"{record['validation_kl']:.4f}"
+            progress.update(task, completed=record["step"], **fields)
+
+        summary = distiller.run(on_step=on_step, max_minutes=max_minutes)
+    if distiller.state["step"] < steps:
+        out.print(f"stopped at step {distiller.state['step']} of {steps}; checkpoint in "
+                  f"{workdir} (continue with --resume)")
+        raise typer.Exit(0)
+    if not main_process:
+        return
+    summary["data_sha256"] = hashlib.sha256(
+        "".join(f"{len(t)}:{t}" for t in texts).encode()).hexdigest()
+    distilled = distiller.distilled()
+    distilled.info["stage"] = 2
+    distilled.info["distill"] = summary
+    out_dir = out_dir or translator_dir.with_name(translator_dir.name + "-distilled")
+    artifact.save(distilled, out_dir, src, tgt)
+    if as_json:
+        print(json.dumps({"out": str(out_dir), **{k: v for k, v in summary.items()
+                                                  if k != "curve"}}, indent=2))
+        return
+    out.print(f"held-out KL {summary['validation_kl_before']:.4f} -> "
+              f"{summary['validation_kl_after']:.4f} nats/token after {summary['steps']} steps "
+              f"({summary['minutes']:.1f} min, peak memory "
+              f"{summary['peak_memory_bytes'] / 2**20:.0f} MiB) · wrote {out_dir}")
+
+
 def _load_translator_pair(translator_dir: Path, source: str | None, target: str | None):
     """The translator and its models: named in its manifest unless given, and checked."""
     from mlx_kvtrans.translators import artifact

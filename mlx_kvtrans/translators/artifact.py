@@ -114,6 +114,7 @@ def load(directory: str | Path, source=None, target=None) -> Translator:
         check_pair(manifest, source, target)
     params = mx.load(str(Path(directory) / "weights.safetensors"))
     specs = [ObjectSpec.from_json(s) for s in manifest["objects"]]
-    info = {k: manifest[k] for k in ("fit", "metrics", "source", "target", "replay_shapes")
+    info = {k: manifest[k] for k in ("fit", "metrics", "source", "target", "replay_shapes",
+                                     "stage", "distill")
             if k in manifest}
     return Translator(manifest["source_point"], manifest["token_identity"], specs, params, info)

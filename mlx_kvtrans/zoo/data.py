@@ -1,9 +1,10 @@
 """Training batches for the zoo: corpus windows mixed with synthetic recall tasks.
 
 Every row is exactly `length + 1` tokens: a corpus window, or a synthetic sample (needle,
-key-value, dialogue, copy) of a random length up to the row's with digit-free prose in front, so
-recall is trained at every depth and at every prompt length up to the row length. The batch of step `s` depends only on (seed, s): training
-resumes from a checkpoint without storing any random state.
+key-value, dialogue, passage copy, digit-string copy) of a random length up to the row's with
+digit-free prose in front, so recall is trained at every depth and at every prompt length up to
+the row length. The batch of step `s` depends only on (seed, s): training resumes from a
+checkpoint without storing any random state.
 """
 
 from __future__ import annotations
@@ -50,14 +51,15 @@ class TokenStream:
 
 @dataclass
 class Mix:
-    text: float = 0.3
+    text: float = 0.25
     needle: float = 0.35
     kv: float = 0.1
     dialogue: float = 0.1
-    copy: float = 0.15  # a passage then the same passage again: grows induction heads early
+    copy: float = 0.1  # a passage then the same passage again: grows induction heads early
+    digits: float = 0.1  # a random digit string then the same string again: copying, purest
     answer_weight: float = 4.0  # loss weight on answer tokens (the copied digits)
 
-    KINDS = ("text", "needle", "kv", "dialogue", "copy")
+    KINDS = ("text", "needle", "kv", "dialogue", "copy", "digits")
 
     def draw(self, rng: random.Random) -> str:
         return rng.choices(self.KINDS, weights=[getattr(self, k) for k in self.KINDS])[0]
@@ -70,6 +72,7 @@ class SampleMaker:
         self.tok = tokenizer
         self.filler = filler
         self._prose = np.asarray(tokenizer.encode(" ".join(filler)).ids, dtype=np.int32)
+        self.digit_ids = [tokenizer.token_to_id(str(d)) for d in range(10)]
 
     def prose(self, rng: random.Random, n: int) -> np.ndarray:
         """`n` tokens of the digit-free filler prose, from a random place."""
@@ -119,13 +122,8 @@ class SampleMaker:
 
 
 def make_batch(step: int, seed: int, batch: int, length: int, stream: TokenStream,
-               maker: SampleMaker, mix: Mix, curriculum: int = 0
-               ) -> tuple[np.ndarray, np.ndarray]:
-    """(tokens (batch, length+1) int32, loss weights (batch, length) float32) for step `step`.
-
-    `curriculum`: over its first steps the longest synthetic sample grows from 64 tokens to
-    `length`: copying is found first over short distances, then stretched.
-    """
+               maker: SampleMaker, mix: Mix) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens (batch, length+1) int32, loss weights (batch, length) float32) for step `step`."""
     rng = random.Random(seed * 1_000_003 + step)
     tokens = np.zeros((batch, length + 1), dtype=np.int32)
     weights = np.ones((batch, length), dtype=np.float32)
@@ -135,16 +133,16 @@ def make_batch(step: int, seed: int, batch: int, length: int, stream: TokenStrea
         if kind == "text":
             tokens[row] = stream.window(rng, length + 1)
             continue
-        longest = length
-        if curriculum and step < curriculum:
-            longest = min(length, 64 + (length - 64) * step // curriculum)
-        budget = rng.randrange(min(32, longest - 1), longest)  # mixed prompt lengths
+        budget = rng.randrange(min(32, length - 1), length)  # mixed prompt lengths
         if kind == "dialogue" and budget < 128:
             kind = "needle"  # too short for a dialogue whose fact survives whole
         sample_seed = rng.randrange(1 << 30)
         if kind == "copy":  # a corpus passage, a separator, the passage again (the "answer")
             passage = list(stream.window(rng, max(4, (budget - 1) // 2)))
             prompt, answer = passage + [eot], passage
+        elif kind == "digits":
+            string = [maker.digit_ids[rng.randrange(10)] for _ in range(max(6, budget // 3))]
+            prompt, answer = string + [eot], string
         else:
             prompt, answer = getattr(maker, {"kv": "key_value"}.get(kind, kind))(sample_seed,
                                                                                budget)

@@ -25,7 +25,8 @@ from ..files import sha256_file
 from ..gated_delta import chunked_recurrence
 from .corpus import build_corpus
 from .data import SampleMaker, TokenStream, make_batch, needle_filler
-from .evaluate import needle_recall, perplexity, unigram_perplexity
+from .evaluate import (HELD_OUT_SEED, held_out_filler, needle_recall, needle_scores, perplexity,
+                       unigram_perplexity)
 from .recipes import RECIPES, VOCAB, Recipe
 from .tokenizer import save_tokenizer, special_token_ids, train_bpe
 
@@ -116,6 +117,12 @@ def indexer_kl(pairs) -> mx.array:
 
 
 # -- training ---------------------------------------------------------------------------------
+# Every PROBE_EVERY steps: recall and digit loss on 16 needles drawn from seeds that neither
+# training nor the shipped evaluation uses.
+PROBE_EVERY = 100
+PROBE_SEED = HELD_OUT_SEED + 500_000
+
+
 def build_config(recipe: Recipe, tok, weights: Path) -> dict:
     if recipe.init_from:
         return json.loads((weights / recipe.init_from / "config.json").read_text())
@@ -165,6 +172,11 @@ def train(alias: str, workdir: Path, weights: Path, log=print, eval_samples: int
         log(f"{alias}: resuming at step {state['step']}")
     mx.eval(model.parameters())
 
+    probe_filler = held_out_filler()
+
+    def encode(text):
+        return tok.encode(text).ids
+
     dsa = recipe.family in ("deepseek_v32", "glm_moe_dsa")
     top_k = [layer.self_attn.indexer.index_topk for layer in model.layers] if dsa else []
 
@@ -198,9 +210,9 @@ def train(alias: str, workdir: Path, weights: Path, log=print, eval_samples: int
                 dense = step < recipe.dense_warmup * recipe.steps
                 for layer, k in zip(model.layers, top_k):
                     layer.self_attn.indexer.index_topk = 1 << 30 if dense else k
-            mix = recipe.warm_mix if step < recipe.warm_steps else recipe.mix
-            tokens, weights_ = make_batch(step, recipe.seed, recipe.batch, recipe.length, stream,
-                                          maker, mix, recipe.curriculum)
+            batch, length = recipe.shape_at(step)
+            tokens, weights_ = make_batch(step, recipe.seed, batch, length, stream, maker,
+                                          recipe.mix)
             (loss, (ce, aux)), grads = step_fn(model, mx.array(tokens), mx.array(weights_))
             optimizer.update(model, grads)
             mx.eval(model.parameters(), optimizer.state, loss)
@@ -208,13 +220,18 @@ def train(alias: str, workdir: Path, weights: Path, log=print, eval_samples: int
             state["tokens"] += int(tokens.size - len(tokens))
             record = {"step": state["step"], "loss": float(loss), "ce": float(ce),
                       "indexer_kl": float(aux), "seconds": round(time.perf_counter() - started, 1)}
+            if state["step"] % PROBE_EVERY == 0:  # copying shows in the digit loss first
+                record["probe_recall"], record["probe_digit_nll"] = needle_scores(
+                    model, encode, recipe.length, samples=16, filler=probe_filler, seed=PROBE_SEED)
             logf.write(json.dumps(record) + "\n")
             if on_step:
                 on_step(state["step"], recipe.steps, record)
             if state["step"] % 25 == 0 or state["step"] == recipe.steps:
                 logf.flush()
+                probe = (f" needle {record['probe_recall']:.2f} digits "
+                         f"{record['probe_digit_nll']:.2f}" if "probe_recall" in record else "")
                 log(f"{alias} step {state['step']}/{recipe.steps} loss {record['loss']:.3f} "
-                    f"ce {record['ce']:.3f} kl {record['indexer_kl']:.3f} "
+                    f"ce {record['ce']:.3f} kl {record['indexer_kl']:.3f}{probe} "
                     f"{record['seconds'] / 60:.1f} min")
             if time.perf_counter() - last_save > 120 or state["step"] == recipe.steps:
                 save_checkpoint()

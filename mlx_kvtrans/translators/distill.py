@@ -1,0 +1,327 @@
+"""Stage 2: distil a translator end to end against the target reading its own cache.
+
+Loss (hybrid-translation paper, stage 2): the mean over continuation positions of
+KL(p_T(. | native cache, cont<i) || p_T(. | translated cache, cont<i)), with gradients flowing
+through the frozen target into every translator parameter (maps, token-identity columns, state
+corrections, replay maps). Source and target never change.
+
+Indexer keys (DSA targets) receive no gradient through the top-k selection, so a rehearsal loss
+asks the target's indexer scores over the prefix, read against predicted keys, to match its
+scores against its own keys: KL between the two score distributions per query, weighted by
+`indexer_weight`.
+
+Recurrences run through the chunkwise-parallel gated delta rule (it has a backward pass on every
+device; the Metal kernel has none). Each step's batch depends only on (seed, step), and the
+parameters and Adam state are checkpointed, so a resumed run continues bit-identically. With
+several processes (`mlx.launch`), each takes its share of the rows of the same global batch and
+gradients are averaged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.optimizers as optim
+
+from ..capture import capture
+from ..errors import KvtransError
+from ..gated_delta import chunked_recurrence
+from ..install import install
+from ..layouts import layout_of
+from .fidelity import kl_per_token
+from .translator import Translator
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    steps: int = 300
+    lr: float = 1e-4  # Adam; the maps start from the closed-form solution
+    warmup: int = 20
+    batch: int = 8  # global batch: rows per step, over all processes
+    min_prefix: int = 32
+    max_prefix: int = 256  # prefix lengths are drawn from [min_prefix, max_prefix] per step
+    continuation: int = 32  # positions the KL is taken over
+    indexer_weight: float = 1.0
+    validate_every: int = 50
+    validation_windows: int = 16
+    seed: int = 0
+
+    def fingerprint(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def indexer_score_tap(model):
+    """Within the block, every DSA indexer that reads a cache appends its pre-top-k scores
+    against all cached keys, (B, queries, keys), as mlx-lm's `Indexer` computes them."""
+    records: list[mx.array] = []
+    swapped = []
+    for layer in model.layers:
+        indexer = getattr(getattr(layer, "self_attn", None), "indexer", None)
+        if indexer is None:
+            continue
+        base = type(indexer)
+
+        def call(self, x, qr, mask, cache=None, _base=base):
+            result = _base.__call__(self, x, qr, mask, cache)
+            if cache is not None:
+                b, s, _ = x.shape
+                keys = cache.keys[..., : cache.offset, :]
+                q = self.wq_b(qr).reshape(b, s, self.n_heads, self.head_dim).swapaxes(1, 2)
+                q = self.rope(q, offset=cache.offset - s)
+                scores = mx.maximum(q @ keys.swapaxes(-1, -2), 0)
+                weights = self.weights_proj(x) * (self.n_heads**-0.5 * self.softmax_scale)
+                records.append((scores * weights.swapaxes(-1, -2)[..., None]).sum(axis=1))
+            return result
+
+        indexer.__class__ = type("Tapped" + base.__name__, (base,), {"__call__": call})
+        swapped.append((indexer, base))
+    try:
+        yield records
+    finally:
+        for indexer, base in swapped:
+            indexer.__class__ = base
+
+
+def indexer_rehearsal(native: list[mx.array], translated: list[mx.array], prefix: int) -> mx.array:
+    """Mean KL(softmax(native scores) || softmax(translated scores)) over the prefix keys."""
+    losses = [kl_per_token(mx.stop_gradient(n[..., :prefix]), t[..., :prefix]).mean()
+              for n, t in zip(native, translated)]
+    return mx.stack(losses).mean() if losses else mx.array(0.0)
+
+
+class Problem:
+    """One batch of windows: the source's capture and the target's native continuation (fixed),
+    from which `loss(params)` measures a translator's parameters."""
+
+    def __init__(self, translator: Translator, source, target, windows: mx.array, prefix: int,
+                 codebook=None):
+        self.translator, self.target, self.codebook = translator, target, codebook
+        self.layout = layout_of(target)
+        self.prefix_ids = windows[:, :prefix]
+        self.inputs = windows[:, prefix:]
+        self.prefix = prefix
+        self.source = capture(source, self.prefix_ids, points=translator.source_points())
+        native_cache = capture(target, self.prefix_ids, points=(3,), layout=self.layout).engine
+        with indexer_score_tap(target) as scores:
+            self.native_logits = target(self.inputs, cache=native_cache)
+        self.native_scores = [mx.stop_gradient(s) for s in scores]
+        mx.eval(self.native_logits, self.native_scores)
+
+    def loss(self, params: dict, indexer_weight: float = 1.0):
+        """(total, (KL, rehearsal)) of `params` on this batch."""
+        kept = self.translator.params
+        self.translator.params = params
+        try:
+            objects, points = self.translator.translate(self.source, self.target, self.layout,
+                                                        self.prefix_ids, self.codebook)
+        finally:
+            self.translator.params = kept
+        cache = install(self.layout, objects, points)
+        with indexer_score_tap(self.target) as scores:
+            logits = self.target(self.inputs, cache=cache)
+        kl = kl_per_token(self.native_logits, logits).mean()
+        rehearsal = indexer_rehearsal(self.native_scores, scores, self.prefix)
+        return kl + indexer_weight * rehearsal, (kl, rehearsal)
+
+
+def trainable(translator: Translator) -> dict[str, mx.array]:
+    """Every translator parameter, float32 (the target's embedding and both models stay fixed)."""
+    return {k: v.astype(mx.float32) for k, v in translator.params.items()}
+
+
+def _schedule(config: DistillConfig):
+    warm = optim.linear_schedule(config.lr * 0.01, config.lr, max(1, config.warmup))
+    decay = optim.cosine_decay(config.lr, max(1, config.steps - config.warmup), config.lr * 0.1)
+    return optim.join_schedules([warm, decay], [max(1, config.warmup)])
+
+
+def draw_windows(ids, step: int, config: DistillConfig) -> tuple[mx.array, int]:
+    """(global batch of windows (batch, prefix + continuation), prefix length) of `step`."""
+    rng = random.Random(config.seed * 1_000_003 + step)
+    prefix = rng.randint(config.min_prefix, config.max_prefix)
+    span = prefix + config.continuation
+    if len(ids) < span + 1:
+        raise KvtransError(f"the distillation text has {len(ids)} tokens, fewer than one "
+                           f"window of {span}")
+    starts = [rng.randrange(0, len(ids) - span) for _ in range(config.batch)]
+    return mx.array([ids[s:s + span] for s in starts]), prefix
+
+
+# Parameter names hold dots ("3.keys.weight"), so Adam's state is stored flat under
+# "<slot>:<name>" rather than through tree_flatten, which would read "3" as a list index.
+def _flat_state(state: dict) -> dict[str, mx.array]:
+    flat = {}
+    for key, value in state.items():
+        if isinstance(value, dict):
+            flat.update({f"{slot}:{key}": v for slot, v in value.items()})
+        else:
+            flat[key] = value
+    return flat
+
+
+def _nested_state(flat: dict[str, mx.array]) -> dict:
+    state: dict = {}
+    for key, value in flat.items():
+        slot, sep, name = key.partition(":")
+        if sep:
+            state.setdefault(name, {})[slot] = value
+        else:
+            state[key] = value
+    return state
+
+
+class Distiller:
+    """The stage-2 loop: Adam with warm-up and cosine decay, validation KL, checkpoints."""
+
+    def __init__(self, translator: Translator, source, target, train_ids, validation_ids,
+                 config: DistillConfig, workdir: Path, codebook=None, group=None):
+        self.translator, self.source, self.target = translator, source, target
+        self.train_ids, self.validation_ids = list(train_ids), list(validation_ids)
+        self.config, self.workdir, self.codebook = config, Path(workdir), codebook
+        self.group = group
+        self.rank = group.rank() if group is not None else 0
+        self.size = group.size() if group is not None else 1
+        if config.batch % self.size:
+            raise KvtransError(f"the batch ({config.batch}) must divide among {self.size} "
+                               "processes")
+        self.params = trainable(translator)
+        self.optimizer = optim.Adam(learning_rate=_schedule(config))
+        self.optimizer.init(self.params)
+        self.state = {"step": 0, "seconds": 0.0, "config": config.fingerprint(), "history": []}
+        self._validation = None
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def save_checkpoint(self):
+        if self.rank != 0:
+            return
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        mx.save_safetensors(str(self.workdir / "params.safetensors"), self.params)
+        mx.save_safetensors(str(self.workdir / "optimizer.safetensors"),
+                            _flat_state(self.optimizer.state))
+        tmp = self.workdir / "state.json.tmp"
+        tmp.write_text(json.dumps(self.state))
+        tmp.replace(self.workdir / "state.json")
+
+    def resume(self) -> bool:
+        """Load the checkpoint in `workdir` if there is one; refuse one of another config."""
+        path = self.workdir / "state.json"
+        if not path.exists():
+            return False
+        state = json.loads(path.read_text())
+        if state.get("config") != self.config.fingerprint():
+            raise KvtransError(f"the checkpoint in {self.workdir} was made with other settings; "
+                               "use the same ones to resume, or another --workdir")
+        self.state = state
+        self.params = dict(mx.load(str(self.workdir / "params.safetensors")))
+        self.optimizer.state = _nested_state(mx.load(str(self.workdir / "optimizer.safetensors")))
+        return True
+
+    # -- measuring ---------------------------------------------------------------------------
+    def validation_problems(self) -> list[Problem]:
+        """Fixed held-out windows at the longest prefix (the same every time)."""
+        if self._validation is None:
+            c = self.config
+            rng = random.Random(c.seed + 7_777)
+            span = c.max_prefix + c.continuation
+            if len(self.validation_ids) < span + 1:
+                raise KvtransError(f"the validation text has {len(self.validation_ids)} tokens, "
+                                   f"fewer than one window of {span}")
+            starts = [rng.randrange(0, len(self.validation_ids) - span)
+                      for _ in range(c.validation_windows)]
+            windows = mx.array([self.validation_ids[s:s + span] for s in starts])
+            with chunked_recurrence():
+                self._validation = [
+                    Problem(self.translator, self.source, self.target, windows[i:i + c.batch],
+                            c.max_prefix, self.codebook)
+                    for i in range(0, len(starts), c.batch)]
+        return self._validation
+
+    def validate(self, params=None) -> float:
+        """Mean held-out KL (nats/token) of `params` (default: the current ones)."""
+        params = self.params if params is None else params
+        with chunked_recurrence():
+            kls = [float(p.loss(params, self.config.indexer_weight)[1][0]) * len(p.inputs)
+                   for p in self.validation_problems()]
+        return sum(kls) / self.config.validation_windows
+
+    # -- training ----------------------------------------------------------------------------
+    def step(self, step: int) -> dict:
+        windows, prefix = draw_windows(self.train_ids, step, self.config)
+        share = windows[self.rank::self.size]
+        with chunked_recurrence():
+            problem = Problem(self.translator, self.source, self.target, share, prefix,
+                              self.codebook)
+            (loss, (kl, rehearsal)), grads = mx.value_and_grad(
+                lambda p: problem.loss(p, self.config.indexer_weight))(self.params)
+        if self.size > 1:
+            grads = self.average(grads)
+            loss, kl, rehearsal = (mx.distributed.all_sum(x, group=self.group) / self.size
+                                   for x in (loss, kl, rehearsal))
+        self.params = self.optimizer.apply_gradients(grads, self.params)
+        mx.eval(self.params, self.optimizer.state, loss, kl, rehearsal)
+        return {"step": step + 1, "prefix": prefix, "loss": float(loss), "kl": float(kl),
+                "indexer_rehearsal": float(rehearsal)}
+
+    def average(self, grads: dict[str, mx.array]) -> dict[str, mx.array]:
+        """Mean of every process's gradients, in one all-reduce (mlx's `average_gradients`
+        would read the dotted names as a nested tree)."""
+        names = sorted(grads)
+        flat = mx.concatenate([grads[k].reshape(-1) for k in names])
+        flat = mx.distributed.all_sum(flat, group=self.group) / self.size
+        out, start = {}, 0
+        for k in names:
+            out[k] = flat[start:start + grads[k].size].reshape(grads[k].shape)
+            start += grads[k].size
+        return out
+
+    def run(self, on_step=None, checkpoint_seconds: float = 120.0, max_minutes=None) -> dict:
+        """Train to `config.steps` (from the checkpoint if resumed); returns the summary."""
+        c = self.config
+        mx.reset_peak_memory()
+        if "validation_kl_before" not in self.state:
+            self.state["validation_kl_before"] = self.validate(trainable(self.translator))
+        started = time.perf_counter() - self.state["seconds"]
+        last_save = time.perf_counter()
+        while self.state["step"] < c.steps:
+            record = self.step(self.state["step"])
+            self.state["step"] = record["step"]
+            if record["step"] % c.validate_every == 0 or record["step"] == c.steps:
+                record["validation_kl"] = self.validate()
+            record["seconds"] = round(time.perf_counter() - started, 2)
+            self.state["history"].append(record)
+            self.state["seconds"] = time.perf_counter() - started
+            if on_step:
+                on_step(record)
+            if (time.perf_counter() - last_save > checkpoint_seconds
+                    or record["step"] == c.steps):
+                self.save_checkpoint()
+                last_save = time.perf_counter()
+            if max_minutes and time.perf_counter() - started > max_minutes * 60:
+                self.save_checkpoint()
+                break
+        return self.summary()
+
+    def summary(self) -> dict:
+        validated = [r for r in self.state["history"] if "validation_kl" in r]
+        return {"stage": 2, "steps": self.state["step"], "config": asdict(self.config),
+                "minutes": round(self.state["seconds"] / 60, 2), "processes": self.size,
+                "validation_kl_before": self.state.get("validation_kl_before"),
+                "validation_kl_after": validated[-1]["validation_kl"] if validated else None,
+                "peak_memory_bytes": mx.get_peak_memory(),
+                "curve": [{k: r[k] for k in ("step", "loss", "kl", "indexer_rehearsal",
+                                             "validation_kl") if k in r}
+                          for r in self.state["history"]]}
+
+    def distilled(self) -> Translator:
+        """The translator with the distilled parameters (in the closed-form dtype)."""
+        params = {k: self.params[k].astype(v.dtype) for k, v in self.translator.params.items()}
+        return Translator(self.translator.source_point, self.translator.token_identity,
+                          self.translator.specs, params, dict(self.translator.info))

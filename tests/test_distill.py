@@ -1,0 +1,147 @@
+"""Stage-2 distillation: exact gradients through the frozen target, held-out KL goes down, a
+resumed run is bit-identical, two processes match one."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+import mlx_kvtrans as kv
+from mlx_kvtrans.gated_delta import chunked_recurrence
+from mlx_kvtrans.translators import artifact
+from mlx_kvtrans.translators.distill import DistillConfig, Distiller, Problem, trainable
+from mlx_kvtrans.translators.fit import fit, plan
+
+TEXT = Path(__file__).parent / "data" / "corpus_sample.txt"
+
+
+def tiny_translator(loaded, source, target, recipes=None, batches=2, length=48):
+    S, T = loaded(source).model, loaded(target).model
+    specs = plan(kv.layout_of(S), kv.layout_of(T), point=1, nu=2, recipes=recipes or {})
+    data = [mx.random.randint(0, 259, (4, length), key=mx.random.key(i)) for i in range(batches)]
+    return fit(S, T, data, specs, source_point=1), S, T
+
+
+@pytest.mark.parametrize("source,target,recipes,prefix,continuation", [
+    ("qwen3", "llama", {}, 40, 8),
+    ("qwen3_5", "qwen3_next", {"recurrent_state": "bilinear"}, 40, 8),  # state correction
+    ("kimi_linear", "qwen3_5", {"recurrent_state": "replay"}, 40, 8),  # replay maps
+    ("kimi_linear", "kimi_vl", {}, 40, 8),
+    # DSA: a window no longer than index_topk keeps attention dense, so the loss (KL +
+    # indexer rehearsal) is smooth and finite differences apply
+    ("qwen3_5", "deepseek_v32", {}, 10, 4),
+])
+def test_gradient_matches_finite_differences(loaded, source, target, recipes, prefix,
+                                             continuation):
+    translator, S, T = tiny_translator(loaded, source, target, recipes)
+    windows = mx.random.randint(0, 259, (2, prefix + continuation), key=mx.random.key(9))
+    with chunked_recurrence():
+        problem = Problem(translator, S, T, windows, prefix)
+        params = trainable(translator)
+        (loss, (kl, rehearsal)), grads = mx.value_and_grad(problem.loss)(params)
+        assert set(grads) == set(params) and float(loss) > 0
+        if target == "deepseek_v32":
+            assert float(rehearsal) > 0
+        keys = mx.random.split(mx.random.key(3), len(params))
+        direction = {k: mx.random.normal(v.shape, key=key)
+                     for key, (k, v) in zip(keys, params.items())}
+        norm = sum(float((d * d).sum()) for d in direction.values()) ** 0.5
+        eps = 1e-2 / norm
+
+        def at(sign):
+            return float(problem.loss({k: params[k] + sign * eps * direction[k]
+                                       for k in params})[0])
+
+        numeric = (at(1) - at(-1)) / (2 * eps)
+    analytic = sum(float((grads[k] * direction[k]).sum()) for k in params)
+    assert abs(numeric - analytic) <= 0.02 * abs(analytic) + 1e-4, (numeric, analytic)
+
+
+def ids_of(loaded, family):
+    return loaded(family).tokenizer.encode(TEXT.read_text())
+
+
+CONFIG = DistillConfig(steps=30, lr=3e-3, warmup=3, batch=4, min_prefix=24, max_prefix=48,
+                       continuation=16, validate_every=10, validation_windows=8)
+
+
+def test_short_distillation_lowers_held_out_kl(loaded, tmp_path):
+    # fitted on one batch of random tokens: a poor closed form, room to improve
+    translator, S, T = tiny_translator(loaded, "kimi_linear", "kimi_vl", batches=1, length=40)
+    ids = ids_of(loaded, "kimi_vl")
+    d = Distiller(translator, S, T, ids[:15000], ids[15000:], CONFIG, tmp_path / "run")
+    summary = d.run()
+    assert summary["steps"] == 30
+    assert summary["validation_kl_after"] < 0.8 * summary["validation_kl_before"], summary
+    # the distilled translator installs and continues, with parameters of the stage-1 dtypes
+    distilled = d.distilled()
+    assert all(distilled.params[k].dtype == translator.params[k].dtype for k in translator.params)
+    assert d.validate(trainable(distilled)) == pytest.approx(summary["validation_kl_after"],
+                                                             rel=1e-4)
+
+
+def test_resume_continues_bit_identically(loaded, tmp_path):
+    translator, S, T = tiny_translator(loaded, "qwen3_5", "qwen3_next",
+                                       {"recurrent_state": "bilinear"})
+    ids = ids_of(loaded, "qwen3_5")
+    config = DistillConfig(steps=6, lr=1e-3, warmup=2, batch=2, min_prefix=16, max_prefix=32,
+                           continuation=8, validate_every=3, validation_windows=2)
+    straight = Distiller(translator, S, T, ids[:15000], ids[15000:], config, tmp_path / "a")
+    straight.run()
+    first = Distiller(translator, S, T, ids[:15000], ids[15000:], config, tmp_path / "b")
+    first.run(max_minutes=1e-9)  # stops (and checkpoints) after its first step
+    assert first.state["step"] == 1
+    second = Distiller(translator, S, T, ids[:15000], ids[15000:], config, tmp_path / "b")
+    assert second.resume() and second.state["step"] == 1
+    second.run()
+    for k in straight.params:
+        assert mx.array_equal(straight.params[k], second.params[k]), k
+    assert [r["loss"] for r in straight.state["history"]] == \
+        [r["loss"] for r in second.state["history"]]
+    other = DistillConfig(**{**config.__dict__, "lr": 5e-4})
+    with pytest.raises(Exception, match="other settings"):
+        Distiller(translator, S, T, ids, ids, other, tmp_path / "b").resume()
+
+
+def run_cli(args, env=None, launcher=()):
+    return subprocess.run([*launcher, sys.executable, "-m", "mlx_kvtrans.cli", *args],
+                          capture_output=True, text=True, env=env, timeout=600)
+
+
+def test_two_processes_match_one(model_dirs, tmp_path):
+    """`mlx.launch -n 2 --backend ring`: each process takes half of the same global batch."""
+    src, tgt = kv.load(str(model_dirs("qwen3"))), kv.load(str(model_dirs("llama")))
+    specs = plan(kv.layout_of(src.model), kv.layout_of(tgt.model), point=1, nu=2)
+    data = [mx.random.randint(0, 259, (4, 40), key=mx.random.key(0))]
+    path = artifact.save(fit(src.model, tgt.model, data, specs), tmp_path / "tr", src, tgt)
+    common = ["distill", "--translator", str(path), "--data", str(TEXT), "--validation",
+              str(TEXT), "--steps", "6", "--batch", "4", "--lr", "1e-3", "--warmup", "2",
+              "--min-prefix", "16", "--max-prefix", "32", "--continuation", "8",
+              "--validate-every", "3", "--validation-windows", "4", "--json"]
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
+    one = run_cli([*common, "--workdir", str(tmp_path / "w1"), "--out", str(tmp_path / "o1")],
+                  env)
+    assert one.returncode == 0, one.stderr
+    again = run_cli([*common, "--workdir", str(tmp_path / "w1"), "--out", str(tmp_path / "o1")],
+                    env)  # a checkpoint is there: refused unless --resume
+    assert again.returncode == 2 and "--resume" in again.stderr and "Traceback" not in again.stderr
+    launcher = (shutil.which("mlx.launch", path=str(Path(sys.executable).parent)) or "mlx.launch",
+                "-n", "2", "--backend", "ring", "--starting-port", "47311", "--")
+    two = run_cli([*common, "--workdir", str(tmp_path / "w2"), "--out", str(tmp_path / "o2")],
+                  env, launcher)
+    assert two.returncode == 0, two.stderr + two.stdout
+    curves = []
+    for out in ("o1", "o2"):
+        manifest = json.loads((tmp_path / out / "manifest.json").read_text())
+        assert manifest["stage"] == 2
+        curves.append(manifest["distill"])
+    assert curves[0]["processes"] == 1 and curves[1]["processes"] == 2
+    for a, b in zip(curves[0]["curve"], curves[1]["curve"], strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-6)
+    assert curves[0]["validation_kl_after"] == pytest.approx(curves[1]["validation_kl_after"],
+                                                             rel=1e-4)
