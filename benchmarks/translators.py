@@ -1,11 +1,16 @@
-"""Fit and measure the shipped translators (stage 1, closed form) on the zoo pairs.
+"""Fit, distil and measure the shipped translators on the zoo pairs, stage 1 beside stage 2.
 
-For every pair and variant: KL(native || translated) and greedy agreement of 32 tokens on
-held-out test-split prefixes (with the no-cache floor beside them), and exact needle recall at 1x,
-2x, 4x and 8x the longest fitting prompt, translated beside native. The default variant of each
-pair is saved under weights/translators/. Writes benchmarks/results/translators.json and .md.
+Stage 1 (closed form), every variant of a pair: KL(native || translated) and greedy agreement of
+32 tokens on held-out test-split prefixes of 1x, 2x, 4x and 8x the longest fitting prompt (with
+the no-cache floor beside them), and exact needle recall at the same lengths, translated beside
+native. Stage 2: the pair's first variant, distilled (`kvtrans distill`'s loop) and measured the
+same way. For a sparse-attention (DSA) target, also the share of the native indexer selection the
+translated keys select and whether every layer keeps the needle's tokens selected. The first
+variant of each pair is saved under weights/translators/ (stage 1) and its distilled version
+beside it (`-distilled`). Writes benchmarks/results/translators.{json,md}.
 
     python benchmarks/translators.py [--samples N] [--windows N] [--pairs a:b,c:d]
+                                     [--distill-steps N]
 """
 
 from __future__ import annotations
@@ -22,14 +27,16 @@ import mlx.core as mx
 from mlx_kvtrans.blas import blas_report
 from mlx_kvtrans.models import weights_dir
 from mlx_kvtrans.translators import artifact
-from mlx_kvtrans.translators.fidelity import fidelity
+from mlx_kvtrans.translators.distill import DistillConfig, Distiller
+from mlx_kvtrans.translators.fidelity import fidelity, indexer_selection
 from mlx_kvtrans.translators.fit import fit, plan, token_windows
 from mlx_kvtrans.translators.translator import translate_cache
-from mlx_kvtrans.zoo.evaluate import needle_recall
+from mlx_kvtrans.zoo.evaluate import held_out_filler, needle_prompt_tokens, needle_recall
 
 ROOT = Path(__file__).resolve().parent
 FIT_LENGTH = 256  # the longest fitting prompt
 FIT_WINDOWS = int(os.environ.get("KVTRANS_FIT_WINDOWS", 256))  # fewer for a quick check
+LENGTHS = [FIT_LENGTH * m for m in (1, 2, 4, 8)]
 
 # pair -> variants: (name, plan options, fit options); the first variant is the one shipped
 DEFAULT = ("default", {"point": 1, "nu": 2}, {"token_identity": "off"})
@@ -63,33 +70,64 @@ def corpus_ids(tokenizer, split: str) -> list[int]:
     return tokenizer.encode((Path("runs/corpus") / f"{split}.txt").read_text())
 
 
-def run_variant(src, tgt, name, plan_options, fit_options, args, train_ids, test_ids):
+def codebook_for(src, token_identity):
     from mlx_kvtrans.translators.token_identity import cached_codebook
 
-    started = time.perf_counter()
+    if token_identity != "codebook":
+        return None
+    return cached_codebook(src.model, len(src.tokenizer.get_vocab()),
+                           artifact.weights_fingerprint(src.path), Path("runs/cache"))
+
+
+def fit_variant(src, tgt, plan_options, fit_options, train_ids, codebook):
     specs = plan(kv.layout_of(src.model), kv.layout_of(tgt.model), **plan_options)
-    codebook = None
-    if fit_options.get("token_identity") == "codebook":
-        codebook = cached_codebook(src.model, len(src.tokenizer.get_vocab()),
-                                   artifact.weights_fingerprint(src.path), Path("runs/cache"))
-    translator = fit(src.model, tgt.model,
-                     token_windows(train_ids, FIT_LENGTH, FIT_WINDOWS, batch=8), specs,
-                     source_point=plan_options["point"], codebook=codebook, **fit_options)
-    fit_seconds = time.perf_counter() - started
-    rows = fidelity(translator, src.model, tgt.model, test_ids, [FIT_LENGTH, 2 * FIT_LENGTH],
-                    windows=args.windows, codebook=codebook)
-    lengths = [FIT_LENGTH * m for m in (1, 2, 4, 8)]
+    return fit(src.model, tgt.model, token_windows(train_ids, FIT_LENGTH, FIT_WINDOWS, batch=8),
+               specs, source_point=plan_options["point"], codebook=codebook, **fit_options)
+
+
+def needles(tokenizer, length: int, samples: int):
+    """Held-out needle prompts (as `needle_recall` draws them) and their code tokens' positions."""
+    from mlx_kvtrans.zoo.evaluate import HELD_OUT_SEED
+
+    prompts, positions = [], []
+    for i in range(samples):
+        prompt, answer = needle_prompt_tokens(tokenizer.encode, HELD_OUT_SEED + i, length,
+                                              held_out_filler())
+        code = answer[:-1]
+        at = next(j for j in range(len(prompt)) if prompt[j:j + len(code)] == code)
+        prompts.append(prompt)
+        positions.append(list(range(at, at + len(code))))
+    return prompts, positions
+
+
+def measure(translator, src, tgt, args, test_ids, codebook) -> dict:
+    rows = fidelity(translator, src.model, tgt.model, test_ids, LENGTHS, windows=args.windows,
+                    codebook=codebook)
     translated = needle_recall(
-        tgt.model, tgt.tokenizer.encode, lengths, samples=args.samples,
+        tgt.model, tgt.tokenizer.encode, LENGTHS, samples=args.samples,
         cache_for=lambda ids: translate_cache(translator, src.model, tgt.model, ids, codebook))
-    r2 = [m["r2"] for m in translator.info["metrics"].values()]
-    return translator, {
-        "variant": name, "fit_seconds": round(fit_seconds, 1),
-        "fit_tokens": translator.info["fit"]["tokens"],
-        "min_r2": round(min(r2), 4), "mean_r2": round(sum(r2) / len(r2), 4),
-        "codebook_decode_accuracy": translator.info["fit"].get("codebook_decode_accuracy"),
-        "fidelity": rows, "needle_translated": {str(k): v for k, v in translated.items()},
-    }
+    result = {"fidelity": rows, "needle_translated": {str(k): v for k, v in translated.items()}}
+    if any(hasattr(getattr(layer, "self_attn", None), "indexer") for layer in tgt.model.layers):
+        result["indexer"] = {}
+        for length in LENGTHS:
+            prompts, positions = needles(tgt.tokenizer, length, min(args.samples, 10))
+            result["indexer"][str(length)] = indexer_selection(
+                translator, src.model, tgt.model, prompts, positions, codebook)
+    return result
+
+
+def distill_variant(translator, src, tgt, args, train_ids, validation_ids, codebook, name):
+    config = DistillConfig(steps=args.distill_steps, batch=8, max_prefix=FIT_LENGTH,
+                           validate_every=max(1, args.distill_steps // 4), validation_windows=16)
+    workdir = Path("runs") / "distill" / name
+    distiller = Distiller(translator, src.model, tgt.model, train_ids, validation_ids, config,
+                          workdir, codebook)
+    distiller.resume()  # a checkpoint of these settings continues where it stopped
+    summary = distiller.run()
+    distilled = distiller.distilled()
+    distilled.info["stage"] = 2
+    distilled.info["distill"] = summary
+    return distilled, summary
 
 
 def main():
@@ -97,6 +135,7 @@ def main():
     parser.add_argument("--samples", type=int, default=30, help="needles per length")
     parser.add_argument("--windows", type=int, default=8, help="fidelity windows per length")
     parser.add_argument("--pairs", default=None, help="only these, as src:tgt,src:tgt")
+    parser.add_argument("--distill-steps", type=int, default=200, help="stage-2 steps per pair")
     args = parser.parse_args()
     wanted = PAIRS
     if args.pairs:
@@ -110,22 +149,46 @@ def main():
     if args.pairs and out_json.exists():  # keep the pairs not re-run
         previous = json.loads(out_json.read_text())
         results["pairs"] = [p for p in previous["pairs"]
-                            if (p["source"], p["target"]) not in wanted]
+                            if (p["source"], p["target"]) not in wanted
+                            and all("stage" in v for v in p["variants"])]  # this format
     for (source, target), variants in wanted.items():
         src, tgt = kv.load(source), kv.load(target)
         train_ids, test_ids = corpus_ids(src.tokenizer, "train"), corpus_ids(src.tokenizer, "test")
-        native = needle_recall(tgt.model, tgt.tokenizer.encode,
-                               [FIT_LENGTH * m for m in (1, 2, 4, 8)], samples=args.samples)
+        validation_ids = corpus_ids(src.tokenizer, "validation")
+        native = needle_recall(tgt.model, tgt.tokenizer.encode, LENGTHS, samples=args.samples)
         entry = {"source": source, "target": target,
                  "needle_native": {str(k): v for k, v in native.items()}, "variants": []}
         for i, (name, plan_options, fit_options) in enumerate(variants):
-            translator, row = run_variant(src, tgt, name, plan_options, fit_options, args,
-                                          train_ids, test_ids)
+            codebook = codebook_for(src, fit_options.get("token_identity"))
+            started = time.perf_counter()
+            translator = fit_variant(src, tgt, plan_options, fit_options, train_ids, codebook)
+            r2 = [m["r2"] for m in translator.info["metrics"].values()]
+            row = {"variant": name, "stage": 1,
+                   "fit_seconds": round(time.perf_counter() - started, 1),
+                   "fit_tokens": translator.info["fit"]["tokens"],
+                   "min_r2": round(min(r2), 4), "mean_r2": round(sum(r2) / len(r2), 4),
+                   "codebook_decode_accuracy":
+                       translator.info["fit"].get("codebook_decode_accuracy"),
+                   **measure(translator, src, tgt, args, test_ids, codebook)}
             entry["variants"].append(row)
-            print(json.dumps({"pair": f"{source} -> {target}", **row}))
-            if i == 0:
-                artifact.save(translator, weights_dir() / "translators" / f"{source}__{target}",
-                              src, tgt)
+            print(json.dumps({"pair": f"{source} -> {target}", **row}), flush=True)
+            if i:
+                continue
+            shipped = weights_dir() / "translators" / f"{source}__{target}"
+            artifact.save(translator, shipped, src, tgt)
+            if args.distill_steps:
+                distilled, summary = distill_variant(translator, src, tgt, args, train_ids,
+                                                     validation_ids, codebook,
+                                                     f"{source}__{target}")
+                row = {"variant": name, "stage": 2, "distill_steps": summary["steps"],
+                       "distill_minutes": summary["minutes"],
+                       "validation_kl_before": summary["validation_kl_before"],
+                       "validation_kl_after": summary["validation_kl_after"],
+                       "peak_memory_mib": round(summary["peak_memory_bytes"] / 2**20),
+                       **measure(distilled, src, tgt, args, test_ids, codebook)}
+                entry["variants"].append(row)
+                print(json.dumps({"pair": f"{source} -> {target}", **row}), flush=True)
+                artifact.save(distilled, shipped.with_name(shipped.name + "-distilled"), src, tgt)
         results["pairs"].append(entry)
         mx.clear_cache()
     out_json.parent.mkdir(parents=True, exist_ok=True)
@@ -135,24 +198,46 @@ def main():
 
 
 def markdown(results) -> str:
-    lines = ["# Stage-1 translators on the zoo (closed form)\n",
-             f"Fitted on {results['fit_windows']} windows of {results['fit_length']} tokens of the "
-             f"train split; measured on the test split. KL in nats/token over 64 continuation "
-             f"tokens (no-cache floor in brackets); greedy agreement of 32 tokens; exact needle "
-             f"recall ({results['needle_samples']} held-out needles per length), translated "
-             f"(native in brackets). Generated by `python benchmarks/translators.py`.\n",
-             "| pair | variant | min R^2 | KL @256 | KL @512 | agree @256 | recall 1x | 2x | 4x | 8x |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lengths = [str(n) for n in LENGTHS]
+    lines = ["# Translators on the zoo: stage 1 (closed form) and stage 2 (distilled)\n",
+             f"Stage 1 fitted on {results['fit_windows']} windows of {results['fit_length']} "
+             f"tokens of the train split; stage 2 distilled from the first variant of each pair "
+             f"(steps and minutes below); all measured on the test split. KL in nats/token over 64 "
+             f"continuation tokens (no-cache floor in brackets); greedy agreement of 32 tokens "
+             f"(no-cache floor in brackets); exact needle recall ({results['needle_samples']} "
+             f"held-out needles per length), translated (native in brackets). Generated by "
+             f"`python benchmarks/translators.py`.\n",
+             "| pair | variant | stage | KL " + " | KL ".join(f"@{n}" for n in lengths)
+             + " | agree @" + lengths[0] + " | agree @" + lengths[-1]
+             + " | recall " + " | recall ".join(f"@{n}" for n in lengths) + " |",
+             "|---" * (5 + 2 * len(lengths)) + "|"]
+    notes = []
     for pair in results["pairs"]:
         native = pair["needle_native"]
         for v in pair["variants"]:
-            f256, f512 = v["fidelity"][0], v["fidelity"][1]
-            recall = [f"{v['needle_translated'][k]:.2f} ({native[k]:.2f})" for k in native]
+            fid = v["fidelity"]
+            kl = [f"{r['kl']:.3f} ({r['kl_no_cache']:.2f})" for r in fid]
+            agree = [f"{r['greedy_agreement']:.2f} ({r['greedy_agreement_no_cache']:.2f})"
+                     for r in (fid[0], fid[-1])]
+            recall = [f"{v['needle_translated'][k]:.2f} ({native[k]:.2f})" for k in lengths]
             lines.append(f"| {pair['source']} -> {pair['target']} | {v['variant']} | "
-                         f"{v['min_r2']:.3f} | {f256['kl']:.3f} ({f256['kl_no_cache']:.2f}) | "
-                         f"{f512['kl']:.3f} ({f512['kl_no_cache']:.2f}) | "
-                         f"{f256['greedy_agreement']:.2f} ({f256['greedy_agreement_no_cache']:.2f}) | "
-                         + " | ".join(recall) + " |")
+                         f"{v['stage']} | " + " | ".join(kl + agree + recall) + " |")
+            if v["stage"] == 2:
+                notes.append(f"- {pair['source']} -> {pair['target']}: {v['distill_steps']} "
+                             f"steps, {v['distill_minutes']:.1f} min, held-out KL "
+                             f"{v['validation_kl_before']:.4f} -> {v['validation_kl_after']:.4f}, "
+                             f"peak memory {v['peak_memory_mib']} MiB")
+            if "indexer" in v:
+                cells = ", ".join(
+                    f"@{n}: overlap {x['selection_overlap']:.2f}, needle kept "
+                    f"{x['needle_selected_translated']:.2f} "
+                    f"(native {x['needle_selected_native']:.2f})"
+                    for n, x in v["indexer"].items())
+                top_k = next(iter(v["indexer"].values()))["index_topk"]
+                notes.append(f"- {pair['source']} -> {pair['target']} stage {v['stage']} "
+                             f"indexer selection (top-{top_k}): {cells}")
+    if notes:
+        lines += ["", "Stage 2 and sparse-indexer selection:", "", *notes]
     return "\n".join(lines) + "\n"
 
 

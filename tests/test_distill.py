@@ -145,3 +145,16 @@ def test_two_processes_match_one(model_dirs, tmp_path):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-6)
     assert curves[0]["validation_kl_after"] == pytest.approx(curves[1]["validation_kl_after"],
                                                              rel=1e-4)
+
+
+def test_indexer_selection_is_exact_on_itself(loaded):
+    from mlx_kvtrans.translators.fidelity import indexer_selection
+
+    T = loaded("deepseek_v32").model
+    specs = plan(kv.layout_of(T), kv.layout_of(T), point=3, nu=1)
+    data = [mx.random.randint(0, 259, (4, 64), key=mx.random.key(i)) for i in range(4)]
+    translator = fit(T, T, data, specs, source_point=3, ridge=1e-7)
+    prompts = [mx.random.randint(0, 259, (60,), key=mx.random.key(50 + i)).tolist()
+               for i in range(3)]
+    result = indexer_selection(translator, T, T, prompts)
+    assert result["index_topk"] < 59 and result["selection_overlap"] == 1.0

@@ -285,6 +285,7 @@ class Distiller:
     def run(self, on_step=None, checkpoint_seconds: float = 120.0, max_minutes=None) -> dict:
         """Train to `config.steps` (from the checkpoint if resumed); returns the summary."""
         c = self.config
+        mx.clear_cache()  # buffers reused from the cache would not count towards the peak
         mx.reset_peak_memory()
         if "validation_kl_before" not in self.state:
             self.state["validation_kl_before"] = self.validate(trainable(self.translator))

@@ -73,3 +73,49 @@ def fidelity(translator: Translator, source, target, token_ids: list[int],
                      "greedy_agreement": sum(agree) / windows,
                      "greedy_agreement_no_cache": sum(floor_agree) / windows})
     return rows
+
+
+def _top_k(scores: mx.array, k: int) -> set[int]:
+    """Positions an indexer selects from its scores over the keys (all when there are <= k)."""
+    scores = scores.reshape(-1)
+    if scores.size <= k:
+        return set(range(scores.size))
+    return set(mx.argpartition(scores, kth=-k)[-k:].tolist())
+
+
+def indexer_selection(translator: Translator, source, target, prompts: list[list[int]],
+                      needles: list[list[int]] | None = None, codebook=None) -> dict:
+    """DSA targets: what the sparse indexer selects when it reads translated indexer keys.
+
+    For each prompt, the target reads its last token from a cache of the rest (native or
+    translated); each DSA layer's indexer picks its top-k keys for that query. Returns the mean
+    share of the native selection that the translated selection keeps, and (with `needles`: the
+    positions of each prompt's needle tokens) the share of prompts whose needle tokens every
+    layer selects, native and translated."""
+    from .distill import indexer_score_tap
+
+    layout = layout_of(target)
+    top_k = [layer.self_attn.indexer.index_topk for layer in target.layers
+             if hasattr(getattr(layer, "self_attn", None), "indexer")]
+    if not top_k:
+        raise ValueError("the target has no sparse-attention indexer")
+    overlap, kept = [], {"native": 0, "translated": 0}
+    for i, prompt in enumerate(prompts):
+        ids = mx.array(prompt)[None]
+        caches = {"native": capture(target, ids[:, :-1], points=(3,), layout=layout).engine,
+                  "translated": translate_cache(translator, source, target, ids[:, :-1],
+                                                codebook)}
+        chosen = {}
+        for name, cache in caches.items():
+            with indexer_score_tap(target) as scores:
+                mx.eval(target(ids[:, -1:], cache=cache))
+            chosen[name] = [_top_k(s[..., : ids.shape[1] - 1], k) for s, k in zip(scores, top_k)]
+        overlap += [len(n & t) / len(n) for n, t in zip(chosen["native"], chosen["translated"])]
+        if needles is not None:
+            for name in kept:
+                kept[name] += all(set(needles[i]) <= c for c in chosen[name])
+    result = {"selection_overlap": sum(overlap) / len(overlap), "prompts": len(prompts),
+              "index_topk": top_k[0]}
+    if needles is not None:
+        result.update({f"needle_selected_{n}": v / len(prompts) for n, v in kept.items()})
+    return result

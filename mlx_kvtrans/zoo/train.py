@@ -157,8 +157,11 @@ def train(alias: str, workdir: Path, weights: Path, log=print, eval_samples: int
     config = build_config(recipe, tok, weights)
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
-    if recipe.init_from:
+    if recipe.init_from:  # the shipped (bf16) weights, trained on in float32
+        from ..models import cast_parameters
+
         model.load_weights(str(weights / recipe.init_from / "model.safetensors"))
+        cast_parameters(model, mx.float32)
     model.train()
 
     run = workdir / alias
