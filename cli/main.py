@@ -616,8 +616,11 @@ def eval_fidelity(translator_dir: Path = typer.Option(..., "--translator"),
 def _default_translator(source: str, target: str) -> Path | None:
     from mlx_kvtrans.models import weights_dir
 
-    path = weights_dir() / "translators" / f"{source}__{target}"
-    return path if (path / "manifest.json").exists() else None
+    shipped = weights_dir() / "translators"
+    for name in (f"{source}__{target}-distilled", f"{source}__{target}"):  # stage 2 first
+        if (shipped / name / "manifest.json").exists():
+            return shipped / name
+    return None
 
 
 @app.command()
@@ -763,7 +766,9 @@ def _realistic_pair(name: str, dtype):
         model = build_model(config, seed=i)
         cast_parameters(model, dtype)
         models.append(LoadedModel(n, Path("."), model, None, config))
-    specs = plan(mlx_kvtrans.layout_of(models[0].model), mlx_kvtrans.layout_of(models[1].model))
+    # one source layer per target layer: a KDA layer's conv rows alone are 12,288 features
+    specs = plan(mlx_kvtrans.layout_of(models[0].model), mlx_kvtrans.layout_of(models[1].model),
+                 nu=1)
     import mlx.core as mx
 
     tokens = [mx.random.randint(0, 4096, (1, 64), key=mx.random.key(0))]

