@@ -63,6 +63,8 @@ def _base(hidden, layers, **extra):
                 **extra)
 
 
+# q and k are RMS-normed per head in qwen3 / qwen3_5 attention, so a head's sharpest attention
+# grows with sqrt(head_dim): 64 rather than 32 lets a copying head single out one token of 256.
 RECIPES = {r.alias: r for r in [
     Recipe("qwen3-small", "qwen3", "GQA pair, smaller (KV-Lingo's Qwen3-4B side)",
            dict(model_type="qwen3", **_base(128, 4), num_attention_heads=4, num_key_value_heads=2,
@@ -70,7 +72,7 @@ RECIPES = {r.alias: r for r in [
            seed=11, steps=2500, decay_share=0.0),
     Recipe("qwen3-large", "qwen3", "GQA pair, larger (KV-Lingo's Qwen3-8B side)",
            dict(model_type="qwen3", **_base(192, 6), num_attention_heads=6, num_key_value_heads=2,
-                head_dim=32, rope_theta=10000.0),
+                head_dim=64, rope_theta=10000.0),
            seed=12, steps=2000),
     Recipe("kimi-vl", "kimi_vl", "full MLA with RoPE'd rope key (Pair A)",
            dict(model_type="kimi_vl", text_config=dict(model_type="deepseek_v3", **_base(128, 4),
@@ -86,7 +88,7 @@ RECIPES = {r.alias: r for r in [
            seed=14, steps=1800),
     Recipe("qwen3.5-a", "qwen3_5", "GQA + Gated DeltaNet hybrid (Pair B, Pair C source)",
            dict(model_type="qwen3_5", **_base(128, 4), num_attention_heads=4,
-                num_key_value_heads=2, head_dim=32, linear_num_value_heads=4,
+                num_key_value_heads=2, head_dim=64, linear_num_value_heads=4,
                 linear_num_key_heads=2, linear_key_head_dim=32, linear_value_head_dim=32,
                 linear_conv_kernel_dim=4, full_attention_interval=4,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
