@@ -39,7 +39,7 @@ class Recipe:
     # of examples seen: 8 rows of 256 tokens learned none in 1,300 steps; 32 rows of 64 tokens
     # began to copy digit strings within 300 steps (measured on qwen3-small).
     length_schedule: tuple = ((0.3, 4), (0.5, 2))
-    # 0: cosine decay from the end of warm-up (qwen3-small, kimi-vl were trained so);
+    # 0: cosine decay from the end of warm-up (kimi-vl was trained so);
     # s > 0: the full rate until the last share s of steps, then cosine (see train._schedule)
     decay_share: float = 0.2
 
@@ -68,8 +68,8 @@ def _base(hidden, layers, **extra):
 RECIPES = {r.alias: r for r in [
     Recipe("qwen3-small", "qwen3", "GQA pair, smaller (KV-Lingo's Qwen3-4B side)",
            dict(model_type="qwen3", **_base(128, 4), num_attention_heads=4, num_key_value_heads=2,
-                head_dim=32, rope_theta=10000.0),
-           seed=11, steps=2500, decay_share=0.0),
+                head_dim=64, rope_theta=10000.0),
+           seed=11, steps=2500),
     Recipe("qwen3-large", "qwen3", "GQA pair, larger (KV-Lingo's Qwen3-8B side)",
            dict(model_type="qwen3", **_base(192, 6), num_attention_heads=6, num_key_value_heads=2,
                 head_dim=64, rope_theta=10000.0),
