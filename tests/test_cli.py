@@ -143,3 +143,16 @@ def test_failed_verification_exits_1_without_internal_error(model_dirs, monkeypa
     result = kvtrans("verify", model_dirs("qwen3"))
     assert result.exit_code == 1
     assert "FAIL" in result.output and "internal error" not in result.output
+
+
+def test_shipped_distilled_translator_is_preferred(tmp_path, monkeypatch):
+    from mlx_kvtrans.cli.main import _default_translator
+
+    monkeypatch.setenv("KVTRANS_WEIGHTS", str(tmp_path))
+    assert _default_translator("a", "b") is None
+    for name in ("a__b", "a__b-distilled"):
+        (tmp_path / "translators" / name).mkdir(parents=True)
+    (tmp_path / "translators" / "a__b" / "manifest.json").write_text("{}")
+    assert _default_translator("a", "b").name == "a__b"
+    (tmp_path / "translators" / "a__b-distilled" / "manifest.json").write_text("{}")
+    assert _default_translator("a", "b").name == "a__b-distilled"
