@@ -63,15 +63,17 @@ def translation_flops(translator: Translator, length: int) -> float:
 
 
 def _median(fn, repeats: int) -> tuple[float, float]:
-    """(median seconds, peak MB) of `fn` (each run evaluated to the end)."""
+    """(median seconds, peak MB above what was resident before: the weights and any source
+    cache) of `fn`, each run evaluated to the end."""
     times, peaks = [], []
     for _ in range(repeats):
         mx.clear_cache()
         mx.reset_peak_memory()
+        resident = mx.get_active_memory()
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-        peaks.append(mx.get_peak_memory() / 2**20)
+        peaks.append((mx.get_peak_memory() - resident) / 2**20)
     return statistics.median(times), max(peaks)
 
 
@@ -124,3 +126,45 @@ def bench_switch(translator: Translator, source, target, lengths: list[int], rep
                              translation_flops(translator, length) / t_translate / 1e9,
                              peak_switch, peak_full))
     return rows
+
+
+def shaped_translator(source_model, target_model, specs, source_point: int = 1) -> Translator:
+    """A translator with the shapes `fit` would give `specs`, and random weights: for timing
+    models of real checkpoints' sizes, where time depends on shapes only and a closed-form fit
+    would hold a (features x features) moment matrix per map (a KDA layer alone reads 12,288)."""
+    from .translators.fit import per_token_target
+    from .translators.translator import REPLAY_INPUTS
+
+    tokens = mx.zeros((1, 8), dtype=mx.int32)
+    shell = Translator(source_point, "off", specs, {}, {"replay_shapes": {}})
+    features = shell.features(capture(source_model, tokens, points=shell.source_points()))
+    points = {s.point for s in specs if s.recipe in ("map", "replay")} | {3}
+    target = capture(target_model, tokens, points=points)
+    key = mx.random.key(0)
+
+    def random(shape):
+        return mx.random.normal(shape, key=key) * shape[-1] ** -0.5
+
+    for spec in specs:
+        if spec.recipe == "map":
+            din = spec.features(features, None).shape[-1]
+            dout = per_token_target(target.objects[spec.layer][(spec.name, spec.point)]).shape[-1]
+            shell.params[f"{spec.key}.weight"] = random((dout, din))
+            shell.params[f"{spec.key}.bias"] = mx.zeros((dout,))
+        elif spec.recipe == "replay":
+            din = spec.features(features, None).shape[-1]
+            inputs = target.objects[spec.layer][(spec.name, 2)]
+            shapes = {name: list(getattr(inputs, name).shape[2:]) for name in REPLAY_INPUTS}
+            shell.info["replay_shapes"][spec.key] = shapes
+            for name, shape in shapes.items():
+                dout = 1
+                for n in shape:
+                    dout *= n
+                shell.params[f"{spec.key}.{name}.weight"] = random((dout, din))
+                shell.params[f"{spec.key}.{name}.bias"] = mx.zeros((dout,))
+        elif spec.recipe == "bilinear":
+            _, heads, dv, dk = target.objects[spec.layer][(spec.name, 3)].shape
+            shell.params[f"{spec.key}.A"] = mx.broadcast_to(mx.eye(dv), (heads, dv, dv))
+            shell.params[f"{spec.key}.B"] = mx.broadcast_to(mx.eye(dk), (heads, dk, dk))
+    mx.eval(shell.params)
+    return shell

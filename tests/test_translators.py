@@ -312,3 +312,22 @@ def test_capture_3_reads_only_layers_with_per_token_objects(loaded):
     tr = fit(S, T, batches(2), specs, source_point=3)
     toks = mx.random.randint(0, 259, (1, 30), key=mx.random.key(4))
     assert bool(mx.isfinite(T(toks[:, -1:], cache=translate_cache(tr, S, T, toks))).all())
+
+
+@pytest.mark.parametrize("source,target,recipes", [
+    ("kimi_linear", "kimi_vl", {}), ("qwen3_5", "qwen3_next", {"recurrent_state": "bilinear"}),
+    ("kimi_vl", "qwen3_5", {}), ("qwen3_5", "deepseek_v32", {})])
+def test_shaped_translator_has_the_fitted_shapes(loaded, source, target, recipes):
+    """The bench's timing translator (random weights) is shaped exactly as a fitted one."""
+    from mlx_kvtrans.bench import shaped_translator
+
+    S, T = loaded(source).model, loaded(target).model
+    specs = plan(kv.layout_of(S), kv.layout_of(T), point=1, nu=2, recipes=recipes)
+    fitted = fit(S, T, batches(1), specs)
+    shaped = shaped_translator(S, T, specs)
+    assert {k: v.shape for k, v in shaped.params.items()} == \
+        {k: v.shape for k, v in fitted.params.items()}
+    assert shaped.info["replay_shapes"] == fitted.info["replay_shapes"]
+    toks = mx.random.randint(0, 259, (1, 24), key=mx.random.key(3))
+    logits = T(toks[:, -1:], cache=translate_cache(shaped, S, T, toks[:, :-1]))
+    assert bool(mx.isfinite(logits).all())
