@@ -34,19 +34,19 @@ class Recipe:
     mix: Mix = field(default_factory=Mix)
     init_from: str | None = None  # continue training this alias (a "next generation")
     dense_warmup: float = 0.0  # DSA: share of steps with dense attention while the indexer learns
-    # Rows start short and many, then grow at the same tokens per step: (share of steps, rows
+    # Rows start short and many, then grow at the same tokens per step: (until this step, rows
     # shorter by this factor, batch larger by it). Copying (needles) is learned from the number
     # of examples seen: 8 rows of 256 tokens learned none in 1,300 steps; 32 rows of 64 tokens
     # began to copy digit strings within 300 steps (measured on qwen3-small).
-    length_schedule: tuple = ((0.3, 4), (0.5, 2))
+    length_schedule: tuple = ()
     # 0: cosine decay from the end of warm-up (kimi-vl was trained so);
     # s > 0: the full rate until the last share s of steps, then cosine (see train._schedule)
     decay_share: float = 0.2
 
     def shape_at(self, step: int) -> tuple[int, int]:
         """(batch, row length) of training step `step`."""
-        for share, factor in self.length_schedule:
-            if step < share * self.steps:
+        for until, factor in self.length_schedule:
+            if step < until:
                 return self.batch * factor, self.length // factor
         return self.batch, self.length
 
@@ -69,15 +69,16 @@ RECIPES = {r.alias: r for r in [
     Recipe("qwen3-small", "qwen3", "GQA pair, smaller (KV-Lingo's Qwen3-4B side)",
            dict(model_type="qwen3", **_base(128, 4), num_attention_heads=4, num_key_value_heads=2,
                 head_dim=64, rope_theta=10000.0),
-           seed=11, steps=2500),
+           seed=11, steps=2500, length_schedule=((750, 4), (1250, 2))),
     Recipe("qwen3-large", "qwen3", "GQA pair, larger (KV-Lingo's Qwen3-8B side)",
            dict(model_type="qwen3", **_base(192, 6), num_attention_heads=6, num_key_value_heads=2,
                 head_dim=64, rope_theta=10000.0),
-           seed=12, steps=2000),
+           seed=12, steps=2000, length_schedule=((600, 4), (1000, 2))),
     Recipe("kimi-vl", "kimi_vl", "full MLA with RoPE'd rope key (Pair A)",
            dict(model_type="kimi_vl", text_config=dict(model_type="deepseek_v3", **_base(128, 4),
                 **_MLA, first_k_dense_replace=4)),
-           seed=13, steps=3000, decay_share=0.0),
+           seed=13, steps=3000, decay_share=0.0,
+           length_schedule=((900, 4), (1500, 2))),
     Recipe("kimi-linear", "kimi_linear", "MLA without RoPE + KDA (Pair A)",
            dict(model_type="kimi_linear", **_base(128, 6), num_attention_heads=4,
                 num_key_value_heads=4, head_dim=32, kv_lora_rank=64, qk_nope_head_dim=32,
@@ -85,7 +86,7 @@ RECIPES = {r.alias: r for r in [
                 model_max_length=16384, num_experts=0, moe_intermediate_size=128,
                 linear_attn_config={"kda_layers": [1, 2, 4, 5], "full_attn_layers": [3, 6],
                                     "num_heads": 4, "head_dim": 32, "short_conv_kernel_size": 4}),
-           seed=14, steps=1800),
+           seed=14, steps=1200, length_schedule=((540, 4), (900, 2))),
     Recipe("qwen3.5-a", "qwen3_5", "GQA + Gated DeltaNet hybrid (Pair B, Pair C source)",
            dict(model_type="qwen3_5", **_base(128, 4), num_attention_heads=4,
                 num_key_value_heads=2, head_dim=64, linear_num_value_heads=4,
@@ -93,13 +94,13 @@ RECIPES = {r.alias: r for r in [
                 linear_conv_kernel_dim=4, full_attention_interval=4,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                  "partial_rotary_factor": 0.25}),
-           seed=15, steps=2000),
+           seed=15, steps=1300, length_schedule=((600, 4), (1000, 2))),
     Recipe("qwen3.5-b", "qwen3_5", "same geometry, next generation: qwen3.5-a trained on (Pair B)",
            {}, seed=16, steps=600, lr=5e-4, warmup=50, init_from="qwen3.5-a",
-           length_schedule=(),
            mix=Mix(text=0.35, needle=0.3, kv=0.1, dialogue=0.2, copy=0.05, digits=0.05)),
     Recipe("dsa", "deepseek_v32", "MLA + sparse indexer (Pair C target)",
            dict(model_type="deepseek_v32", **_base(128, 4), **_MLA, first_k_dense_replace=4,
                 index_head_dim=32, index_n_heads=2, index_topk=64),
-           seed=17, steps=2500, dense_warmup=0.4),
+           seed=17, steps=2500, dense_warmup=0.4,
+           length_schedule=((750, 4), (1250, 2))),
 ]}
