@@ -188,7 +188,11 @@ def main():
                        **measure(distilled, src, tgt, args, test_ids, codebook)}
                 entry["variants"].append(row)
                 print(json.dumps({"pair": f"{source} -> {target}", **row}), flush=True)
-                artifact.save(distilled, shipped.with_name(shipped.name + "-distilled"), src, tgt)
+                if summary["validation_kl_after"] < summary["validation_kl_before"]:
+                    artifact.save(distilled, shipped.with_name(shipped.name + "-distilled"),
+                                  src, tgt)
+                else:  # shipped only if it improves on stage 1 (chat prefers it)
+                    print(f"{source} -> {target}: stage 2 did not lower held-out KL; not shipped")
         results["pairs"].append(entry)
         mx.clear_cache()
     out_json.parent.mkdir(parents=True, exist_ok=True)
