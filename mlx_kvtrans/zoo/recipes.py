@@ -101,6 +101,6 @@ RECIPES = {r.alias: r for r in [
     Recipe("dsa", "deepseek_v32", "MLA + sparse indexer (Pair C target)",
            dict(model_type="deepseek_v32", **_base(128, 4), **_MLA, first_k_dense_replace=4,
                 index_head_dim=32, index_n_heads=2, index_topk=64),
-           seed=17, steps=2500, dense_warmup=0.4,
+           seed=17, steps=3200, dense_warmup=0.4,
            length_schedule=((750, 4), (1250, 2))),
 ]}
