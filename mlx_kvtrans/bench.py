@@ -11,6 +11,7 @@ matmul peak, the BLAS in use and the dtype are recorded with the timings.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -157,9 +158,7 @@ def shaped_translator(source_model, target_model, specs, source_point: int = 1) 
             shapes = {name: list(getattr(inputs, name).shape[2:]) for name in REPLAY_INPUTS}
             shell.info["replay_shapes"][spec.key] = shapes
             for name, shape in shapes.items():
-                dout = 1
-                for n in shape:
-                    dout *= n
+                dout = math.prod(shape)
                 shell.params[f"{spec.key}.{name}.weight"] = random((dout, din))
                 shell.params[f"{spec.key}.{name}.bias"] = mx.zeros((dout,))
         elif spec.recipe == "bilinear":

@@ -136,8 +136,8 @@ def build_config(recipe: Recipe, tok, weights: Path) -> dict:
 def _schedule(recipe: Recipe):
     """Warm-up, then the full rate, then (the last `decay_share` of steps) cosine to a tenth.
 
-    Recall is learned slowly and steadily in these models (digit loss falling ~0.07 nats per
-    100 steps), so the rate is held rather than decayed from the start."""
+    Recall can take thousands of steps to appear (full MLA: suddenly, after ~2,400), so the rate
+    is held rather than decayed from the start."""
     warm = optim.linear_schedule(1e-7, recipe.lr, recipe.warmup)
     if not recipe.decay_share:
         decay = optim.cosine_decay(recipe.lr, max(1, recipe.steps - recipe.warmup),
