@@ -380,12 +380,10 @@ def fit(source: str = typer.Option(..., "--from", help="source model"),
         ridge: float = typer.Option(1e-3, help="ridge strength, relative to the data scale"),
         as_json: bool = typer.Option(False, "--json")):
     """Fit a translator from SOURCE's cache to TARGET's in closed form (stage 1)."""
-    import os
-
     from mlx_kvtrans.translators import artifact
     from mlx_kvtrans.translators.fit import fit as fit_translator
     from mlx_kvtrans.translators.fit import plan, token_windows
-    from mlx_kvtrans.translators.token_identity import cached_codebook
+    from mlx_kvtrans.translators.token_identity import codebook_of
 
     if token_identity not in ("codebook", "ids", "off"):
         raise KvtransError(f"--token-identity must be codebook, ids or off, not {token_identity!r}")
@@ -406,10 +404,8 @@ def fit(source: str = typer.Option(..., "--from", help="source model"),
         raise KvtransError(str(e))
     codebook = None
     if token_identity == "codebook":
-        cache = Path(os.environ.get("KVTRANS_CACHE", Path.home() / ".cache" / "mlx-kvtrans"))
         try:
-            codebook = cached_codebook(src.model, len(src.tokenizer.get_vocab()),
-                                       artifact.weights_fingerprint(src.path), cache)
+            codebook = codebook_of(src)
         except ValueError as e:
             raise KvtransError(str(e))
     ids = [t for text in _read_texts(data) for t in src.tokenizer.encode(text)]
@@ -559,16 +555,14 @@ def _load_translator_pair(translator_dir: Path, source: str | None, target: str 
     src = mlx_kvtrans.load(source or manifest["source"]["name"])
     tgt = mlx_kvtrans.load(target or manifest["target"]["name"])
     translator = artifact.load(translator_dir, src, tgt)
-    codebook = None
-    if translator.token_identity == "codebook":
-        import os
+    return translator, src, tgt, _codebook(translator, src)
 
-        from mlx_kvtrans.translators.token_identity import cached_codebook
 
-        cache = Path(os.environ.get("KVTRANS_CACHE", Path.home() / ".cache" / "mlx-kvtrans"))
-        codebook = cached_codebook(src.model, len(src.tokenizer.get_vocab()),
-                                   artifact.weights_fingerprint(src.path), cache)
-    return translator, src, tgt, codebook
+def _codebook(translator, source):
+    """The source's codebook when the translator decodes token identity from its cache."""
+    from mlx_kvtrans.translators.token_identity import codebook_of
+
+    return codebook_of(source) if translator.token_identity == "codebook" else None
 
 
 @eval_app.command("fidelity")
@@ -659,16 +653,7 @@ def chat(source: str = typer.Option("kimi-linear", "--from", help="the model tha
         except KvtransError as e:
             notes.append(f"translator {path} not used ({e}): switching {a} -> {b} re-reads")
             continue
-        codebook = None
-        if tr.token_identity == "codebook":
-            import os
-
-            from mlx_kvtrans.translators.token_identity import cached_codebook
-
-            cache = Path(os.environ.get("KVTRANS_CACHE", Path.home() / ".cache" / "mlx-kvtrans"))
-            codebook = cached_codebook(models[a].model, len(models[a].tokenizer.get_vocab()),
-                                       artifact.weights_fingerprint(models[a].path), cache)
-        translators[(a, b)] = (tr, codebook)
+        translators[(a, b)] = (tr, _codebook(tr, models[a]))
     if transcript is None:
         transcript = Path.home() / ".kvtrans" / "chats" / time.strftime("%Y%m%d-%H%M%S.json")
     log = Transcript(transcript, {source: str(models[source].path),
@@ -729,13 +714,14 @@ def eval_multiturn(translator_dir: Path = typer.Option(..., "--translator", help
     translators = {(src.name, tgt.name): (forward, codebook)}
     back_path = back or _default_translator(tgt.name, src.name)
     if back_path is not None:
-        translators[(tgt.name, src.name)] = (artifact.load(back_path, tgt, src), None)
+        back_translator = artifact.load(back_path, tgt, src)
+        translators[(tgt.name, src.name)] = (back_translator, _codebook(back_translator, tgt))
     table = evaluate({src.name: src, tgt.name: tgt}, translators, dialogues, turns)
     if as_json:
         print(json.dumps({"models": [src.name, tgt.name], "dialogues": dialogues,
                           "accuracy": table}, indent=2))
         return
-    turn_keys = sorted({k for row in table.values() for k in row if k != "all"}, key=int)
+    turn_keys = sorted({k for row in table.values() for k in row if k.isdigit()}, key=int)
     view = Table(title=f"multi-turn accuracy · {src.name} <-> {tgt.name} · {dialogues} dialogues",
                  title_justify="left")
     view.add_column("strategy")

@@ -49,7 +49,8 @@ def run_dialogue(models: dict, translators: dict, strategy: str, seed: int, turn
 
 def evaluate(models: dict, translators: dict, dialogues: int = 20, turns: int = 10,
              strategies=("segment", "naive", "refresh", "reprefill")) -> dict:
-    """Per strategy and turn: accuracy on question turns, over `dialogues` held-out dialogues."""
+    """Per strategy and turn: accuracy on question turns, over `dialogues` held-out dialogues
+    (keys: turn index, "all", and "questions", how many were asked in all)."""
     table = {}
     for strategy in strategies:
         pairs = {} if strategy == "reprefill" else translators
@@ -61,4 +62,5 @@ def evaluate(models: dict, translators: dict, dialogues: int = 20, turns: int = 
         table[strategy] = {str(t): sum(v) / len(v) for t, v in sorted(per_turn.items())}
         answered = [x for v in per_turn.values() for x in v]
         table[strategy]["all"] = sum(answered) / max(1, len(answered))
+        table[strategy]["questions"] = len(answered)
     return table

@@ -236,3 +236,27 @@ def test_naive_retranslates_the_whole_prefix_including_translated_spans(pair):
         # every switch translates everything the source holds, its translated spans included
         assert status.tokens_translated == s.lines[status.source].seen
         s.add([1, 2])
+
+
+def test_codebook_translator_switches_away_from_a_translated_span(pair):
+    """A span the source holds by translation has no layer-0 latent of its own to decode; the
+    conversation's token ids stand in, and the switch still applies."""
+    from mlx_kvtrans.translators.features import input_embedding
+    from mlx_kvtrans.translators.token_identity import build_codebook
+
+    a, b, paths = pair
+    book = build_codebook(b.model, input_embedding(b.model).weight.shape[0])
+    batches = [mx.random.randint(0, 259, (4, 48), key=mx.random.key(i)) for i in range(3)]
+    back = fit(b.model, a.model, batches, plan(kv.layout_of(b.model), kv.layout_of(a.model)),
+               token_identity="codebook", codebook=book)
+    translators = {(a.name, b.name): (artifact.load(paths[(a.name, b.name)]), None),
+                   (b.name, a.name): (back, book)}
+    s = Session({a.name: a, b.name: b}, translators, active=a.name, strategy="naive")
+    s.add(list(range(30, 50)))
+    list(s.generate(3))
+    assert s.switch(b.name).status == "applied"
+    s.add([1, 2])
+    list(s.generate(3))
+    status = s.switch(a.name)
+    assert status.status == "applied", status.reason
+    assert status.tokens_translated == s.lines[b.name].seen

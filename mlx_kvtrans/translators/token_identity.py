@@ -10,6 +10,7 @@ are taken as given instead.
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 import mlx.core as mx
@@ -54,6 +55,18 @@ def cached_codebook(model, vocab_size: int, fingerprint: str, cache_dir: Path) -
     path.parent.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(path), {"codebook": book})
     return book
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("KVTRANS_CACHE", Path.home() / ".cache" / "mlx-kvtrans"))
+
+
+def codebook_of(source, cache_dir: Path | None = None) -> mx.array:
+    """The codebook of a loaded source model (LoadedModel), cached by its weights' fingerprint."""
+    from .artifact import weights_fingerprint
+
+    return cached_codebook(source.model, len(source.tokenizer.get_vocab()),
+                           weights_fingerprint(source.path), cache_dir or default_cache_dir())
 
 
 def decode_ids(latents: mx.array, codebook: mx.array, chunk: int = 1024) -> mx.array:

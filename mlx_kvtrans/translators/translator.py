@@ -92,9 +92,10 @@ class Translator:
         features = self.features(source)
         identity = None
         if self.token_identity != "off":
-            ids = token_ids if self.token_identity == "ids" else None
-            if ids is None:
-                ids = self.decode(source, codebook)
+            if self.token_identity == "ids":
+                ids = token_ids
+            else:
+                ids = self.decode(source, codebook, token_ids)
             identity = input_embedding(target_model)(ids).astype(mx.float32)
         objects = [{} for _ in target_layout.layers]
         points = [{} for _ in target_layout.layers]
@@ -122,13 +123,20 @@ class Translator:
         _, k = normalize_qk(k, k, inv_scale=k.shape[-1] ** -0.5, eps=1e-6)  # the target's own
         return RecurrentInputs(mx.zeros_like(k), k, pred["v"], pred["a"], pred["b"])
 
-    def decode(self, source: Capture, codebook: mx.array | None) -> mx.array:
+    def decode(self, source: Capture, codebook: mx.array | None,
+               known_ids: mx.array | None = None) -> mx.array:
+        """Token ids decoded from the source's layer-0 latent. A span the source holds by
+        translation has no latent the source computed itself: there, the known ids stand in."""
         from .token_identity import CODEBOOK_POINT, decode_ids, first_mla_layer
 
+        latent = source.objects[first_mla_layer(source.layout)].get(("latent", CODEBOOK_POINT))
+        if latent is None:
+            if known_ids is None:
+                raise ValueError("the source's capture lacks the layer-0 latent to decode")
+            return known_ids
         if codebook is None:
             raise ValueError("codebook token identity needs the source's codebook")
-        layer = first_mla_layer(source.layout)
-        return decode_ids(source.objects[layer][("latent", CODEBOOK_POINT)], codebook)
+        return decode_ids(latent, codebook)
 
     def _build(self, spec, obj, source, features, identity, B, all_rows=False):
         if spec.recipe == "map":

@@ -1,0 +1,107 @@
+"""Multi-turn accuracy of the shipped pairs: held-out dialogues that alternate models every turn.
+
+For each pair, the same dialogues run under segment-wise, naive and refresh switching (shipped
+translators both ways, distilled ones first) and under re-prefill (no translators), so the
+per-turn answer accuracies sit side by side. Writes benchmarks/results/multiturn.{json,md};
+`--pairs` measures only those and keeps the other pairs' rows.
+
+    python benchmarks/multiturn.py [--dialogues N] [--turns N] [--pairs a:b,c:d]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import mlx_kvtrans as kv  # first: fast BLAS
+
+from mlx_kvtrans.blas import blas_report
+from mlx_kvtrans.models import weights_dir
+from mlx_kvtrans.multiturn import evaluate
+from mlx_kvtrans.translators import artifact
+from mlx_kvtrans.translators.token_identity import codebook_of
+
+OUT = Path(__file__).resolve().parent / "results"
+PAIRS = [("kimi-linear", "kimi-vl"), ("qwen3.5-a", "qwen3.5-b"), ("qwen3-small", "qwen3-large")]
+
+
+def shipped(source: str, target: str) -> Path | None:
+    for name in (f"{source}__{target}-distilled", f"{source}__{target}"):
+        if (weights_dir() / "translators" / name / "manifest.json").exists():
+            return weights_dir() / "translators" / name
+    return None
+
+
+def loaded(path: Path, src, tgt):
+    """A translator and, when it decodes token identity from the source, its codebook."""
+    translator = artifact.load(path, src, tgt)
+    codebook = codebook_of(src) if translator.token_identity == "codebook" else None
+    return translator, codebook
+
+
+def measure(source: str, target: str, dialogues: int, turns: int) -> dict | None:
+    forward, back = shipped(source, target), shipped(target, source)
+    if forward is None:
+        print(f"{source} -> {target}: no shipped translator, skipped")
+        return None
+    src, tgt = kv.load(source), kv.load(target)
+    translators = {(source, target): loaded(forward, src, tgt)}
+    if back is not None:
+        translators[(target, source)] = loaded(back, tgt, src)
+    start = time.perf_counter()
+    table = evaluate({source: src, target: tgt}, translators, dialogues, turns)
+    return {"models": [source, target], "forward": forward.name,
+            "back": back.name if back else "re-prefill", "dialogues": dialogues, "turns": turns,
+            "minutes": round((time.perf_counter() - start) / 60, 1), "accuracy": table}
+
+
+def write_markdown(results: dict, blas: str):
+    lines = ["# Multi-turn accuracy\n",
+             "Held-out dialogues (seeds never used in training) that state numbers in early user "
+             "turns and ask for them later; the models alternate at every turn, starting with the "
+             "first. A question turn is right when the reply contains the asked number. Same "
+             "dialogues for every strategy; `reprefill` re-reads the whole history on each switch "
+             "(the reference). Regenerate with `python benchmarks/multiturn.py`.\n",
+             f"BLAS: {blas}\n"]
+    for key, r in results.items():
+        table = r["accuracy"]
+        turn_keys = sorted({k for row in table.values() for k in row if k.isdigit()}, key=int)
+        lines += [f"## {key}\n",
+                  f"Translators: {r['forward']} and back {r['back']}; {r['dialogues']} dialogues "
+                  f"of {r['turns']} turns, {next(iter(table.values()))['questions']} questions "
+                  f"asked; {r['minutes']} min.\n",
+                  "| strategy | " + " | ".join(f"turn {int(k) + 1}" for k in turn_keys)
+                  + " | all |",
+                  "|---" * (len(turn_keys) + 2) + "|"]
+        for strategy, row in table.items():
+            cells = [f"{row[k]:.2f}" if k in row else "-" for k in turn_keys]
+            lines.append(f"| {strategy} | " + " | ".join(cells) + f" | {row['all']:.2f} |")
+        lines.append("")
+    (OUT / "multiturn.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dialogues", type=int, default=20)
+    parser.add_argument("--turns", type=int, default=10)
+    parser.add_argument("--pairs", help="a:b,c:d (default: all shipped pairs)")
+    args = parser.parse_args()
+    pairs = ([tuple(p.split(":")) for p in args.pairs.split(",")] if args.pairs else PAIRS)
+    results_file = OUT / "multiturn.json"
+    results = json.loads(results_file.read_text())["pairs"] if results_file.exists() else {}
+    for source, target in pairs:
+        r = measure(source, target, args.dialogues, args.turns)
+        if r is not None:
+            results[f"{source} <-> {target}"] = r
+    report = blas_report()
+    blas = f"{report.name}, float32 matmul {report.gflops:.0f} GFLOP/s"
+    OUT.mkdir(parents=True, exist_ok=True)
+    results_file.write_text(json.dumps({"blas": blas, "pairs": results}, indent=2) + "\n")
+    write_markdown(results, blas)
+
+
+if __name__ == "__main__":
+    main()

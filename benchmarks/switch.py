@@ -1,0 +1,87 @@
+"""Time to first token after a switch versus re-prefill, for the zoo pairs and for random-weight
+models with real checkpoints' per-layer sizes; tabulated into benchmarks/results/switch.md.
+
+Each configuration runs `kvtrans bench` (warm switch, cold switch and re-prefill side by side in
+one process, medians of repeats, peak memory, translation GFLOP/s against the measured matmul
+peak), which writes its JSON and PNG under benchmarks/results/. `--tabulate` only rebuilds the
+table from the JSON files already there.
+
+    python benchmarks/switch.py [--only NAME ...] [--lengths 1024,2048,4096] [--tabulate]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+RUNS = {  # name -> `kvtrans bench` arguments (lengths added unless given)
+    "kimi-linear__kimi-vl": ["--from", "kimi-linear", "--to", "kimi-vl"],
+    "kimi-vl__kimi-linear": ["--from", "kimi-vl", "--to", "kimi-linear"],
+    "qwen3.5-a__qwen3.5-b": ["--from", "qwen3.5-a", "--to", "qwen3.5-b"],
+    "qwen3-small__qwen3-large": ["--from", "qwen3-small", "--to", "qwen3-large"],
+    "realistic-kimi": ["--realistic", "kimi"],
+    "realistic-qwen3.5": ["--realistic", "qwen3.5"],
+    "realistic-dsa": ["--realistic", "dsa"],
+    "kimi-linear__kimi-vl bf16": ["--from", "kimi-linear", "--to", "kimi-vl",
+                                  "--dtype", "bfloat16", "--lengths", "1024,2048"],
+}
+
+
+def run(names: list[str], lengths: str, repeats: int):
+    for name in names:
+        args = list(RUNS[name])
+        if "--lengths" not in args:
+            args += ["--lengths", lengths]
+        command = [sys.executable, "-m", "mlx_kvtrans.cli", "bench", *args,
+                   "--repeats", str(repeats), "--out-dir", str(RESULTS)]
+        print("$", " ".join(command[2:]), flush=True)
+        if subprocess.run(command).returncode != 0:
+            print(f"{name}: failed (see above)", flush=True)
+
+
+def tabulate():
+    lines = ["# Time to first token after a switch\n",
+             "Warm switch: translate the source's cache and install it, then the target's first "
+             "decode step. Cold switch: the source's prefill as well. Re-prefill: the target "
+             "reads the prompt itself. Side by side in one process, median of the repeats; peak "
+             "memory is the extra memory above the resident models. `realistic-*` rows are "
+             "random-weight models with real checkpoints' per-layer sizes (fewer layers, MoE "
+             "off) and translators of the fitted shapes: timings depend on shapes, not values. "
+             "Regenerate with `python benchmarks/switch.py`.\n",
+             "| pair | dtype | BLAS (peak GFLOP/s) | tokens | re-prefill ms | warm switch ms | "
+             "speed-up | cold switch ms | speed-up | translate GFLOP/s | peak MB switch / "
+             "prefill |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for path in sorted(RESULTS.glob("bench-*.json")):
+        r = json.loads(path.read_text())
+        for row in r["rows"]:
+            lines.append(
+                f"| {r['pair']} | {r['dtype']} | {r['blas']} ({r['matmul_peak_gflops']:.0f}) | "
+                f"{row['length']} | {row['reprefill_s'] * 1000:.1f} | "
+                f"{row['warm_switch_s'] * 1000:.1f} | x{row['speedup_warm']:.1f} | "
+                f"{row['cold_switch_s'] * 1000:.1f} | x{row['speedup_cold']:.2f} | "
+                f"{row['translate_gflops']:.1f} | {row['peak_mb_switch']:.0f} / "
+                f"{row['peak_mb_reprefill']:.0f} |")
+    (RESULTS / "switch.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="+", choices=list(RUNS), help="run only these")
+    parser.add_argument("--lengths", default="1024,2048,4096")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tabulate", action="store_true", help="only rebuild switch.md")
+    args = parser.parse_args()
+    if not args.tabulate:
+        run(args.only or list(RUNS), args.lengths, args.repeats)
+    tabulate()
+
+
+if __name__ == "__main__":
+    main()
