@@ -463,6 +463,9 @@ def distill(translator_dir: Path = typer.Option(..., "--translator", help="stage
             max_prefix: int = typer.Option(256, min=2),
             continuation: int = typer.Option(32, min=1, help="positions the KL is taken over"),
             indexer_weight: float = typer.Option(1.0, help="weight of the indexer-key rehearsal"),
+            needle_share: float = typer.Option(0.0, min=0.0, max=1.0,
+                                               help="share of each batch that is synthetic "
+                                               "needles, question and answer last"),
             validate_every: int = typer.Option(50, min=1),
             validation_windows: int = typer.Option(16, min=1),
             seed: int = typer.Option(0),
@@ -496,13 +499,21 @@ def distill(translator_dir: Path = typer.Option(..., "--translator", help="stage
     validation_ids = src.tokenizer.encode(validation.read_text(errors="replace"))
     config = DistillConfig(steps=steps, lr=lr, warmup=warmup, batch=batch, min_prefix=min_prefix,
                            max_prefix=max_prefix, continuation=continuation,
-                           indexer_weight=indexer_weight, validate_every=validate_every,
+                           indexer_weight=indexer_weight, needle_share=needle_share,
+                           validate_every=validate_every,
                            validation_windows=validation_windows, seed=seed)
+    needles = None
+    if needle_share:
+        from mlx_kvtrans.translators.distill import needle_rows
+        from mlx_kvtrans.zoo.corpus import sentences
+
+        needles = needle_rows(src.tokenizer.encode, sentences(texts, limit=20_000),
+                              max_prefix + continuation)
     group = mx.distributed.init()
     name = translator_dir.resolve().name
     workdir = workdir or Path("runs") / "distill" / name
     distiller = Distiller(translator, src.model, tgt.model, train_ids, validation_ids, config,
-                          workdir, codebook, group if group.size() > 1 else None)
+                          workdir, codebook, group if group.size() > 1 else None, needles)
     if (workdir / "state.json").exists() and not resume:
         raise KvtransError(f"{workdir} holds a checkpoint: pass --resume to continue it, or "
                            "another --workdir")

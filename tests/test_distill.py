@@ -158,3 +158,26 @@ def test_indexer_selection_is_exact_on_itself(loaded):
                for i in range(3)]
     result = indexer_selection(translator, T, T, prompts)
     assert result["index_topk"] < 59 and result["selection_overlap"] == 1.0
+
+
+def test_needle_rows_end_with_question_and_answer():
+    """A needle share of the batch: rows that end with the code, drawn the same way each time."""
+    from mlx_kvtrans.translators.distill import NEEDLE_SEED, draw_windows, needle_rows
+    from mlx_kvtrans.zoo import synthetic
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    from mlx_kvtrans.models import weights_dir
+
+    tok = load_tokenizer(weights_dir() / "tokenizer")
+    config = DistillConfig(batch=4, min_prefix=40, max_prefix=60, continuation=16,
+                           needle_share=0.5)
+    needles = needle_rows(tok.encode, [], 76, count=20)
+    corpus = tok.encode(TEXT.read_text())
+    windows, prefix = draw_windows(corpus, 3, config, needles)
+    again, _ = draw_windows(corpus, 3, config, needles)
+    assert windows.shape == (4, prefix + 16) and (windows == again).all()
+    tails = {tuple(r[-(prefix + 16):]) for r in needles}
+    rows = [tuple(r) for r in windows.tolist()]
+    assert [r in tails for r in rows] == [False, False, True, True]
+    codes = {synthetic.needle(NEEDLE_SEED + i, filler=[]).meta["code"] for i in range(20)}
+    assert all(tok.decode(list(r[-7:-1])) in codes for r in rows[2:])

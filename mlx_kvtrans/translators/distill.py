@@ -15,6 +15,11 @@ device; the Metal kernel has none). Each step's batch depends only on (seed, ste
 parameters and Adam state are checkpointed, so a resumed run continues bit-identically. With
 several processes (`mlx.launch`), each takes its share of the rows of the same global batch and
 gradients are averaged.
+
+Corpus text rarely asks the target to copy a fact from far back, which is what exact recall
+needs; `needle_share` replaces that share of every batch with synthetic needles (training seeds)
+cut so that the continuation ends with the question and the answer, where native and translated
+caches disagree most when the fact is lost.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ class DistillConfig:
     max_prefix: int = 256  # prefix lengths are drawn from [min_prefix, max_prefix] per step
     continuation: int = 32  # positions the KL is taken over
     indexer_weight: float = 1.0
+    needle_share: float = 0.0  # share of each batch's rows that are needles, answer at the end
     validate_every: int = 50
     validation_windows: int = 16
     seed: int = 0
@@ -143,16 +149,42 @@ def _schedule(config: DistillConfig):
     return optim.join_schedules([warm, decay], [max(1, config.warmup)])
 
 
-def draw_windows(ids, step: int, config: DistillConfig) -> tuple[mx.array, int]:
-    """(global batch of windows (batch, prefix + continuation), prefix length) of `step`."""
+NEEDLE_SEED = 700_000_000  # distillation needles: below the zoo's held-out seeds
+
+
+def needle_rows(encode, filler: list[str], length: int, count: int = 2000,
+                seed: int = NEEDLE_SEED) -> list[list[int]]:
+    """`count` needles (prompt + answer) of at least `length` tokens each, as token ids."""
+    from ..zoo import synthetic
+
+    rows = []
+    for i in range(count):
+        n_chars = int(length * 4.5)
+        while True:
+            sample = synthetic.needle(seed + i, n_chars=n_chars, filler=filler)
+            ids = encode(sample.prompt + sample.answer)
+            if len(ids) >= length:
+                break
+            n_chars = int(n_chars * 1.3)
+        rows.append(ids)
+    return rows
+
+
+def draw_windows(ids, step: int, config: DistillConfig, needles=None) -> tuple[mx.array, int]:
+    """(global batch of windows (batch, prefix + continuation), prefix length) of `step`: corpus
+    windows, and the `needle_share` of rows as needle ends (question and answer last)."""
     rng = random.Random(config.seed * 1_000_003 + step)
     prefix = rng.randint(config.min_prefix, config.max_prefix)
     span = prefix + config.continuation
     if len(ids) < span + 1:
         raise KvtransError(f"the distillation text has {len(ids)} tokens, fewer than one "
                            f"window of {span}")
-    starts = [rng.randrange(0, len(ids) - span) for _ in range(config.batch)]
-    return mx.array([ids[s:s + span] for s in starts]), prefix
+    n_needles = round(config.batch * config.needle_share)
+    starts = [rng.randrange(0, len(ids) - span) for _ in range(config.batch - n_needles)]
+    rows = [ids[s:s + span] for s in starts]
+    if n_needles:
+        rows += [row[-span:] for row in rng.sample(needles, n_needles)]
+    return mx.array(rows), prefix
 
 
 # Parameter names hold dots ("3.keys.weight"), so Adam's state is stored flat under
@@ -182,8 +214,14 @@ class Distiller:
     """The stage-2 loop: Adam with warm-up and cosine decay, validation KL, checkpoints."""
 
     def __init__(self, translator: Translator, source, target, train_ids, validation_ids,
-                 config: DistillConfig, workdir: Path, codebook=None, group=None):
+                 config: DistillConfig, workdir: Path, codebook=None, group=None,
+                 needles: list[list[int]] | None = None):
         self.translator, self.source, self.target = translator, source, target
+        if config.needle_share and not needles:
+            raise KvtransError("needle_share needs needle rows (distill.needle_rows)")
+        if needles and min(len(r) for r in needles) < config.max_prefix + config.continuation:
+            raise KvtransError("needle rows must be at least max_prefix + continuation tokens")
+        self.needles = needles
         self.train_ids, self.validation_ids = list(train_ids), list(validation_ids)
         self.config, self.workdir, self.codebook = config, Path(workdir), codebook
         self.group = group
@@ -254,7 +292,7 @@ class Distiller:
 
     # -- training ----------------------------------------------------------------------------
     def step(self, step: int) -> dict:
-        windows, prefix = draw_windows(self.train_ids, step, self.config)
+        windows, prefix = draw_windows(self.train_ids, step, self.config, self.needles)
         share = windows[self.rank::self.size]
         with chunked_recurrence():
             problem = Problem(self.translator, self.source, self.target, share, prefix,
