@@ -27,10 +27,11 @@ import mlx.core as mx
 from mlx_kvtrans.blas import blas_report
 from mlx_kvtrans.models import weights_dir
 from mlx_kvtrans.translators import artifact
-from mlx_kvtrans.translators.distill import DistillConfig, Distiller
+from mlx_kvtrans.translators.distill import DistillConfig, Distiller, needle_rows
 from mlx_kvtrans.translators.fidelity import fidelity, indexer_selection
 from mlx_kvtrans.translators.fit import fit, plan, token_windows
 from mlx_kvtrans.translators.translator import translate_cache
+from mlx_kvtrans.zoo.corpus import read_split, sentences
 from mlx_kvtrans.zoo.evaluate import held_out_filler, needle_prompt_tokens, needle_recall
 
 ROOT = Path(__file__).resolve().parent
@@ -118,10 +119,16 @@ def measure(translator, src, tgt, args, test_ids, codebook) -> dict:
 
 def distill_variant(translator, src, tgt, args, train_ids, validation_ids, codebook, name):
     config = DistillConfig(steps=args.distill_steps, batch=8, max_prefix=FIT_LENGTH,
-                           validate_every=max(1, args.distill_steps // 4), validation_windows=16)
-    workdir = Path("runs") / "distill" / name
+                           validate_every=max(1, args.distill_steps // 4), validation_windows=16,
+                           needle_share=args.needle_share)
+    needles = None
+    if args.needle_share:
+        filler = sentences(read_split("runs/corpus", "train"), limit=20_000)
+        needles = needle_rows(src.tokenizer.encode, filler, FIT_LENGTH + config.continuation)
+    workdir = Path("runs") / "distill" / (name + (f"-needles{args.needle_share}"
+                                                  if args.needle_share else ""))
     distiller = Distiller(translator, src.model, tgt.model, train_ids, validation_ids, config,
-                          workdir, codebook)
+                          workdir, codebook, needles=needles)
     distiller.resume()  # a checkpoint of these settings continues where it stopped
     summary = distiller.run()
     distilled = distiller.distilled()
@@ -136,6 +143,8 @@ def main():
     parser.add_argument("--windows", type=int, default=8, help="fidelity windows per length")
     parser.add_argument("--pairs", default=None, help="only these, as src:tgt,src:tgt")
     parser.add_argument("--distill-steps", type=int, default=200, help="stage-2 steps per pair")
+    parser.add_argument("--needle-share", type=float, default=0.0,
+                        help="share of each stage-2 batch that is synthetic needles")
     args = parser.parse_args()
     wanted = PAIRS
     if args.pairs:
@@ -158,6 +167,7 @@ def main():
         native = needle_recall(tgt.model, tgt.tokenizer.encode, LENGTHS, samples=args.samples)
         entry = {"source": source, "target": target, "needle_samples": args.samples,
                  "windows": args.windows, "distill_steps": args.distill_steps,
+                 "distill_needle_share": args.needle_share,
                  "needle_native": {str(k): v for k, v in native.items()}, "variants": []}
         for i, (name, plan_options, fit_options) in enumerate(variants):
             codebook = codebook_for(src, fit_options.get("token_identity"))
@@ -215,6 +225,8 @@ def markdown(results) -> str:
              f"file): "
              + "; ".join(f"{p['source']} -> {p['target']}: {p['needle_samples']} needles, "
                          f"{p['windows']} windows, {p['distill_steps']} steps"
+                         + (f" ({p['distill_needle_share']:.0%} needle rows)"
+                            if p.get("distill_needle_share") else "")
                          for p in results["pairs"]) + ".\n",
              "| pair | variant | stage | KL " + " | KL ".join(f"@{n}" for n in lengths)
              + " | agree @" + lengths[0] + " | agree @" + lengths[-1]
