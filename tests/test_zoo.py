@@ -4,6 +4,7 @@ import hashlib
 import json
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -137,3 +138,24 @@ def test_dsa_indexer_learns_only_from_its_own_loss(loaded):
     aux_indexer, aux_rest = grad_norms(indexer_loss)
     assert aux_indexer > 0 and aux_rest == 0.0  # the indexer loss trains the indexer alone
     assert type(model.layers[0].self_attn).__name__ == "DeepseekV32Attention"  # restored
+
+
+def test_a_sparse_model_continues_from_a_dense_mla_model(model_dirs):
+    """deepseek_v32 initialised from kimi_vl takes every MLA, MLP and embedding weight; only its
+    indexer starts fresh."""
+    from mlx.utils import tree_flatten
+
+    from mlx_kvtrans.zoo.train import load_initial_weights
+
+    dense = dict(tree_flatten(kv.load(str(model_dirs("kimi_vl"))).model.parameters()))
+    sparse = kv.load(str(model_dirs("deepseek_v32"))).model
+    before = dict(tree_flatten(sparse.parameters()))
+    notes = []
+    load_initial_weights(sparse, model_dirs("kimi_vl"), notes.append)
+    after = dict(tree_flatten(sparse.parameters()))
+    for name, value in after.items():
+        if "indexer" in name:
+            assert mx.array_equal(value, before[name].astype(value.dtype))
+        else:
+            assert mx.array_equal(value, dense["language_model." + name].astype(value.dtype))
+    assert notes and "indexer" in notes[0]

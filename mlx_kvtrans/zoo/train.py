@@ -124,13 +124,36 @@ PROBE_SEED = HELD_OUT_SEED + 500_000
 
 
 def build_config(recipe: Recipe, tok, weights: Path) -> dict:
-    if recipe.init_from:
+    if recipe.init_from and not recipe.config:  # the same architecture, trained on
         return json.loads((weights / recipe.init_from / "config.json").read_text())
     config = json.loads(json.dumps(recipe.config))
     target = config.get("text_config", config)
     target["vocab_size"] = tok.get_vocab_size()
     target.update(special_token_ids(tok))
     return config
+
+
+def load_initial_weights(model, directory: Path, log=print) -> None:
+    """Another zoo model's shipped (bf16) weights, trained on in float32. A model of another
+    class, such as a sparse-attention model continued from a dense MLA one (as DeepSeek-V3.2 was
+    from V3.1), takes every weight whose name and shape match once a multimodal wrapper's
+    `language_model.` prefix is dropped; only what the other model lacks (the indexer) starts
+    fresh."""
+    from ..models import cast_parameters
+
+    own = dict(tree_flatten(model.parameters()))
+    given = mx.load(str(directory / "model.safetensors"))
+    if not set(given) <= set(own):
+        given = {k.removeprefix("language_model."): v for k, v in given.items()}
+    matched = {k: v for k, v in given.items() if k in own and own[k].shape == v.shape}
+    fresh = sorted(k for k in own if k not in matched)
+    if any("indexer" not in k for k in fresh):
+        raise ValueError(f"{directory.name} lacks weights this model needs: "
+                         f"{[k for k in fresh if 'indexer' not in k][:4]}")
+    model.load_weights(list(matched.items()), strict=False)
+    cast_parameters(model, mx.float32)
+    if fresh:
+        log(f"initialised from {directory.name}; fresh: {len(fresh)} indexer tensors")
 
 
 def _schedule(recipe: Recipe):
@@ -168,11 +191,8 @@ def train(alias: str, workdir: Path, weights: Path, log=print, eval_samples: int
     config = build_config(recipe, tok, weights)
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
-    if recipe.init_from:  # the shipped (bf16) weights, trained on in float32
-        from ..models import cast_parameters
-
-        model.load_weights(str(weights / recipe.init_from / "model.safetensors"))
-        cast_parameters(model, mx.float32)
+    if recipe.init_from:
+        load_initial_weights(model, weights / recipe.init_from, log)
     model.train()
 
     run = workdir / alias
