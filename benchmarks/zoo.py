@@ -29,8 +29,10 @@ def main():
             continue
         m = json.loads(manifest_file.read_text())
         recall = [f"{v:.2f}" for v in m["needle_recall"].values()]
+        steps = f"{m['recipe']['steps']:,}" + (f" (from {m['recipe']['init_from']})"
+                                               if m["recipe"].get("init_from") else "")
         lines.append(f"| {alias} | {m['model_type']} | {m['parameters'] / 1e6:.2f}M | "
-                     f"{m['recipe']['steps']} | {m['tokens_seen']:,} | {m['training_minutes']} | "
+                     f"{steps} | {m['tokens_seen']:,} | {m['training_minutes']} | "
                      f"{m['held_out_perplexity']} | {m['unigram_perplexity']} | "
                      + " | ".join(recall) + " |")
     OUT.parent.mkdir(parents=True, exist_ok=True)
