@@ -155,11 +155,6 @@ def main():
                "fit_length": FIT_LENGTH, "fit_windows": FIT_WINDOWS,
                "pairs": []}
     out_json = ROOT / "results" / "translators.json"
-    if args.pairs and out_json.exists():  # keep the pairs not re-run
-        previous = json.loads(out_json.read_text())
-        results["pairs"] = [p for p in previous["pairs"]
-                            if (p["source"], p["target"]) not in wanted
-                            and "needle_samples" in p]  # entries of this format
     for (source, target), variants in wanted.items():
         src, tgt = kv.load(source), kv.load(target)
         train_ids, test_ids = corpus_ids(src.tokenizer, "train"), corpus_ids(src.tokenizer, "test")
@@ -206,6 +201,11 @@ def main():
                     print(f"{source} -> {target}: stage 2 did not lower held-out KL; not shipped")
         results["pairs"].append(entry)
         mx.clear_cache()
+    if args.pairs and out_json.exists():  # keep the pairs not re-run, as the file is now
+        previous = json.loads(out_json.read_text())
+        results["pairs"] = [p for p in previous["pairs"]
+                            if (p["source"], p["target"]) not in wanted
+                            and "needle_samples" in p] + results["pairs"]
     out_json.parent.mkdir(parents=True, exist_ok=True)
     out_json.write_text(json.dumps(results, indent=2) + "\n")
     (ROOT / "results" / "translators.md").write_text(markdown(results))
