@@ -206,6 +206,7 @@ def main():
         results["pairs"] = [p for p in previous["pairs"]
                             if (p["source"], p["target"]) not in wanted
                             and "needle_samples" in p] + results["pairs"]
+        results["pairs"].sort(key=lambda p: list(PAIRS).index((p["source"], p["target"])))
     out_json.parent.mkdir(parents=True, exist_ok=True)
     out_json.write_text(json.dumps(results, indent=2) + "\n")
     (ROOT / "results" / "translators.md").write_text(markdown(results))
