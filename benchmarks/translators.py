@@ -251,7 +251,7 @@ def markdown(results) -> str:
                              f"peak memory {v['peak_memory_mib']} MiB")
             if "indexer" in v:
                 cells = ", ".join(
-                    f"@{n}: overlap {x['selection_overlap']:.2f}, needle kept "
+                    f"@{n}: overlap {x['selection_overlap']:.2f}, needle in layer selections "
                     f"{x['needle_selected_translated']:.2f} "
                     f"(native {x['needle_selected_native']:.2f})"
                     for n, x in v["indexer"].items())

@@ -156,8 +156,10 @@ def test_indexer_selection_is_exact_on_itself(loaded):
     translator = fit(T, T, data, specs, source_point=3, ridge=1e-7)
     prompts = [mx.random.randint(0, 259, (60,), key=mx.random.key(50 + i)).tolist()
                for i in range(3)]
-    result = indexer_selection(translator, T, T, prompts)
+    needles = [[10, 11, 12]] * 3
+    result = indexer_selection(translator, T, T, prompts, needles)
     assert result["index_topk"] < 59 and result["selection_overlap"] == 1.0
+    assert result["needle_selected_translated"] == result["needle_selected_native"]
 
 
 def test_needle_rows_end_with_question_and_answer():

@@ -90,8 +90,9 @@ def indexer_selection(translator: Translator, source, target, prompts: list[list
     For each prompt, the target reads its last token from a cache of the rest (native or
     translated); each DSA layer's indexer picks its top-k keys for that query. Returns the mean
     share of the native selection that the translated selection keeps, and (with `needles`: the
-    positions of each prompt's needle tokens) the share of prompts whose needle tokens every
-    layer selects, native and translated."""
+    positions of each prompt's needle tokens) the share of (layer, prompt) pairs whose selection
+    holds every needle token, native and translated (a layer that does not read the needle need
+    not select it; the two shares side by side show whether translation loses it)."""
     from .distill import indexer_score_tap
 
     layout = layout_of(target)
@@ -113,9 +114,10 @@ def indexer_selection(translator: Translator, source, target, prompts: list[list
         overlap += [len(n & t) / len(n) for n, t in zip(chosen["native"], chosen["translated"])]
         if needles is not None:
             for name in kept:
-                kept[name] += all(set(needles[i]) <= c for c in chosen[name])
+                kept[name] += sum(set(needles[i]) <= c for c in chosen[name])
     result = {"selection_overlap": sum(overlap) / len(overlap), "prompts": len(prompts),
               "index_topk": top_k[0]}
     if needles is not None:
-        result.update({f"needle_selected_{n}": v / len(prompts) for n, v in kept.items()})
+        result.update({f"needle_selected_{n}": v / (len(prompts) * len(top_k))
+                       for n, v in kept.items()})
     return result
