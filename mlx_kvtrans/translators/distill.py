@@ -335,6 +335,9 @@ class Distiller:
             if record["step"] % c.validate_every == 0 or record["step"] == c.steps:
                 record["validation_kl"] = self.validate()
             record["seconds"] = round(time.perf_counter() - started, 2)
+            # kept in the checkpoint, so a resumed run reports the whole run's peak
+            self.state["peak_memory_bytes"] = max(self.state.get("peak_memory_bytes", 0),
+                                                  mx.get_peak_memory())
             self.state["history"].append(record)
             self.state["seconds"] = time.perf_counter() - started
             if on_step:
@@ -354,7 +357,7 @@ class Distiller:
                 "minutes": round(self.state["seconds"] / 60, 2), "processes": self.size,
                 "validation_kl_before": self.state.get("validation_kl_before"),
                 "validation_kl_after": validated[-1]["validation_kl"] if validated else None,
-                "peak_memory_bytes": mx.get_peak_memory(),
+                "peak_memory_bytes": self.state.get("peak_memory_bytes", mx.get_peak_memory()),
                 "curve": [{k: r[k] for k in ("step", "loss", "kl", "indexer_rehearsal",
                                              "validation_kl") if k in r}
                           for r in self.state["history"]]}
