@@ -68,10 +68,10 @@ def write_markdown(results: dict, blas: str):
     for key, r in results.items():
         table = r["accuracy"]
         turn_keys = sorted({k for row in table.values() for k in row if k.isdigit()}, key=int)
+        asked = next(iter(table.values())).get("questions", "?")
         lines += [f"## {key}\n",
                   f"Translators: {r['forward']} and back {r['back']}; {r['dialogues']} dialogues "
-                  f"of {r['turns']} turns, {next(iter(table.values()))['questions']} questions "
-                  f"asked; {r['minutes']} min.\n",
+                  f"of {r['turns']} turns, {asked} questions asked; {r['minutes']} min.\n",
                   "| strategy | " + " | ".join(f"turn {int(k) + 1}" for k in turn_keys)
                   + " | all |",
                   "|---" * (len(turn_keys) + 2) + "|"]
