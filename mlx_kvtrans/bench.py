@@ -48,14 +48,20 @@ class BenchRow:
                 "speedup_cold": self.speedup_cold}
 
 
-def translation_flops(translator: Translator, length: int) -> float:
-    """Multiply-adds x 2 of the translator's maps over `length` tokens."""
+def translation_flops(translator: Translator, length: int, target_layout) -> float:
+    """Multiply-adds x 2 of the translator's maps over a `length`-token prompt (a conv history
+    maps only the K-1 rows it keeps)."""
+    from .layouts import ObjectKind
+
     total = 0.0
     for spec in translator.specs:
         key = f"{spec.key}.weight"
         if key in translator.params:
             dout, din = translator.params[key].shape
-            total += 2.0 * din * dout * length
+            obj = target_layout.layers[spec.layer].cache.object(spec.name)
+            rows = (min(length, obj.engine_shape[1]) if obj.kind == ObjectKind.CONV_HISTORY
+                    else length)
+            total += 2.0 * din * dout * rows
         for name in ("k", "v", "a", "b"):
             w = translator.params.get(f"{spec.key}.{name}.weight")
             if w is not None:
@@ -124,7 +130,8 @@ def bench_switch(translator: Translator, source, target, lengths: list[int], rep
         t_cold, _ = _median(cold, repeats)
         t_full, peak_full = _median(reprefill, repeats)
         rows.append(BenchRow(length, t_warm, t_cold, t_full, t_translate,
-                             translation_flops(translator, length) / t_translate / 1e9,
+                             translation_flops(translator, length, target_layout)
+                             / t_translate / 1e9,
                              peak_switch, peak_full))
     return rows
 
