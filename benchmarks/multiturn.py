@@ -18,20 +18,12 @@ from pathlib import Path
 import mlx_kvtrans as kv  # first: fast BLAS
 
 from mlx_kvtrans.blas import blas_report
-from mlx_kvtrans.models import weights_dir
 from mlx_kvtrans.multiturn import evaluate
 from mlx_kvtrans.translators import artifact
 from mlx_kvtrans.translators.token_identity import codebook_of
 
 OUT = Path(__file__).resolve().parent / "results"
 PAIRS = [("kimi-linear", "kimi-vl"), ("qwen3.5-a", "qwen3.5-b"), ("qwen3-small", "qwen3-large")]
-
-
-def shipped(source: str, target: str) -> Path | None:
-    for name in (f"{source}__{target}-distilled", f"{source}__{target}"):
-        if (weights_dir() / "translators" / name / "manifest.json").exists():
-            return weights_dir() / "translators" / name
-    return None
 
 
 def loaded(path: Path, src, tgt):
@@ -42,7 +34,7 @@ def loaded(path: Path, src, tgt):
 
 
 def measure(source: str, target: str, dialogues: int, turns: int) -> dict | None:
-    forward, back = shipped(source, target), shipped(target, source)
+    forward, back = artifact.shipped(source, target), artifact.shipped(target, source)
     if forward is None:
         print(f"{source} -> {target}: no shipped translator, skipped")
         return None

@@ -30,6 +30,7 @@ from mlx_kvtrans.translators import artifact
 from mlx_kvtrans.translators.distill import DistillConfig, Distiller, needle_rows
 from mlx_kvtrans.translators.fidelity import fidelity, indexer_selection
 from mlx_kvtrans.translators.fit import fit, plan, token_windows
+from mlx_kvtrans.translators.token_identity import codebook_of
 from mlx_kvtrans.translators.translator import translate_cache
 from mlx_kvtrans.zoo.corpus import read_split, sentences
 from mlx_kvtrans.zoo.evaluate import held_out_filler, needle_prompt_tokens, needle_recall
@@ -72,12 +73,7 @@ def corpus_ids(tokenizer, split: str) -> list[int]:
 
 
 def codebook_for(src, token_identity):
-    from mlx_kvtrans.translators.token_identity import cached_codebook
-
-    if token_identity != "codebook":
-        return None
-    return cached_codebook(src.model, len(src.tokenizer.get_vocab()),
-                           artifact.weights_fingerprint(src.path), Path("runs/cache"))
+    return codebook_of(src, Path("runs/cache")) if token_identity == "codebook" else None
 
 
 def fit_variant(src, tgt, plan_options, fit_options, train_ids, codebook):

@@ -619,13 +619,9 @@ def eval_fidelity(translator_dir: Path = typer.Option(..., "--translator"),
 
 
 def _default_translator(source: str, target: str) -> Path | None:
-    from mlx_kvtrans.models import weights_dir
+    from mlx_kvtrans.translators.artifact import shipped
 
-    shipped = weights_dir() / "translators"
-    for name in (f"{source}__{target}-distilled", f"{source}__{target}"):  # stage 2 first
-        if (shipped / name / "manifest.json").exists():
-            return shipped / name
-    return None
+    return shipped(source, target)
 
 
 @app.command()

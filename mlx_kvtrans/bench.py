@@ -20,7 +20,7 @@ import mlx.core as mx
 
 from .capture import capture
 from .install import install
-from .layouts import layout_of
+from .layouts import ObjectKind, layout_of
 from .translators.translator import Translator
 
 
@@ -51,8 +51,6 @@ class BenchRow:
 def translation_flops(translator: Translator, length: int, target_layout) -> float:
     """Multiply-adds x 2 of the translator's maps over a `length`-token prompt (a conv history
     maps only the K-1 rows it keeps)."""
-    from .layouts import ObjectKind
-
     total = 0.0
     for spec in translator.specs:
         key = f"{spec.key}.weight"

@@ -118,3 +118,13 @@ def load(directory: str | Path, source=None, target=None) -> Translator:
                                      "stage", "distill")
             if k in manifest}
     return Translator(manifest["source_point"], manifest["token_identity"], specs, params, info)
+
+
+def shipped(source: str, target: str) -> Path | None:
+    """The translator shipped under weights/translators for a zoo pair, distilled first."""
+    from ..models import weights_dir
+
+    for name in (f"{source}__{target}-distilled", f"{source}__{target}"):
+        if (weights_dir() / "translators" / name / "manifest.json").exists():
+            return weights_dir() / "translators" / name
+    return None
