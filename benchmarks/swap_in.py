@@ -1,9 +1,14 @@
-"""Swap-in analysis: which target layers' translated objects lose the needle.
+"""Swap-in analysis: which target layers and objects, translated, lose the needle.
 
-The target continues from its own cache with some layers replaced by the translated ones (each
-layer alone, and all but each layer), and exact needle recall on held-out needles is measured
-at the fitting length, with the answer-digit loss beside it. Writes
-benchmarks/results/swap_in.{json,md}.
+The target continues from its own cache with some objects replaced by the translated ones (each
+layer alone, all but each layer, and each object alone), and exact needle recall on held-out
+needles is measured at the fitting length, with the answer-digit loss beside it.
+
+Then a linear ceiling for the layer that loses the most: that layer's per-token objects fitted
+in closed form from the target's OWN layer below it plus the token's embedding (and the two
+tokens before it), on corpus windows and training needles, swapped in alone. If even this map
+loses the needle, no token-wise linear map from a source can keep it at that layer.
+Writes benchmarks/results/swap_in.{json,md}.
 
     python benchmarks/swap_in.py [--translator DIR] [--length 256] [--samples 30]
 """
@@ -17,12 +22,97 @@ from pathlib import Path
 import mlx_kvtrans as kv  # first: fast BLAS
 import mlx.core as mx
 
+from mlx_kvtrans.layouts import ObjectKind
 from mlx_kvtrans.translators import artifact
+from mlx_kvtrans.translators.distill import needle_rows
+from mlx_kvtrans.translators.features import input_embedding, layer_features
+from mlx_kvtrans.translators.fit import per_token_target, token_windows
+from mlx_kvtrans.translators.stats import Moments, solve
 from mlx_kvtrans.translators.token_identity import codebook_of
-from mlx_kvtrans.translators.translator import translate_cache
+from mlx_kvtrans.zoo.data import needle_filler
 from mlx_kvtrans.zoo.evaluate import needle_scores
 
 OUT = Path(__file__).resolve().parent / "results"
+CORPUS = Path("runs/corpus")
+
+
+def swap_rows(translator, src, tgt, length, samples):
+    codebook = codebook_of(src) if translator.token_identity == "codebook" else None
+    layout = kv.layout_of(tgt.model)
+
+    def mixed(swapped: set[tuple[int, str]]):
+        def cache_for(ids):
+            tokens = mx.array(ids)[None]
+            source = kv.capture(src.model, tokens, points=translator.source_points())
+            moved, points = translator.translate(source, tgt.model, layout, tokens, codebook)
+            native = kv.capture(tgt.model, tokens, points={p for d in points for p in d.values()})
+            objects = [{name: moved[i][name] if (i, name) in swapped
+                        else native.objects[i][(name, points[i][name])] for name in points[i]}
+                       for i in range(len(points))]
+            return kv.install(layout, objects, points)
+        return cache_for
+
+    names = {layer.index: [o.name for o in layer.objects] for layer in layout.layers}
+    whole = {(i, n) for i in names for n in names[i]}
+    cases = [("native", None, set()), ("all translated", None, whole)]
+    cases += [(f"only layer {i} translated", i, {(i, n) for n in names[i]}) for i in names]
+    cases += [(f"all but layer {i} translated", None, {x for x in whole if x[0] != i})
+              for i in names]
+    cases += [(f"only layer {i} {n} translated", None, {(i, n)}) for i in names
+              for n in names[i] if len(names[i]) > 1]
+    rows = []
+    for case, alone, swapped in cases:
+        recall, nll = needle_scores(tgt.model, tgt.tokenizer.encode, length, samples,
+                                    cache_for=mixed(swapped))
+        rows.append({"case": case, "layer_alone": alone,
+                     "translated": sorted(f"{i}.{n}" for i, n in swapped),
+                     "recall": recall, "digit_nll": round(nll, 3)})
+        print(f"{case:40s} recall {recall:.2f}  answer-digit loss {nll:.2f}", flush=True)
+    return rows
+
+
+def linear_ceiling(tgt, layer: int, length: int, samples: int, windows: int = 256):
+    """Recall with `layer`'s per-token objects predicted linearly from the target's own layer
+    below (at (1)) and the embeddings of tokens t, t-1, t-2, fitted on corpus + needles."""
+    layout = kv.layout_of(tgt.model)
+    embed = input_embedding(tgt.model)
+    objects = [o.name for o in layout.layers[layer].objects
+               if o.per_token and o.kind != ObjectKind.CONV_HISTORY]
+
+    def inputs(tokens, captured):
+        e = embed(tokens).astype(mx.float32)
+        shifted = [mx.concatenate([mx.zeros_like(e[:, :k]), e[:, :-k]], axis=1) for k in (1, 2)]
+        return mx.concatenate([layer_features(captured, layer - 1, 1), e, *shifted], axis=-1)
+
+    ids = tgt.tokenizer.encode((CORPUS / "train.txt").read_text()[:3_000_000])
+    needles = needle_rows(tgt.tokenizer.encode, needle_filler(CORPUS), length, count=windows)
+    batches = list(token_windows(ids, length, windows, batch=8))
+    batches += [mx.array([r[-length:] for r in needles[i:i + 8]]) for i in range(0, windows, 8)]
+    moments = {}
+    for tokens in batches:
+        captured = kv.capture(tgt.model, tokens, points=(1,))
+        x = inputs(tokens, captured)
+        for name in objects:
+            y = per_token_target(captured.objects[layer][(name, 1)])
+            moments.setdefault(name, Moments(x.shape[-1], y.shape[-1])).add(x, y)
+    fits = {name: solve(m, ridge=1e-3) for name, m in moments.items()}
+
+    def cache_for(prompt):
+        tokens = mx.array(prompt)[None]
+        captured = kv.capture(tgt.model, tokens, points=(1,))
+        layers = [dict(d) for d in captured.at(1)]
+        x = inputs(tokens, captured)
+        for name, fit in fits.items():
+            shape = layers[layer][name].shape
+            layers[layer][name] = (x @ mx.array(fit.weight).T + mx.array(fit.bias)).reshape(shape)
+        return kv.install(layout, layers, 1)
+
+    recall, nll = needle_scores(tgt.model, tgt.tokenizer.encode, length, samples,
+                                cache_for=cache_for)
+    r2 = {name: round(fit.mean_r2, 3) for name, fit in fits.items()}
+    print(f"linear ceiling at layer {layer}: R^2 {r2} recall {recall:.2f} "
+          f"answer-digit loss {nll:.2f}", flush=True)
+    return {"layer": layer, "r2": r2, "recall": recall, "digit_nll": round(nll, 3)}
 
 
 def main():
@@ -35,37 +125,31 @@ def main():
     manifest = artifact.read_manifest(args.translator)
     src, tgt = kv.load(manifest["source"]["name"]), kv.load(manifest["target"]["name"])
     translator = artifact.load(args.translator, src, tgt)
-    codebook = codebook_of(src) if translator.token_identity == "codebook" else None
-    layers = range(len(kv.layout_of(tgt.model).layers))
-
-    def mixed(translated: set[int]):
-        def cache_for(ids):
-            native = kv.capture(tgt.model, mx.array(ids)[None], points=(3,)).engine
-            moved = translate_cache(translator, src.model, tgt.model, ids, codebook)
-            return [moved[i] if i in translated else native[i] for i in layers]
-        return cache_for
-
-    cases = [("native", set()), ("all translated", set(layers))]
-    cases += [(f"only layer {i} translated", {i}) for i in layers]
-    cases += [(f"all but layer {i} translated", set(layers) - {i}) for i in layers]
-    rows = []
-    for name, translated in cases:
-        recall, nll = needle_scores(tgt.model, tgt.tokenizer.encode, args.length, args.samples,
-                                    cache_for=mixed(translated))
-        rows.append({"case": name, "translated_layers": sorted(translated), "recall": recall,
-                     "digit_nll": round(nll, 3)})
-        print(f"{name:32s} recall {recall:.2f}  answer-digit loss {nll:.2f}", flush=True)
+    rows = swap_rows(translator, src, tgt, args.length, args.samples)
+    alone = [r for r in rows if r["layer_alone"] is not None]
+    worst = max(alone, key=lambda r: r["digit_nll"])["layer_alone"]
+    ceiling = linear_ceiling(tgt, worst, args.length, args.samples) if worst > 0 else None
     result = {"translator": args.translator.name, "length": args.length,
-              "samples": args.samples, "rows": rows}
+              "samples": args.samples, "rows": rows, "linear_ceiling": ceiling}
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "swap_in.json").write_text(json.dumps(result, indent=2) + "\n")
     lines = ["# Swap-in analysis\n",
              f"Translator {args.translator.name}: the target continues from its own cache with "
-             f"the named layers translated; exact recall on {args.samples} held-out needles of "
-             f"{args.length} tokens, answer-digit loss in nats (chance 2.30). Regenerate with "
-             "`python benchmarks/swap_in.py`.\n",
+             f"the named layers or objects translated; exact recall on {args.samples} held-out "
+             f"needles of {args.length} tokens, answer-digit loss in nats (chance 2.30). "
+             "Regenerate with `python benchmarks/swap_in.py`.\n",
              "| case | recall | answer-digit loss |", "|---|---|---|"]
     lines += [f"| {r['case']} | {r['recall']:.2f} | {r['digit_nll']:.2f} |" for r in rows]
+    if ceiling:
+        lines += ["", f"## Linear ceiling at layer {worst}\n",
+                  f"Layer {worst}'s per-token objects predicted in closed form from the "
+                  f"target's own layer {worst - 1} objects at (1) and the embeddings of tokens t, "
+                  "t-1 and t-2 (fitted on 256 corpus windows and 256 training needles), swapped "
+                  "in alone: the best any token-wise linear map could do from features this "
+                  "close to the target.\n",
+                  "| R^2 per object | recall | answer-digit loss |", "|---|---|---|",
+                  f"| {', '.join(f'{k} {v:.3f}' for k, v in ceiling['r2'].items())} | "
+                  f"{ceiling['recall']:.2f} | {ceiling['digit_nll']:.2f} |"]
     (OUT / "swap_in.md").write_text("\n".join(lines) + "\n")
 
 
