@@ -84,9 +84,9 @@ def tiny_config(family: str, vocab_size: int, special_token_ids: dict | None = N
     return config
 
 
-# Per-layer sizes of the real checkpoints, with 4 layers and MoE off (dense MLPs of the
-# checkpoint's dense width), for timing: a switch's cost depends on the per-layer objects, a
-# prefill's on the per-layer weights, so the ratios carry over per layer.
+# Per-layer sizes of the real checkpoints, with 4 layers (2 for DeepSeek-V3.2) and MoE off
+# (dense MLPs of the checkpoint's dense width), for timing: a switch's cost depends on the
+# per-layer objects, a prefill's on the per-layer weights, so the ratios carry over per layer.
 REALISTIC: dict[str, dict] = {
     "kimi-linear": dict(  # Kimi-Linear-48B-A3B: MLA latent 512 + rope 64 (no RoPE), KDA 32 x 128
         model_type="kimi_linear", hidden_size=2304, num_hidden_layers=4, intermediate_size=9216,
@@ -111,8 +111,10 @@ REALISTIC: dict[str, dict] = {
         tie_word_embeddings=False, max_position_embeddings=262144,
         rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
                          "partial_rotary_factor": 0.25}),
-    "deepseek-v3.2": dict(  # DeepSeek-V3.2: MLA 512 + 64, indexer 64 heads x 128, top-k 2048
-        model_type="deepseek_v32", hidden_size=7168, num_hidden_layers=4, intermediate_size=18432,
+    # DeepSeek-V3.2: MLA 512 + 64, indexer 64 heads x 128, top-k 2048. Two layers: four of its
+    # layers beside four of Qwen3.5's, in float32, passed 24 GB (OOM-killed on a 24 GB machine).
+    "deepseek-v3.2": dict(
+        model_type="deepseek_v32", hidden_size=7168, num_hidden_layers=2, intermediate_size=18432,
         num_attention_heads=128, num_key_value_heads=128, kv_lora_rank=512, q_lora_rank=1536,
         qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, n_routed_experts=256,
         n_shared_experts=1, first_k_dense_replace=4, index_head_dim=128, index_n_heads=64,
