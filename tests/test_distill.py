@@ -16,6 +16,7 @@ from mlx_kvtrans.gated_delta import chunked_recurrence
 from mlx_kvtrans.translators import artifact
 from mlx_kvtrans.translators.distill import DistillConfig, Distiller, Problem, trainable
 from mlx_kvtrans.translators.fit import fit, plan
+from mlx_kvtrans.translators.translator import Translator
 
 TEXT = Path(__file__).parent / "data" / "corpus_sample.txt"
 
@@ -106,6 +107,10 @@ def test_resume_continues_bit_identically(loaded, tmp_path):
     other = DistillConfig(**{**config.__dict__, "lr": 5e-4})
     with pytest.raises(Exception, match="other settings"):
         Distiller(translator, S, T, ids, ids, other, tmp_path / "b").resume()
+    refitted = Translator(translator.source_point, translator.token_identity, translator.specs,
+                          {k: v * 1.01 for k, v in translator.params.items()}, translator.info)
+    with pytest.raises(Exception, match="another translator"):
+        Distiller(refitted, S, T, ids, ids, config, tmp_path / "b").resume()
 
 
 def run_cli(args, env=None, launcher=()):

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.optimizers as optim
+import numpy as np
 
 from ..capture import capture
 from ..errors import KvtransError
@@ -143,6 +144,16 @@ def trainable(translator: Translator) -> dict[str, mx.array]:
     return {k: v.astype(mx.float32) for k, v in translator.params.items()}
 
 
+def start_fingerprint(translator: Translator) -> str:
+    """A hash of the parameters a run starts from: a checkpoint continues only its own start (a
+    refitted translator, or one fitted to a retrained model, starts afresh)."""
+    digest = hashlib.sha256()
+    for key in sorted(translator.params):
+        digest.update(key.encode())
+        digest.update(np.asarray(translator.params[key].astype(mx.float32)).tobytes())
+    return digest.hexdigest()[:16]
+
+
 def _schedule(config: DistillConfig):
     warm = optim.linear_schedule(config.lr * 0.01, config.lr, max(1, config.warmup))
     decay = optim.cosine_decay(config.lr, max(1, config.steps - config.warmup), config.lr * 0.1)
@@ -233,7 +244,8 @@ class Distiller:
         self.params = trainable(translator)
         self.optimizer = optim.Adam(learning_rate=_schedule(config))
         self.optimizer.init(self.params)
-        self.state = {"step": 0, "seconds": 0.0, "config": config.fingerprint(), "history": []}
+        self.state = {"step": 0, "seconds": 0.0, "config": config.fingerprint(),
+                      "start": start_fingerprint(translator), "history": []}
         self._validation = None
 
     # -- checkpoints -------------------------------------------------------------------------
@@ -257,6 +269,9 @@ class Distiller:
         if state.get("config") != self.config.fingerprint():
             raise KvtransError(f"the checkpoint in {self.workdir} was made with other settings; "
                                "use the same ones to resume, or another --workdir")
+        if state.get("start") != self.state["start"]:
+            raise KvtransError(f"the checkpoint in {self.workdir} started from another "
+                               "translator; resume it from that one, or use another --workdir")
         self.state = state
         self.params = dict(mx.load(str(self.workdir / "params.safetensors")))
         self.optimizer.state = _nested_state(mx.load(str(self.workdir / "optimizer.safetensors")))
