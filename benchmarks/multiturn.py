@@ -82,12 +82,14 @@ def main():
     parser.add_argument("--pairs", help="a:b,c:d (default: all shipped pairs)")
     args = parser.parse_args()
     pairs = ([tuple(p.split(":")) for p in args.pairs.split(",")] if args.pairs else PAIRS)
-    results_file = OUT / "multiturn.json"
-    results = json.loads(results_file.read_text())["pairs"] if results_file.exists() else {}
+    measured = {}
     for source, target in pairs:
         r = measure(source, target, args.dialogues, args.turns)
         if r is not None:
-            results[f"{source} <-> {target}"] = r
+            measured[f"{source} <-> {target}"] = r
+    results_file = OUT / "multiturn.json"  # read as it is now: other runs may have added to it
+    results = json.loads(results_file.read_text())["pairs"] if results_file.exists() else {}
+    results.update(measured)
     report = blas_report()
     blas = f"{report.name}, float32 matmul {report.gflops:.0f} GFLOP/s"
     OUT.mkdir(parents=True, exist_ok=True)
