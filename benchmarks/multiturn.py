@@ -18,19 +18,11 @@ from pathlib import Path
 import mlx_kvtrans as kv  # first: fast BLAS
 
 from mlx_kvtrans.blas import blas_report
-from mlx_kvtrans.multiturn import evaluate
+from mlx_kvtrans.evaluation.multiturn import evaluate
 from mlx_kvtrans.translators import artifact
-from mlx_kvtrans.translators.token_identity import codebook_of
 
 OUT = Path(__file__).resolve().parent / "results"
 PAIRS = [("kimi-linear", "kimi-vl"), ("qwen3.5-a", "qwen3.5-b"), ("qwen3-small", "qwen3-large")]
-
-
-def loaded(path: Path, src, tgt):
-    """A translator and, when it decodes token identity from the source, its codebook."""
-    translator = artifact.load(path, src, tgt)
-    codebook = codebook_of(src) if translator.token_identity == "codebook" else None
-    return translator, codebook
 
 
 def measure(source: str, target: str, dialogues: int, turns: int) -> dict | None:
@@ -39,9 +31,9 @@ def measure(source: str, target: str, dialogues: int, turns: int) -> dict | None
         print(f"{source} -> {target}: no shipped translator, skipped")
         return None
     src, tgt = kv.load(source), kv.load(target)
-    translators = {(source, target): loaded(forward, src, tgt)}
+    translators = {(source, target): artifact.load(forward, src, tgt)}
     if back is not None:
-        translators[(target, source)] = loaded(back, tgt, src)
+        translators[(target, source)] = artifact.load(back, tgt, src)
     start = time.perf_counter()
     table = evaluate({source: src, target: tgt}, translators, dialogues, turns)
     return {"models": [source, target], "forward": forward.name,

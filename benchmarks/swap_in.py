@@ -22,29 +22,27 @@ from pathlib import Path
 import mlx_kvtrans as kv  # first: fast BLAS
 import mlx.core as mx
 
+from mlx_kvtrans.evaluation.needles import needle_rows, needle_scores
 from mlx_kvtrans.layouts import ObjectKind
 from mlx_kvtrans.translators import artifact
-from mlx_kvtrans.translators.distill import needle_rows
 from mlx_kvtrans.translators.features import input_embedding, layer_features
-from mlx_kvtrans.translators.fit import per_token_target, token_windows
+from mlx_kvtrans.translators.fit import token_windows
+from mlx_kvtrans.translators.recipes import per_token_rows
 from mlx_kvtrans.translators.stats import Moments, solve
-from mlx_kvtrans.translators.token_identity import codebook_of
 from mlx_kvtrans.zoo.data import needle_filler
-from mlx_kvtrans.zoo.evaluate import needle_scores
 
 OUT = Path(__file__).resolve().parent / "results"
 CORPUS = Path("runs/corpus")
 
 
 def swap_rows(translator, src, tgt, length, samples):
-    codebook = codebook_of(src) if translator.token_identity == "codebook" else None
     layout = kv.layout_of(tgt.model)
 
     def mixed(swapped: set[tuple[int, str]]):
         def cache_for(ids):
             tokens = mx.array(ids)[None]
             source = kv.capture(src.model, tokens, points=translator.source_points())
-            moved, points = translator.translate(source, tgt.model, layout, tokens, codebook)
+            moved, points = translator.translate(source, tgt.model, layout, tokens)
             native = kv.capture(tgt.model, tokens, points={p for d in points for p in d.values()})
             objects = [{name: moved[i][name] if (i, name) in swapped
                         else native.objects[i][(name, points[i][name])] for name in points[i]}
@@ -93,7 +91,7 @@ def linear_ceiling(tgt, layer: int, length: int, samples: int, windows: int = 25
         captured = kv.capture(tgt.model, tokens, points=(1,))
         x = inputs(tokens, captured)
         for name in objects:
-            y = per_token_target(captured.objects[layer][(name, 1)])
+            y = per_token_rows(captured.objects[layer][(name, 1)])
             moments.setdefault(name, Moments(x.shape[-1], y.shape[-1])).add(x, y)
     fits = {name: solve(m, ridge=1e-3) for name, m in moments.items()}
 

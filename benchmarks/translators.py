@@ -26,16 +26,17 @@ import mlx_kvtrans as kv  # first: fast BLAS
 import mlx.core as mx
 
 from mlx_kvtrans.blas import blas_report
+from mlx_kvtrans.evaluation.needles import (held_out_filler, needle_prompt_tokens, needle_recall,
+                                            needle_rows)
 from mlx_kvtrans.models import weights_dir
 from mlx_kvtrans.translators import artifact
-from mlx_kvtrans.translators.distill import (DistillConfig, Distiller, needle_rows,
-                                             start_fingerprint)
+from mlx_kvtrans.translators.distill import DistillConfig, Distiller, start_fingerprint
 from mlx_kvtrans.translators.fidelity import fidelity, indexer_selection
-from mlx_kvtrans.translators.fit import fit, plan, token_windows
+from mlx_kvtrans.translators.fit import FitConfig, fit, token_windows
+from mlx_kvtrans.translators.plan import plan
 from mlx_kvtrans.translators.token_identity import codebook_of
 from mlx_kvtrans.translators.translator import translate_cache
 from mlx_kvtrans.zoo.corpus import read_split, sentences
-from mlx_kvtrans.zoo.evaluate import held_out_filler, needle_prompt_tokens, needle_recall
 
 ROOT = Path(__file__).resolve().parent
 FIT_LENGTH = 256  # the longest fitting prompt
@@ -84,12 +85,12 @@ def codebook_for(src, token_identity):
 def fit_variant(src, tgt, plan_options, fit_options, train_ids, codebook):
     specs = plan(kv.layout_of(src.model), kv.layout_of(tgt.model), **plan_options)
     return fit(src.model, tgt.model, token_windows(train_ids, FIT_LENGTH, FIT_WINDOWS, batch=8),
-               specs, source_point=plan_options["point"], codebook=codebook, **fit_options)
+               specs, FitConfig(point=plan_options["point"], **fit_options), codebook=codebook)
 
 
 def needles(tokenizer, length: int, samples: int):
     """Held-out needle prompts (as `needle_recall` draws them) and their code tokens' positions."""
-    from mlx_kvtrans.zoo.evaluate import HELD_OUT_SEED
+    from mlx_kvtrans.evaluation.needles import HELD_OUT_SEED
 
     prompts, positions = [], []
     for i in range(samples):
@@ -102,23 +103,22 @@ def needles(tokenizer, length: int, samples: int):
     return prompts, positions
 
 
-def measure(translator, src, tgt, args, test_ids, codebook) -> dict:
-    rows = fidelity(translator, src.model, tgt.model, test_ids, LENGTHS, windows=args.windows,
-                    codebook=codebook)
+def measure(translator, src, tgt, args, test_ids) -> dict:
+    rows = fidelity(translator, src.model, tgt.model, test_ids, LENGTHS, windows=args.windows)
     translated = needle_recall(
         tgt.model, tgt.tokenizer.encode, LENGTHS, samples=args.samples,
-        cache_for=lambda ids: translate_cache(translator, src.model, tgt.model, ids, codebook))
+        cache_for=lambda ids: translate_cache(translator, src.model, tgt.model, ids))
     result = {"fidelity": rows, "needle_translated": {str(k): v for k, v in translated.items()}}
     if any(hasattr(getattr(layer, "self_attn", None), "indexer") for layer in tgt.model.layers):
         result["indexer"] = {}
         for length in LENGTHS:
             prompts, positions = needles(tgt.tokenizer, length, min(args.samples, 10))
             result["indexer"][str(length)] = indexer_selection(
-                translator, src.model, tgt.model, prompts, positions, codebook)
+                translator, src.model, tgt.model, prompts, positions)
     return result
 
 
-def distill_variant(translator, src, tgt, args, lr, train_ids, validation_ids, codebook, name):
+def distill_variant(translator, src, tgt, args, lr, train_ids, validation_ids, name):
     config = DistillConfig(steps=args.distill_steps, batch=8, max_prefix=FIT_LENGTH,
                            validate_every=max(1, args.distill_steps // 4), validation_windows=16,
                            needle_share=args.needle_share, lr=lr)
@@ -131,7 +131,7 @@ def distill_variant(translator, src, tgt, args, lr, train_ids, validation_ids, c
                                           + f"-lr{lr:g}"
                                           + f"-{start_fingerprint(translator)[:8]}")
     distiller = Distiller(translator, src.model, tgt.model, train_ids, validation_ids, config,
-                          workdir, codebook, needles=needles)
+                          workdir, needles=needles)
     distiller.resume()  # a checkpoint of these settings continues where it stopped
     summary = distiller.run()
     distilled = distiller.distilled()
@@ -181,7 +181,7 @@ def main():
                    "min_r2": round(min(r2), 4), "mean_r2": round(sum(r2) / len(r2), 4),
                    "codebook_decode_accuracy":
                        translator.info["fit"].get("codebook_decode_accuracy"),
-                   **measure(translator, src, tgt, args, test_ids, codebook)}
+                   **measure(translator, src, tgt, args, test_ids)}
             entry["variants"].append(row)
             print(json.dumps({"pair": f"{source} -> {target}", **row}), flush=True)
             if i:
@@ -190,14 +190,14 @@ def main():
             artifact.save(translator, shipped, src, tgt)
             if args.distill_steps:
                 distilled, summary = distill_variant(translator, src, tgt, args, lr, train_ids,
-                                                     validation_ids, codebook,
+                                                     validation_ids,
                                                      f"{source}__{target}")
                 row = {"variant": name, "stage": 2, "distill_steps": summary["steps"],
                        "distill_minutes": summary["minutes"],
                        "validation_kl_before": summary["validation_kl_before"],
                        "validation_kl_after": summary["validation_kl_after"],
                        "peak_memory_mib": round(summary["peak_memory_bytes"] / 2**20),
-                       **measure(distilled, src, tgt, args, test_ids, codebook)}
+                       **measure(distilled, src, tgt, args, test_ids)}
                 entry["variants"].append(row)
                 print(json.dumps({"pair": f"{source} -> {target}", **row}), flush=True)
                 distilled_dir = shipped.with_name(shipped.name + "-distilled")

@@ -14,6 +14,10 @@ from rich.table import Table
 
 import mlx_kvtrans  # noqa: F401  (selects a fast BLAS before anything imports mlx.core)
 from mlx_kvtrans.errors import KvtransError
+from mlx_kvtrans.translators.distill import DistillConfig
+from mlx_kvtrans.translators.fit import FitConfig
+
+FIT, DISTILL = FitConfig(), DistillConfig()  # every default of `fit` and `distill` comes from here
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Translate KV caches between language models on MLX.")
@@ -280,7 +284,7 @@ def eval_needle(model: str = typer.Option(None, "--model", help="zoo alias, dire
                 samples: int = typer.Option(50, help="held-out needles per length"),
                 as_json: bool = typer.Option(False, "--json")):
     """Exact six-digit needle recall of a model on held-out needles, per prompt length."""
-    from mlx_kvtrans.zoo.evaluate import needle_recall
+    from mlx_kvtrans.evaluation.needles import needle_recall
 
     if (model is None) == (translator_dir is None):
         raise KvtransError("give --model (native recall) or --translator (translated recall)")
@@ -288,9 +292,9 @@ def eval_needle(model: str = typer.Option(None, "--model", help="zoo alias, dire
     if translator_dir is not None:
         from mlx_kvtrans.translators.translator import translate_cache
 
-        translator, src, lm, codebook = _load_translator_pair(translator_dir, None, None)
+        translator, src, lm = _load_translator_pair(translator_dir, None, None)
         model = f"{src.name} -> {lm.name}"
-        translated = lambda ids: translate_cache(translator, src.model, lm.model, ids, codebook)
+        translated = lambda ids: translate_cache(translator, src.model, lm.model, ids)
     else:
         lm = mlx_kvtrans.load(model)
     if lengths:
@@ -361,45 +365,53 @@ def fit(source: str = typer.Option(..., "--from", help="source model"),
         target: str = typer.Option(..., "--to", help="target model"),
         out_dir: Path = typer.Option(..., "--out", help="translator directory to write"),
         data: Path = typer.Option(None, help="text file or directory (default: the zoo corpus)"),
-        capture_point: int = typer.Option(1, "--capture", min=1, max=3,
+        capture_point: int = typer.Option(int(FIT.point), "--capture", min=1, max=3,
                                           help="capture point of source and target objects"),
-        nu: int = typer.Option(2, "--nu", min=1, help="source layers per target layer"),
+        nu: int = typer.Option(FIT.nu, "--nu", min=1, help="source layers per target layer"),
         recipe: list[str] = typer.Option(None, help="OBJECT=RECIPE, e.g. recurrent_state=bilinear"),
-        token_identity: str = typer.Option("off", help="codebook, ids or off"),
+        token_identity: str = typer.Option(FIT.token_identity, help="codebook, ids or off"),
         point: list[str] = typer.Option(None, help="OBJECT=P: capture point of one object kind "
                                         "or name, e.g. rope_key=3"),
-        split_kv: bool = typer.Option(False, help="keys from source keys, values from values"),
-        headwise: bool = typer.Option(False, help="with --split-kv: target head h reads source "
-                                      "head h only"),
+        split_kv: bool = typer.Option(FIT.split_kv, help="keys from source keys, values from "
+                                      "values"),
+        headwise: bool = typer.Option(FIT.headwise, help="with --split-kv: target head h reads "
+                                      "source head h only"),
         assign: str = typer.Option("relative", help="layer assignment: relative (depth) or best "
                                    "(best single fit)"),
-        attention_weighted: int = typer.Option(0, help="C > 0: weight prefix tokens by the "
+        attention_weighted: int = typer.Option(FIT.attention_weighted, min=0,
+                                               help="C > 0: weight prefix tokens by the "
                                                "attention of each window's last C tokens"),
-        windows: int = typer.Option(256, help="fitting windows"),
-        length: int = typer.Option(256, help="tokens per window"),
-        ridge: float = typer.Option(1e-3, help="ridge strength, relative to the data scale"),
+        windows: int = typer.Option(FIT.windows, min=1, help="fitting windows"),
+        length: int = typer.Option(FIT.length, min=2, help="tokens per window"),
+        ridge: float = typer.Option(FIT.ridge, min=0.0, help="ridge strength, relative to the "
+                                    "data scale"),
         as_json: bool = typer.Option(False, "--json")):
     """Fit a translator from SOURCE's cache to TARGET's in closed form (stage 1)."""
     from mlx_kvtrans.translators import artifact
+    from mlx_kvtrans.translators.fit import FitConfig, token_windows
     from mlx_kvtrans.translators.fit import fit as fit_translator
-    from mlx_kvtrans.translators.fit import plan, token_windows
-    from mlx_kvtrans.translators.token_identity import codebook_of
+    from mlx_kvtrans.translators.token_identity import MODES, codebook_of
 
-    if token_identity not in ("codebook", "ids", "off"):
-        raise KvtransError(f"--token-identity must be codebook, ids or off, not {token_identity!r}")
-    src, tgt = mlx_kvtrans.load(source), mlx_kvtrans.load(target)
-    if not _same_tokenizer(src, tgt):
-        raise KvtransError(f"{source} and {target} do not share a tokenizer; translation "
-                           "between tokenizers is not supported yet")
+    if token_identity not in MODES:
+        raise KvtransError(f"--token-identity must be {', '.join(MODES)}, not {token_identity!r}")
     if assign not in ("relative", "best"):
         raise KvtransError(f"--assign must be relative or best, not {assign!r}")
     try:
         points = {k: int(v) for k, v in _parse_recipes(point).items()}
     except ValueError:
         raise KvtransError("--point takes OBJECT=1|2|3")
+    if any(p not in (1, 2, 3) for p in points.values()):
+        raise KvtransError("--point takes OBJECT=1|2|3")
+    config = FitConfig(point=capture_point, nu=nu, recipes=_parse_recipes(recipe), points=points,
+                       split_kv=split_kv, headwise=headwise, token_identity=token_identity,
+                       ridge=ridge, attention_weighted=attention_weighted, windows=windows,
+                       length=length)
+    src, tgt = mlx_kvtrans.load(source), mlx_kvtrans.load(target)
+    if not _same_tokenizer(src, tgt):
+        raise KvtransError(f"{source} and {target} do not share a tokenizer; translation "
+                           "between tokenizers is not supported yet")
     try:
-        specs = plan(mlx_kvtrans.layout_of(src.model), mlx_kvtrans.layout_of(tgt.model),
-                     capture_point, nu, _parse_recipes(recipe), points, split_kv, headwise)
+        recipes = config.plan(mlx_kvtrans.layout_of(src.model), mlx_kvtrans.layout_of(tgt.model))
     except ValueError as e:
         raise KvtransError(str(e))
     codebook = None
@@ -409,12 +421,16 @@ def fit(source: str = typer.Option(..., "--from", help="source model"),
         except ValueError as e:
             raise KvtransError(str(e))
     ids = [t for text in _read_texts(data) for t in src.tokenizer.encode(text)]
-    batches = list(token_windows(ids, length, windows, batch=4))
+    try:
+        batches = list(token_windows(ids, length, windows, batch=4))
+    except ValueError as e:
+        raise KvtransError(str(e))
     if assign == "best":
-        from mlx_kvtrans.translators.fit import assign_best_single
+        from mlx_kvtrans.translators.recipes import assign_best_single
 
-        specs, _ = assign_best_single(src.model, tgt.model, batches[: max(1, len(batches) // 4)],
-                                      specs, capture_point)
+        recipes, _ = assign_best_single(src.model, tgt.model,
+                                        batches[: max(1, len(batches) // 4)], recipes,
+                                        capture_point)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     with Progress(TextColumn("fitting"), BarColumn(), MofNCompleteColumn(),
@@ -422,9 +438,7 @@ def fit(source: str = typer.Option(..., "--from", help="source model"),
                   disable=not out.is_terminal) as progress:
         task = progress.add_task("fit", total=len(batches), tokens=0)
         translator = fit_translator(
-            src.model, tgt.model, batches, specs, source_point=capture_point,
-            token_identity=token_identity, ridge=ridge, codebook=codebook,
-            attention_weighted=attention_weighted,
+            src.model, tgt.model, batches, recipes, config, codebook=codebook,
             progress=lambda i, n: progress.update(task, completed=i, tokens=f"{n:,}"))
     artifact.save(translator, out_dir, src, tgt)
     summary = {"out": str(out_dir), **translator.info}
@@ -435,10 +449,10 @@ def fit(source: str = typer.Option(..., "--from", help="source model"),
                   title_justify="left")
     for col in ("target layer", "object", "recipe", "source layers", "R^2"):
         table.add_column(col)
-    for spec in translator.specs:
-        metric = translator.info["metrics"].get(spec.key, {})
-        table.add_row(str(spec.layer), spec.name, spec.recipe,
-                      ",".join(map(str, spec.sources)), f"{metric['r2']:.4f}" if metric else "")
+    for r in translator.recipes:
+        metric = translator.info["metrics"].get(r.key, {})
+        table.add_row(str(r.layer), r.name, r.recipe,
+                      ",".join(map(str, r.sources)), f"{metric['r2']:.4f}" if metric else "")
     out.print(table)
     fit_info = translator.info["fit"]
     extra = (f" · codebook decode accuracy {fit_info['codebook_decode_accuracy']:.4f}"
@@ -455,20 +469,23 @@ def distill(translator_dir: Path = typer.Option(..., "--translator", help="stage
                                       "corpus's train split)"),
             validation: Path = typer.Option(None, help="held-out text (default: the zoo corpus's "
                                             "validation split)"),
-            steps: int = typer.Option(300, min=1),
-            batch: int = typer.Option(8, min=1, help="windows per step, over all processes"),
-            lr: float = typer.Option(1e-4, help="Adam learning rate after warm-up"),
-            warmup: int = typer.Option(20, min=0),
-            min_prefix: int = typer.Option(32, min=2),
-            max_prefix: int = typer.Option(256, min=2),
-            continuation: int = typer.Option(32, min=1, help="positions the KL is taken over"),
-            indexer_weight: float = typer.Option(1.0, help="weight of the indexer-key rehearsal"),
-            needle_share: float = typer.Option(0.0, min=0.0, max=1.0,
+            steps: int = typer.Option(DISTILL.steps, min=1),
+            batch: int = typer.Option(DISTILL.batch, min=1,
+                                      help="windows per step, over all processes"),
+            lr: float = typer.Option(DISTILL.lr, min=0.0, help="Adam learning rate after warm-up"),
+            warmup: int = typer.Option(DISTILL.warmup, min=0),
+            min_prefix: int = typer.Option(DISTILL.min_prefix, min=2),
+            max_prefix: int = typer.Option(DISTILL.max_prefix, min=2),
+            continuation: int = typer.Option(DISTILL.continuation, min=1,
+                                             help="positions the KL is taken over"),
+            indexer_weight: float = typer.Option(DISTILL.indexer_weight, min=0.0,
+                                                 help="weight of the indexer-key rehearsal"),
+            needle_share: float = typer.Option(DISTILL.needle_share, min=0.0, max=1.0,
                                                help="share of each batch that is synthetic "
                                                "needles, question and answer last"),
-            validate_every: int = typer.Option(50, min=1),
-            validation_windows: int = typer.Option(16, min=1),
-            seed: int = typer.Option(0),
+            validate_every: int = typer.Option(DISTILL.validate_every, min=1),
+            validation_windows: int = typer.Option(DISTILL.validation_windows, min=1),
+            seed: int = typer.Option(DISTILL.seed),
             workdir: Path = typer.Option(None, help="checkpoints (default: runs/distill/NAME)"),
             resume: bool = typer.Option(False, help="continue from the checkpoint in --workdir"),
             max_minutes: float = typer.Option(None, help="stop (resumable) after this long"),
@@ -480,11 +497,11 @@ def distill(translator_dir: Path = typer.Option(..., "--translator", help="stage
     import mlx.core as mx
 
     from mlx_kvtrans.translators import artifact
-    from mlx_kvtrans.translators.distill import DistillConfig, Distiller
+    from mlx_kvtrans.translators.distill import Distiller
 
     if min_prefix > max_prefix:
         raise KvtransError("--min-prefix must not exceed --max-prefix")
-    translator, src, tgt, codebook = _load_translator_pair(translator_dir, None, None)
+    translator, src, tgt = _load_translator_pair(translator_dir, None, None)
     if translator.info.get("stage") == 2:
         out.print(f"{translator_dir} is already distilled; distilling it further")
     texts = _read_texts(data)
@@ -504,7 +521,7 @@ def distill(translator_dir: Path = typer.Option(..., "--translator", help="stage
                            validation_windows=validation_windows, seed=seed)
     needles = None
     if needle_share:
-        from mlx_kvtrans.translators.distill import needle_rows
+        from mlx_kvtrans.evaluation.needles import needle_rows
         from mlx_kvtrans.zoo.corpus import sentences
 
         needles = needle_rows(src.tokenizer.encode, sentences(texts, limit=20_000),
@@ -513,7 +530,7 @@ def distill(translator_dir: Path = typer.Option(..., "--translator", help="stage
     name = translator_dir.resolve().name
     workdir = workdir or Path("runs") / "distill" / name
     distiller = Distiller(translator, src.model, tgt.model, train_ids, validation_ids, config,
-                          workdir, codebook, group if group.size() > 1 else None, needles)
+                          workdir, group if group.size() > 1 else None, needles)
     if (workdir / "state.json").exists() and not resume:
         raise KvtransError(f"{workdir} holds a checkpoint: pass --resume to continue it, or "
                            "another --workdir")
@@ -565,15 +582,7 @@ def _load_translator_pair(translator_dir: Path, source: str | None, target: str 
     manifest = artifact.read_manifest(translator_dir)
     src = mlx_kvtrans.load(source or manifest["source"]["name"])
     tgt = mlx_kvtrans.load(target or manifest["target"]["name"])
-    translator = artifact.load(translator_dir, src, tgt)
-    return translator, src, tgt, _codebook(translator, src)
-
-
-def _codebook(translator, source):
-    """The source's codebook when the translator decodes token identity from its cache."""
-    from mlx_kvtrans.translators.token_identity import codebook_of
-
-    return codebook_of(source) if translator.token_identity == "codebook" else None
+    return artifact.load(translator_dir, src, tgt), src, tgt
 
 
 @eval_app.command("fidelity")
@@ -589,7 +598,7 @@ def eval_fidelity(translator_dir: Path = typer.Option(..., "--translator"),
     no-cache floor beside them."""
     from mlx_kvtrans.translators.fidelity import fidelity
 
-    translator, src, tgt, codebook = _load_translator_pair(translator_dir, source, target)
+    translator, src, tgt = _load_translator_pair(translator_dir, source, target)
     if text is None:
         text = Path("runs/corpus/test.txt")
         if not text.exists():
@@ -602,8 +611,7 @@ def eval_fidelity(translator_dir: Path = typer.Option(..., "--translator"),
         raise KvtransError("--prefix-lengths must be integers separated by commas")
     ids = src.tokenizer.encode(text.read_text(errors="replace"))
     try:
-        rows = fidelity(translator, src.model, tgt.model, ids, lengths, windows=windows,
-                        codebook=codebook)
+        rows = fidelity(translator, src.model, tgt.model, ids, lengths, windows=windows)
     except ValueError as e:
         raise KvtransError(str(e))
     if as_json:
@@ -660,7 +668,7 @@ def chat(source: str = typer.Option("kimi-linear", "--from", help="the model tha
         except KvtransError as e:
             notes.append(f"translator {path} not used ({e}): switching {a} -> {b} re-reads")
             continue
-        translators[(a, b)] = (tr, _codebook(tr, models[a]))
+        translators[(a, b)] = tr
     if transcript is None:
         transcript = Path.home() / ".kvtrans" / "chats" / time.strftime("%Y%m%d-%H%M%S.json")
     log = Transcript(transcript, {source: str(models[source].path),
@@ -714,15 +722,14 @@ def eval_multiturn(translator_dir: Path = typer.Option(..., "--translator", help
                    as_json: bool = typer.Option(False, "--json")):
     """Per-turn answer accuracy of dialogues alternating models, for segment-wise, naive and
     refresh switching and for re-prefill."""
-    from mlx_kvtrans.multiturn import evaluate
+    from mlx_kvtrans.evaluation.multiturn import evaluate
     from mlx_kvtrans.translators import artifact
 
-    forward, src, tgt, codebook = _load_translator_pair(translator_dir, None, None)
-    translators = {(src.name, tgt.name): (forward, codebook)}
+    forward, src, tgt = _load_translator_pair(translator_dir, None, None)
+    translators = {(src.name, tgt.name): forward}
     back_path = back or _default_translator(tgt.name, src.name)
     if back_path is not None:
-        back_translator = artifact.load(back_path, tgt, src)
-        translators[(tgt.name, src.name)] = (back_translator, _codebook(back_translator, tgt))
+        translators[(tgt.name, src.name)] = artifact.load(back_path, tgt, src)
     table = evaluate({src.name: src, tgt.name: tgt}, translators, dialogues, turns)
     if as_json:
         print(json.dumps({"models": [src.name, tgt.name], "dialogues": dialogues,
@@ -746,7 +753,7 @@ def _realistic_pair(name: str, dtype):
     right shapes (random weights too: timings depend on shapes, not values)."""
     from mlx_kvtrans.bench import shaped_translator
     from mlx_kvtrans.models import LoadedModel, cast_parameters
-    from mlx_kvtrans.translators.fit import plan
+    from mlx_kvtrans.translators.plan import plan
     from mlx_kvtrans.zoo.families import REALISTIC_PAIRS, realistic_config
     from mlx_kvtrans.zoo.random_model import build_model
 
@@ -791,7 +798,6 @@ def bench(source: str = typer.Option("kimi-linear", "--from"),
         sizes = [int(x) for x in lengths.split(",")]
     except ValueError:
         raise KvtransError("--lengths must be integers separated by commas")
-    codebook = None
     if realistic:
         src, tgt, translator = _realistic_pair(realistic, getattr(mx, dtype))
         label = f"realistic-{realistic}"
@@ -801,13 +807,13 @@ def bench(source: str = typer.Option("kimi-linear", "--from"),
         if path is None:
             raise KvtransError(f"no translator {source} -> {target}: give --translator DIR "
                                "(kvtrans fit makes one) or use --realistic")
-        translator, src, tgt, codebook = _load_translator_pair(path, source, target)
+        translator, src, tgt = _load_translator_pair(path, source, target)
         for lm in (src, tgt):
             cast_parameters(lm.model, getattr(mx, dtype))
         label = f"{Path(src.name).name}__{Path(tgt.name).name}"
         vocab = len(src.tokenizer.get_vocab())
     blas = blas_report()
-    rows = bench_switch(translator, src.model, tgt.model, sizes, repeats, vocab, codebook)
+    rows = bench_switch(translator, src.model, tgt.model, sizes, repeats, vocab)
     result = {"pair": label, "source": src.name, "target": tgt.name, "dtype": dtype,
               "device": str(mx.default_device()), "blas": blas.name,
               "matmul_peak_gflops": round(blas.gflops, 1), "repeats": repeats,

@@ -11,7 +11,6 @@ matmul peak, the BLAS in use and the dtype are recorded with the timings.
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -20,8 +19,9 @@ import mlx.core as mx
 
 from .capture import capture
 from .install import install
-from .layouts import ObjectKind, layout_of
-from .translators.translator import Translator
+from .layouts import CapturePoint, layout_of
+from .translators.token_identity import TokenIdentity
+from .translators.translator import Translator, measure_widths
 
 
 @dataclass
@@ -49,22 +49,9 @@ class BenchRow:
 
 
 def translation_flops(translator: Translator, length: int, target_layout) -> float:
-    """Multiply-adds x 2 of the translator's maps over a `length`-token prompt (a conv history
-    maps only the K-1 rows it keeps)."""
-    total = 0.0
-    for spec in translator.specs:
-        key = f"{spec.key}.weight"
-        if key in translator.params:
-            dout, din = translator.params[key].shape
-            obj = target_layout.layers[spec.layer].cache.object(spec.name)
-            rows = (min(length, obj.engine_shape[1]) if obj.kind == ObjectKind.CONV_HISTORY
-                    else length)
-            total += 2.0 * din * dout * rows
-        for name in ("k", "v", "a", "b"):
-            w = translator.params.get(f"{spec.key}.{name}.weight")
-            if w is not None:
-                total += 2.0 * w.shape[0] * w.shape[1] * length
-    return total
+    """Arithmetic (2 x multiply-adds) of the translator over a `length`-token prompt (a conv
+    history maps only the K-1 rows it keeps)."""
+    return translator.flops(length, target_layout)
 
 
 def _median(fn, repeats: int) -> tuple[float, float]:
@@ -83,9 +70,10 @@ def _median(fn, repeats: int) -> tuple[float, float]:
 
 
 def bench_switch(translator: Translator, source, target, lengths: list[int], repeats: int = 3,
-                 vocab: int | None = None, codebook=None, seed: int = 0) -> list[BenchRow]:
+                 vocab: int | None = None, seed: int = 0) -> list[BenchRow]:
     """TTFT rows for mlx-lm models `source` -> `target` at each prompt length."""
     source_layout, target_layout = layout_of(source), layout_of(target)
+    translator.prepare()
     points = translator.source_points()
     vocab = vocab or 256
     rows = []
@@ -99,7 +87,7 @@ def bench_switch(translator: Translator, source, target, lengths: list[int], rep
         recorded = capture(source, prompt, points=points, layout=source_layout, chunk_size=2048)
 
         def translate_only():
-            objects, pts = translator.translate(recorded, target, target_layout, prompt, codebook)
+            objects, pts = translator.translate(recorded, target, target_layout, prompt)
             cache = install(target_layout, objects, pts)
             mx.eval([c.state for c in cache])
             return cache
@@ -134,41 +122,22 @@ def bench_switch(translator: Translator, source, target, lengths: list[int], rep
     return rows
 
 
-def shaped_translator(source_model, target_model, specs, source_point: int = 1) -> Translator:
-    """A translator with the shapes `fit` would give `specs`, and random weights: for timing
+def shaped_translator(source_model, target_model, recipes, source_point=1) -> Translator:
+    """A translator with the shapes `fit` would give `recipes`, and random weights: for timing
     models of real checkpoints' sizes, where time depends on shapes only and a closed-form fit
     would hold a (features x features) moment matrix per map (a KDA layer alone reads 12,288)."""
-    from .translators.fit import per_token_target
-    from .translators.translator import REPLAY_INPUTS
-
-    tokens = mx.zeros((1, 8), dtype=mx.int32)
-    shell = Translator(source_point, "off", specs, {}, {"replay_shapes": {}})
-    features = shell.features(capture(source_model, tokens, points=shell.source_points()))
-    points = {s.point for s in specs if s.recipe in ("map", "replay")} | {3}
-    target = capture(target_model, tokens, points=points)
+    widths = measure_widths(source_model, target_model, recipes, source_point)
+    recipes = [r.shaped(widths) for r in recipes]
     key = mx.random.key(0)
-
-    def random(shape):
-        return mx.random.normal(shape, key=key) * shape[-1] ** -0.5
-
-    for spec in specs:
-        if spec.recipe == "map":
-            din = spec.features(features, None).shape[-1]
-            dout = per_token_target(target.objects[spec.layer][(spec.name, spec.point)]).shape[-1]
-            shell.params[f"{spec.key}.weight"] = random((dout, din))
-            shell.params[f"{spec.key}.bias"] = mx.zeros((dout,))
-        elif spec.recipe == "replay":
-            din = spec.features(features, None).shape[-1]
-            inputs = target.objects[spec.layer][(spec.name, 2)]
-            shapes = {name: list(getattr(inputs, name).shape[2:]) for name in REPLAY_INPUTS}
-            shell.info["replay_shapes"][spec.key] = shapes
-            for name, shape in shapes.items():
-                dout = math.prod(shape)
-                shell.params[f"{spec.key}.{name}.weight"] = random((dout, din))
-                shell.params[f"{spec.key}.{name}.bias"] = mx.zeros((dout,))
-        elif spec.recipe == "bilinear":
-            _, heads, dv, dk = target.objects[spec.layer][(spec.name, 3)].shape
-            shell.params[f"{spec.key}.A"] = mx.broadcast_to(mx.eye(dv), (heads, dv, dv))
-            shell.params[f"{spec.key}.B"] = mx.broadcast_to(mx.eye(dk), (heads, dk, dk))
-    mx.eval(shell.params)
-    return shell
+    params = {}
+    for recipe in recipes:
+        for name, shape in recipe.param_shapes(widths).items():
+            if name in ("A", "B"):  # a state correction starts at the identity
+                value = mx.broadcast_to(mx.eye(shape[-1]), shape)
+            elif len(shape) == 1:
+                value = mx.zeros(shape)
+            else:
+                value = mx.random.normal(shape, key=key) * shape[-1] ** -0.5
+            params[f"{recipe.key}.{name}"] = value
+    mx.eval(params)
+    return Translator(CapturePoint(source_point), TokenIdentity(), recipes, params)

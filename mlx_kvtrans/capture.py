@@ -1,22 +1,21 @@
 """Capture: prefill tokens through an mlx-lm model and read every cache object at (1), (2), (3).
 
-Nothing of the model is copied: submodules are tapped by swapping the instance's class for a
-recording subclass (assigning a wrapper would rename or drop the weights), and the recurrence
-`gated_delta_update` is spied on by patching its name in the model's module, where the layers look
-it up at call time. Everything is restored when the prefill ends.
+Nothing of the model is copied: submodules are tapped and the recurrence `gated_delta_update` is
+observed through `instrument` (safe to nest with the chunkwise recurrence or any other hook);
+everything is restored when the prefill ends.
 """
 
 from __future__ import annotations
 
 import contextlib
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from .layouts import ModelLayout, layout_of
+from .instrument import hook_module, observe_function, running_layer
+from .layouts import CapturePoint, ModelLayout, layout_of
 from .layouts.linear_attention import RecurrentInputs
 
 
@@ -78,67 +77,34 @@ class _Recorder:
         return [{key: _join(values) for key, values in layer.items()} for layer in self.parts]
 
 
-def _swap_call(module: nn.Module, make_call) -> None:
-    """Give this one instance a subclass whose `__call__` is `make_call(base class)`."""
-    base = type(module)
-    module.__class__ = type("Tapped" + base.__name__, (base,),
-                            {"__call__": make_call(base), "_kvtrans_base": base})
-
-
-def _restore(module: nn.Module) -> None:
-    module.__class__ = type(module).__dict__["_kvtrans_base"]
-
-
-def _after(on_call):
-    def make_call(base):
-        def call(self, *args, **kwargs):
-            out = base.__call__(self, *args, **kwargs)
-            on_call(args, out)
-            return out
-        return call
-    return make_call
-
-
 @contextlib.contextmanager
 def tapped(model: nn.Module, layout: ModelLayout, points: set[int]):
     """Within the block, running `model` records cache objects at `points` into the recorder."""
     rec = _Recorder(layout, points)
-    swapped, patched = [], {}
+    with contextlib.ExitStack() as stack:
+        current = stack.enter_context(running_layer(model))
 
-    def entering(index):  # marks the running layer, for the recurrence spy
-        def make_call(base):
-            def call(self, *args, **kwargs):
-                rec.layer = index
-                return base.__call__(self, *args, **kwargs)
-            return call
-        return make_call
+        def record(name, point, value):
+            rec.layer = current["layer"]
+            rec.record(name, point, value)
 
-    try:
-        for layer_module, layer in zip(model.layers, layout.layers):
-            _swap_call(layer_module, entering(layer.index))
-            swapped.append(layer_module)
+        for layer in layout.layers:
             for module, on_call in layer.cache.taps():
-                _swap_call(module, _after(lambda args, out, f=on_call: f(rec.record, args, out)))
-                swapped.append(module)
-            namespace = getattr(layer.cache, "recurrence_namespace", None)
-            if namespace is not None and namespace not in patched:
-                owner = sys.modules[namespace]
-                patched[namespace] = original = owner.gated_delta_update
+                stack.enter_context(hook_module(
+                    module, after=lambda m, args, kw, out, f=on_call: f(record, args, out)))
 
-                def recording_update(q, k, v, a, b, *args, _original=original, **kwargs):
-                    rec.record("state", 2, RecurrentInputs(q, k, v, a, b))
-                    return _original(q, k, v, a, b, *args, **kwargs)
+        def recording_update(q, k, v, a, b, *args, **kwargs):
+            record("state", CapturePoint.NORMED, RecurrentInputs(q, k, v, a, b))
 
-                owner.gated_delta_update = recording_update
+        # one observer per mlx-lm module: its layers share the function it looks up
+        for namespace in {getattr(layer.cache, "recurrence_namespace", None)
+                          for layer in layout.layers} - {None}:
+            stack.enter_context(observe_function(namespace, "gated_delta_update",
+                                                 recording_update))
         yield rec
-    finally:
-        for module in reversed(swapped):
-            _restore(module)
-        for namespace, original in patched.items():
-            sys.modules[namespace].gated_delta_update = original
 
 
-def capture(model: nn.Module, tokens, points=(1, 2, 3), chunk_size: int | None = None,
+def capture(model: nn.Module, tokens, points=tuple(CapturePoint), chunk_size: int | None = None,
             layout: ModelLayout | None = None, cache: list | None = None) -> Capture:
     """Prefill `tokens` ((T,) or (B, T) ids) and capture every cache object at `points`.
 
@@ -153,16 +119,16 @@ def capture(model: nn.Module, tokens, points=(1, 2, 3), chunk_size: int | None =
     tokens = mx.array(tokens)
     if tokens.ndim == 1:
         tokens = tokens[None]
-    points = set(points)
+    points = {CapturePoint(p) for p in points}
     engine = cache if cache is not None else make_prompt_cache(model)
     step = chunk_size or tokens.shape[1]
-    with tapped(model, layout, points - {3}) as rec:
+    with tapped(model, layout, points - {CapturePoint.ENGINE}) as rec:
         for start in range(0, tokens.shape[1], step):
             logits = model(tokens[:, start:start + step], cache=engine)
             mx.eval(logits[:, -1], rec.pending(), [c.state for c in engine])
     objects = rec.joined()
-    if 3 in points:
+    if CapturePoint.ENGINE in points:
         for found, layer, cache in zip(objects, layout.layers, engine):
             for name, value in layer.cache.read_engine(cache).items():
-                found[(name, 3)] = value
+                found[(name, CapturePoint.ENGINE)] = value
     return Capture(layout, tokens, objects, engine, logits[:, -1])

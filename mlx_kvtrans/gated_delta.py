@@ -19,10 +19,12 @@ strong the decay.
 
 from __future__ import annotations
 
-import sys
+import contextlib
 
 import mlx.core as mx
 import mlx.nn as nn
+
+from .instrument import original_function, replace_function
 
 
 def log_decay(A_log: mx.array, a: mx.array, dt_bias: mx.array) -> mx.array:
@@ -144,8 +146,7 @@ def gated_delta_update_chunked(q, k, v, a, b, A_log, dt_bias, state=None, mask=N
                                chunk_size: int | None = None):
     """Drop-in for mlx-lm's `gated_delta_update` (same arguments), computed chunkwise."""
     if mask is not None or lower_bound is not None:
-        from mlx_lm.models.gated_delta import gated_delta_update
-
+        gated_delta_update = original_function("mlx_lm.models.gated_delta", "gated_delta_update")
         return gated_delta_update(q, k, v, a, b, A_log, dt_bias, state, mask,
                                   use_kernel=use_kernel, lower_bound=lower_bound,
                                   allow_neg_eigval=allow_neg_eigval)
@@ -161,27 +162,15 @@ RECURRENT_MODULES = ("mlx_lm.models.qwen3_next", "mlx_lm.models.qwen3_5",
                      "mlx_lm.models.kimi_linear")
 
 
-class chunked_recurrence:
+@contextlib.contextmanager
+def chunked_recurrence(chunk_size: int | None = None):
     """Within the block, mlx-lm's linear-attention layers run the chunkwise form (for training:
-    3-10x faster than the token loop on a CPU, and differentiable on every device)."""
+    3-10x faster than the token loop on a CPU, and differentiable on every device). Capture taps
+    entered before or after keep recording the recurrence's inputs."""
+    def update(*args, **kwargs):
+        return gated_delta_update_chunked(*args, chunk_size=chunk_size, **kwargs)
 
-    def __init__(self, chunk_size: int | None = None):
-        self.chunk_size = chunk_size
-        self.saved: dict[str, object] = {}
-
-    def __enter__(self):
-        import importlib
-
-        def update(*args, **kwargs):
-            return gated_delta_update_chunked(*args, chunk_size=self.chunk_size, **kwargs)
-
+    with contextlib.ExitStack() as stack:
         for name in RECURRENT_MODULES:
-            module = importlib.import_module(name)
-            self.saved[name] = module.gated_delta_update
-            module.gated_delta_update = update
-        return self
-
-    def __exit__(self, *exc):
-        for name, original in self.saved.items():
-            sys.modules[name].gated_delta_update = original
-        return False
+            stack.enter_context(replace_function(name, "gated_delta_update", update))
+        yield

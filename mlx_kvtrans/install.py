@@ -13,7 +13,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from .layouts import ModelLayout, layout_of
+from .layouts import CapturePoint, ModelLayout, layout_of
 
 
 def resolve_layout(model_or_layout) -> ModelLayout:
@@ -34,7 +34,7 @@ def to_engine(model_or_layout: nn.Module | ModelLayout, layers: list[dict[str, A
 
 
 def install(model_or_layout: nn.Module | ModelLayout, layers: list[dict[str, Any]],
-            point: int | list[dict[str, int]] = 3, offset: int = 0) -> list[Any]:
+            point: int | list[dict[str, int]] = CapturePoint.ENGINE, offset: int = 0) -> list[Any]:
     """Fresh mlx-lm cache objects holding `layers` (per-layer objects at `point`).
 
     Build a new cache for every forward that should start from these objects: mlx-lm caches
@@ -43,6 +43,6 @@ def install(model_or_layout: nn.Module | ModelLayout, layers: list[dict[str, Any
     layout = resolve_layout(model_or_layout)
     if len(layers) != len(layout.layers):
         raise ValueError(f"{len(layers)} layers of objects for a model of {len(layout.layers)}")
-    if point != 3:
+    if point != CapturePoint.ENGINE:
         layers = to_engine(layout, layers, point, offset)
     return [layer.cache.build_cache(objects) for layer, objects in zip(layout.layers, layers)]

@@ -3,6 +3,7 @@ mlx-lm model, with errors a user can act on instead of tracebacks."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -161,4 +162,30 @@ def _set_compute_dtype(model, dtype) -> None:
     cast_parameters(model, dtype)
 
 
-__all__ = ["LoadedModel", "SUPPORTED_FAMILIES", "load", "resolve", "weights_dir", "zoo_aliases"]
+# -- identity: what a translator records of the models it was fitted for ----------------------
+def config_fingerprint(config: dict) -> str:
+    """sha256 of the model's config.json, canonicalised (key order and path fields ignored)."""
+    clean = {k: v for k, v in config.items() if k not in ("_name_or_path", "transformers_version")}
+    return hashlib.sha256(json.dumps(clean, sort_keys=True).encode()).hexdigest()
+
+
+def weights_fingerprint(path: Path) -> str:
+    """Cheap identity of a checkpoint's weights: file names, sizes and their first MiB."""
+    h = hashlib.sha256()
+    for f in sorted(Path(path).glob("*.safetensors")):
+        h.update(f.name.encode())
+        h.update(str(f.stat().st_size).encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(1 << 20))
+    return h.hexdigest()
+
+
+def model_identity(lm) -> dict:
+    """What a translator records of a model (a `LoadedModel`)."""
+    return {"name": lm.name, "model_type": lm.model_type,
+            "config_fingerprint": config_fingerprint(lm.config),
+            "weights_fingerprint": weights_fingerprint(lm.path)}
+
+
+__all__ = ["LoadedModel", "SUPPORTED_FAMILIES", "config_fingerprint", "load", "model_identity",
+           "resolve", "weights_dir", "weights_fingerprint", "zoo_aliases"]

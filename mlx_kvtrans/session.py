@@ -20,11 +20,11 @@ from typing import Iterator
 import mlx.core as mx
 
 from .capture import Capture, capture
-from .layouts import layout_of
+from .layouts import CapturePoint, layout_of
 from .layouts.linear_attention import RecurrentInputs
 
 STRATEGIES = ("segment", "naive", "refresh")
-RECORD_POINTS = (1, 2)
+RECORD_POINTS = (CapturePoint.RAW, CapturePoint.NORMED)
 
 
 @dataclass
@@ -73,7 +73,7 @@ def _join_recorded(parts: list[Capture], start: int, stop: int, base: int) -> di
         spanned += 1
         for layer, found in zip(layers, part.objects):
             for key, value in found.items():
-                if key[1] == 3:
+                if key[1] == CapturePoint.ENGINE:
                     continue
                 piece = value.slice(lo, hi) if isinstance(value, RecurrentInputs) \
                     else value[:, lo:hi]
@@ -101,7 +101,7 @@ def _offsets(parts: list[Capture], base: int) -> list[int]:
 class Session:
     """A conversation that can move between models without re-reading.
 
-    `models`: name -> LoadedModel; `translators`: (source, target) -> (Translator, codebook).
+    `models`: name -> LoadedModel; `translators`: (source, target) -> Translator.
     """
 
     def __init__(self, models: dict, translators: dict | None = None, active: str | None = None,
@@ -109,7 +109,7 @@ class Session:
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}")
         self.lines = {name: CacheLine(name, lm) for name, lm in models.items()}
-        self.translators = translators or {}
+        self.translators = {pair: tr.prepare() for pair, tr in (translators or {}).items()}
         self.active = active or next(iter(models))
         self.strategy, self.refresh_every = strategy, refresh_every
         self.max_context = max_context
@@ -165,12 +165,12 @@ class Session:
         n = src.seen
         status = SwitchStatus(source, target, "applied", strategy=self.strategy)
         started = time.perf_counter()
-        pair = self.translators.get((source, target))
+        translator = self.translators.get((source, target))
         number = sum(1 for s in self.switches if s.target == target) + 1
         refresh = self.strategy == "refresh" and number % self.refresh_every == 0
         if source == target or n <= tgt.seen and self.strategy != "naive":
             status.status = "applied"
-        elif pair is None:
+        elif translator is None:
             self._fallback(tgt, status, "no translator for this pair")
         elif refresh:
             self._fallback(tgt, status, f"refresh every {self.refresh_every} switches", full=True)
@@ -184,7 +184,7 @@ class Session:
                                             "has not seen")
             else:
                 try:
-                    ok = self._translate(pair, src, tgt, start, n, status)
+                    ok = self._translate(translator, src, tgt, start, n, status)
                 except ValueError as e:  # the recorded span lacks what the translator reads
                     self._fallback(tgt, status, f"cannot translate the source's cache: {e}")
                 else:
@@ -195,19 +195,19 @@ class Session:
         self.switches.append(status)
         return status
 
-    def _translate(self, pair, src: CacheLine, tgt: CacheLine, start: int, stop: int,
+    def _translate(self, translator, src: CacheLine, tgt: CacheLine, start: int, stop: int,
                    status: SwitchStatus) -> bool:
         from mlx_lm.models.cache import make_prompt_cache
 
-        translator, codebook = pair
         span = Capture(src.layout, mx.array([self.tokens[start:stop]]),
                        _join_recorded(src.recorded, start, stop, src.recorded_from), src.cache)
         for found, layer, cache in zip(span.objects, src.layout.layers, src.cache):
             for name, value in layer.cache.read_engine(cache).items():
-                found[(name, 3)] = value  # fixed-size objects: the source's current state
+                # fixed-size objects: the source's current state
+                found[(name, CapturePoint.ENGINE)] = value
         target_layout = tgt.layout
         objects, points = translator.translate(span, tgt.lm.model, target_layout, span.tokens,
-                                               codebook, all_rows=True)
+                                               all_rows=True)
         fresh = start == 0 or tgt.cache is None
         cache = make_prompt_cache(tgt.lm.model) if fresh else tgt.cache
         previous = None if fresh else [layer.cache.read_engine(c)
@@ -228,7 +228,7 @@ class Session:
         # What the target now holds for the span, at the points the translator produced it:
         # a later switch away (naive) translates it onwards, errors and all.
         held = [{(name, points[i][name]): value for name, value in objs.items()
-                 if points[i][name] in (1, 2) and _covers(value, stop - start)}
+                 if points[i][name] != CapturePoint.ENGINE and _covers(value, stop - start)}
                 for i, objs in enumerate(objects)]
         tgt.recorded.append(Capture(target_layout, span.tokens, held, cache))
         tgt.cache, tgt.seen = cache, stop

@@ -3,6 +3,7 @@ resumed run is bit-identical, two processes match one."""
 
 import json
 import os
+from dataclasses import replace
 import shutil
 import subprocess
 import sys
@@ -10,13 +11,14 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from mlx.utils import tree_flatten
 
 import mlx_kvtrans as kv
 from mlx_kvtrans.gated_delta import chunked_recurrence
 from mlx_kvtrans.translators import artifact
-from mlx_kvtrans.translators.distill import DistillConfig, Distiller, Problem, trainable
-from mlx_kvtrans.translators.fit import fit, plan
-from mlx_kvtrans.translators.translator import Translator
+from mlx_kvtrans.translators.distill import DistillConfig, Distiller, Problem
+from mlx_kvtrans.translators.fit import FitConfig, fit
+from mlx_kvtrans.translators.plan import plan
 
 TEXT = Path(__file__).parent / "data" / "corpus_sample.txt"
 
@@ -25,7 +27,7 @@ def tiny_translator(loaded, source, target, recipes=None, batches=2, length=48):
     S, T = loaded(source).model, loaded(target).model
     specs = plan(kv.layout_of(S), kv.layout_of(T), point=1, nu=2, recipes=recipes or {})
     data = [mx.random.randint(0, 259, (4, length), key=mx.random.key(i)) for i in range(batches)]
-    return fit(S, T, data, specs, source_point=1), S, T
+    return fit(S, T, data, specs, FitConfig(point=1)), S, T
 
 
 @pytest.mark.parametrize("source,target,recipes,prefix,continuation", [
@@ -43,7 +45,7 @@ def test_gradient_matches_finite_differences(loaded, source, target, recipes, pr
     windows = mx.random.randint(0, 259, (2, prefix + continuation), key=mx.random.key(9))
     with chunked_recurrence():
         problem = Problem(translator, S, T, windows, prefix)
-        params = trainable(translator)
+        params = dict(tree_flatten(translator.parameters()))  # flat names: the loss takes either
         (loss, (kl, rehearsal)), grads = mx.value_and_grad(problem.loss)(params)
         assert set(grads) == set(params) and float(loss) > 0
         if target == "deepseek_v32":
@@ -82,7 +84,7 @@ def test_short_distillation_lowers_held_out_kl(loaded, tmp_path):
     # the distilled translator installs and continues, with parameters of the stage-1 dtypes
     distilled = d.distilled()
     assert all(distilled.params[k].dtype == translator.params[k].dtype for k in translator.params)
-    assert d.validate(trainable(distilled)) == pytest.approx(summary["validation_kl_after"],
+    assert d.validate(distilled.parameters()) == pytest.approx(summary["validation_kl_after"],
                                                              rel=1e-4)
 
 
@@ -100,15 +102,15 @@ def test_resume_continues_bit_identically(loaded, tmp_path):
     second = Distiller(translator, S, T, ids[:15000], ids[15000:], config, tmp_path / "b")
     assert second.resume() and second.state["step"] == 1
     second.run()
-    for k in straight.params:
-        assert mx.array_equal(straight.params[k], second.params[k]), k
+    resumed = dict(tree_flatten(second.params))
+    for k, v in tree_flatten(straight.params):
+        assert mx.array_equal(v, resumed[k]), k
     assert [r["loss"] for r in straight.state["history"]] == \
         [r["loss"] for r in second.state["history"]]
     other = DistillConfig(**{**config.__dict__, "lr": 5e-4})
     with pytest.raises(Exception, match="other settings"):
         Distiller(translator, S, T, ids, ids, other, tmp_path / "b").resume()
-    refitted = Translator(translator.source_point, translator.token_identity, translator.specs,
-                          {k: v * 1.01 for k, v in translator.params.items()}, translator.info)
+    refitted = replace(translator, params={k: v * 1.01 for k, v in translator.params.items()})
     with pytest.raises(Exception, match="another translator"):
         Distiller(refitted, S, T, ids, ids, config, tmp_path / "b").resume()
 
@@ -118,6 +120,7 @@ def run_cli(args, env=None, launcher=()):
                           capture_output=True, text=True, env=env, timeout=600)
 
 
+@pytest.mark.slow  # spawns subprocesses through mlx.launch
 def test_two_processes_match_one(model_dirs, tmp_path):
     """`mlx.launch -n 2 --backend ring`: each process takes half of the same global batch."""
     src, tgt = kv.load(str(model_dirs("qwen3"))), kv.load(str(model_dirs("llama")))
@@ -158,7 +161,7 @@ def test_indexer_selection_is_exact_on_itself(loaded):
     T = loaded("deepseek_v32").model
     specs = plan(kv.layout_of(T), kv.layout_of(T), point=3, nu=1)
     data = [mx.random.randint(0, 259, (4, 64), key=mx.random.key(i)) for i in range(4)]
-    translator = fit(T, T, data, specs, source_point=3, ridge=1e-7)
+    translator = fit(T, T, data, specs, FitConfig(point=3, ridge=1e-7))
     prompts = [mx.random.randint(0, 259, (60,), key=mx.random.key(50 + i)).tolist()
                for i in range(3)]
     needles = [[10, 11, 12]] * 3
@@ -169,8 +172,9 @@ def test_indexer_selection_is_exact_on_itself(loaded):
 
 def test_needle_rows_end_with_question_and_answer():
     """A needle share of the batch: rows that end with the code, drawn the same way each time."""
-    from mlx_kvtrans.translators.distill import NEEDLE_SEED, draw_windows, needle_rows
-    from mlx_kvtrans.zoo import synthetic
+    from mlx_kvtrans.evaluation import tasks
+    from mlx_kvtrans.evaluation.needles import NEEDLE_SEED, needle_rows
+    from mlx_kvtrans.translators.distill import draw_windows
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     from mlx_kvtrans.models import weights_dir
@@ -186,5 +190,5 @@ def test_needle_rows_end_with_question_and_answer():
     tails = {tuple(r[-(prefix + 16):]) for r in needles}
     rows = [tuple(r) for r in windows.tolist()]
     assert [r in tails for r in rows] == [False, False, True, True]
-    codes = {synthetic.needle(NEEDLE_SEED + i, filler=[]).meta["code"] for i in range(20)}
+    codes = {tasks.needle(NEEDLE_SEED + i, filler=[]).meta["code"] for i in range(20)}
     assert all(tok.decode(list(r[-7:-1])) in codes for r in rows[2:])

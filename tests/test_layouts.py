@@ -27,8 +27,32 @@ EXPECTED_KINDS = {
 def test_layout_has_the_family_objects(loaded, family):
     layout = kv.layout_of(loaded(family).model)
     assert layout.kinds() == EXPECTED_KINDS[family]
-    assert layout.bytes_per_token == sum(o.bytes_per_token for l in layout.layers for o in l.objects)
     json.dumps(layout.to_json())  # serialisable
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_layout_sizes_are_what_the_engine_caches(loaded, family):
+    """After a prefill of T tokens, the engine's per-token objects hold T * bytes_per_token and
+    its fixed-size objects fixed_bytes, layer by layer and object by object."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model = loaded(family).model
+    layout = kv.layout_of(model)
+    T = 37
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.random.randint(0, 259, (1, T), key=mx.random.key(3)), cache=cache))
+    per_token = 0
+    for layer, c in zip(layout.layers, cache):
+        held = layer.cache.read_engine(c)
+        assert set(held) == {o.name for o in layer.objects}
+        for obj in layer.objects:
+            if obj.per_token:
+                assert held[obj.name].nbytes == T * obj.bytes_per_token, (layer.index, obj.name)
+                per_token += held[obj.name].nbytes
+            else:
+                assert held[obj.name].nbytes == obj.fixed_bytes, (layer.index, obj.name)
+    assert per_token == T * layout.bytes_per_token
 
 
 def test_gqa_layout_follows_config(loaded):

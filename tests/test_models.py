@@ -19,10 +19,21 @@ def test_saved_model_loads_offline_with_a_working_tokenizer(model_dirs, family, 
     assert tokenizer.decode(chat).endswith("<|im_start|>assistant\n")
 
 
-def test_mlx_lm_generate_runs_on_a_random_model(loaded):
+def test_mlx_lm_generate_on_a_random_model_is_its_greedy_continuation(loaded):
+    """mlx-lm's own generation loop continues our random model exactly as a plain greedy loop
+    over its forward pass does."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
     lm = loaded("kimi_linear")
     text = mlx_lm.generate(lm.model, lm.tokenizer, "Once upon a time", max_tokens=5)
-    assert isinstance(text, str)
+    cache = make_prompt_cache(lm.model)
+    logits = lm.model(mx.array([lm.tokenizer.encode("Once upon a time")]), cache=cache)[:, -1]
+    greedy = []
+    for _ in range(5):
+        greedy.append(int(mx.argmax(logits, axis=-1)))
+        logits = lm.model(mx.array([greedy[-1:]]), cache=cache)[:, -1]
+    assert text == lm.tokenizer.decode(greedy)
 
 
 def test_resolver_errors(tmp_path, monkeypatch):

@@ -6,17 +6,19 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import load_prompt_cache
+from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache
 
 import mlx_kvtrans as kv
 from mlx_kvtrans.chat import Chat, Transcript
 from mlx_kvtrans.session import Session
 from mlx_kvtrans.translators import artifact
-from mlx_kvtrans.translators.fit import fit, plan
+from mlx_kvtrans.translators.fit import FitConfig, fit
+from mlx_kvtrans.translators.plan import plan
 from mlx_kvtrans.verify import max_abs_diff
 
 
@@ -34,11 +36,25 @@ def pair(model_dirs, tmp_path_factory):
     return a, b, paths
 
 
-def session_for(pair, strategy="segment", both=True):
+def translator_entries(translators: dict) -> dict:
+    """(source, target) -> Translator, as the `translators` a `Session` takes (a translator
+    carries its own token identity): the one place that knows the shape of an entry."""
+    return dict(translators)
+
+
+def session_for(pair, strategy="segment", both=True, **options):
     a, b, paths = pair
-    translators = {key: (artifact.load(p), None) for key, p in paths.items()
-                   if both or key == (a.name, b.name)}
-    return Session({a.name: a, b.name: b}, translators, active=a.name, strategy=strategy)
+    translators = translator_entries({key: artifact.load(p) for key, p in paths.items()
+                                      if both or key == (a.name, b.name)})
+    return Session({a.name: a, b.name: b}, translators, active=a.name, strategy=strategy,
+                   **options)
+
+
+def plain_reprefill(lm, tokens):
+    """A fresh cache of `lm` that has read `tokens`."""
+    cache = make_prompt_cache(lm.model)
+    mx.eval(lm.model(mx.array([tokens]), cache=cache))
+    return cache
 
 
 def test_segment_wise_transfer_translates_only_new_tokens(pair):
@@ -90,14 +106,13 @@ def test_missing_translator_falls_back_visibly(pair):
 
 
 def test_non_finite_translation_falls_back(pair):
-    a, b, _ = pair
+    a, b, paths = pair
     s = session_for(pair)
-    tr, _ = s.translators[(a.name, b.name)]
+    tr = artifact.load(paths[(a.name, b.name)])
     poisoned = dict(tr.params)
     key = next(k for k in poisoned if k.endswith(".weight"))
     poisoned[key] = poisoned[key] * mx.nan
-    s.translators[(a.name, b.name)] = (type(tr)(tr.source_point, tr.token_identity, tr.specs,
-                                                poisoned, tr.info), None)
+    s.translators.update(translator_entries({(a.name, b.name): replace(tr, params=poisoned)}))
     s.add(list(range(30, 50)))
     list(s.generate(2))
     status = s.switch(b.name)
@@ -105,16 +120,43 @@ def test_non_finite_translation_falls_back(pair):
     assert s.lines[b.name].seen == s.lines[a.name].seen
 
 
-def test_refresh_reprefills_every_n_switches(pair):
+def test_refresh_reprefills_fully_every_nth_switch_into_a_model(pair):
     a, b, _ = pair
-    s = session_for(pair, strategy="refresh")
-    s.refresh_every = 2
+    s = session_for(pair, strategy="refresh", refresh_every=2)
     s.add(list(range(30, 50)))
-    kinds = []
-    for i in range(4):
+    statuses, held = [], []
+    for i in range(8):  # into b at even i, into a at odd i: the 2nd and 4th into each refresh
         list(s.generate(2))
-        kinds.append(s.switch(b.name if i % 2 == 0 else a.name).status)
-    assert kinds == ["applied", "applied", "fallback_reprefill", "fallback_reprefill"]
+        held.append(s.lines[s.active].seen)
+        statuses.append(s.switch(b.name if i % 2 == 0 else a.name))
+    assert [st.status for st in statuses] == ["applied", "applied", "fallback_reprefill",
+                                              "fallback_reprefill"] * 2
+    for st, n in zip(statuses, held):
+        if st.status == "applied":
+            assert st.tokens_translated > 0 and st.tokens_reprefilled == 0
+        else:  # the whole conversation, not only the unseen span
+            assert "refresh" in st.reason and st.tokens_reprefilled == n
+    x = mx.array([[9, 8, 7]])
+    assert max_abs_diff(a.model(x, cache=s.lines[a.name].cache),
+                        a.model(x, cache=plain_reprefill(a, s.tokens[:held[-1]]))) <= 1e-5
+
+
+def test_context_over_max_context_reprefills_like_a_plain_prefill(pair):
+    a, b, _ = pair
+    s, within = session_for(pair, max_context=17), session_for(pair, max_context=1000)
+    for session in (s, within):
+        session.add(list(range(30, 50)))
+        list(session.generate(3))
+    n = s.lines[a.name].seen
+    assert n > 17
+    assert within.switch(b.name).status == "applied"  # the limit, not the pair, is the cause
+    status = s.switch(b.name)
+    assert status.status == "fallback_reprefill" and "17" in status.reason, status.reason
+    assert status.tokens_translated == 0 and status.tokens_reprefilled == n
+    assert s.lines[b.name].seen == n
+    x = mx.array([[11, 12, 13]])
+    assert max_abs_diff(b.model(x, cache=s.lines[b.name].cache),
+                        b.model(x, cache=plain_reprefill(b, s.tokens[:n]))) <= 1e-5
 
 
 def test_saved_session_cache_continues_in_mlx_lm(pair, tmp_path):
@@ -138,6 +180,7 @@ def _script(tmp_path, lines):
     return path
 
 
+@pytest.mark.slow  # spawns subprocesses
 def test_scripted_chat_with_two_switches(pair, tmp_path):
     a, b, paths = pair
     script = _script(tmp_path, ["hello there", "/switch", "and you?", "/switch", "bye"])
@@ -154,6 +197,7 @@ def test_scripted_chat_with_two_switches(pair, tmp_path):
     assert replies == [a.name, b.name, a.name]
 
 
+@pytest.mark.slow  # spawns subprocesses
 def test_killed_chat_keeps_its_transcript(pair, tmp_path):
     a, b, paths = pair
     script = _script(tmp_path, ["turn one"] + ["another turn"] * 200)
@@ -203,26 +247,29 @@ def test_bench_times_switch_and_reprefill_side_by_side(pair, tmp_path):
     for r in data["rows"]:
         assert r["warm_switch_s"] > 0 and r["reprefill_s"] > 0 and r["cold_switch_s"] > 0
         assert r["speedup_warm"] == pytest.approx(r["reprefill_s"] / r["warm_switch_s"])
-    assert data["blas"] == "openblas" and data["dtype"] == "float32"
+    assert data["blas"] in ("openblas", "accelerate") and data["dtype"] == "float32"
     assert (tmp_path / "bench-kimi_linear__kimi_vl-float32.json").exists()
     assert (tmp_path / "bench-kimi_linear__kimi_vl-float32.png").exists()
 
 
 def test_multiturn_dialogues_alternate_models_and_find_the_questions(pair):
-    from mlx_kvtrans.multiturn import HELD_OUT_DIALOGUES, run_dialogue
-    from mlx_kvtrans.zoo import synthetic
+    from mlx_kvtrans.evaluation.multiturn import HELD_OUT_DIALOGUES, run_dialogue
+    from mlx_kvtrans.evaluation import tasks
 
     a, b, paths = pair
-    translators = {key: (artifact.load(p), None) for key, p in paths.items()}
+    translators = translator_entries({key: artifact.load(p) for key, p in paths.items()})
     rows = run_dialogue({a.name: a, b.name: b}, translators, "segment", HELD_OUT_DIALOGUES, 6,
                         max_tokens=4)
-    sample = synthetic.dialogue(HELD_OUT_DIALOGUES, turns=6)
+    sample = tasks.dialogue(HELD_OUT_DIALOGUES, turns=6)
     users = [m for m in sample.messages if m["role"] == "user"]
     assert len(rows) == len(users) == 6
     assert [r["model"] for r in rows] == [a.name, b.name] * 3
     assert [r["question"] for r in rows] == [u["content"].startswith("What was the number")
                                             for u in users]
-    assert rows[-1]["question"] and all(r["right"] in (True, False) for r in rows if r["question"])
+    assert rows[-1]["question"]
+    # scored on question turns only; a 4-token reply of a byte-level model cannot hold a
+    # 6-digit number, so none is right
+    assert [r["right"] for r in rows] == [False if r["question"] else None for r in rows]
 
 
 def test_naive_retranslates_the_whole_prefix_including_translated_spans(pair):
@@ -248,9 +295,9 @@ def test_codebook_translator_switches_away_from_a_translated_span(pair):
     book = build_codebook(b.model, input_embedding(b.model).weight.shape[0])
     batches = [mx.random.randint(0, 259, (4, 48), key=mx.random.key(i)) for i in range(3)]
     back = fit(b.model, a.model, batches, plan(kv.layout_of(b.model), kv.layout_of(a.model)),
-               token_identity="codebook", codebook=book)
-    translators = {(a.name, b.name): (artifact.load(paths[(a.name, b.name)]), None),
-                   (b.name, a.name): (back, book)}
+               FitConfig(token_identity="codebook"), codebook=book)
+    translators = translator_entries({(a.name, b.name): artifact.load(paths[(a.name, b.name)]),
+                                      (b.name, a.name): back})
     s = Session({a.name: a, b.name: b}, translators, active=a.name, strategy="naive")
     s.add(list(range(30, 50)))
     list(s.generate(3))

@@ -12,8 +12,9 @@ import pytest
 import mlx_kvtrans as kv
 from mlx_kvtrans.errors import KvtransError
 from mlx_kvtrans.translators import artifact
-from mlx_kvtrans.translators.fit import fit, plan, relative_depth
-from mlx_kvtrans.translators.state import bilinear_r2, fit_bilinear
+from mlx_kvtrans.translators.fit import FitConfig, fit
+from mlx_kvtrans.translators.plan import plan, relative_depth
+from mlx_kvtrans.translators.recipes.state import bilinear_r2, fit_bilinear
 from mlx_kvtrans.translators.token_identity import build_codebook, decode_ids
 from mlx_kvtrans.translators.translator import translate_cache
 from mlx_kvtrans.verify import max_abs_diff
@@ -30,7 +31,7 @@ def continuation_kl(model, native, translated, tokens):
 
 
 def self_translation_kl(model, specs, point, **kw):
-    tr = fit(model, model, batches(), specs, source_point=point, ridge=1e-7, **kw)
+    tr = fit(model, model, batches(), specs, FitConfig(point=point, ridge=1e-7, **kw))
     toks = mx.random.randint(0, 259, (1, 56), key=mx.random.key(99))
     native = kv.capture(model, toks[:, :48]).engine
     translated = translate_cache(tr, model, model, toks[:, :48])
@@ -85,7 +86,7 @@ PAIRS = [("qwen3", "llama"), ("kimi_linear", "kimi_vl"), ("kimi_vl", "kimi_linea
 def test_translated_caches_install_and_continue(loaded, source, target):
     S, T = loaded(source).model, loaded(target).model
     specs = plan(kv.layout_of(S), kv.layout_of(T), point=1, nu=2)
-    tr = fit(S, T, batches(3), specs, source_point=1)
+    tr = fit(S, T, batches(3), specs, FitConfig(point=1))
     toks = mx.random.randint(0, 259, (1, 40), key=mx.random.key(5))
     cache = translate_cache(tr, S, T, toks)
     logits = T(toks[:, -1:] * 0 + 7, cache=cache)
@@ -101,14 +102,27 @@ def test_codebook_decodes_layer0_latents(loaded):
     assert bool((decode_ids(cap.objects[0][("latent", 2)], book) == toks).all())
 
 
-def test_token_identity_from_ids_and_codebook(loaded):
-    S, T = loaded("kimi_linear").model, loaded("kimi_vl").model
+def test_token_identity_appends_the_target_embedding_and_codebook_equals_ids(loaded):
+    """Token identity widens every map's input by the target's embedding width; a codebook that
+    decodes every latent exactly gives the same features, so the same fit, as the true ids."""
+    from mlx_kvtrans.translators.features import input_embedding
+
+    S, T = loaded("kimi_vl").model, loaded("kimi_linear").model
     specs = plan(kv.layout_of(S), kv.layout_of(T), point=1, nu=1)
-    for identity in ("ids",):
-        tr = fit(S, T, batches(3), specs, token_identity=identity)
-        assert tr.params["0.latent.weight"].shape[1] > 80  # source features + embedding
-    with pytest.raises(ValueError):
-        build_codebook(S, 259)  # kimi_linear's first MLA layer is not layer 0
+    off = fit(S, T, batches(3), specs)
+    ids = fit(S, T, batches(3), specs, FitConfig(token_identity="ids"))
+    book = build_codebook(S, 259)
+    decoded = fit(S, T, batches(3), specs, FitConfig(token_identity="codebook"), codebook=book)
+    width = input_embedding(T).weight.shape[1]
+    assert ids.params.keys() == off.params.keys() == decoded.params.keys()
+    for key in (k for k in off.params if k.endswith(".weight")):
+        assert ids.params[key].shape == (off.params[key].shape[0],
+                                         off.params[key].shape[1] + width), key
+    assert decoded.info["fit"]["codebook_decode_accuracy"] == 1.0
+    for key in ids.params:
+        assert mx.allclose(ids.params[key], decoded.params[key], atol=1e-5), key
+    with pytest.raises(ValueError, match="not a function of the token alone"):
+        build_codebook(loaded("kimi_linear").model, 259)  # its first MLA layer is not layer 0
 
 
 @pytest.fixture
@@ -127,7 +141,7 @@ def test_artifact_round_trip(saved_translator):
     b = translate_cache(loaded_tr, src.model, tgt.model, toks)
     assert tr.params.keys() == loaded_tr.params.keys()
     assert all(mx.array_equal(tr.params[k], loaded_tr.params[k]) for k in tr.params)
-    assert loaded_tr.specs == tr.specs
+    assert loaded_tr.recipes == tr.recipes
     assert mx.allclose(a[0].keys, b[0].keys, atol=1e-5)
     manifest = json.loads((path / "manifest.json").read_text())
     assert manifest["source"]["model_type"] == "qwen3" and manifest["target"]["model_type"] == "llama"
@@ -220,7 +234,7 @@ def test_replay_is_the_default_when_the_source_has_no_state(loaded):
 
 
 def test_best_single_fit_finds_the_same_layer_on_itself(loaded):
-    from mlx_kvtrans.translators.fit import assign_best_single
+    from mlx_kvtrans.translators.recipes import assign_best_single
 
     model = loaded("qwen3").model
     layout = kv.layout_of(model)
@@ -240,7 +254,7 @@ def test_split_kv_and_per_object_capture_points(loaded):
     assert all(s.source_kinds == ("token_key",) and s.point == 1 for s in keys)
     assert all(s.source_kinds == ("token_value",) and s.point == 3 for s in values)
     tr = fit(S, T, batches(2), specs)
-    assert tr.params["0.keys.weight"].shape == (2 * 16, 2 * 16)  # keys from keys alone
+    assert tr.params["layer0.keys.weight"].shape == (2 * 16, 2 * 16)  # keys from keys alone
     toks = mx.random.randint(0, 259, (1, 30), key=mx.random.key(4))
     logits = T(toks[:, -1:], cache=translate_cache(tr, S, T, toks))
     assert bool(mx.isfinite(logits).all())
@@ -282,7 +296,7 @@ def test_attention_weights_match_the_models_attention(loaded, family):
         expected = expected / expected.mean(axis=-1, keepdims=True)
         assert max_abs_diff(found[layer], expected) <= 1e-4
     specs = plan(layout, layout, point=1, nu=1)
-    tr = fit(model, model, batches(3), specs, ridge=1e-7, attention_weighted=8)
+    tr = fit(model, model, batches(3), specs, FitConfig(ridge=1e-7, attention_weighted=8))
     assert min(m["r2"] for m in tr.info["metrics"].values()) >= 0.999
 
 
@@ -292,8 +306,8 @@ def test_headwise_maps_are_block_diagonal_and_exact_on_itself(loaded):
     specs = plan(layout, layout, point=1, nu=2, split_kv=True, headwise=True)
     assert all(s.heads == 2 for s in specs)
     for identity in ("off", "ids"):
-        tr = fit(model, model, batches(3), specs, ridge=1e-7, token_identity=identity)
-        w = np.asarray(tr.params["1.keys.weight"])  # 2 heads x 16; sources: layers 0, 1
+        tr = fit(model, model, batches(3), specs, FitConfig(ridge=1e-7, token_identity=identity))
+        w = np.asarray(tr.params["layer1.keys.weight"])  # 2 heads x 16; sources: layers 0, 1
         assert np.all(w[:16, 16:32] == 0) and np.all(w[16:, 0:16] == 0)  # no head mixing
         assert min(m["r2"] for m in tr.info["metrics"].values()) >= 0.999
     with pytest.raises(ValueError):
@@ -301,7 +315,7 @@ def test_headwise_maps_are_block_diagonal_and_exact_on_itself(loaded):
 
 
 def test_capture_3_reads_only_layers_with_per_token_objects(loaded):
-    from mlx_kvtrans.translators.fit import feature_layers
+    from mlx_kvtrans.translators.plan import feature_layers
 
     S, T = loaded("kimi_linear").model, loaded("kimi_vl").model
     layout = kv.layout_of(S)
@@ -309,7 +323,7 @@ def test_capture_3_reads_only_layers_with_per_token_objects(loaded):
     assert feature_layers(layout, 1) == [0, 1, 2, 3]
     specs = plan(layout, kv.layout_of(T), point=3, nu=2)
     assert all(s.sources == (3,) for s in specs)
-    tr = fit(S, T, batches(2), specs, source_point=3)
+    tr = fit(S, T, batches(2), specs, FitConfig(point=3))
     toks = mx.random.randint(0, 259, (1, 30), key=mx.random.key(4))
     assert bool(mx.isfinite(T(toks[:, -1:], cache=translate_cache(tr, S, T, toks))).all())
 
@@ -327,7 +341,47 @@ def test_shaped_translator_has_the_fitted_shapes(loaded, source, target, recipes
     shaped = shaped_translator(S, T, specs)
     assert {k: v.shape for k, v in shaped.params.items()} == \
         {k: v.shape for k, v in fitted.params.items()}
-    assert shaped.info["replay_shapes"] == fitted.info["replay_shapes"]
+    assert [r.to_json() for r in shaped.recipes] == [r.to_json() for r in fitted.recipes]
     toks = mx.random.randint(0, 259, (1, 24), key=mx.random.key(3))
     logits = T(toks[:, -1:], cache=translate_cache(shaped, S, T, toks[:, :-1]))
     assert bool(mx.isfinite(logits).all())
+
+
+def test_translation_flops_equal_a_hand_count(loaded):
+    """2 x multiply-adds: each map over every token (a conv history over its K-1 rows), each
+    replay input map over every token, each bilinear correction once per head."""
+    from mlx_kvtrans.bench import translation_flops
+
+    S, T = loaded("kimi_linear").model, loaded("qwen3_5").model
+    layout = kv.layout_of(T)
+    length = 100
+    for recipes in ({}, {"recurrent_state": "replay"}):
+        specs = plan(kv.layout_of(S), layout, point=1, nu=2, recipes=recipes)
+        tr = fit(S, T, batches(1), specs)
+        by_hand = 0.0
+        for name, w in tr.params.items():
+            layer, obj, *rest = name.split(".")
+            target = layout.layers[int(layer.removeprefix("layer"))].cache.object(obj)
+            if rest == ["weight"]:
+                rows = (target.engine_shape[1] if target.kind == kv.ObjectKind.CONV_HISTORY
+                        else length)
+                by_hand += 2 * w.shape[0] * w.shape[1] * rows
+            elif rest[-1] == "weight":  # replay: k, v, a, b input maps
+                by_hand += 2 * w.shape[0] * w.shape[1] * length
+        assert by_hand > 0
+        assert translation_flops(tr, length, layout) == by_hand
+
+
+def test_parameter_names_read_as_a_tree(loaded):
+    """"layer<L>.<object>.<name>": `tree_flatten` / `tree_unflatten` and
+    `nn.average_gradients` keep the translator's parameters as they are."""
+    from mlx.utils import tree_flatten
+
+    S, T = loaded("qwen3_5").model, loaded("qwen3_next").model
+    tr = fit(S, T, batches(1), plan(kv.layout_of(S), kv.layout_of(T),
+                                    recipes={"recurrent_state": "bilinear"}))
+    tree = tr.parameters()
+    assert all(not key[0].isdigit() for key in tree)
+    assert dict(tree_flatten(tree)).keys() == tr.params.keys()
+    averaged = dict(tree_flatten(nn.average_gradients(tree)))
+    assert all(mx.array_equal(averaged[k], tr.params[k].astype(mx.float32)) for k in tr.params)

@@ -17,7 +17,7 @@ from .gqa import GQAKeysValues
 from .indexer import IndexerKeys
 from .linear_attention import GatedDeltaNet, KimiDeltaAttention, RecurrentInputs
 from .mla import MLALatent
-from .objects import CAPTURE_POINTS, CacheObject, ObjectKind, Rotation
+from .objects import CAPTURE_POINTS, CacheObject, CapturePoint, ObjectKind, Rotation
 
 # mlx-lm model_type -> the cache objects of the family, as users know it.
 SUPPORTED_FAMILIES = {
@@ -135,5 +135,5 @@ def layout_of(model: nn.Module) -> ModelLayout:
     return ModelLayout(model_type, SUPPORTED_FAMILIES[model_type], layers)
 
 
-__all__ = ["CAPTURE_POINTS", "CacheObject", "LayerCache", "LayerLayout", "ModelLayout",
+__all__ = ["CAPTURE_POINTS", "CacheObject", "CapturePoint", "LayerCache", "LayerLayout", "ModelLayout",
            "ObjectKind", "RecurrentInputs", "Rotation", "SUPPORTED_FAMILIES", "layout_of"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 
 from .base import LayerCache, kv_append, kv_cache, kv_contents
-from .objects import ObjectKind, Rotation, activation_dtype, per_token_object
+from .objects import CapturePoint, ObjectKind, Rotation, activation_dtype, per_token_object
 
 
 class GQAKeysValues(LayerCache):
@@ -36,16 +36,16 @@ class GQAKeysValues(LayerCache):
 
     def taps(self):
         def keys_raw(record, args, out):
-            record("keys", 1, out)
+            record("keys", CapturePoint.RAW, out)
             if self.k_norm is None:
-                record("keys", 2, out)
+                record("keys", CapturePoint.NORMED, out)
 
         def keys_normed(record, args, out):
-            record("keys", 2, out.reshape(*out.shape[:2], -1))
+            record("keys", CapturePoint.NORMED, out.reshape(*out.shape[:2], -1))
 
         def values(record, args, out):
-            record("values", 1, out)
-            record("values", 2, out)
+            record("values", CapturePoint.RAW, out)
+            record("values", CapturePoint.NORMED, out)
 
         taps = [(self.attn.k_proj, keys_raw), (self.attn.v_proj, values)]
         if self.k_norm is not None:
@@ -58,13 +58,13 @@ class GQAKeysValues(LayerCache):
 
     def to_engine(self, objects, point, offset=0, previous=None):
         keys, values = objects["keys"], objects["values"]
-        if (p := self.point_of("keys", point)) != 3:
+        if (p := self.point_of("keys", point)) != CapturePoint.ENGINE:
             B, T, _ = keys.shape
             keys = keys.reshape(B, T, self.n_kv, self.head_dim)
-            if p == 1 and self.k_norm is not None:
+            if p == CapturePoint.RAW and self.k_norm is not None:
                 keys = self.k_norm(keys)
             keys = self.attn.rope(keys.transpose(0, 2, 1, 3), offset=offset)
-        if self.point_of("values", point) != 3:
+        if self.point_of("values", point) != CapturePoint.ENGINE:
             B, T, _ = values.shape
             values = values.reshape(B, T, self.n_kv, self.v_head_dim).transpose(0, 2, 1, 3)
         return {"keys": self.cast("keys", keys), "values": self.cast("values", values)}

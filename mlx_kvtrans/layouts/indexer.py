@@ -11,7 +11,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .base import LayerCache, kv_append, kv_cache, kv_contents
-from .objects import ObjectKind, Rotation, activation_dtype, per_token_object
+from .objects import CapturePoint, ObjectKind, Rotation, activation_dtype, per_token_object
 
 
 class IndexerKeys(LayerCache):
@@ -30,10 +30,10 @@ class IndexerKeys(LayerCache):
 
     def taps(self):
         def raw(record, args, out):
-            record("indexer_key", 1, out)
+            record("indexer_key", CapturePoint.RAW, out)
 
         def normed(record, args, out):
-            record("indexer_key", 2, out)
+            record("indexer_key", CapturePoint.NORMED, out)
 
         return [(self.indexer.wk, raw), (self.indexer.k_norm, normed)]
 
@@ -43,8 +43,8 @@ class IndexerKeys(LayerCache):
 
     def to_engine(self, objects, point, offset=0, previous=None):
         keys = objects["indexer_key"]
-        if (p := self.point_of("indexer_key", point)) != 3:
-            if p == 1:
+        if (p := self.point_of("indexer_key", point)) != CapturePoint.ENGINE:
+            if p == CapturePoint.RAW:
                 keys = self.indexer.k_norm(keys)
             B, T, _ = keys.shape
             keys = self.indexer.rope(keys.reshape(B, 1, T, self.head_dim), offset=offset)
@@ -57,3 +57,24 @@ class IndexerKeys(LayerCache):
     def append(self, cache, objects):
         keys = self.cast("indexer_key", objects["indexer_key"])
         return kv_append(cache, keys, mx.zeros_like(keys))
+
+
+def indexer_keys(indexer, x: mx.array, offset: int = 0) -> mx.array:
+    """(B, 1, T, head_dim) keys of hidden states `x`, as the indexer caches them."""
+    b, s, _ = x.shape
+    keys = indexer.k_norm(indexer.wk(x)).reshape(b, 1, s, indexer.head_dim)
+    return indexer.rope(keys, offset=offset)
+
+
+def indexer_scores(indexer, x: mx.array, qr: mx.array, keys: mx.array,
+                   offset: int = 0) -> mx.array:
+    """(B, queries, keys) pre-top-k scores of the queries of `x` (low-rank queries `qr`, at
+    positions from `offset`) against `keys`, as mlx-lm's `Indexer.__call__` computes them before
+    its top-k: sum over heads of relu(q . k) * weights_proj(x) * n_heads^-1/2 * head_dim^-1/2.
+    Pinned by a test against the indices mlx-lm's own indexer selects."""
+    b, s, _ = x.shape
+    q = indexer.wq_b(qr).reshape(b, s, indexer.n_heads, indexer.head_dim).swapaxes(1, 2)
+    q = indexer.rope(q, offset=offset)
+    scores = mx.maximum(q @ keys.swapaxes(-1, -2), 0)
+    weights = indexer.weights_proj(x) * (indexer.n_heads**-0.5 * indexer.softmax_scale)
+    return (scores * weights.swapaxes(-1, -2)[..., None]).sum(axis=1)

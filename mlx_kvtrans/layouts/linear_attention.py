@@ -19,7 +19,7 @@ from dataclasses import dataclass, fields
 import mlx.core as mx
 
 from .base import LayerCache
-from .objects import ObjectKind, activation_dtype, fixed_object
+from .objects import CapturePoint, ObjectKind, activation_dtype, fixed_object
 
 
 @dataclass
@@ -62,11 +62,11 @@ class _DeltaRuleLayer(LayerCache):
         self.heads_k, self.heads_v, self.dk, self.dv = heads_k, heads_v, dk, dv
         self.kernel = kernel
         self.objects = tuple(
-            fixed_object(name, ObjectKind.CONV_HISTORY, (1, kernel - 1, width), dtype, (1, 3),
-                         token_dim=width)
+            fixed_object(name, ObjectKind.CONV_HISTORY, (1, kernel - 1, width), dtype,
+                         (CapturePoint.RAW, CapturePoint.ENGINE), token_dim=width)
             for name, width in zip(self.conv_names, conv_widths)
         ) + (fixed_object("state", ObjectKind.RECURRENT_STATE, (1, heads_v, dv, dk), mx.float32,
-                          (2, 3)),)
+                          (CapturePoint.NORMED, CapturePoint.ENGINE)),)
 
     # -- the recurrence ---------------------------------------------------------------------
     def recurrence_constants(self) -> tuple[mx.array, mx.array]:
@@ -124,11 +124,11 @@ class _DeltaRuleLayer(LayerCache):
         out = {}
         for name in self.conv_names:
             rows = objects[name]
-            if self.point_of(name, point) == 1:
+            if self.point_of(name, point) == CapturePoint.RAW:
                 rows = self.conv_history(rows, previous.get(name))
             out[name] = rows
         state = objects["state"]
-        if self.point_of("state", point) == 2:
+        if self.point_of("state", point) == CapturePoint.NORMED:
             _, state = self.replay(state, previous.get("state"))
         out["state"] = state
         return out
@@ -153,7 +153,7 @@ class GatedDeltaNet(_DeltaRuleLayer):
 
     def taps(self):
         def conv_rows(record, args, out):
-            record("conv", 1, args[0][:, self.kernel - 1:])  # input = [history | new rows]
+            record("conv", CapturePoint.RAW, args[0][:, self.kernel - 1:])  # [history | rows]
 
         return [(self.mixer_module.conv1d, conv_rows)]
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .base import LayerCache, kv_append, kv_cache, kv_contents
-from .objects import ObjectKind, Rotation, activation_dtype, per_token_object
+from .objects import CapturePoint, ObjectKind, Rotation, activation_dtype, per_token_object
 
 
 class MLALatent(LayerCache):
@@ -35,12 +35,12 @@ class MLALatent(LayerCache):
 
     def taps(self):
         def raw(record, args, out):
-            record("latent", 1, out[..., : self.rank])
-            record("rope_key", 1, out[..., self.rank:])
-            record("rope_key", 2, out[..., self.rank:])
+            record("latent", CapturePoint.RAW, out[..., : self.rank])
+            record("rope_key", CapturePoint.RAW, out[..., self.rank:])
+            record("rope_key", CapturePoint.NORMED, out[..., self.rank:])
 
         def normed(record, args, out):
-            record("latent", 2, out)
+            record("latent", CapturePoint.NORMED, out)
 
         return [(self.attn.kv_a_proj_with_mqa, raw), (self.attn.kv_a_layernorm, normed)]
 
@@ -50,11 +50,11 @@ class MLALatent(LayerCache):
 
     def to_engine(self, objects, point, offset=0, previous=None):
         latent, rope_key = objects["latent"], objects["rope_key"]
-        if (p := self.point_of("latent", point)) != 3:
-            if p == 1:
+        if (p := self.point_of("latent", point)) != CapturePoint.ENGINE:
+            if p == CapturePoint.RAW:
                 latent = self.attn.kv_a_layernorm(latent)
             latent = mx.expand_dims(latent, 1)
-        if self.point_of("rope_key", point) != 3:
+        if self.point_of("rope_key", point) != CapturePoint.ENGINE:
             B, T, _ = rope_key.shape
             rope_key = rope_key.reshape(B, T, 1, self.rope_dim).transpose(0, 2, 1, 3)
             if self.rope is not None:

@@ -8,13 +8,24 @@ Capture points (hybrid-translation paper): (1) the raw projection output, pre-no
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from enum import Enum
+from enum import Enum, IntEnum
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
-CAPTURE_POINTS = {1: "raw (pre-norm, un-rotated)", 2: "post-norm", 3: "engine cache"}
+
+
+class CapturePoint(IntEnum):
+    """Where an object is read. JSON and the command line keep the paper's integers."""
+
+    RAW = 1  # the projection output: pre-norm, un-rotated
+    NORMED = 2  # post-norm, pre-RoPE; for a recurrent state, the recurrence's per-token inputs
+    ENGINE = 3  # the tensor the engine caches
+
+
+CAPTURE_POINTS = {CapturePoint.RAW: "raw (pre-norm, un-rotated)",
+                  CapturePoint.NORMED: "post-norm", CapturePoint.ENGINE: "engine cache"}
 
 
 class ObjectKind(str, Enum):
@@ -125,7 +136,7 @@ def activation_dtype(linear: nn.Module) -> mx.Dtype:
 
 
 def per_token_object(name: str, kind: ObjectKind, engine_shape: tuple, dtype: mx.Dtype,
-                     rotation: Rotation, capture_points=(1, 2, 3)) -> CacheObject:
+                     rotation: Rotation, capture_points=tuple(CapturePoint)) -> CacheObject:
     """A per-token object whose (3) tensor is `engine_shape` with "T" on the token axis."""
     token_dim = 1
     for size in engine_shape:

@@ -1,18 +1,19 @@
 """The translator artifact: a directory any version of the library saves and loads one way.
 
-    weights.safetensors   every parameter ("<layer>.<object>.weight|bias|A|B")
-    manifest.json         source/target identity and fingerprints, recipe and capture point per
-                          object, layer assignment, fit data hash, library version, metrics
+    weights.safetensors   every parameter ("layer<L>.<object>.weight|bias|A|B|k.weight...")
+    manifest.json         source/target identity and fingerprints, each object's recipe entry
+                          (recipe, capture point, source layers, ...), token identity, fit data
+                          hash, library version, metrics
     SHA256SUMS            hashes of the two files above
 
 Loading verifies the hashes and that the given models are the ones it was fitted for; a tampered
 file or a wrong pair is refused with a message. Only JSON and safetensors are read: nothing is
-unpickled.
+unpickled. Format 1 (parameters named "<L>.<object>...", replay shapes beside the objects) is
+migrated on load.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -20,35 +21,17 @@ import mlx.core as mx
 
 from ..errors import KvtransError
 from ..files import sha256_file
-from .translator import ObjectSpec, Translator
+from ..layouts import CapturePoint
+from ..models import model_identity
+from .recipes import recipe_from_json
+from .token_identity import TokenIdentity
+from .translator import Translator
 
 FORMAT = "mlx-kvtrans-translator"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+INFO_FIELDS = ("fit", "metrics", "source", "target", "stage", "distill")
 FILES = ("weights.safetensors", "manifest.json")
-
-
-def config_fingerprint(config: dict) -> str:
-    """sha256 of the model's config.json, canonicalised (key order and path fields ignored)."""
-    clean = {k: v for k, v in config.items() if k not in ("_name_or_path", "transformers_version")}
-    return hashlib.sha256(json.dumps(clean, sort_keys=True).encode()).hexdigest()
-
-
-def weights_fingerprint(path: Path) -> str:
-    """Cheap identity of a checkpoint's weights: file names, sizes and their first MiB."""
-    h = hashlib.sha256()
-    for f in sorted(Path(path).glob("*.safetensors")):
-        h.update(f.name.encode())
-        h.update(str(f.stat().st_size).encode())
-        with open(f, "rb") as fh:
-            h.update(fh.read(1 << 20))
-    return h.hexdigest()
-
-
-def model_identity(lm) -> dict:
-    """What a translator records of a model (a `LoadedModel`)."""
-    return {"name": lm.name, "model_type": lm.model_type,
-            "config_fingerprint": config_fingerprint(lm.config),
-            "weights_fingerprint": weights_fingerprint(lm.path)}
 
 
 def save(translator: Translator, directory: str | Path, source, target) -> Path:
@@ -60,9 +43,11 @@ def save(translator: Translator, directory: str | Path, source, target) -> Path:
     manifest = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "library_version": __version__,
         "source": model_identity(source), "target": model_identity(target),
-        "source_point": translator.source_point, "token_identity": translator.token_identity,
-        "objects": [spec.to_json() for spec in translator.specs],
-        **translator.info,
+        "source_point": int(translator.source_point),
+        "token_identity": translator.identity.mode,
+        "objects": [recipe.to_json() for recipe in translator.recipes],
+        **{k: v for k, v in translator.info.items() if k in INFO_FIELDS
+           and k not in ("source", "target")},
     }
     (directory / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     sums = "".join(f"{sha256_file(directory / name)}  {name}\n" for name in FILES)
@@ -90,9 +75,32 @@ def read_manifest(directory: str | Path) -> dict:
             raise KvtransError(f"translator {directory}: {name} does not match SHA256SUMS "
                                "(modified or corrupt); refusing to load it")
     manifest = json.loads((directory / "manifest.json").read_text())
-    if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
-        raise KvtransError(f"{directory} is not a version-{FORMAT_VERSION} {FORMAT} artifact")
+    version = manifest.get("format_version")
+    if manifest.get("format") != FORMAT:
+        raise KvtransError(f"{directory} is not an {FORMAT} artifact")
+    if version not in READABLE_VERSIONS:
+        raise KvtransError(f"{directory} is format version {version!r}; this library reads "
+                           f"versions {', '.join(map(str, READABLE_VERSIONS))} (upgrade "
+                           "mlx-kvtrans to read a newer one)")
     return manifest
+
+
+def _migrate_v1(manifest: dict, params: dict) -> tuple[dict, dict]:
+    """Format 1 -> 2: "<L>.<object>..." names become "layer<L>.<object>...", and replay shapes
+    move into their objects' entries."""
+    def renamed(key: str) -> str:
+        layer, _, rest = key.partition(".")
+        return f"layer{layer}.{rest}" if layer.isdigit() else key
+
+    manifest = dict(manifest)
+    shapes = manifest.pop("replay_shapes", {})
+    manifest["objects"] = [
+        {**entry, **({"shapes": shapes[f"{entry['layer']}.{entry['name']}"]}
+                     if f"{entry['layer']}.{entry['name']}" in shapes else {})}
+        for entry in manifest["objects"]]
+    manifest["metrics"] = {renamed(k): v for k, v in manifest.get("metrics", {}).items()}
+    manifest["format_version"] = FORMAT_VERSION
+    return manifest, {renamed(k): v for k, v in params.items()}
 
 
 def check_pair(manifest: dict, source, target) -> None:
@@ -108,16 +116,20 @@ def check_pair(manifest: dict, source, target) -> None:
 
 
 def load(directory: str | Path, source=None, target=None) -> Translator:
-    """Load a verified translator; with `source`/`target` given, also check they are its pair."""
+    """Load a verified translator. With `source` (a LoadedModel) a codebook translator loads
+    the source's codebook when first needed; with `target` too, the pair is checked."""
     manifest = read_manifest(directory)
     if source is not None and target is not None:
         check_pair(manifest, source, target)
-    params = mx.load(str(Path(directory) / "weights.safetensors"))
-    specs = [ObjectSpec.from_json(s) for s in manifest["objects"]]
-    info = {k: manifest[k] for k in ("fit", "metrics", "source", "target", "replay_shapes",
-                                     "stage", "distill")
-            if k in manifest}
-    return Translator(manifest["source_point"], manifest["token_identity"], specs, params, info)
+    params = dict(mx.load(str(Path(directory) / "weights.safetensors")))
+    if manifest["format_version"] == 1:
+        manifest, params = _migrate_v1(manifest, params)
+    identity = TokenIdentity(manifest["token_identity"])
+    if source is not None:
+        identity.bind(source)
+    recipes = [recipe_from_json(entry) for entry in manifest["objects"]]
+    info = {k: manifest[k] for k in INFO_FIELDS if k in manifest}
+    return Translator(CapturePoint(manifest["source_point"]), identity, recipes, params, info)
 
 
 def shipped(source: str, target: str) -> Path | None:

@@ -2,7 +2,7 @@
 error by how much the continuation's queries attend to it in the target.
 
 During a target forward over [prefix | continuation], the scores that mlx-lm's attention computes
-are recomputed for the continuation queries only (the patched `scaled_dot_product_attention` sees
+are recomputed for the continuation queries only (an observer of `scaled_dot_product_attention` sees
 queries, keys, scale and mask), softmaxed, averaged over heads and queries, and scaled to mean 1
 over the prefix. Layers without softmax attention (linear attention) keep uniform weights.
 """
@@ -10,10 +10,10 @@ over the prefix. Layers without softmax attention (linear attention) keep unifor
 from __future__ import annotations
 
 import contextlib
-import sys
 
 import mlx.core as mx
 
+from ..instrument import attention_module_name, observe_function, running_layer
 from ..layouts import ModelLayout
 
 
@@ -40,38 +40,14 @@ def _continuation_weights(queries, keys, scale, mask, continuation: int) -> mx.a
 def recording_attention(model, layout: ModelLayout, continuation: int):
     """Within the block a forward fills {layer index: (B, prefix) weights}."""
     found: dict[int, mx.array] = {}
-    current = {"layer": -1}
-    patched, swapped = {}, []
-    for layer_module, layer in zip(model.layers, layout.layers):
-        base = type(layer_module)
+    with contextlib.ExitStack() as stack:
+        current = stack.enter_context(running_layer(model))
 
-        def call(self, *args, _base=base, _i=layer.index, **kwargs):
-            current["layer"] = _i
-            return _base.__call__(self, *args, **kwargs)
-
-        layer_module.__class__ = type("Weighted" + base.__name__, (base,), {"__call__": call})
-        swapped.append((layer_module, base))
-        if "self_attn" not in layer_module:
-            continue  # linear attention only: no softmax to weight by
-        # the attention's own module: where its `scaled_dot_product_attention` is looked up
-        namespace = type(layer_module["self_attn"]).__module__
-        owner = sys.modules[namespace]
-        if namespace in patched or not hasattr(owner, "scaled_dot_product_attention"):
-            continue
-        original = owner.scaled_dot_product_attention
-        patched[namespace] = original
-
-        def sdpa(queries, keys, values, cache=None, scale=1.0, mask=None, _original=original,
-                 **kw):
+        def observe(queries, keys, values, cache=None, scale=1.0, mask=None, **kw):
             found[current["layer"]] = _continuation_weights(queries, keys, scale, mask,
                                                             continuation)
-            return _original(queries, keys, values, cache=cache, scale=scale, mask=mask, **kw)
 
-        owner.scaled_dot_product_attention = sdpa
-    try:
+        # linear-attention layers have no softmax to weight by
+        for name in {attention_module_name(layer) for layer in model.layers} - {None}:
+            stack.enter_context(observe_function(name, "scaled_dot_product_attention", observe))
         yield found
-    finally:
-        for namespace, original in patched.items():
-            sys.modules[namespace].scaled_dot_product_attention = original
-        for module, base in swapped:
-            module.__class__ = base

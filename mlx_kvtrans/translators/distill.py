@@ -29,18 +29,21 @@ import hashlib
 import json
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
 
 from ..capture import capture
 from ..errors import KvtransError
 from ..gated_delta import chunked_recurrence
 from ..install import install
-from ..layouts import layout_of
+from ..instrument import recording_indexer_scores
+from ..layouts import CapturePoint, layout_of
 from .fidelity import kl_per_token
 from .translator import Translator
 
@@ -64,39 +67,6 @@ class DistillConfig:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
 
 
-@contextlib.contextmanager
-def indexer_score_tap(model):
-    """Within the block, every DSA indexer that reads a cache appends its pre-top-k scores
-    against all cached keys, (B, queries, keys), as mlx-lm's `Indexer` computes them."""
-    records: list[mx.array] = []
-    swapped = []
-    for layer in model.layers:
-        indexer = getattr(getattr(layer, "self_attn", None), "indexer", None)
-        if indexer is None:
-            continue
-        base = type(indexer)
-
-        def call(self, x, qr, mask, cache=None, _base=base):
-            result = _base.__call__(self, x, qr, mask, cache)
-            if cache is not None:
-                b, s, _ = x.shape
-                keys = cache.keys[..., : cache.offset, :]
-                q = self.wq_b(qr).reshape(b, s, self.n_heads, self.head_dim).swapaxes(1, 2)
-                q = self.rope(q, offset=cache.offset - s)
-                scores = mx.maximum(q @ keys.swapaxes(-1, -2), 0)
-                weights = self.weights_proj(x) * (self.n_heads**-0.5 * self.softmax_scale)
-                records.append((scores * weights.swapaxes(-1, -2)[..., None]).sum(axis=1))
-            return result
-
-        indexer.__class__ = type("Tapped" + base.__name__, (base,), {"__call__": call})
-        swapped.append((indexer, base))
-    try:
-        yield records
-    finally:
-        for indexer, base in swapped:
-            indexer.__class__ = base
-
-
 def indexer_rehearsal(native: list[mx.array], translated: list[mx.array], prefix: int) -> mx.array:
     """Mean KL(softmax(native scores) || softmax(translated scores)) over the prefix keys."""
     losses = [kl_per_token(mx.stop_gradient(n[..., :prefix]), t[..., :prefix]).mean()
@@ -108,40 +78,30 @@ class Problem:
     """One batch of windows: the source's capture and the target's native continuation (fixed),
     from which `loss(params)` measures a translator's parameters."""
 
-    def __init__(self, translator: Translator, source, target, windows: mx.array, prefix: int,
-                 codebook=None):
-        self.translator, self.target, self.codebook = translator, target, codebook
+    def __init__(self, translator: Translator, source, target, windows: mx.array, prefix: int):
+        self.translator, self.target = translator, target
         self.layout = layout_of(target)
         self.prefix_ids = windows[:, :prefix]
         self.inputs = windows[:, prefix:]
         self.prefix = prefix
         self.source = capture(source, self.prefix_ids, points=translator.source_points())
-        native_cache = capture(target, self.prefix_ids, points=(3,), layout=self.layout).engine
-        with indexer_score_tap(target) as scores:
+        native_cache = capture(target, self.prefix_ids, points=(CapturePoint.ENGINE,),
+                               layout=self.layout).engine
+        with recording_indexer_scores(target) as scores:
             self.native_logits = target(self.inputs, cache=native_cache)
         self.native_scores = [mx.stop_gradient(s) for s in scores]
         mx.eval(self.native_logits, self.native_scores)
 
     def loss(self, params: dict, indexer_weight: float = 1.0):
-        """(total, (KL, rehearsal)) of `params` on this batch."""
-        kept = self.translator.params
-        self.translator.params = params
-        try:
-            objects, points = self.translator.translate(self.source, self.target, self.layout,
-                                                        self.prefix_ids, self.codebook)
-        finally:
-            self.translator.params = kept
+        """(total, (KL, rehearsal)) of `params` (a tree or flat) on this batch."""
+        objects, points = self.translator.translate(self.source, self.target, self.layout,
+                                                    self.prefix_ids, params=params)
         cache = install(self.layout, objects, points)
-        with indexer_score_tap(self.target) as scores:
+        with recording_indexer_scores(self.target) as scores:
             logits = self.target(self.inputs, cache=cache)
         kl = kl_per_token(self.native_logits, logits).mean()
         rehearsal = indexer_rehearsal(self.native_scores, scores, self.prefix)
         return kl + indexer_weight * rehearsal, (kl, rehearsal)
-
-
-def trainable(translator: Translator) -> dict[str, mx.array]:
-    """Every translator parameter, float32 (the target's embedding and both models stay fixed)."""
-    return {k: v.astype(mx.float32) for k, v in translator.params.items()}
 
 
 def start_fingerprint(translator: Translator) -> str:
@@ -158,27 +118,6 @@ def _schedule(config: DistillConfig):
     warm = optim.linear_schedule(config.lr * 0.01, config.lr, max(1, config.warmup))
     decay = optim.cosine_decay(config.lr, max(1, config.steps - config.warmup), config.lr * 0.1)
     return optim.join_schedules([warm, decay], [max(1, config.warmup)])
-
-
-NEEDLE_SEED = 700_000_000  # distillation needles: below the zoo's held-out seeds
-
-
-def needle_rows(encode, filler: list[str], length: int, count: int = 2000,
-                seed: int = NEEDLE_SEED) -> list[list[int]]:
-    """`count` needles (prompt + answer) of at least `length` tokens each, as token ids."""
-    from ..zoo import synthetic
-
-    rows = []
-    for i in range(count):
-        n_chars = int(length * 4.5)
-        while True:
-            sample = synthetic.needle(seed + i, n_chars=n_chars, filler=filler)
-            ids = encode(sample.prompt + sample.answer)
-            if len(ids) >= length:
-                break
-            n_chars = int(n_chars * 1.3)
-        rows.append(ids)
-    return rows
 
 
 def draw_windows(ids, step: int, config: DistillConfig, needles=None) -> tuple[mx.array, int]:
@@ -198,50 +137,27 @@ def draw_windows(ids, step: int, config: DistillConfig, needles=None) -> tuple[m
     return mx.array(rows), prefix
 
 
-# Parameter names hold dots ("3.keys.weight"), so Adam's state is stored flat under
-# "<slot>:<name>" rather than through tree_flatten, which would read "3" as a list index.
-def _flat_state(state: dict) -> dict[str, mx.array]:
-    flat = {}
-    for key, value in state.items():
-        if isinstance(value, dict):
-            flat.update({f"{slot}:{key}": v for slot, v in value.items()})
-        else:
-            flat[key] = value
-    return flat
-
-
-def _nested_state(flat: dict[str, mx.array]) -> dict:
-    state: dict = {}
-    for key, value in flat.items():
-        slot, sep, name = key.partition(":")
-        if sep:
-            state.setdefault(name, {})[slot] = value
-        else:
-            state[key] = value
-    return state
-
-
 class Distiller:
     """The stage-2 loop: Adam with warm-up and cosine decay, validation KL, checkpoints."""
 
     def __init__(self, translator: Translator, source, target, train_ids, validation_ids,
-                 config: DistillConfig, workdir: Path, codebook=None, group=None,
+                 config: DistillConfig, workdir: Path, group=None,
                  needles: list[list[int]] | None = None):
         self.translator, self.source, self.target = translator, source, target
         if config.needle_share and not needles:
-            raise KvtransError("needle_share needs needle rows (distill.needle_rows)")
+            raise KvtransError("needle_share needs needle rows (evaluation.needles.needle_rows)")
         if needles and min(len(r) for r in needles) < config.max_prefix + config.continuation:
             raise KvtransError("needle rows must be at least max_prefix + continuation tokens")
         self.needles = needles
         self.train_ids, self.validation_ids = list(train_ids), list(validation_ids)
-        self.config, self.workdir, self.codebook = config, Path(workdir), codebook
+        self.config, self.workdir = config, Path(workdir)
         self.group = group
         self.rank = group.rank() if group is not None else 0
         self.size = group.size() if group is not None else 1
         if config.batch % self.size:
             raise KvtransError(f"the batch ({config.batch}) must divide among {self.size} "
                                "processes")
-        self.params = trainable(translator)
+        self.params = translator.parameters()  # a tree: Adam, checkpoints, all-reduce
         self.optimizer = optim.Adam(learning_rate=_schedule(config))
         self.optimizer.init(self.params)
         self.state = {"step": 0, "seconds": 0.0, "config": config.fingerprint(),
@@ -253,9 +169,10 @@ class Distiller:
         if self.rank != 0:
             return
         self.workdir.mkdir(parents=True, exist_ok=True)
-        mx.save_safetensors(str(self.workdir / "params.safetensors"), self.params)
+        mx.save_safetensors(str(self.workdir / "params.safetensors"),
+                            dict(tree_flatten(self.params)))
         mx.save_safetensors(str(self.workdir / "optimizer.safetensors"),
-                            _flat_state(self.optimizer.state))
+                            dict(tree_flatten(self.optimizer.state)))
         tmp = self.workdir / "state.json.tmp"
         tmp.write_text(json.dumps(self.state))
         tmp.replace(self.workdir / "state.json")
@@ -273,8 +190,9 @@ class Distiller:
             raise KvtransError(f"the checkpoint in {self.workdir} started from another "
                                "translator; resume it from that one, or use another --workdir")
         self.state = state
-        self.params = dict(mx.load(str(self.workdir / "params.safetensors")))
-        self.optimizer.state = _nested_state(mx.load(str(self.workdir / "optimizer.safetensors")))
+        self.params = tree_unflatten(list(mx.load(str(self.workdir / "params.safetensors")).items()))
+        self.optimizer.state = tree_unflatten(
+            list(mx.load(str(self.workdir / "optimizer.safetensors")).items()))
         return True
 
     # -- measuring ---------------------------------------------------------------------------
@@ -293,7 +211,7 @@ class Distiller:
             with chunked_recurrence():
                 self._validation = [
                     Problem(self.translator, self.source, self.target, windows[i:i + c.batch],
-                            c.max_prefix, self.codebook)
+                            c.max_prefix)
                     for i in range(0, len(starts), c.batch)]
         return self._validation
 
@@ -310,12 +228,11 @@ class Distiller:
         windows, prefix = draw_windows(self.train_ids, step, self.config, self.needles)
         share = windows[self.rank::self.size]
         with chunked_recurrence():
-            problem = Problem(self.translator, self.source, self.target, share, prefix,
-                              self.codebook)
+            problem = Problem(self.translator, self.source, self.target, share, prefix)
             (loss, (kl, rehearsal)), grads = mx.value_and_grad(
                 lambda p: problem.loss(p, self.config.indexer_weight))(self.params)
         if self.size > 1:
-            grads = self.average(grads)
+            grads = nn.average_gradients(grads, group=self.group)
             loss, kl, rehearsal = (mx.distributed.all_sum(x, group=self.group) / self.size
                                    for x in (loss, kl, rehearsal))
         self.params = self.optimizer.apply_gradients(grads, self.params)
@@ -323,25 +240,13 @@ class Distiller:
         return {"step": step + 1, "prefix": prefix, "loss": float(loss), "kl": float(kl),
                 "indexer_rehearsal": float(rehearsal)}
 
-    def average(self, grads: dict[str, mx.array]) -> dict[str, mx.array]:
-        """Mean of every process's gradients, in one all-reduce (mlx's `average_gradients`
-        would read the dotted names as a nested tree)."""
-        names = sorted(grads)
-        flat = mx.concatenate([grads[k].reshape(-1) for k in names])
-        flat = mx.distributed.all_sum(flat, group=self.group) / self.size
-        out, start = {}, 0
-        for k in names:
-            out[k] = flat[start:start + grads[k].size].reshape(grads[k].shape)
-            start += grads[k].size
-        return out
-
     def run(self, on_step=None, checkpoint_seconds: float = 120.0, max_minutes=None) -> dict:
         """Train to `config.steps` (from the checkpoint if resumed); returns the summary."""
         c = self.config
         mx.clear_cache()  # buffers reused from the cache would not count towards the peak
         mx.reset_peak_memory()
         if "validation_kl_before" not in self.state:
-            self.state["validation_kl_before"] = self.validate(trainable(self.translator))
+            self.state["validation_kl_before"] = self.validate(self.translator.parameters())
         started = time.perf_counter() - self.state["seconds"]
         last_save = time.perf_counter()
         while self.state["step"] < c.steps:
@@ -379,6 +284,28 @@ class Distiller:
 
     def distilled(self) -> Translator:
         """The translator with the distilled parameters (in the closed-form dtype)."""
-        params = {k: self.params[k].astype(v.dtype) for k, v in self.translator.params.items()}
-        return Translator(self.translator.source_point, self.translator.token_identity,
-                          self.translator.specs, params, dict(self.translator.info))
+        trained = dict(tree_flatten(self.params))
+        params = {k: trained[k].astype(v.dtype) for k, v in self.translator.params.items()}
+        return replace(self.translator, params=params, info=dict(self.translator.info))
+
+
+def distill(translator: Translator, source, target, train_ids, validation_ids,
+            config: DistillConfig = DistillConfig(), workdir: str | Path | None = None,
+            resume: bool = False, needles: list[list[int]] | None = None, on_step=None
+            ) -> Translator:
+    """Stage 2 in one call: distil `translator` (mlx-lm models `source` -> `target`) on token ids
+    and return the distilled translator, its manifest recording the run."""
+    import tempfile
+
+    with contextlib.ExitStack() as stack:
+        if workdir is None:
+            workdir = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvtrans-distill-"))
+        run = Distiller(translator, source, target, train_ids, validation_ids, config, workdir,
+                        needles=needles)
+        if resume:
+            run.resume()
+        summary = run.run(on_step=on_step)
+        distilled = run.distilled()
+    distilled.info["stage"] = 2
+    distilled.info["distill"] = summary
+    return distilled

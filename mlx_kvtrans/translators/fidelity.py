@@ -14,7 +14,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..capture import capture
-from ..layouts import layout_of
+from ..instrument import recording_indexer_scores
+from ..layouts import CapturePoint, layout_of
 from .translator import Translator, translate_cache
 
 
@@ -37,7 +38,7 @@ def agreement(a: list[int], b: list[int]) -> float:
 
 def fidelity(translator: Translator, source, target, token_ids: list[int],
              prefix_lengths: list[int], windows: int = 8, continuation: int = 64,
-             generated: int = 32, codebook=None, seed: int = 0) -> list[dict]:
+             generated: int = 32, seed: int = 0) -> list[dict]:
     """Per prefix length: KL and greedy agreement, translated and no-cache, over `windows`
     held-out windows of `token_ids`. `source` and `target` are mlx-lm models."""
     rng = random.Random(seed)
@@ -55,18 +56,16 @@ def fidelity(translator: Translator, source, target, token_ids: list[int],
             inputs = window[:, length - 1:span - 1]  # the last prefix token, then continuation
 
             def fresh_native():
-                return capture(target, prefix, points=(3,), layout=target_layout).engine
+                return capture(target, prefix, points=(CapturePoint.ENGINE,), layout=target_layout).engine
 
             native = target(inputs, cache=fresh_native())
-            translated = target(inputs, cache=translate_cache(translator, source, target, prefix,
-                                                              codebook))
+            translated = target(inputs, cache=translate_cache(translator, source, target, prefix))
             no_context = target(inputs)  # no cache: the target has not read the prefix
             kls.append(float(kl_per_token(native, translated).mean()))
             floor_kls.append(float(kl_per_token(native, no_context).mean()))
             reference = greedy(target, last, fresh_native(), generated)
             agree.append(agreement(reference, greedy(
-                target, last, translate_cache(translator, source, target, prefix, codebook),
-                generated)))
+                target, last, translate_cache(translator, source, target, prefix), generated)))
             floor_agree.append(agreement(reference, greedy(target, last, None, generated)))
         rows.append({"prefix_length": length, "windows": windows,
                      "kl": sum(kls) / windows, "kl_no_cache": sum(floor_kls) / windows,
@@ -84,7 +83,7 @@ def _top_k(scores: mx.array, k: int) -> set[int]:
 
 
 def indexer_selection(translator: Translator, source, target, prompts: list[list[int]],
-                      needles: list[list[int]] | None = None, codebook=None) -> dict:
+                      needles: list[list[int]] | None = None) -> dict:
     """DSA targets: what the sparse indexer selects when it reads translated indexer keys.
 
     For each prompt, the target reads its last token from a cache of the rest (native or
@@ -93,8 +92,6 @@ def indexer_selection(translator: Translator, source, target, prompts: list[list
     positions of each prompt's needle tokens) the share of (layer, prompt) pairs whose selection
     holds every needle token, native and translated (a layer that does not read the needle need
     not select it; the two shares side by side show whether translation loses it)."""
-    from .distill import indexer_score_tap
-
     layout = layout_of(target)
     top_k = [layer.self_attn.indexer.index_topk for layer in target.layers
              if hasattr(getattr(layer, "self_attn", None), "indexer")]
@@ -103,12 +100,11 @@ def indexer_selection(translator: Translator, source, target, prompts: list[list
     overlap, kept = [], {"native": 0, "translated": 0}
     for i, prompt in enumerate(prompts):
         ids = mx.array(prompt)[None]
-        caches = {"native": capture(target, ids[:, :-1], points=(3,), layout=layout).engine,
-                  "translated": translate_cache(translator, source, target, ids[:, :-1],
-                                                codebook)}
+        caches = {"native": capture(target, ids[:, :-1], points=(CapturePoint.ENGINE,), layout=layout).engine,
+                  "translated": translate_cache(translator, source, target, ids[:, :-1])}
         chosen = {}
         for name, cache in caches.items():
-            with indexer_score_tap(target) as scores:
+            with recording_indexer_scores(target) as scores:
                 mx.eval(target(ids[:, -1:], cache=cache))
             chosen[name] = [_top_k(s[..., : ids.shape[1] - 1], k) for s, k in zip(scores, top_k)]
         overlap += [len(n & t) / len(n) for n, t in zip(chosen["native"], chosen["translated"])]

@@ -11,14 +11,18 @@ from __future__ import annotations
 
 import hashlib
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import mlx.core as mx
 
-from ..capture import capture
-from ..layouts import ObjectKind
+from ..capture import Capture, capture
+from ..layouts import CapturePoint, ObjectKind, layout_of
+from ..models import weights_fingerprint
 
-CODEBOOK_POINT = 2  # the normalised latent: scale-free, so nearest neighbour is well posed
+CODEBOOK_POINT = CapturePoint.NORMED  # the normalised latent: scale-free, so nearest neighbour
+MODES = ("off", "ids", "codebook")
 
 
 def first_mla_layer(layout) -> int:
@@ -31,8 +35,6 @@ def first_mla_layer(layout) -> int:
 
 def build_codebook(model, vocab_size: int, chunk: int = 4096) -> mx.array:
     """(vocab, kv_lora_rank) layer-0 latents of every token id, at capture point (2)."""
-    from ..layouts import layout_of
-
     layout = layout_of(model)
     layer = first_mla_layer(layout)
     if layer != 0:
@@ -63,8 +65,6 @@ def default_cache_dir() -> Path:
 
 def codebook_of(source, cache_dir: Path | None = None) -> mx.array:
     """The codebook of a loaded source model (LoadedModel), cached by its weights' fingerprint."""
-    from .artifact import weights_fingerprint
-
     return cached_codebook(source.model, len(source.tokenizer.get_vocab()),
                            weights_fingerprint(source.path), cache_dir or default_cache_dir())
 
@@ -81,3 +81,55 @@ def decode_ids(latents: mx.array, codebook: mx.array, chunk: int = 1024) -> mx.a
         dist = book_sq[None, :] - 2 * (x @ book.T)  # ||x||^2 is the same for every row
         out.append(mx.argmin(dist, axis=-1))
     return mx.concatenate(out).reshape(B, T)
+
+
+@dataclass
+class TokenIdentity:
+    """How a translator knows which token each position holds: `off`, `ids` (given by the
+    caller, who knows the conversation) or `codebook` (decoded from the source's cache; the
+    codebook is built or loaded the first time it is needed)."""
+
+    mode: str = "off"
+    codebook: mx.array | None = field(default=None, repr=False)
+    load_codebook: Callable[[], mx.array] | None = field(default=None, repr=False)
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"token identity must be {', '.join(MODES)}, not {self.mode!r}")
+
+    @property
+    def on(self) -> bool:
+        return self.mode != "off"
+
+    def source_points(self) -> set[CapturePoint]:
+        return {CODEBOOK_POINT} if self.mode == "codebook" else set()
+
+    def bind(self, source) -> None:
+        """Load the codebook of `source` (a LoadedModel) lazily, when first needed."""
+        if self.mode == "codebook" and self.codebook is None:
+            self.load_codebook = lambda: codebook_of(source)
+
+    def book(self) -> mx.array:
+        if self.codebook is None:
+            if self.load_codebook is None:
+                raise ValueError("codebook token identity needs the source's codebook: load the "
+                                 "translator with its source model")
+            self.codebook = self.load_codebook()
+        return self.codebook
+
+    def ids(self, source: Capture, known_ids: mx.array | None) -> mx.array | None:
+        """Token ids of the source capture's positions (None when off). Decoding reads the
+        source's layer-0 latent; a span the source holds by translation has no latent it
+        computed itself: there, the known ids stand in."""
+        if self.mode == "off":
+            return None
+        if self.mode == "ids":
+            if known_ids is None:
+                raise ValueError("token identity `ids` needs the token ids")
+            return known_ids
+        latent = source.objects[first_mla_layer(source.layout)].get(("latent", CODEBOOK_POINT))
+        if latent is None:
+            if known_ids is None:
+                raise ValueError("the source's capture lacks the layer-0 latent to decode")
+            return known_ids
+        return decode_ids(latent, self.book())

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import synthetic
+from ..evaluation import tasks
 from .corpus import read_split, sentences
 
 
@@ -91,7 +91,7 @@ class SampleMaker:
         the code and the question always stay in)."""
         n_chars = max(60, int(budget * 3.6))
         while True:
-            s = synthetic.needle(seed, n_chars=n_chars, filler=self.filler)
+            s = tasks.needle(seed, n_chars=n_chars, filler=self.filler)
             prompt, answer = self.encode(s.prompt), self.encode(s.answer)
             if len(prompt) + len(answer) <= budget or n_chars == 0:
                 return prompt, answer
@@ -101,9 +101,9 @@ class SampleMaker:
         n_pairs = 2
         best = None
         while True:
-            s = synthetic.key_value(seed, n_pairs=n_pairs)
+            s = tasks.key_value(seed, n_pairs=n_pairs)
             prompt, answer = self.encode(s.prompt), self.encode(s.answer)
-            if len(prompt) + len(answer) > budget or n_pairs > len(synthetic.KEYS):
+            if len(prompt) + len(answer) > budget or n_pairs > len(tasks.KEYS):
                 return best or (prompt[-(budget - len(answer)):], answer)
             best = (prompt, answer)
             n_pairs += 2
@@ -113,7 +113,7 @@ class SampleMaker:
         only if it must (its fact is in the last user turn but one)."""
         turns = 8
         while True:
-            s = synthetic.dialogue(seed, turns=turns, filler=self.filler)
+            s = tasks.dialogue(seed, turns=turns, filler=self.filler)
             prompt = self.encode(render_chat(s.messages))
             answer = self.encode(s.answer + "<|im_end|>")
             if len(prompt) + len(answer) <= budget or turns <= 2:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-import sys
 import time
 from pathlib import Path
 
@@ -21,12 +20,14 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_unflatten
 
+from ..evaluation.needles import HELD_OUT_SEED, held_out_filler, needle_recall, needle_scores
+from ..evaluation.perplexity import perplexity, unigram_perplexity
 from ..files import sha256_file
 from ..gated_delta import chunked_recurrence
+from ..instrument import hook_module, observe_function
+from ..layouts.indexer import indexer_keys, indexer_scores
 from .corpus import build_corpus
 from .data import SampleMaker, TokenStream, make_batch, needle_filler
-from .evaluate import (HELD_OUT_SEED, held_out_filler, needle_recall, needle_scores, perplexity,
-                       unigram_perplexity)
 from .recipes import RECIPES, VOCAB, Recipe
 from .tokenizer import save_tokenizer, special_token_ids, train_bpe
 
@@ -57,51 +58,28 @@ def ensure_tokenizer(weights: Path, corpus: Path):
 
 
 # -- the DSA indexer's own loss ----------------------------------------------------------------
-def indexer_scores(indexer, x, qr):
-    """The indexer's pre-top-k scores (B, L, L), as mlx-lm's `Indexer.__call__` computes them."""
-    b, s, _ = x.shape
-    q = indexer.wq_b(qr).reshape(b, s, indexer.n_heads, indexer.head_dim).swapaxes(1, 2)
-    k = indexer.k_norm(indexer.wk(x)).reshape(b, 1, s, indexer.head_dim)
-    q, k = indexer.rope(q), indexer.rope(k)
-    scores = mx.maximum(q @ k.swapaxes(-1, -2), 0)
-    weights = indexer.weights_proj(x) * (indexer.n_heads**-0.5 * indexer.softmax_scale)
-    return (scores * weights.swapaxes(-1, -2)[..., None]).sum(axis=1)
-
-
 @contextlib.contextmanager
 def indexer_supervision(model):
     """Within the block, each DSA layer's forward appends (attention probs, indexer scores)."""
-    module = sys.modules[type(model).__module__]
     pairs: list[tuple[mx.array, mx.array]] = []
-    original_sdpa = module.scaled_dot_product_attention
     current = {}
 
-    def recording_sdpa(queries, keys, values, cache, scale, mask, **kw):
+    def index(attn, args, kwargs):
+        x_in = mx.stop_gradient(args[0])
+        qr = mx.stop_gradient(attn.q_a_layernorm(attn.q_a_proj(x_in)))
+        current["index"] = indexer_scores(attn.indexer, x_in, qr, indexer_keys(attn.indexer, x_in))
+
+    def attention(queries, keys, values, cache, scale, mask, **kw):
         scores = (queries * scale) @ keys.swapaxes(-1, -2) + mask  # mask = rope scores (+ -inf)
         attn = mx.stop_gradient(mx.softmax(scores.astype(mx.float32), axis=-1).mean(axis=1))
         pairs.append((attn, current.pop("index")))
-        return original_sdpa(queries, keys, values, cache=cache, scale=scale, mask=mask, **kw)
 
-    swapped = []
-    for layer in model.layers:
-        attn = layer.self_attn
-        base = type(attn)
-
-        def call(self, x, mask=None, cache=None, _base=base):
-            x_in = mx.stop_gradient(x)
-            qr = mx.stop_gradient(self.q_a_layernorm(self.q_a_proj(x_in)))
-            current["index"] = indexer_scores(self.indexer, x_in, qr)
-            return _base.__call__(self, x, mask, cache)
-
-        attn.__class__ = type("Supervised" + base.__name__, (base,), {"__call__": call})
-        swapped.append((attn, base))
-    module.scaled_dot_product_attention = recording_sdpa
-    try:
+    with contextlib.ExitStack() as stack:
+        for layer in model.layers:
+            stack.enter_context(hook_module(layer.self_attn, before=index))
+        stack.enter_context(observe_function(type(model).__module__,
+                                             "scaled_dot_product_attention", attention))
         yield pairs
-    finally:
-        module.scaled_dot_product_attention = original_sdpa
-        for attn, base in swapped:
-            attn.__class__ = base
 
 
 def indexer_kl(pairs) -> mx.array:

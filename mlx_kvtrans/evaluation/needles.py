@@ -1,4 +1,5 @@
-"""Native figures of a model: held-out perplexity (beside a unigram baseline) and needle recall.
+"""Needle recall: held-out needles, their exact recall and answer-digit loss, and the
+distillation needle rows.
 
 Needle recall is exact: all six digits right under greedy decoding. With the answer fed in
 (teacher forcing), greedy decoding reproduces it exactly when every answer position's argmax is the
@@ -7,16 +8,14 @@ answer token, so one forward pass per needle decides it.
 
 from __future__ import annotations
 
-import math
-import random
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 
-from . import synthetic
+from . import tasks
 
 HELD_OUT_SEED = 900_000_000  # needle seeds at and above this are never drawn in training
+NEEDLE_SEED = 700_000_000  # distillation needles: below the held-out seeds
 FILLER_FILE = Path(__file__).with_name("needle_filler.txt")
 
 
@@ -26,32 +25,11 @@ def held_out_filler() -> list[str]:
     return FILLER_FILE.read_text().splitlines()
 
 
-def perplexity(model, ids: np.ndarray, length: int, windows: int = 64, seed: int = 0) -> float:
-    """exp(mean next-token NLL) over `windows` random windows of `length` tokens of `ids`."""
-    rng = random.Random(seed)
-    total, count = 0.0, 0
-    for _ in range(windows):
-        start = rng.randrange(0, len(ids) - length - 1)
-        x = mx.array(ids[start:start + length + 1])[None]
-        logits = model(x[:, :-1]).astype(mx.float32)
-        nll = mx.logsumexp(logits, axis=-1) - mx.take_along_axis(logits, x[:, 1:, None], -1)[..., 0]
-        total += float(nll.sum())
-        count += length
-    return math.exp(total / count)
-
-
-def unigram_perplexity(train_ids: np.ndarray, eval_ids: np.ndarray, vocab: int) -> float:
-    """The baseline a model must beat: token frequencies of the training split (add-one)."""
-    counts = np.bincount(train_ids, minlength=vocab).astype(np.float64) + 1.0
-    logp = np.log(counts / counts.sum())
-    return float(np.exp(-logp[eval_ids].mean()))
-
-
 def needle_prompt_tokens(encode, seed: int, n_tokens: int, filler: list[str]):
     """A held-out needle whose prompt + answer is close to (at most) `n_tokens` tokens."""
     n_chars = int(n_tokens * 3.6)
     for _ in range(8):
-        s = synthetic.needle(seed, n_chars=n_chars, filler=filler)
+        s = tasks.needle(seed, n_chars=n_chars, filler=filler)
         prompt, answer = encode(s.prompt), encode(s.answer)
         total = len(prompt) + len(answer)
         if total <= n_tokens and total >= 0.9 * n_tokens:
@@ -92,3 +70,19 @@ def needle_scores(model, encode, length: int, samples: int = 50, filler=None,
                       - mx.take_along_axis(logits, target[:, None], -1)[:, 0]).mean())
         hits += mx.argmax(logits, axis=-1).tolist() == answer[:digits]
     return hits / samples, nll / samples
+
+
+def needle_rows(encode, filler: list[str], length: int, count: int = 2000,
+                seed: int = NEEDLE_SEED) -> list[list[int]]:
+    """`count` needles (prompt + answer) of at least `length` tokens each, as token ids."""
+    rows = []
+    for i in range(count):
+        n_chars = int(length * 4.5)
+        while True:
+            sample = tasks.needle(seed + i, n_chars=n_chars, filler=filler)
+            ids = encode(sample.prompt + sample.answer)
+            if len(ids) >= length:
+                break
+            n_chars = int(n_chars * 1.3)
+        rows.append(ids)
+    return rows

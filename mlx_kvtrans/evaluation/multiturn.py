@@ -1,6 +1,6 @@
 """Multi-turn evaluation: held-out dialogues that alternate models at every turn.
 
-Each dialogue (`zoo.synthetic.dialogue`, seeds never used in training) states numbers in early
+Each dialogue (`evaluation.tasks.dialogue`, seeds never used in training) states numbers in early
 user turns and asks for them later. The active model answers every turn greedily; a question turn
 counts as right when the reply contains the asked number. The same dialogues run under each
 switching strategy (segment-wise, naive, refresh) and under re-prefill (no translators), so the
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import re
 
-from .session import Session
-from .zoo import synthetic
+from ..session import Session
+from . import tasks
 
 HELD_OUT_DIALOGUES = 950_000_000
 
@@ -21,7 +21,7 @@ def run_dialogue(models: dict, translators: dict, strategy: str, seed: int, turn
                  max_tokens: int = 24) -> list[dict]:
     """Per assistant turn: which model answered, whether it was a question, whether right."""
     names = list(models)
-    sample = synthetic.dialogue(seed, turns=turns)
+    sample = tasks.dialogue(seed, turns=turns)
     messages = sample.messages + [{"role": "assistant", "content": sample.answer}]
     session = Session(models, translators, active=names[0],
                       strategy="segment" if strategy == "reprefill" else strategy)

@@ -1,0 +1,11 @@
+"""Held-out evaluation tasks and their scoring.
+
+- `tasks`: seeded generators of needles, key-value recall and multi-turn dialogues;
+- `needles`: the held-out needle filler, needle prompts, exact recall and answer-digit loss, and
+  the distillation needle rows (seeds below the held-out ones);
+- `perplexity`: held-out perplexity beside a unigram baseline;
+- `multiturn`: held-out dialogues that alternate models at every turn.
+
+Used by the zoo's training (figures of each model) and by the translators' evaluation. Nothing is
+imported here, so importing the package stays cheap.
+"""

@@ -1,0 +1,177 @@
+"""Every run-time tap and patch of mlx-lm, in one place, safe to nest in any order.
+
+Two kinds of hook, each kept as a list per target so that any number of them can be active at
+once and each one leaves exactly as it came:
+
+- module hooks (`hook_module`): callbacks before and/or after one module instance's `__call__`.
+  The instance's class is swapped, once, for a subclass that runs the callbacks (assigning a
+  wrapper module would rename or drop its weights); the last hook to leave swaps it back.
+- function hooks on a name that mlx-lm's model files look up at call time
+  (`gated_delta_update`, `scaled_dot_product_attention`): `observe_function` sees the arguments
+  of every call, `replace_function` substitutes the implementation (the latest one entered wins).
+  Observers always run, whichever implementation is active, so a capture that records the
+  recurrence inputs keeps recording while the chunkwise recurrence replaces the token loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from typing import Any, Callable, Iterator
+
+import mlx.nn as nn
+
+# before(module, args, kwargs); after(module, args, kwargs, output)
+Before = Callable[[nn.Module, tuple, dict], None]
+After = Callable[[nn.Module, tuple, dict, Any], None]
+
+
+class _ModuleHooks:
+    def __init__(self, base: type):
+        self.base = base
+        self.before: list[Before] = []
+        self.after: list[After] = []
+
+
+def _hooked_call(self, *args, **kwargs):
+    hooks = type(self).__dict__["_kvtrans_hooks"]
+    for before in list(hooks.before):
+        before(self, args, kwargs)
+    out = hooks.base.__call__(self, *args, **kwargs)
+    for after in list(hooks.after):
+        after(self, args, kwargs, out)
+    return out
+
+
+def _hooks_of(module: nn.Module) -> _ModuleHooks:
+    hooks = type(module).__dict__.get("_kvtrans_hooks")
+    if hooks is None:
+        base = type(module)
+        hooks = _ModuleHooks(base)
+        module.__class__ = type("Hooked" + base.__name__, (base,),
+                                {"__call__": _hooked_call, "_kvtrans_hooks": hooks})
+    return hooks
+
+
+@contextlib.contextmanager
+def hook_module(module: nn.Module, before: Before | None = None,
+                after: After | None = None) -> Iterator[None]:
+    """Within the block, `before` / `after` run around every call of this module instance."""
+    hooks = _hooks_of(module)
+    if before:
+        hooks.before.append(before)
+    if after:
+        hooks.after.append(after)
+    try:
+        yield
+    finally:
+        if before:
+            hooks.before.remove(before)
+        if after:
+            hooks.after.remove(after)
+        if not hooks.before and not hooks.after:
+            module.__class__ = hooks.base
+
+
+class _FunctionHook:
+    """Stands in for a module-level function: observers, then the active implementation."""
+
+    def __init__(self, owner, name: str):
+        self.owner, self.name = owner, name
+        self.original = getattr(owner, name)
+        self.observers: list[Callable] = []
+        self.implementations: list[Callable] = []
+
+    def __call__(self, *args, **kwargs):
+        for observe in list(self.observers):
+            observe(*args, **kwargs)
+        implementation = self.implementations[-1] if self.implementations else self.original
+        return implementation(*args, **kwargs)
+
+    @property
+    def idle(self) -> bool:
+        return not self.observers and not self.implementations
+
+
+_function_hooks: dict[tuple[str, str], _FunctionHook] = {}
+
+
+@contextlib.contextmanager
+def _function_hook(module_name: str, name: str, slot: str, fn: Callable) -> Iterator[None]:
+    key = (module_name, name)
+    hook = _function_hooks.get(key)
+    if hook is None:
+        owner = importlib.import_module(module_name)
+        hook = _function_hooks[key] = _FunctionHook(owner, name)
+        setattr(owner, name, hook)
+    getattr(hook, slot).append(fn)
+    try:
+        yield
+    finally:
+        getattr(hook, slot).remove(fn)
+        if hook.idle:
+            setattr(hook.owner, name, hook.original)
+            del _function_hooks[key]
+
+
+def observe_function(module_name: str, name: str, observer: Callable):
+    """Within the block, `observer(*args, **kwargs)` sees every call of `module_name.name`."""
+    return _function_hook(module_name, name, "observers", observer)
+
+
+def replace_function(module_name: str, name: str, implementation: Callable):
+    """Within the block, calls of `module_name.name` run `implementation` instead."""
+    return _function_hook(module_name, name, "implementations", implementation)
+
+
+def original_function(module_name: str, name: str) -> Callable:
+    """The function mlx-lm defines under `name`, whatever hooks are active."""
+    hook = _function_hooks.get((module_name, name))
+    return hook.original if hook else getattr(importlib.import_module(module_name), name)
+
+
+def attention_module_name(layer: nn.Module) -> str | None:
+    """The mlx-lm module whose `scaled_dot_product_attention` a decoder layer's attention calls
+    (None for a layer without softmax attention)."""
+    if "self_attn" not in layer:
+        return None
+    name = type(layer["self_attn"]).__module__
+    module = importlib.import_module(name)
+    return name if hasattr(module, "scaled_dot_product_attention") else None
+
+
+@contextlib.contextmanager
+def running_layer(model: nn.Module) -> Iterator[dict]:
+    """Within the block, `current["layer"]` is the index of the decoder layer running now (for
+    function hooks, which do not see which layer called them)."""
+    current = {"layer": -1}
+    with contextlib.ExitStack() as stack:
+        for index, layer in enumerate(model.layers):
+            def mark(module, args, kwargs, _index=index):
+                current["layer"] = _index
+            stack.enter_context(hook_module(layer, before=mark))
+        yield current
+
+
+@contextlib.contextmanager
+def recording_indexer_scores(model: nn.Module) -> Iterator[list]:
+    """Within the block, every sparse-attention indexer that reads a cache appends its pre-top-k
+    scores against all cached keys, (B, queries, keys), to the list yielded."""
+    from .layouts.indexer import indexer_scores
+
+    records: list = []
+
+    def after(indexer, args, kwargs, out):
+        cache = kwargs.get("cache", args[3] if len(args) > 3 else None)
+        if cache is None:
+            return
+        x, qr = args[0], args[1]
+        keys = cache.keys[..., : cache.offset, :]
+        records.append(indexer_scores(indexer, x, qr, keys, cache.offset - x.shape[1]))
+
+    with contextlib.ExitStack() as stack:
+        for layer in model.layers:
+            indexer = getattr(getattr(layer, "self_attn", None), "indexer", None)
+            if indexer is not None:
+                stack.enter_context(hook_module(indexer, after=after))
+        yield records

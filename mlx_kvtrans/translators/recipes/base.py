@@ -1,0 +1,161 @@
+"""What every recipe is: the plan for one target object, and everything about building it.
+
+A recipe instance names a target object (layer, name), the capture point it produces, and the
+source layers it reads. Its class owns the rest: when it applies (`plan`, `default`), what it
+reads from source and target (`feature_reads`, `source_points`, `target_points`), the statistics
+it streams while fitting (`accumulate`) and its closed-form solve (`solve`), how it builds the
+target object (`build`), its parameters' shapes and FLOPs, and its manifest entry (`to_json`).
+Callers ask the recipe; nothing outside this package tests a recipe's name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Callable, ClassVar
+
+import mlx.core as mx
+
+from ...capture import Capture
+from ...layouts import CacheObject, CapturePoint, ModelLayout
+
+
+class RecipeError(ValueError):
+    """A recipe asked for an object it cannot build."""
+
+
+@dataclass
+class PlanContext:
+    """What planning one target layer knows: both layouts and the layer assignment."""
+
+    source: ModelLayout
+    target: ModelLayout
+    sources: tuple[int, ...]  # the source feature layers assigned to this target layer
+    point_of: Callable[[CacheObject], CapturePoint]  # the requested point of a target object
+    state_source: Callable[[int, str], int | None]  # a source layer with a same-shaped state
+    split_kv: bool = False
+    heads: int = 0
+
+
+@dataclass
+class FitBatch:
+    """One batch of fitting data, as every recipe's `accumulate` reads it."""
+
+    source: Capture
+    target: Capture
+    features: dict  # (source layer, kinds) -> (B, T, D) features at the translator's point
+    identity: mx.array | None  # (B, T, E) target embeddings of the token ids, or None
+    attention: dict[int, mx.array]  # target layer -> (B, prefix) weights (attention-weighted)
+
+
+@dataclass
+class BuildInputs:
+    """What building one target object reads."""
+
+    source: Capture
+    features: dict
+    identity: mx.array | None
+    batch: int
+    target_object: CacheObject
+    all_rows: bool = False  # conv histories: every row, not only the K-1 the engine keeps
+
+
+def concat_features(features: dict, sources, kinds, identity) -> mx.array:
+    """A map's input: the features of its source layers, then the token identity."""
+    parts = [features[(s, kinds)] for s in sources]
+    return mx.concatenate(parts + ([identity] if identity is not None else []), axis=-1)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    recipe: ClassVar[str]  # the name in manifests and on the command line
+    reads_identity: ClassVar[bool] = False  # whether token identity joins its input
+
+    layer: int  # target layer
+    name: str  # target object
+    point: CapturePoint  # the target capture point this recipe produces
+    sources: tuple[int, ...] = ()  # source layers it reads
+
+    @property
+    def key(self) -> str:
+        """Prefix of its parameters and metrics: "layer<L>.<object>" (never a bare number, so
+        `tree_flatten` and `nn.average_gradients` read the names as a dict tree)."""
+        return f"layer{self.layer}.{self.name}"
+
+    # -- planning ---------------------------------------------------------------------------
+    @classmethod
+    def plan(cls, obj: CacheObject, layer: int, ctx: PlanContext) -> "Recipe":
+        """This recipe for target object `obj`, or RecipeError saying why it cannot build it."""
+        raise NotImplementedError
+
+    @classmethod
+    def default(cls, obj: CacheObject, layer: int, ctx: PlanContext) -> "Recipe | None":
+        """This recipe when it is the default for `obj`; None otherwise."""
+        return None
+
+    # -- what it reads ----------------------------------------------------------------------
+    def feature_reads(self) -> set[tuple[int, tuple[str, ...]]]:
+        """(source layer, object kinds) whose per-token features it reads."""
+        return set()
+
+    def source_points(self) -> set[CapturePoint]:
+        """Source capture points it reads besides the features' own."""
+        return set()
+
+    def target_points(self) -> set[CapturePoint]:
+        """Target capture points fitting compares against."""
+        return set()
+
+    # -- fitting ----------------------------------------------------------------------------
+    def accumulate(self, batch: FitBatch, stats: dict) -> None:
+        """Stream one batch into `stats` (this recipe's entries live under `self.key`)."""
+
+    def fitted(self, stats: dict) -> "Recipe":
+        """This recipe with what fitting measured about the target (shapes), if anything."""
+        return self
+
+    def shaped(self, widths: "Widths") -> "Recipe":
+        """This recipe with what `widths` says about the target (shapes), if anything."""
+        return self
+
+    def solve(self, stats: dict, ridge: float) -> tuple[dict[str, mx.array], dict[str, Any]]:
+        """(parameters by name relative to `key`, metrics by name relative to `key`)."""
+        return {}, {}
+
+    # -- translating ------------------------------------------------------------------------
+    def build(self, inputs: BuildInputs, params: dict[str, mx.array]):
+        raise NotImplementedError
+
+    def param_shapes(self, widths: "Widths") -> dict[str, tuple[int, ...]]:
+        """Parameter name (relative to `key`) -> shape."""
+        return {}
+
+    def flops(self, length: int, shapes: dict[str, tuple[int, ...]],
+              target_object: CacheObject) -> float:
+        """Arithmetic (2 x multiply-adds) of building the object from a `length`-token prompt."""
+        return 0.0
+
+    # -- manifest ---------------------------------------------------------------------------
+    def to_json(self) -> dict:
+        data = {"recipe": self.recipe}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            data[f.name] = list(value) if isinstance(value, tuple) else value
+        data["point"] = int(self.point)
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Recipe":
+        names = {f.name for f in fields(cls)}
+        values = {k: tuple(v) if isinstance(v, list) else v
+                  for k, v in data.items() if k in names}
+        values["point"] = CapturePoint(values["point"])
+        return cls(**values)
+
+
+@dataclass
+class Widths:
+    """What a translator's parameters are shaped by, measured on a short capture."""
+
+    features: dict[tuple[int, tuple[str, ...]], int]  # (source layer, kinds) -> width
+    identity: int  # width of the token-identity embedding (0 when off)
+    target: dict[tuple[int, str, int], Any]  # (layer, object, point) -> its value on 8 tokens

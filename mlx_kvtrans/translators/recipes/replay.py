@@ -1,0 +1,102 @@
+"""Replay: a recurrent state rebuilt by the target's own recurrence. Token-wise maps predict the
+target's per-token recurrence inputs (k, v, gate and beta logits; q only reads the state out)
+from the source's features, and `install` runs the target's `gated_delta_update` over them. The
+default for a target state the source has nothing like.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+
+from ...layouts import CapturePoint, ObjectKind
+from ...layouts.linear_attention import RecurrentInputs
+from ..stats import Moments, solve
+from .base import Recipe, RecipeError, concat_features
+
+REPLAY_INPUTS = ("k", "v", "a", "b")  # what the state needs; q only reads it out
+
+
+@dataclass(frozen=True)
+class Replay(Recipe):
+    recipe = "replay"
+    reads_identity = True
+
+    # per input: its per-token shape in the target, e.g. {"k": [Hk, Dk], "a": [Hv]}
+    shapes: dict = field(default_factory=dict, hash=False, compare=False)
+
+    @classmethod
+    def plan(cls, obj, layer, ctx):
+        if obj.kind != ObjectKind.RECURRENT_STATE:
+            raise RecipeError(f"{obj.name} ({obj.kind.value}) has no recurrence to replay")
+        return cls(layer, obj.name, CapturePoint.NORMED, ctx.sources)
+
+    @classmethod
+    def default(cls, obj, layer, ctx):
+        return cls.plan(obj, layer, ctx) if obj.kind == ObjectKind.RECURRENT_STATE else None
+
+    def feature_reads(self):
+        return {(s, ()) for s in self.sources}
+
+    def target_points(self):
+        return {CapturePoint.NORMED}
+
+    def with_shapes(self, inputs: RecurrentInputs) -> "Replay":
+        shapes = {name: list(getattr(inputs, name).shape[2:]) for name in REPLAY_INPUTS}
+        return Replay(self.layer, self.name, self.point, self.sources, shapes)
+
+    def accumulate(self, batch, stats):
+        x = concat_features(batch.features, self.sources, (), batch.identity)
+        inputs = batch.target.objects[self.layer][(self.name, CapturePoint.NORMED)]
+        entry = stats.setdefault(self.key, {"recipe": self.with_shapes(inputs), "moments": {}})
+        for name in REPLAY_INPUTS:
+            y = getattr(inputs, name)
+            if name not in entry["moments"]:
+                entry["moments"][name] = Moments(x.shape[-1], int(np.prod(y.shape[2:])))
+            entry["moments"][name].add(x, y.reshape(*y.shape[:2], -1))
+
+    def fitted(self, stats) -> "Replay":
+        """This recipe with the target's input shapes, as fitting measured them."""
+        return stats[self.key]["recipe"]
+
+    def shaped(self, widths) -> "Replay":
+        return self.with_shapes(widths.target[(self.layer, self.name, CapturePoint.NORMED)])
+
+    def solve(self, stats, ridge):
+        params, metrics = {}, {}
+        for name, moments in stats[self.key]["moments"].items():
+            fit = solve(moments, ridge=ridge)
+            params[f"{name}.weight"], params[f"{name}.bias"] = (mx.array(fit.weight),
+                                                               mx.array(fit.bias))
+            metrics[name] = {"r2": round(fit.mean_r2, 5), "pinv": fit.used_pinv}
+        return params, metrics
+
+    def build(self, inputs, params):
+        """Predicted per-token recurrence inputs (2); install replays the target's recurrence."""
+        from mlx_lm.models.gated_delta import normalize_qk
+
+        x = concat_features(inputs.features, self.sources, (), inputs.identity)
+        B, T, _ = x.shape
+        pred = {}
+        for name in REPLAY_INPUTS:
+            y = x @ params[f"{name}.weight"].T + params[f"{name}.bias"]
+            pred[name] = y.reshape(B, T, *self.shapes[name])
+        k = pred["k"]
+        _, k = normalize_qk(k, k, inv_scale=k.shape[-1] ** -0.5, eps=1e-6)  # the target's own
+        return RecurrentInputs(mx.zeros_like(k), k, pred["v"], pred["a"], pred["b"])
+
+    def param_shapes(self, widths):
+        din = sum(widths.features[(s, ())] for s in self.sources) + widths.identity
+        inputs = widths.target[(self.layer, self.name, CapturePoint.NORMED)]
+        out = {}
+        for name in REPLAY_INPUTS:
+            dout = math.prod(getattr(inputs, name).shape[2:])
+            out[f"{name}.weight"], out[f"{name}.bias"] = (dout, din), (dout,)
+        return out
+
+    def flops(self, length, shapes, target_object):
+        return sum(2.0 * shapes[f"{n}.weight"][0] * shapes[f"{n}.weight"][1] * length
+                   for n in REPLAY_INPUTS)

@@ -1,0 +1,173 @@
+"""The token-wise linear map: per-token target objects (GQA keys and values, MLA latents and rope
+keys, indexer keys) and conv-history rows, from the features of the `nu` source layers nearest the
+target layer's depth, plus token identity (hybrid-translation paper, "Per-object recipes"):
+
+    y = W [x_s1 | ... | x_snu | emb(id)] + b
+
+fitted by ridge regression on streamed second moments. `split_kv` maps keys from source keys and
+values from source values; `heads` = n makes it head-wise (target head h reads source head h
+only, plus the token identity): a block-diagonal W fitted block by block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import mlx.core as mx
+import numpy as np
+
+from ...capture import capture
+from ...layouts import CapturePoint, ObjectKind, layout_of
+from ..features import layer_features
+from ..stats import LinearFit, Moments, solve
+from .base import BuildInputs, FitBatch, PlanContext, Recipe, RecipeError, concat_features
+
+PER_TOKEN = {ObjectKind.TOKEN_KEY, ObjectKind.TOKEN_VALUE, ObjectKind.MLA_LATENT,
+             ObjectKind.ROPE_KEY, ObjectKind.INDEXER_KEY}
+
+
+def per_token_rows(value: mx.array) -> mx.array:
+    """A target object as (B, T, D) rows: (3) per-token tensors are (B, heads, T, dim)."""
+    if value.ndim == 4:
+        B, H, T, D = value.shape
+        return value.transpose(0, 2, 1, 3).reshape(B, T, H * D)
+    return value
+
+
+@dataclass(frozen=True)
+class TokenMap(Recipe):
+    recipe = "map"
+    reads_identity = True
+
+    source_kinds: tuple[str, ...] = ()  # only these source object kinds (split K/V); () = all
+    heads: int = 0  # 0 = head-mixing; n = head-wise
+
+    @classmethod
+    def plan(cls, obj, layer, ctx: PlanContext) -> "TokenMap":
+        if obj.kind in PER_TOKEN:
+            kinds = (obj.kind.value,) if ctx.split_kv else ()
+            return cls(layer, obj.name, obj.point_for(ctx.point_of(obj)), ctx.sources, kinds,
+                       ctx.heads)
+        if obj.kind == ObjectKind.CONV_HISTORY:  # its rows are per token at (1)
+            return cls(layer, obj.name, CapturePoint.RAW, ctx.sources)
+        raise RecipeError(f"{obj.name} ({obj.kind.value}) is not per token: zero, copy, "
+                          "bilinear or replay")
+
+    @classmethod
+    def default(cls, obj, layer, ctx):
+        if obj.kind in PER_TOKEN or obj.kind == ObjectKind.CONV_HISTORY:
+            return cls.plan(obj, layer, ctx)
+        return None
+
+    def feature_reads(self):
+        return {(s, self.source_kinds) for s in self.sources}
+
+    def target_points(self):
+        return {self.point}
+
+    # -- fitting ----------------------------------------------------------------------------
+    def _blocks(self, din: int, dout: int, per_layer: int):
+        """(moments key, input columns, output rows) of each block the map is fitted as: the
+        whole map, or one block per head: its slice of each source layer's `per_layer`
+        features, plus the token-identity columns after them, which every head reads."""
+        if not self.heads:
+            return [(self.key, None, None)]
+        n, layers = self.heads, len(self.sources)
+        d_src, d_tgt = per_layer // n, dout // n
+        shared = list(range(layers * per_layer, din))
+        return [(f"{self.key}.h{h}",
+                 [j * per_layer + h * d_src + c for j in range(layers) for c in range(d_src)]
+                 + shared,
+                 list(range(h * d_tgt, (h + 1) * d_tgt))) for h in range(n)]
+
+    def accumulate(self, batch: FitBatch, stats: dict) -> None:
+        x = concat_features(batch.features, self.sources, self.source_kinds, batch.identity)
+        y = per_token_rows(batch.target.objects[self.layer][(self.name, self.point)])
+        per_layer = batch.features[(self.sources[0], self.source_kinds)].shape[-1]
+        entry = stats.setdefault(self.key, {"shape": (x.shape[-1], y.shape[-1], per_layer),
+                                            "moments": {}})
+        weights = batch.attention.get(self.layer)
+        if weights is not None:  # the prefix, weighted by the continuation's attention
+            x, y = x[:, : weights.shape[1]], y[:, : weights.shape[1]]
+        for key, cols, rows in self._blocks(*entry["shape"]):
+            xb, yb = (x, y) if cols is None else (x[..., cols], y[..., rows])
+            if key not in entry["moments"]:
+                entry["moments"][key] = Moments(xb.shape[-1], yb.shape[-1])
+            entry["moments"][key].add(xb, yb, weights)
+
+    def solve(self, stats, ridge):
+        entry = stats[self.key]
+        if not self.heads:
+            fit = solve(entry["moments"][self.key], ridge=ridge)
+        else:  # head-wise blocks -> one block-diagonal map
+            din, dout, _ = entry["shape"]
+            weight, bias = np.zeros((dout, din), np.float32), np.zeros(dout, np.float32)
+            r2 = []
+            for key, cols, rows in self._blocks(*entry["shape"]):
+                block = solve(entry["moments"][key], ridge=ridge)
+                weight[np.ix_(rows, cols)] = block.weight
+                bias[rows] = block.bias
+                r2.append(block.mean_r2)
+            fit = LinearFit(weight, bias, np.array([float(np.mean(r2))]), False)
+        params = {"weight": mx.array(fit.weight), "bias": mx.array(fit.bias)}
+        return params, {"": {"r2": round(fit.mean_r2, 5), "pinv": fit.used_pinv}}
+
+    # -- translating ------------------------------------------------------------------------
+    def build(self, inputs: BuildInputs, params):
+        obj = inputs.target_object
+        x = concat_features(inputs.features, self.sources, self.source_kinds, inputs.identity)
+        if obj.kind == ObjectKind.CONV_HISTORY and not inputs.all_rows:
+            x = x[:, -(obj.engine_shape[1]):]  # only the rows the history keeps
+        y = x @ params["weight"].T + params["bias"]
+        if self.point == CapturePoint.ENGINE:  # (B, T, heads * dim) -> (B, heads, T, dim)
+            _, heads, _, dim = obj.engine_shape
+            y = y.reshape(inputs.batch, -1, heads, dim).transpose(0, 2, 1, 3)
+        return y
+
+    def param_shapes(self, widths):
+        din = sum(widths.features[(s, self.source_kinds)] for s in self.sources)
+        din += widths.identity
+        dout = per_token_rows(widths.target[(self.layer, self.name, self.point)]).shape[-1]
+        return {"weight": (dout, din), "bias": (dout,)}
+
+    def flops(self, length, shapes, target_object):
+        dout, din = shapes["weight"]
+        rows = (min(length, target_object.engine_shape[1])
+                if target_object.kind == ObjectKind.CONV_HISTORY else length)
+        return 2.0 * din * dout * rows
+
+
+def assign_best_single(source_model, target_model, batches, recipes, source_point=1,
+                       ridge: float = 1e-3):
+    """Best-single-fit layer assignment: each target layer's maps read the one source layer
+    whose features fit its per-token objects best (mean R^2), instead of relative depth.
+
+    Holds second moments for every (target object, source layer) pair: meant for small models or
+    a few layers at a time. Returns the re-assigned recipes and the R^2 table per target layer.
+    """
+    source_layout, target_layout = layout_of(source_model), layout_of(target_model)
+    maps = [r for r in recipes if isinstance(r, TokenMap)]
+    moments: dict[tuple[TokenMap, int], Moments] = {}
+    for tokens in batches:
+        tokens = mx.array(tokens)
+        src = capture(source_model, tokens, points={source_point}, layout=source_layout)
+        tgt = capture(target_model, tokens, points={r.point for r in maps},
+                      layout=target_layout)
+        for s in range(len(source_layout.layers)):
+            for recipe in maps:
+                try:
+                    x = layer_features(src, s, source_point, recipe.source_kinds)
+                except ValueError:
+                    continue  # this source layer has none of the kinds the map reads
+                y = per_token_rows(tgt.objects[recipe.layer][(recipe.name, recipe.point)])
+                if (recipe, s) not in moments:
+                    moments[(recipe, s)] = Moments(x.shape[-1], y.shape[-1])
+                moments[(recipe, s)].add(x, y)
+    table: dict[int, dict[int, list[float]]] = {}
+    for (recipe, s), m in moments.items():
+        table.setdefault(recipe.layer, {}).setdefault(s, []).append(solve(m, ridge=ridge).mean_r2)
+    scores = {layer: {s: float(np.mean(v)) for s, v in by_source.items()}
+              for layer, by_source in table.items()}
+    best = {layer: max(by_source, key=by_source.get) for layer, by_source in scores.items()}
+    return ([replace(r, sources=(best[r.layer],)) if isinstance(r, TokenMap) and r.layer in best
+             else r for r in recipes], scores)

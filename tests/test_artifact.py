@@ -1,0 +1,88 @@
+"""A translator directory that is not exactly what was saved is refused with a message that says
+what is wrong: another format version, no SHA256SUMS, a missing file, a modified file."""
+
+import hashlib
+import json
+import shutil
+
+import mlx.core as mx
+import pytest
+
+import mlx_kvtrans as kv
+from mlx_kvtrans.errors import KvtransError
+from mlx_kvtrans.translators import artifact
+from mlx_kvtrans.translators.fit import fit
+from mlx_kvtrans.translators.plan import plan
+
+# Both entry points read a directory the same way.
+READERS = {"read_manifest": artifact.read_manifest, "load": artifact.load}
+
+
+@pytest.fixture(scope="module")
+def saved(loaded, tmp_path_factory):
+    """A tiny qwen3 -> llama translator, fitted and saved once."""
+    src, tgt = loaded("qwen3"), loaded("llama")
+    specs = plan(kv.layout_of(src.model), kv.layout_of(tgt.model), point=1, nu=2)
+    data = [mx.random.randint(0, 259, (2, 32), key=mx.random.key(i)) for i in range(2)]
+    tr = fit(src.model, tgt.model, data, specs)
+    return artifact.save(tr, tmp_path_factory.mktemp("artifact") / "tr", src, tgt)
+
+
+@pytest.fixture
+def copy(saved, tmp_path):
+    """A fresh copy of the saved translator, to break."""
+    return shutil.copytree(saved, tmp_path / "tr")
+
+
+def rewrite_sums(directory):
+    """SHA256SUMS matching the directory's files as they are now."""
+    names = [line.partition("  ")[2] for line in (directory / "SHA256SUMS").read_text().splitlines()]
+    (directory / "SHA256SUMS").write_text("".join(
+        f"{hashlib.sha256((directory / n).read_bytes()).hexdigest()}  {n}\n" for n in names))
+
+
+@pytest.mark.parametrize("read", READERS.values(), ids=READERS.keys())
+def test_an_untouched_artifact_reads_back(copy, read):
+    read(copy)  # the control for every refusal below: the same directory, unbroken
+    rewrite_sums(copy)  # and the helper that re-hashes writes what save wrote
+    read(copy)
+
+
+@pytest.mark.parametrize("read", READERS.values(), ids=READERS.keys())
+def test_another_format_version_is_refused(copy, read):
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["format_version"] = 999  # a version no library has written
+    (copy / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    rewrite_sums(copy)  # every hash matches: only the version is wrong
+    with pytest.raises(KvtransError, match="version") as refused:
+        read(copy)
+    assert "SHA256SUMS" not in str(refused.value) and "incomplete" not in str(refused.value)
+
+
+@pytest.mark.parametrize("read", READERS.values(), ids=READERS.keys())
+def test_missing_sha256sums_is_refused(copy, read):
+    (copy / "SHA256SUMS").unlink()
+    with pytest.raises(KvtransError, match="no SHA256SUMS"):
+        read(copy)
+
+
+@pytest.mark.parametrize("read", READERS.values(), ids=READERS.keys())
+def test_missing_weights_file_is_refused_as_incomplete(copy, read):
+    (copy / "weights.safetensors").unlink()
+    with pytest.raises(KvtransError, match="incomplete: weights.safetensors missing"):
+        read(copy)
+
+
+@pytest.mark.parametrize("name", ["weights.safetensors", "manifest.json"])
+@pytest.mark.parametrize("read", READERS.values(), ids=READERS.keys())
+def test_a_modified_file_is_refused(copy, read, name):
+    data = bytearray((copy / name).read_bytes())
+    data[-2] ^= 0x01  # one bit: refused by its hash before anything parses it
+    (copy / name).write_bytes(bytes(data))
+    with pytest.raises(KvtransError, match=f"{name} does not match SHA256SUMS"):
+        read(copy)
+
+
+def test_a_missing_directory_is_refused(tmp_path):
+    with pytest.raises(KvtransError, match="not found"):
+        artifact.load(tmp_path / "nowhere")

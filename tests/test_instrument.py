@@ -1,0 +1,97 @@
+"""Run-time hooks on mlx-lm nest in any order and leave everything as it was; the one
+indexer-score formula is mlx-lm's own."""
+
+from __future__ import annotations
+
+import importlib
+
+import mlx.core as mx
+import pytest
+
+import mlx_kvtrans as kv
+from mlx_kvtrans.capture import capture, tapped
+from mlx_kvtrans.gated_delta import chunked_recurrence
+from mlx_kvtrans.instrument import hook_module, observe_function, recording_indexer_scores
+from mlx_kvtrans.verify import max_abs_diff
+
+from conftest import HYBRID_RECURRENT
+
+
+def tokens(n=40):
+    return mx.random.randint(0, 259, (1, n), key=mx.random.key(5))
+
+
+def recorded_inputs(cap):
+    return [found[("state", kv.CapturePoint.NORMED)] for found in cap.objects
+            if ("state", kv.CapturePoint.NORMED) in found]
+
+
+@pytest.mark.parametrize("family", HYBRID_RECURRENT)
+@pytest.mark.parametrize("order", ["capture inside recurrence", "recurrence inside capture"])
+def test_capture_records_recurrence_inputs_nested_with_the_chunked_recurrence(loaded, family,
+                                                                              order):
+    model = loaded(family).model
+    reference = recorded_inputs(capture(model, tokens(), points=(2,)))
+    assert reference
+    layout = kv.layout_of(model)
+    if order == "capture inside recurrence":
+        with chunked_recurrence(), tapped(model, layout, {kv.CapturePoint.NORMED}) as rec:
+            mx.eval(model(tokens()))
+    else:
+        with tapped(model, layout, {kv.CapturePoint.NORMED}) as rec, chunked_recurrence():
+            mx.eval(model(tokens()))
+    nested = [found[("state", kv.CapturePoint.NORMED)] for found in rec.joined()
+              if ("state", kv.CapturePoint.NORMED) in found]
+    assert len(nested) == len(reference)
+    for a, b in zip(reference, nested):
+        for x, y in zip(a.arrays(), b.arrays()):
+            assert x.shape == y.shape and max_abs_diff(x, y) <= 1e-5
+
+
+def test_hooks_leave_classes_and_functions_as_they_were(loaded):
+    model = loaded("qwen3_5").model
+    module = importlib.import_module("mlx_lm.models.qwen3_5")
+    original, layer_class = module.gated_delta_update, type(model.layers[0])
+    calls = []
+    with observe_function("mlx_lm.models.qwen3_5", "gated_delta_update",
+                          lambda *a, **k: calls.append("outer")):
+        with hook_module(model.layers[0], before=lambda *a: calls.append("layer")):
+            with chunked_recurrence():
+                mx.eval(model(tokens(8)))
+        assert type(model.layers[0]) is layer_class
+    assert module.gated_delta_update is original and type(model.layers[0]) is layer_class
+    assert calls.count("layer") == 1 and "outer" in calls
+    mx.eval(model(tokens(8)))  # no hook left behind
+    assert calls.count("layer") == 1
+
+
+def test_hooks_restore_when_left_out_of_order(loaded):
+    model = loaded("qwen3").model
+    base = type(model.layers[1])
+    first = hook_module(model.layers[1], before=lambda *a: None)
+    second = hook_module(model.layers[1], after=lambda *a: None)
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)  # the earlier one leaves first
+    assert type(model.layers[1]) is not base  # the later one still holds
+    second.__exit__(None, None, None)
+    assert type(model.layers[1]) is base
+
+
+def test_indexer_scores_select_what_mlx_lms_indexer_selects(loaded):
+    """The top-k of `indexer_scores` are the indices mlx-lm's own `Indexer` returns."""
+    model = loaded("deepseek_v32").model
+    indexer = model.layers[0].self_attn.indexer
+    n = indexer.index_topk + 24
+    selected = {}
+
+    def keep(module, args, kwargs, out):
+        selected.setdefault("indices", out)
+
+    cap = capture(model, tokens(n)[:, :-1], points=(3,))
+    with hook_module(indexer, after=keep), recording_indexer_scores(model) as scores:
+        mx.eval(model(tokens(n)[:, -1:], cache=cap.engine))
+    ours = scores[0].reshape(-1)
+    top = set(mx.argpartition(ours, kth=-indexer.index_topk)[-indexer.index_topk:].tolist())
+    assert ours.shape == (n,)
+    assert set(selected["indices"].reshape(-1).tolist()) == top

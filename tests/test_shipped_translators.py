@@ -1,0 +1,53 @@
+"""Every shipped translator loads (format 1 artifacts through the migrating loader) and gives the
+held-out KL it gave when it was written: `data/shipped_translators_kl.json` was measured with the
+format-1 library (commit 07a4863) on fixed windows of the shipped held-out filler text."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+import mlx_kvtrans as kv
+from mlx_kvtrans.capture import capture
+from mlx_kvtrans.evaluation.needles import FILLER_FILE
+from mlx_kvtrans.models import weights_dir
+from mlx_kvtrans.translators.fidelity import kl_per_token
+
+GOLDEN = json.loads((Path(__file__).parent / "data" / "shipped_translators_kl.json").read_text())
+SHIPPED = sorted(p.name for p in (weights_dir() / "translators").iterdir()
+                 if (p / "manifest.json").exists())
+
+
+@pytest.fixture(scope="module")
+def zoo():
+    models = {}
+
+    def get(name):
+        if name not in models:
+            models[name] = kv.load(name)
+        return models[name]
+    return get
+
+
+def test_every_shipped_translator_is_pinned():
+    assert SHIPPED == sorted(GOLDEN["kl"])
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_translator_gives_its_recorded_held_out_kl(name, zoo, tmp_path, monkeypatch):
+    monkeypatch.setenv("KVTRANS_CACHE", str(tmp_path))  # a codebook is built, not reused
+    manifest = json.loads((weights_dir() / "translators" / name / "manifest.json").read_text())
+    src, tgt = zoo(manifest["source"]["name"]), zoo(manifest["target"]["name"])
+    tr = kv.load_translator(weights_dir() / "translators" / name, src, tgt)
+    ids = tgt.tokenizer.encode(FILLER_FILE.read_text()[:20000])
+    kls = []
+    for start in (0, 1000, 2000):
+        window = mx.array(ids[start:start + 160])[None]
+        prefix, inputs = window[:, :128], window[:, 128:]
+        native = tgt.model(inputs, cache=capture(tgt.model, prefix, points=(3,)).engine)
+        translated = tgt.model(inputs, cache=kv.translate_cache(tr, src.model, tgt.model, prefix))
+        kls.append(float(kl_per_token(native, translated).mean()))
+    assert abs(sum(kls) / len(kls) - GOLDEN["kl"][name]) < 1e-6
