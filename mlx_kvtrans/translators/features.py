@@ -11,7 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..capture import Capture
-from ..layouts import ObjectKind
+from ..layouts import CapturePoint, ObjectKind
 from ..layouts.linear_attention import RecurrentInputs
 
 
@@ -21,6 +21,17 @@ def _per_token(value, B: int, T: int) -> mx.array:
     if value.ndim == 4:  # (3): (B, heads, T, dim)
         return value.transpose(0, 2, 1, 3).reshape(B, T, -1)
     return value
+
+
+def feature_point(obj, point: int) -> int | None:
+    """`point` if `obj` has per-token features there, else None: a conv history is per token at
+    (1) only, a recurrent state (its recurrence inputs) at (2) only; at (3) both are fixed-size
+    summaries."""
+    if obj.kind == ObjectKind.CONV_HISTORY:
+        return point if point == CapturePoint.RAW else None
+    if obj.kind == ObjectKind.RECURRENT_STATE:
+        return point if point == CapturePoint.NORMED else None
+    return point if point in obj.capture_points else None
 
 
 def layer_features(capture: Capture, layer: int, point: int, kinds: tuple[str, ...] = ()
@@ -34,9 +45,7 @@ def layer_features(capture: Capture, layer: int, point: int, kinds: tuple[str, .
         key = (obj.name, point)
         if key not in found or (kinds and obj.kind.value not in kinds):
             continue
-        if obj.kind == ObjectKind.CONV_HISTORY and point != 1:
-            continue  # (3) conv history is a fixed-size summary, not per token
-        if obj.kind == ObjectKind.RECURRENT_STATE and point != 2:
+        if feature_point(obj, point) is None:
             continue
         parts.append(_per_token(found[key], B, T).astype(mx.float32))
     if not parts:

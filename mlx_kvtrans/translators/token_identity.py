@@ -104,6 +104,12 @@ class TokenIdentity:
     def source_points(self) -> set[CapturePoint]:
         return {CODEBOOK_POINT} if self.mode == "codebook" else set()
 
+    def reads(self, source_layout) -> set[tuple[int, str, CapturePoint]]:
+        """The per-token source objects decoding reads: the layer-0 latent, for a codebook."""
+        if self.mode != "codebook":
+            return set()
+        return {(first_mla_layer(source_layout), "latent", CODEBOOK_POINT)}
+
     def bind(self, source) -> None:
         """Load the codebook of `source` (a LoadedModel) lazily, when first needed."""
         if self.mode == "codebook" and self.codebook is None:

@@ -17,7 +17,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from ..capture import Capture, capture
 from ..install import install
 from ..layouts import CapturePoint, ModelLayout, layout_of
-from .features import input_embedding, layer_features
+from .features import feature_point, input_embedding, layer_features
 from .recipes import BuildInputs, Recipe, Widths
 from .token_identity import TokenIdentity
 
@@ -59,6 +59,19 @@ class Translator:
         """Capture points the source must be read at."""
         points = {self.source_point} | self.identity.source_points()
         return points.union(*(r.source_points() for r in self.recipes))
+
+    def reads(self, source_layout: ModelLayout) -> set[tuple[int, str, CapturePoint]]:
+        """Every per-token (source layer, object, capture point) this translator reads: what a
+        session must record of the source while it reads and writes (fixed-size objects it
+        reads, such as a copied state, come from the engine cache)."""
+        out = set()
+        for layer, kinds in self.feature_reads():
+            for obj in source_layout.layers[layer].objects:
+                if kinds and obj.kind.value not in kinds:
+                    continue
+                if feature_point(obj, self.source_point) is not None:
+                    out.add((layer, obj.name, self.source_point))
+        return out | self.identity.reads(source_layout)
 
     def features(self, source: Capture) -> dict:
         return {(s, kinds): layer_features(source, s, self.source_point, kinds)
