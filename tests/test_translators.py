@@ -44,7 +44,7 @@ def self_translation_kl(model, specs, point, **kw):
 def test_fitting_a_model_to_itself_is_exact(loaded, family, point):
     model = loaded(family).model
     layout = kv.layout_of(model)
-    specs = plan(layout, layout, point=point, nu=1)
+    specs = plan(layout, layout, point=point, nu=1, features="all")
     tr, kl = self_translation_kl(model, specs, point)
     assert min(m["r2"] for m in tr.info["metrics"].values()) >= 0.999
     assert kl <= 1e-3
@@ -64,7 +64,8 @@ def test_bilinear_state_correction_recovers_a_known_map():
 def test_bilinear_self_translation_of_a_hybrid(loaded):
     model = loaded("qwen3_5").model
     layout = kv.layout_of(model)
-    specs = plan(layout, layout, point=1, nu=1, recipes={"recurrent_state": "bilinear"})
+    specs = plan(layout, layout, point=1, nu=1, recipes={"recurrent_state": "bilinear"},
+                 features="all")
     assert {s.recipe for s in specs if s.name == "state"} == {"bilinear"}
     tr, kl = self_translation_kl(model, specs, 1)
     assert kl <= 1e-3
@@ -214,7 +215,7 @@ def test_replay_from_predicted_inputs_is_exact_on_itself(loaded, family):
     the target's recurrence rebuilds its state."""
     model = loaded(family).model
     layout = kv.layout_of(model)
-    specs = plan(layout, layout, point=2, nu=1,
+    specs = plan(layout, layout, point=2, nu=1, features="all",
                  recipes={"recurrent_state": "replay", "conv_history": "copy"})
     assert {s.recipe for s in specs if s.name == "state"} == {"replay"}
     tr, kl = self_translation_kl(model, specs, 2)
@@ -295,7 +296,7 @@ def test_attention_weights_match_the_models_attention(loaded, family):
         expected = probs[:, :, -8:, :32].mean(axis=(1, 2))
         expected = expected / expected.mean(axis=-1, keepdims=True)
         assert max_abs_diff(found[layer], expected) <= 1e-4
-    specs = plan(layout, layout, point=1, nu=1)
+    specs = plan(layout, layout, point=1, nu=1, features="all")
     tr = fit(model, model, batches(3), specs, FitConfig(ridge=1e-7, attention_weighted=8))
     assert min(m["r2"] for m in tr.info["metrics"].values()) >= 0.999
 
@@ -385,3 +386,50 @@ def test_parameter_names_read_as_a_tree(loaded):
     assert dict(tree_flatten(tree)).keys() == tr.params.keys()
     averaged = dict(tree_flatten(nn.average_gradients(tree)))
     assert all(mx.array_equal(averaged[k], tr.params[k].astype(mx.float32)) for k in tr.params)
+
+
+def test_a_hybrid_source_gives_every_map_all_its_attention_layers(loaded):
+    """The paper's design: Kimi-Linear's maps read its MLA latents and rope keys (every MLA
+    layer, one feature set for all maps), never its KDA conv rows, unless features "all"."""
+    S, T = loaded("kimi_linear").model, loaded("kimi_vl").model
+    source = kv.layout_of(S)
+    mla = [l.index for l in source.layers if l.cache.mixer == "mla"]
+    recipes = plan(source, kv.layout_of(T))
+    assert {r.sources for r in recipes} == {tuple(mla)}
+    tr = fit(S, T, batches(1), recipes)
+    assert {name for (layer, name, point) in tr.reads(source)} == {"latent", "rope_key"}
+    nearest = plan(source, kv.layout_of(T), features="all", nu=2)
+    assert any(s not in mla for r in nearest for s in r.sources)
+
+
+@pytest.mark.parametrize("source,target,recipes", [
+    ("kimi_linear", "kimi_vl", {}), ("kimi_vl", "qwen3_5", {"recurrent_state": "replay"}),
+    ("qwen3", "llama", {})])
+def test_shared_moment_fitting_equals_per_map_fitting(loaded, source, target, recipes):
+    S, T = loaded(source).model, loaded(target).model
+    specs = plan(kv.layout_of(S), kv.layout_of(T), recipes=recipes)
+    shared = fit(S, T, batches(2), specs)
+    alone = fit(S, T, batches(2), specs, FitConfig(share_moments=False))
+    assert shared.info["fit"]["moments_bytes"] < alone.info["fit"]["moments_bytes"]
+    assert shared.params.keys() == alone.params.keys()
+    for key in shared.params:
+        assert mx.allclose(shared.params[key], alone.params[key], atol=1e-4, rtol=1e-4), key
+
+
+def test_compressed_features_at_full_width_reproduce_the_uncompressed_fit(loaded):
+    """Principal directions at width = feature count are a rotation: the ridge fit (its
+    penalty is rotation invariant) translates exactly as the uncompressed one."""
+    S, T = loaded("qwen3_5").model, loaded("qwen3_next").model
+    config = FitConfig(features="all", nu=1)
+    plain = fit(S, T, batches(2), None, config)
+    linear = [l.index for l in kv.layout_of(S).layers if l.cache.mixer == "gdn"]
+    width = max(plain.features(kv.capture(S, batches(1)[0][:1, :8]))[(s, ())].shape[-1]
+                for s in linear)
+    full = fit(S, T, batches(2), None, FitConfig(features="all", nu=1, width=width))
+    assert any(k.startswith("features.") for k in full.params)
+    narrow = fit(S, T, batches(2), None, FitConfig(features="all", nu=1, width=8))
+    assert all(v.shape[-1] == 8 for k, v in narrow.params.items() if k.startswith("features."))
+    toks = mx.random.randint(0, 259, (1, 30), key=mx.random.key(6))
+    a = T(toks[:, -1:], cache=translate_cache(plain, S, T, toks[:, :-1]))
+    b = T(toks[:, -1:], cache=translate_cache(full, S, T, toks[:, :-1]))
+    assert max_abs_diff(a, b) <= 1e-3 * float(mx.abs(a).max())

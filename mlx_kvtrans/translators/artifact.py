@@ -30,7 +30,7 @@ from .translator import Translator
 FORMAT = "mlx-kvtrans-translator"
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
-INFO_FIELDS = ("fit", "metrics", "source", "target", "stage", "distill")
+INFO_FIELDS = ("fit", "metrics", "source", "target", "stage", "distill", "features")
 FILES = ("weights.safetensors", "manifest.json")
 
 

@@ -59,3 +59,8 @@ def input_embedding(model: nn.Module) -> nn.Module:
         if type(module).__name__ in ("Embedding", "QuantizedEmbedding"):
             return module
     raise ValueError("the model has no token embedding")
+
+
+def projection_name(layer: int) -> str:
+    """The parameter holding source `layer`'s feature compression (D, width)."""
+    return f"features.layer{layer}.projection"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Iterable
 
@@ -16,11 +17,12 @@ import mlx.core as mx
 import numpy as np
 
 from ..capture import capture
-from ..layouts import CapturePoint, layout_of
+from ..layouts import CapturePoint, ObjectKind, layout_of
 from .attention_weights import recording_attention
-from .features import input_embedding
+from .features import input_embedding, layer_features, projection_name
 from .plan import plan
 from .recipes import FitBatch, Recipe
+from .stats import Covariance, SharedMoments
 from .token_identity import TokenIdentity
 from .translator import Translator
 
@@ -32,6 +34,8 @@ class FitConfig:
 
     point: int = CapturePoint.RAW  # capture point of the source features and target objects
     nu: int = 2  # source layers per target layer
+    features: str = "attention"  # what the maps read: attention, nearest or all (plan.py)
+    width: int = 0  # features "all": linear-attention rows compressed to this many directions
     recipes: dict = field(default_factory=dict)  # object kind or name -> recipe name
     points: dict = field(default_factory=dict)  # object kind or name -> capture point
     split_kv: bool = False
@@ -39,15 +43,27 @@ class FitConfig:
     token_identity: str = "off"  # off, ids, codebook
     ridge: float = 1e-3  # relative to the data scale
     attention_weighted: int = 0  # c > 0: weight prefix tokens by the last c tokens' attention
+    share_moments: bool = True  # maps reading the same features share one moment matrix
     windows: int = 256  # fitting windows (the command line's data)
     length: int = 256  # tokens per window
 
     def plan(self, source_layout, target_layout) -> list[Recipe]:
         return plan(source_layout, target_layout, self.point, self.nu, self.recipes,
-                    self.points, self.split_kv, self.headwise)
+                    self.points, self.split_kv, self.headwise, self.features)
 
     def to_json(self) -> dict:
         return {**asdict(self), "point": int(self.point)}
+
+
+def compressed_layers(source_layout, recipes: list[Recipe], config: FitConfig) -> list[int]:
+    """Source layers whose features are compressed: linear-attention layers a map reads, under
+    features "all" with a width."""
+    if not config.width:
+        return []
+    read = {s for r in recipes for s, _ in r.feature_reads()}
+    return sorted(s for s in read if any(
+        o.kind in (ObjectKind.CONV_HISTORY, ObjectKind.RECURRENT_STATE)
+        for o in source_layout.layers[s].objects))
 
 
 def fit(source_model, target_model, batches: Iterable[mx.array],
@@ -58,14 +74,25 @@ def fit(source_model, target_model, batches: Iterable[mx.array],
     `codebook`: the source's codebook, for `token_identity="codebook"`. With
     `config.attention_weighted` = c > 0 the last c tokens of each window act as a continuation
     whose attention (in the target) weights the prefix tokens' errors; maps of attention layers
-    are then fitted on the prefix only.
+    are then fitted on the prefix only. Compressed features take a first pass over the batches
+    for their principal directions. Peak memory, moment bytes and tokens/s go in `info["fit"]`.
     """
+    started = time.perf_counter()
+    mx.clear_cache()
+    mx.reset_peak_memory()
     source_layout, target_layout = layout_of(source_model), layout_of(target_model)
     recipes = recipes if recipes is not None else config.plan(source_layout, target_layout)
     identity = TokenIdentity(config.token_identity, codebook)
-    shell = Translator(CapturePoint(config.point), identity, recipes, {})
+    shell = Translator(CapturePoint(config.point), identity, recipes, {},
+                       {"features": {"mode": config.features, "width": config.width}})
+    compress = compressed_layers(source_layout, recipes, config)
+    if compress:
+        batches = list(batches)
+        shell.params.update(principal_directions(source_model, source_layout, batches, shell,
+                                                 compress, config.width))
     target_points = set().union(*(r.target_points() for r in recipes)) | {CapturePoint.ENGINE}
-    stats: dict = {}
+    shared = SharedMoments() if config.share_moments else None
+    stats: dict = {"shared": shared}
     data_hash = hashlib.sha256()
     tokens_seen = decoded_right = 0
     embed = input_embedding(target_model)
@@ -82,27 +109,57 @@ def fit(source_model, target_model, batches: Iterable[mx.array],
         if ids is not None:
             decoded_right += int((ids == tokens).sum())
         batch = FitBatch(src, tgt, shell.features(src),
-                         None if ids is None else embed(ids).astype(mx.float32), attention)
+                         None if ids is None else embed(ids).astype(mx.float32), attention,
+                         shared)
         for recipe in recipes:
             recipe.accumulate(batch, stats)
+        if shared is not None:
+            shared.flush()
         tokens_seen += tokens.size
         if progress:
             progress(i + 1, tokens_seen)
-    params, metrics = {}, {}
+    params, metrics = dict(shell.params), {}
     fitted = [recipe.fitted(stats) for recipe in recipes]
     for recipe in fitted:
         own, scores = recipe.solve(stats, config.ridge)
         params.update({f"{recipe.key}.{name}": value for name, value in own.items()})
         metrics.update({recipe.key + (f".{name}" if name else ""): value
                         for name, value in scores.items()})
+    seconds = time.perf_counter() - started
     shell.recipes, shell.params = fitted, params
-    shell.info = {"fit": {"stage": 1, "tokens": tokens_seen, "ridge": config.ridge,
-                          "attention_weighted": config.attention_weighted,
-                          "data_sha256": data_hash.hexdigest()},
-                  "metrics": metrics}
+    shell.info["fit"] = {"stage": 1, "tokens": tokens_seen, "ridge": config.ridge,
+                         "attention_weighted": config.attention_weighted,
+                         "data_sha256": data_hash.hexdigest(), "seconds": round(seconds, 2),
+                         "tokens_per_second": round(tokens_seen / max(seconds, 1e-9), 1),
+                         "peak_memory_bytes": mx.get_peak_memory(),
+                         "moments_bytes": moments_bytes(stats)}
+    shell.info["metrics"] = metrics
     if config.token_identity == "codebook":
         shell.info["fit"]["codebook_decode_accuracy"] = round(decoded_right / tokens_seen, 5)
     return shell
+
+
+def principal_directions(source_model, source_layout, batches, shell: Translator,
+                         layers: list[int], width: int) -> dict[str, mx.array]:
+    """A first pass: each compressed source layer's top-`width` principal directions."""
+    covariances: dict[int, Covariance] = {}
+    for tokens in batches:
+        src = capture(source_model, mx.array(tokens), points={shell.source_point},
+                      layout=source_layout)
+        for layer in layers:
+            x = layer_features(src, layer, shell.source_point)
+            covariances.setdefault(layer, Covariance(x.shape[-1])).add(x)
+    return {projection_name(layer): mx.array(c.principal_directions(width))
+            for layer, c in covariances.items()}
+
+
+def moments_bytes(stats: dict) -> int:
+    """Host bytes of every second-moment matrix the fit held."""
+    total = stats["shared"].nbytes if stats.get("shared") is not None else 0
+    for entry in stats.values():
+        if isinstance(entry, dict) and "moments" in entry:
+            total += sum(m.xx.nbytes + m.xy.nbytes for m in entry["moments"].values())
+    return total
 
 
 def token_windows(token_ids: list[int], length: int, count: int, batch: int, seed: int = 0):

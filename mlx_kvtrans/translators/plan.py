@@ -1,8 +1,17 @@
-"""Planning: which recipe builds each target object, and which source layers it reads.
+"""Planning: which recipe builds each target object, and which source features it reads.
 
-Layer assignment: target layer l reads the `nu` source layers nearest its relative depth
-(KV-Lingo section 3.1), among the source layers that have per-token features at the capture
-point. Each object gets the recipe the user names for its kind or name, or the first default that
+Source features (`features`), per the hybrid-translation paper's design:
+- `attention` (the default): the source's per-token attention objects (GQA keys and values; MLA
+  latents and rope keys; indexer keys). A hybrid source (with linear-attention layers) gives
+  every map all of its attention layers ("7 MLA latents per token plus token IDs" for
+  Kimi-Linear), so one moment matrix serves every map; a source without linear attention gives
+  each target layer the `nu` attention layers nearest its relative depth (KV-Lingo 3.1);
+- `nearest`: the `nu` nearest attention layers, also for a hybrid source (when all of them are
+  too wide, as Qwen3.5-27B's 16 x 2,048);
+- `all`: every per-token object of the `nu` nearest layers, linear-attention layers' conv rows
+  (1) or recurrence inputs (2) included, compressed to `width` principal directions when a
+  width is given (those rows are 12,288 wide per layer on Kimi-Linear).
+Each object gets the recipe the user names for its kind or name, or the first default that
 applies (map for per-token objects and conv histories; copy for a state the source has one like;
 replay otherwise).
 """
@@ -32,6 +41,39 @@ def feature_layers(source: ModelLayout, point: int) -> list[int]:
     return [l.index for l in source.layers if any(readable(o) for o in l.objects)]
 
 
+FEATURES = ("attention", "nearest", "all")
+ATTENTION_KINDS = {ObjectKind.TOKEN_KEY, ObjectKind.TOKEN_VALUE, ObjectKind.MLA_LATENT,
+                   ObjectKind.ROPE_KEY, ObjectKind.INDEXER_KEY}
+
+
+def attention_layers(source: ModelLayout, point: int) -> list[int]:
+    """Source layers holding per-token attention objects readable at `point`."""
+    return [l.index for l in source.layers
+            if any(o.kind in ATTENTION_KINDS and point in o.capture_points for o in l.objects)]
+
+
+def is_hybrid(layout: ModelLayout) -> bool:
+    return any(o.kind in (ObjectKind.CONV_HISTORY, ObjectKind.RECURRENT_STATE)
+               for l in layout.layers for o in l.objects)
+
+
+def feature_sources(source: ModelLayout, n_target: int, layer: int, point: int, nu: int,
+                    features: str = "attention") -> tuple[int, ...]:
+    """The source layers target `layer`'s maps read, under the `features` design."""
+    if features not in FEATURES:
+        raise RecipeError(f"features must be {', '.join(FEATURES)}, not {features!r}")
+    if features == "all":
+        candidates = feature_layers(source, point)
+    else:
+        candidates = attention_layers(source, point)
+        if not candidates:
+            raise RecipeError("the source has no attention layer to read at capture point "
+                              f"({point}); use features 'all'")
+        if features == "attention" and is_hybrid(source):
+            return tuple(candidates)
+    return relative_depth(len(source.layers), n_target, layer, nu, candidates)
+
+
 def state_source(source: ModelLayout, target: ModelLayout, layer: int, name: str) -> int | None:
     """The source layer holding an object `name` of the target's shape at the nearest depth."""
     shape = target.layers[layer].cache.object(name).engine_shape
@@ -44,14 +86,16 @@ def state_source(source: ModelLayout, target: ModelLayout, layer: int, name: str
 
 def plan(source: ModelLayout, target: ModelLayout, point: int = CapturePoint.RAW, nu: int = 2,
          recipes: dict[str, str] | None = None, points: dict[str, int] | None = None,
-         split_kv: bool = False, headwise: bool = False) -> list[Recipe]:
+         split_kv: bool = False, headwise: bool = False, features: str = "attention"
+         ) -> list[Recipe]:
     """The recipe of every target object.
 
     `recipes` names a recipe by object kind or name (e.g. {"recurrent_state": "bilinear"});
     `points` sets the capture point per object kind or name (default `point`); `split_kv` maps
     keys from source keys and values from source values (GQA to GQA), instead of from all source
     objects; `headwise` (with `split_kv`, equal KV head counts) lets target head h read source
-    head h only. Raises RecipeError (a ValueError) for a request that cannot be met.
+    head h only; `features` chooses what the maps read (see above). Raises RecipeError (a
+    ValueError) for a request that cannot be met.
     """
     recipes, points = recipes or {}, points or {}
     if split_kv and not all(o.kind in (ObjectKind.TOKEN_KEY, ObjectKind.TOKEN_VALUE)
@@ -72,7 +116,6 @@ def plan(source: ModelLayout, target: ModelLayout, point: int = CapturePoint.RAW
         raise RecipeError(f"the target has no object or object kind {asked!r}; it has "
                           f"{', '.join(sorted(known))}")
     point = CapturePoint(point)
-    readable = feature_layers(source, point)
 
     def point_of(obj):
         return CapturePoint(points.get(obj.name, points.get(obj.kind.value, point)))
@@ -80,8 +123,8 @@ def plan(source: ModelLayout, target: ModelLayout, point: int = CapturePoint.RAW
     out = []
     for layer in target.layers:
         ctx = PlanContext(source, target,
-                          relative_depth(len(source.layers), len(target.layers), layer.index, nu,
-                                         readable),
+                          feature_sources(source, len(target.layers), layer.index, point, nu,
+                                          features),
                           point_of, lambda l, name: state_source(source, target, l, name),
                           split_kv, heads)
         for obj in layer.objects:

@@ -101,3 +101,67 @@ def solve(m: Moments, ridge: float = 1e-4, bias: bool = True) -> LinearFit:
     tss = m.syy - m.sy**2 / m.n
     r2 = 1.0 - rss / np.maximum(tss, 1e-12)
     return LinearFit(w.T.astype(np.float32), b.astype(np.float32), r2, used_pinv)
+
+
+class SharedMoments:
+    """Second moments shared by every map that reads the same input features: X^T X (and the
+    sums of x) is accumulated once per feature set, X^T Y once for all the maps' outputs side by
+    side, and one factorisation solves them all (hybrid-translation paper: one matrix serves
+    every target layer that reads the same features).
+
+    Per batch, each map `add`s its (feature key, x, name, y); `flush` accumulates the batch.
+    """
+
+    def __init__(self):
+        self.moments: dict = {}  # feature key -> Moments over all its outputs
+        self.columns: dict = {}  # feature key -> {name: (start, stop)}
+        self.pending: dict = {}  # feature key -> (x, [(name, y)]) of this batch
+        self.solutions: dict = {}
+
+    def add(self, key, x: mx.array, name: str, y: mx.array) -> None:
+        entry = self.pending.setdefault(key, (x, []))
+        entry[1].append((name, y.reshape(*y.shape[:-1], -1)))
+
+    def flush(self) -> None:
+        for key, (x, outputs) in self.pending.items():
+            if key not in self.moments:
+                spans, start = {}, 0
+                for name, y in outputs:
+                    spans[name] = (start, start + y.shape[-1])
+                    start += y.shape[-1]
+                self.columns[key] = spans
+                self.moments[key] = Moments(x.shape[-1], start)
+            order = self.columns[key]
+            ys = dict(outputs)
+            self.moments[key].add(x, mx.concatenate([ys[name] for name in order], axis=-1))
+        self.pending = {}
+
+    def solve(self, key, name: str, ridge: float) -> LinearFit:
+        """The map `name` of feature set `key`, from the one solve of all its maps."""
+        if key not in self.solutions:
+            self.solutions[key] = solve(self.moments[key], ridge=ridge)
+        whole = self.solutions[key]
+        start, stop = self.columns[key][name]
+        return LinearFit(whole.weight[start:stop], whole.bias[start:stop],
+                         whole.r2[start:stop], whole.used_pinv)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(m.xx.nbytes + m.xy.nbytes for m in self.moments.values())
+
+
+class Covariance(Moments):
+    """Streamed second moments of x alone, for principal directions."""
+
+    def __init__(self, din: int):
+        super().__init__(din, 1)
+
+    def add(self, x: mx.array, weights=None) -> None:
+        super().add(x, mx.zeros((*x.shape[:-1], 1)), weights)
+
+    def principal_directions(self, width: int) -> np.ndarray:
+        """(din, width): the top-`width` eigenvectors of the centred covariance."""
+        mean = self.sx / self.n
+        cov = self.xx / self.n - np.outer(mean, mean)
+        values, vectors = np.linalg.eigh(cov)
+        return vectors[:, np.argsort(values)[::-1][:width]].astype(np.float32)

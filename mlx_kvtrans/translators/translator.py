@@ -17,7 +17,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from ..capture import Capture, capture
 from ..install import install
 from ..layouts import CapturePoint, ModelLayout, layout_of
-from .features import feature_point, input_embedding, layer_features
+from .features import feature_point, input_embedding, layer_features, projection_name
 from .recipes import BuildInputs, Recipe, Widths
 from .token_identity import TokenIdentity
 
@@ -73,9 +73,15 @@ class Translator:
                     out.add((layer, obj.name, self.source_point))
         return out | self.identity.reads(source_layout)
 
-    def features(self, source: Capture) -> dict:
-        return {(s, kinds): layer_features(source, s, self.source_point, kinds)
-                for s, kinds in self.feature_reads()}
+    def features(self, source: Capture, params: dict | None = None) -> dict:
+        """(source layer, kinds) -> (B, T, D) features, compressed where fitting compressed."""
+        flat = self.params if params is None else params
+        out = {}
+        for s, kinds in self.feature_reads():
+            x = layer_features(source, s, self.source_point, kinds)
+            projection = flat.get(projection_name(s))
+            out[(s, kinds)] = x if projection is None else x @ projection
+        return out
 
     # -- translating ------------------------------------------------------------------------
     def translate(self, source: Capture, target_model, target_layout: ModelLayout | None = None,
@@ -89,7 +95,7 @@ class Translator:
         that keeps every token's objects, to translate them onwards later)."""
         target_layout = target_layout or layout_of(target_model)
         flat = self.params if params is None else dict(tree_flatten(params))
-        features = self.features(source)
+        features = self.features(source, flat)
         ids = self.identity.ids(source, token_ids)
         identity = None if ids is None else input_embedding(target_model)(ids).astype(mx.float32)
         objects = [{} for _ in target_layout.layers]
@@ -117,8 +123,11 @@ class Translator:
     def flops(self, length: int, target_layout: ModelLayout) -> float:
         """Arithmetic (2 x multiply-adds) of translating a `length`-token prompt."""
         shapes = self.param_shapes()
-        return sum(r.flops(length, shapes[r], target_layout.layers[r.layer].cache.object(r.name))
-                   for r in self.recipes)
+        compression = sum(2.0 * w.shape[0] * w.shape[1] * length
+                          for name, w in self.params.items() if name.startswith("features."))
+        return compression + sum(
+            r.flops(length, shapes[r], target_layout.layers[r.layer].cache.object(r.name))
+            for r in self.recipes)
 
 
 def measure_widths(source_model, target_model, recipes: list[Recipe], source_point,

@@ -45,6 +45,7 @@ class FitBatch:
     features: dict  # (source layer, kinds) -> (B, T, D) features at the translator's point
     identity: mx.array | None  # (B, T, E) target embeddings of the token ids, or None
     attention: dict[int, mx.array]  # target layer -> (B, prefix) weights (attention-weighted)
+    shared: Any = None  # stats.SharedMoments: maps reading the same features share moments
 
 
 @dataclass

@@ -51,9 +51,14 @@ class Replay(Recipe):
     def accumulate(self, batch, stats):
         x = concat_features(batch.features, self.sources, (), batch.identity)
         inputs = batch.target.objects[self.layer][(self.name, CapturePoint.NORMED)]
-        entry = stats.setdefault(self.key, {"recipe": self.with_shapes(inputs), "moments": {}})
+        entry = stats.setdefault(self.key, {"recipe": self.with_shapes(inputs), "moments": {},
+                                            "shared": batch.shared is not None})
         for name in REPLAY_INPUTS:
             y = getattr(inputs, name)
+            if entry["shared"]:
+                batch.shared.add(self.feature_key(), x, f"{self.key}.{name}",
+                                 y.reshape(*y.shape[:2], -1))
+                continue
             if name not in entry["moments"]:
                 entry["moments"][name] = Moments(x.shape[-1], int(np.prod(y.shape[2:])))
             entry["moments"][name].add(x, y.reshape(*y.shape[:2], -1))
@@ -65,10 +70,15 @@ class Replay(Recipe):
     def shaped(self, widths) -> "Replay":
         return self.with_shapes(widths.target[(self.layer, self.name, CapturePoint.NORMED)])
 
+    def feature_key(self) -> tuple:
+        return (self.sources, ())
+
     def solve(self, stats, ridge):
         params, metrics = {}, {}
-        for name, moments in stats[self.key]["moments"].items():
-            fit = solve(moments, ridge=ridge)
+        entry = stats[self.key]
+        for name in REPLAY_INPUTS:
+            fit = (stats["shared"].solve(self.feature_key(), f"{self.key}.{name}", ridge)
+                   if entry["shared"] else solve(entry["moments"][name], ridge=ridge))
             params[f"{name}.weight"], params[f"{name}.bias"] = (mx.array(fit.weight),
                                                                mx.array(fit.bias))
             metrics[name] = {"r2": round(fit.mean_r2, 5), "pinv": fit.used_pinv}

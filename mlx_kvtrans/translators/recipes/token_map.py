@@ -80,13 +80,21 @@ class TokenMap(Recipe):
                  + shared,
                  list(range(h * d_tgt, (h + 1) * d_tgt))) for h in range(n)]
 
+    def feature_key(self) -> tuple:
+        """What its input is: maps with the same key read the same features."""
+        return (self.sources, self.source_kinds)
+
     def accumulate(self, batch: FitBatch, stats: dict) -> None:
         x = concat_features(batch.features, self.sources, self.source_kinds, batch.identity)
         y = per_token_rows(batch.target.objects[self.layer][(self.name, self.point)])
         per_layer = batch.features[(self.sources[0], self.source_kinds)].shape[-1]
-        entry = stats.setdefault(self.key, {"shape": (x.shape[-1], y.shape[-1], per_layer),
-                                            "moments": {}})
         weights = batch.attention.get(self.layer)
+        shared = batch.shared is not None and not self.heads and weights is None
+        entry = stats.setdefault(self.key, {"shape": (x.shape[-1], y.shape[-1], per_layer),
+                                            "moments": {}, "shared": shared})
+        if shared:
+            batch.shared.add(self.feature_key(), x, self.key, y)
+            return
         if weights is not None:  # the prefix, weighted by the continuation's attention
             x, y = x[:, : weights.shape[1]], y[:, : weights.shape[1]]
         for key, cols, rows in self._blocks(*entry["shape"]):
@@ -97,7 +105,9 @@ class TokenMap(Recipe):
 
     def solve(self, stats, ridge):
         entry = stats[self.key]
-        if not self.heads:
+        if entry["shared"]:
+            fit = stats["shared"].solve(self.feature_key(), self.key, ridge)
+        elif not self.heads:
             fit = solve(entry["moments"][self.key], ridge=ridge)
         else:  # head-wise blocks -> one block-diagonal map
             din, dout, _ = entry["shape"]
