@@ -3,7 +3,8 @@ models with real checkpoints' per-layer sizes; tabulated into benchmarks/results
 
 Each configuration runs `kvtrans bench` (warm switch, cold switch and re-prefill side by side in
 one process, medians of repeats, peak memory, translation GFLOP/s against the measured matmul
-peak), which writes its JSON and PNG under benchmarks/results/. `--tabulate` only rebuilds the
+peak, and the bound a warm switch could reach, measured beside each row), which writes its JSON
+and PNG under benchmarks/results/. `--tabulate` only rebuilds the
 table from the JSON files already there.
 
     python benchmarks/switch.py [--only NAME ...] [--lengths 1024,2048,4096] [--tabulate]
@@ -47,24 +48,38 @@ def run(names: list[str], lengths: str, repeats: int):
 def tabulate():
     lines = ["# Time to first token after a switch\n",
              "Warm switch: translate the source's cache and install it, then the target's first "
-             "decode step. Cold switch: the source's prefill as well. Re-prefill: the target "
-             "reads the prompt itself. Side by side in one process, median of the repeats; peak "
-             "memory is the extra memory above the resident models. `realistic-*` rows are "
-             "random-weight models with real checkpoints' per-layer sizes (fewer layers, MoE "
-             "off) and translators of the fitted shapes: timings depend on shapes, not values. "
+             "decode step. Cold switch: the source's prefill as well (fastest recurrence on the "
+             "device: Metal kernel on a Mac, chunkwise form elsewhere). Re-prefill: the target "
+             "reads the prompt itself in plain mlx-lm; re-prefill chunked: the same under the "
+             "chunkwise recurrence (targets with linear attention only). Bound: the target's "
+             "first decode step on the installed cache + translation FLOPs at the measured "
+             "matmul peak + installed bytes at the measured memory bandwidth. Side by side in "
+             "one process, median of the repeats; peak memory is the extra memory above the "
+             "resident models. `realistic-*` rows are random-weight models with real "
+             "checkpoints' per-layer sizes (fewer layers, MoE off) and translators of the "
+             "fitted shapes: timings depend on shapes, not values. "
              "Regenerate with `python benchmarks/switch.py`.\n",
-             "| pair | dtype | BLAS (peak GFLOP/s) | tokens | re-prefill ms | warm switch ms | "
-             "speed-up | cold switch ms | speed-up | translate GFLOP/s | peak MB switch / "
-             "prefill |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| pair | dtype | BLAS (peak GFLOP/s) | tokens | re-prefill ms | re-prefill "
+             "chunked ms | warm switch ms | speed-up | bound ms | warm / bound | cold switch ms "
+             "| speed-up | translate GFLOP/s | peak MB switch / prefill |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def ms(value):  # results written before a column existed show "-"
+        return "-" if value is None else f"{value * 1000:.1f}"
+
+    def times(value):
+        return "-" if value is None else f"x{value:.1f}"
+
     for path in sorted(RESULTS.glob("bench-*.json")):
         r = json.loads(path.read_text())
         for row in r["rows"]:
             lines.append(
                 f"| {r['pair']} | {r['dtype']} | {r['blas']} ({r['matmul_peak_gflops']:.0f}) | "
-                f"{row['length']} | {row['reprefill_s'] * 1000:.1f} | "
-                f"{row['warm_switch_s'] * 1000:.1f} | x{row['speedup_warm']:.1f} | "
-                f"{row['cold_switch_s'] * 1000:.1f} | x{row['speedup_cold']:.2f} | "
+                f"{row['length']} | {ms(row['reprefill_s'])} | "
+                f"{ms(row.get('reprefill_chunked_s'))} | "
+                f"{ms(row['warm_switch_s'])} | x{row['speedup_warm']:.1f} | "
+                f"{ms(row.get('bound_s'))} | {times(row.get('warm_over_bound'))} | "
+                f"{ms(row['cold_switch_s'])} | x{row['speedup_cold']:.2f} | "
                 f"{row['translate_gflops']:.1f} | {row['peak_mb_switch']:.0f} / "
                 f"{row['peak_mb_reprefill']:.0f} |")
     (RESULTS / "switch.md").write_text("\n".join(lines) + "\n")

@@ -359,6 +359,111 @@ def _parse_recipes(items: list[str]) -> dict[str, str]:
     return out
 
 
+def _plan_and_cost(src, tgt, config):
+    """The recipes `config` plans for the pair, and what they cost on this machine."""
+    from mlx_kvtrans.blas import matmul_gflops, memory_bandwidth_gbs
+    from mlx_kvtrans.translators.cost import plan_cost
+    from mlx_kvtrans.translators.features import input_embedding
+
+    try:
+        recipes = config.plan(mlx_kvtrans.layout_of(src.model), mlx_kvtrans.layout_of(tgt.model))
+    except ValueError as e:
+        raise KvtransError(str(e))
+    identity = input_embedding(tgt.model).weight.shape[-1] if config.token_identity != "off" \
+        else 0
+    return recipes, plan_cost(src, tgt, recipes, config.point, identity, matmul_gflops(),
+                              memory_bandwidth_gbs())
+
+
+def _refuse_unless_it_fits(src, tgt, config, cost) -> None:
+    """A fit whose projected peak passes this machine's memory is refused before any work, with
+    the features that would fit."""
+    from dataclasses import replace
+
+    from mlx_kvtrans.translators.cost import ALTERNATIVES, fits, gib
+
+    if fits(cost):
+        return
+    hint = "no smaller feature design fits either"
+    if not fits(replace(cost, fit_peak_bytes=cost.weights_bytes)):
+        hint = "the two models' weights alone do not fit: fit on a machine with more memory"
+    for change in ALTERNATIVES if hint.startswith("no") else ():
+        _, other = _plan_and_cost(src, tgt, replace(config, **change))
+        if fits(other):
+            hint = ("it would fit with " + " ".join(f"--{k.replace('_', '-')} {v}"
+                                                    for k, v in change.items())
+                    + f" (projected {gib(other.fit_peak_bytes)})")
+            break
+    raise KvtransError(f"this plan's fit would need about {gib(cost.fit_peak_bytes)} "
+                       f"(moments {gib(cost.moments_bytes)}, weights "
+                       f"{gib(cost.weights_bytes)}) of this machine's "
+                       f"{gib(cost.machine_bytes)}; {hint}")
+
+
+@app.command("plan")
+@user_errors
+def plan_command(source: str = typer.Option(..., "--from", help="source: zoo alias, directory, "
+                                            "HF id or config.json"),
+                 target: str = typer.Option(..., "--to", help="target: same forms"),
+                 capture_point: int = typer.Option(int(FIT.point), "--capture", min=1, max=3),
+                 nu: int = typer.Option(FIT.nu, "--nu", min=1),
+                 features: str = typer.Option(FIT.features, help="attention, nearest or all"),
+                 width: int = typer.Option(FIT.width, min=0, help="features all: compress "
+                                           "linear-attention rows to this many directions"),
+                 recipe: list[str] = typer.Option(None, help="OBJECT=RECIPE"),
+                 token_identity: str = typer.Option(FIT.token_identity,
+                                                    help="codebook, ids or off"),
+                 tokens: int = typer.Option(FIT.windows * FIT.length, min=1,
+                                            help="fitting tokens to project the time for"),
+                 as_json: bool = typer.Option(False, "--json")):
+    """What fitting and using a translator would cost, from the two configs alone: per shared
+    feature set its moment matrices, per map its parameters, the projected fit time and memory
+    on this machine, and per switch the translation FLOPs and bytes."""
+    from mlx_kvtrans.models import load_config_only
+    from mlx_kvtrans.translators.cost import fits, gib
+    from mlx_kvtrans.translators.fit import FitConfig
+    from mlx_kvtrans.translators.token_identity import MODES
+
+    if token_identity not in MODES:
+        raise KvtransError(f"--token-identity must be {', '.join(MODES)}, not {token_identity!r}")
+    config = FitConfig(point=capture_point, nu=nu, features=features, width=width,
+                       recipes=_parse_recipes(recipe), token_identity=token_identity)
+    src, tgt = load_config_only(source), load_config_only(target)
+    recipes, cost = _plan_and_cost(src, tgt, config)
+    fit_seconds = cost.fit_seconds_per_million_tokens * tokens / 1e6 + cost.solve_seconds
+    if as_json:
+        print(json.dumps({"source": source, "target": target, "config": config.to_json(),
+                          "fit_tokens": tokens, "fit_seconds": fit_seconds,
+                          "fits": fits(cost), **cost.to_json()}, indent=2, default=str))
+    else:
+        table = Table(title=f"{source} -> {target} · features {features}"
+                            + (f", width {width}" if width else "")
+                            + f" · token identity {token_identity}", title_justify="left")
+        for col in ("source layers read", "features", "outputs", "maps", "moments"):
+            table.add_column(col, justify="right")
+        for f in cost.feature_sets:
+            table.add_row(",".join(map(str, f.sources)), f"{f.inputs:,}", f"{f.outputs:,}",
+                          str(f.maps), gib(f.moments_bytes))
+        out.print(table)
+        by_recipe: dict[str, list] = {}
+        for m in cost.maps:
+            by_recipe.setdefault(m.recipe, []).append(m)
+        for name, maps in by_recipe.items():
+            out.print(f"{name}: {len(maps)} objects, {sum(m.parameters for m in maps):,} "
+                      "parameters")
+        out.print(f"fit ({tokens:,} tokens at {cost.gflops:.0f} GFLOP/s): about "
+                  f"{fit_seconds / 60:.1f} min, peak about {gib(cost.fit_peak_bytes)} "
+                  f"(moments {gib(cost.moments_bytes)}, weights {gib(cost.weights_bytes)}) of "
+                  f"{gib(cost.machine_bytes)}")
+        for n, row in cost.lengths.items():
+            out.print(f"switch at {n:,} tokens: {row['flops'] / 1e9:.1f} GFLOP, "
+                      f"{row['bytes'] / 2**20:.0f} MiB installed; translation + install at "
+                      f"this machine's peak: {row['seconds_at_peak'] * 1000:.0f} ms (the target's "
+                      "first decode step adds to it)")
+    if not fits(cost):
+        _refuse_unless_it_fits(src, tgt, config, cost)
+
+
 @app.command()
 @user_errors
 def fit(source: str = typer.Option(..., "--from", help="source model"),
@@ -368,6 +473,11 @@ def fit(source: str = typer.Option(..., "--from", help="source model"),
         capture_point: int = typer.Option(int(FIT.point), "--capture", min=1, max=3,
                                           help="capture point of source and target objects"),
         nu: int = typer.Option(FIT.nu, "--nu", min=1, help="source layers per target layer"),
+        features: str = typer.Option(FIT.features, help="what the maps read: attention (the "
+                                     "source's attention objects; a hybrid's every attention "
+                                     "layer), nearest or all (conv rows too)"),
+        width: int = typer.Option(FIT.width, min=0, help="features all: compress "
+                                  "linear-attention rows to this many principal directions"),
         recipe: list[str] = typer.Option(None, help="OBJECT=RECIPE, e.g. recurrent_state=bilinear"),
         token_identity: str = typer.Option(FIT.token_identity, help="codebook, ids or off"),
         point: list[str] = typer.Option(None, help="OBJECT=P: capture point of one object kind "
@@ -402,7 +512,8 @@ def fit(source: str = typer.Option(..., "--from", help="source model"),
         raise KvtransError("--point takes OBJECT=1|2|3")
     if any(p not in (1, 2, 3) for p in points.values()):
         raise KvtransError("--point takes OBJECT=1|2|3")
-    config = FitConfig(point=capture_point, nu=nu, recipes=_parse_recipes(recipe), points=points,
+    config = FitConfig(point=capture_point, nu=nu, features=features, width=width,
+                       recipes=_parse_recipes(recipe), points=points,
                        split_kv=split_kv, headwise=headwise, token_identity=token_identity,
                        ridge=ridge, attention_weighted=attention_weighted, windows=windows,
                        length=length)
@@ -410,10 +521,8 @@ def fit(source: str = typer.Option(..., "--from", help="source model"),
     if not _same_tokenizer(src, tgt):
         raise KvtransError(f"{source} and {target} do not share a tokenizer; translation "
                            "between tokenizers is not supported yet")
-    try:
-        recipes = config.plan(mlx_kvtrans.layout_of(src.model), mlx_kvtrans.layout_of(tgt.model))
-    except ValueError as e:
-        raise KvtransError(str(e))
+    recipes, cost = _plan_and_cost(src, tgt, config)
+    _refuse_unless_it_fits(src, tgt, config, cost)
     codebook = None
     if token_identity == "codebook":
         try:
@@ -457,7 +566,10 @@ def fit(source: str = typer.Option(..., "--from", help="source model"),
     fit_info = translator.info["fit"]
     extra = (f" · codebook decode accuracy {fit_info['codebook_decode_accuracy']:.4f}"
              if "codebook_decode_accuracy" in fit_info else "")
-    out.print(f"{fit_info['tokens']:,} tokens{extra} · wrote {out_dir}")
+    out.print(f"{fit_info['tokens']:,} tokens in {fit_info['seconds']:.1f} s "
+              f"({fit_info['tokens_per_second']:,.0f} tokens/s) · peak memory "
+              f"{fit_info['peak_memory_bytes'] / 2**20:,.0f} MiB, moments "
+              f"{fit_info['moments_bytes'] / 2**20:,.0f} MiB{extra} · wrote {out_dir}")
 
 
 @app.command()
@@ -748,27 +860,27 @@ def eval_multiturn(translator_dir: Path = typer.Option(..., "--translator", help
     out.print(view)
 
 
-def _realistic_pair(name: str, dtype):
-    """Random-weight models with real checkpoints' per-layer sizes, and a translator of the
-    right shapes (random weights too: timings depend on shapes, not values)."""
-    from mlx_kvtrans.bench import shaped_translator
+def _realistic_pair(name: str, dtype, token_identity: str):
+    """Random-weight models with real checkpoints' per-layer sizes, and a translator fitted in
+    closed form on them (values meaningless, cost real), with its fit record."""
+    from mlx_kvtrans.bench import realistic_fit
     from mlx_kvtrans.models import LoadedModel, cast_parameters
-    from mlx_kvtrans.translators.plan import plan
+    from mlx_kvtrans.translators.fit import FitConfig
     from mlx_kvtrans.zoo.families import REALISTIC_PAIRS, realistic_config
     from mlx_kvtrans.zoo.random_model import build_model
 
     if name not in REALISTIC_PAIRS:
         raise KvtransError(f"--realistic takes {', '.join(REALISTIC_PAIRS)}")
-    source_name, target_name = REALISTIC_PAIRS[name]
     models = []
-    for i, n in enumerate((source_name, target_name)):
+    for i, n in enumerate(REALISTIC_PAIRS[name]):
         config = realistic_config(n, vocab_size=4096)
         model = build_model(config, seed=i)
         cast_parameters(model, dtype)
         models.append(LoadedModel(n, Path("."), model, None, config))
-    specs = plan(mlx_kvtrans.layout_of(models[0].model), mlx_kvtrans.layout_of(models[1].model))
-    translator = shaped_translator(models[0].model, models[1].model, specs)
-    return models[0], models[1], translator
+    translator, record = realistic_fit(models[0], models[1],
+                                       FitConfig(token_identity=token_identity),
+                                       REALISTIC_PAIRS[name])
+    return models[0], models[1], translator, record
 
 
 @app.command()
@@ -779,13 +891,18 @@ def bench(source: str = typer.Option("kimi-linear", "--from"),
                                               help="default: the shipped FROM -> TO"),
           realistic: str = typer.Option(None, help="time random models with real per-layer "
                                         "sizes instead: kimi, qwen3.5 or dsa"),
+          token_identity: str = typer.Option("ids", help="--realistic: the fitted "
+                                             "translator's token identity, ids or off"),
           lengths: str = typer.Option("1024,2048,4096", help="prompt lengths (comma-separated)"),
           repeats: int = typer.Option(3, min=1),
           dtype: str = typer.Option("float32", help="float32 or bfloat16 (bf16 is ~8x slower on "
                                     "a CPU; Macs run it)"),
           out_dir: Path = typer.Option(Path("benchmarks/results"), help="JSON and PNG go here"),
           as_json: bool = typer.Option(False, "--json")):
-    """Time to first token after a switch (warm, cold) versus re-prefill on the target."""
+    """Time to first token after a switch (warm, cold) versus re-prefill on the target, and the
+    bound a warm switch could reach here (see mlx_kvtrans.bench)."""
+    import statistics
+
     import mlx.core as mx
 
     from mlx_kvtrans.bench import bench_switch
@@ -798,8 +915,12 @@ def bench(source: str = typer.Option("kimi-linear", "--from"),
         sizes = [int(x) for x in lengths.split(",")]
     except ValueError:
         raise KvtransError("--lengths must be integers separated by commas")
+    fit_record = None
+    if token_identity not in ("ids", "off"):
+        raise KvtransError("--token-identity must be ids or off")
     if realistic:
-        src, tgt, translator = _realistic_pair(realistic, getattr(mx, dtype))
+        src, tgt, translator, fit_record = _realistic_pair(realistic, getattr(mx, dtype),
+                                                           token_identity)
         label = f"realistic-{realistic}"
         vocab = 4096
     else:
@@ -812,12 +933,18 @@ def bench(source: str = typer.Option("kimi-linear", "--from"),
             cast_parameters(lm.model, getattr(mx, dtype))
         label = f"{Path(src.name).name}__{Path(tgt.name).name}"
         vocab = len(src.tokenizer.get_vocab())
-    blas = blas_report()
-    rows = bench_switch(translator, src.model, tgt.model, sizes, repeats, vocab)
+    blas = blas_report(measure=False)  # the peak is measured beside each row, in `dtype`
+    rows = bench_switch(translator, src.model, tgt.model, sizes, repeats, vocab,
+                        dtype=getattr(mx, dtype))
+    peak = statistics.median(r.matmul_peak_gflops for r in rows)
+    bandwidth = statistics.median(r.bandwidth_gbs for r in rows)
     result = {"pair": label, "source": src.name, "target": tgt.name, "dtype": dtype,
               "device": str(mx.default_device()), "blas": blas.name,
-              "matmul_peak_gflops": round(blas.gflops, 1), "repeats": repeats,
-              "rows": [r.to_json() for r in rows]}
+              "matmul_peak_gflops": round(peak, 1), "memory_bandwidth_gbs": round(bandwidth, 1),
+              "repeats": repeats, "rows": [r.to_json() for r in rows]}
+    if fit_record is not None:
+        result["fit"] = {**fit_record, "features": translator.info["features"],
+                         "token_identity": translator.token_identity}
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path = out_dir / f"bench-{label}-{dtype}.json"
     json_path.write_text(json.dumps(result, indent=2) + "\n")
@@ -825,18 +952,38 @@ def bench(source: str = typer.Option("kimi-linear", "--from"),
     if as_json:
         print(json.dumps(result, indent=2))
         return
+    chunked = any(r.reprefill_chunked_s is not None for r in rows)
     table = Table(title=f"TTFT after a switch · {label} · {dtype} · {blas.name} "
-                        f"({blas.gflops:.0f} GFLOP/s peak) · median of {repeats}",
+                        f"({peak:.0f} GFLOP/s peak, {bandwidth:.0f} GB/s) · median of {repeats}",
                   title_justify="left")
-    for col in ("tokens", "re-prefill", "warm switch", "speed-up", "cold switch", "speed-up",
+    for col in ("tokens", "re-prefill", *(["re-prefill chunked"] if chunked else []),
+                "warm switch", "speed-up", "bound", "warm / bound", "cold switch", "speed-up",
                 "translate GFLOP/s", "extra peak MB switch / prefill"):
         table.add_column(col, justify="right")
     for r in rows:
-        table.add_row(str(r.length), f"{r.reprefill_s * 1000:.1f} ms",
+        chunked_cell = ([f"{r.reprefill_chunked_s * 1000:.1f} ms"
+                         if r.reprefill_chunked_s is not None else "-"] if chunked else [])
+        table.add_row(str(r.length), f"{r.reprefill_s * 1000:.1f} ms", *chunked_cell,
                       f"{r.warm_switch_s * 1000:.1f} ms", f"x{r.speedup_warm:.1f}",
+                      f"{r.bound_s * 1000:.1f} ms", f"x{r.warm_over_bound:.1f}",
                       f"{r.cold_switch_s * 1000:.1f} ms", f"x{r.speedup_cold:.2f}",
-                      f"{r.translate_gflops:.1f} ({100 * r.translate_gflops / blas.gflops:.0f}%)",
+                      f"{r.translate_gflops:.1f} "
+                      f"({100 * r.translate_gflops / r.matmul_peak_gflops:.0f}%)",
                       f"{r.peak_mb_switch:.0f} / {r.peak_mb_reprefill:.0f}")
+    out.print("bound = first decode step on the installed cache + translation FLOPs at the "
+              "matmul peak + installed bytes at the memory bandwidth, measured beside each row")
+    if fit_record is not None:
+        f = fit_record
+        out.print(f"translator fitted in closed form here: {f['fit_tokens']:,} tokens in "
+                  f"{f['fit_seconds']:.1f} s, peak {f['fit_peak_memory_bytes'] / 2**30:.1f} GiB, "
+                  f"moments {f['fit_moments_bytes'] / 2**20:.0f} MiB")
+        if "full" in f:
+            g = f["full"]
+            out.print(f"full checkpoints ({' -> '.join(g['models'])}, {g['layers'][0]} -> "
+                      f"{g['layers'][1]} layers), projected: moments "
+                      f"{g['moments_bytes'] / 2**30:.1f} GiB, "
+                      f"{g['fit_seconds_per_million_tokens'] / 60:.0f} min per million tokens "
+                      f"+ {g['solve_seconds']:.0f} s solve (weights not counted)")
     out.print(table)
     out.print(f"wrote {json_path}" + (f" and {plot}" if plot else " (no plot: pip install "
                                                                   "matplotlib)"))
@@ -853,9 +1000,15 @@ def _plot_bench(result: dict, path: Path) -> Path | None:
     rows = result["rows"]
     x = [r["length"] for r in rows]
     fig, ax = plt.subplots(figsize=(6, 4))
-    for key, label in (("reprefill_s", "re-prefill"), ("cold_switch_s", "cold switch"),
+    for key, label in (("reprefill_s", "re-prefill"),
+                       ("reprefill_chunked_s", "re-prefill (chunked recurrence)"),
+                       ("cold_switch_s", "cold switch"),
                        ("warm_switch_s", "warm switch (translate)")):
-        ax.plot(x, [r[key] * 1000 for r in rows], marker="o", label=label)
+        if all(r.get(key) is not None for r in rows):
+            ax.plot(x, [r[key] * 1000 for r in rows], marker="o", label=label)
+    if all("bound_s" in r for r in rows):
+        ax.plot(x, [r["bound_s"] * 1000 for r in rows], linestyle="--", color="gray",
+                label="bound (step + FLOPs at peak + bytes at bandwidth)")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("prompt tokens")

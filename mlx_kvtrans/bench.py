@@ -3,25 +3,44 @@
 For each prompt length, with medians over repeats:
 - warm switch: the source's cache exists (and its per-token objects were recorded while it read);
   translate + install + the target's first decode step;
-- cold switch: the source's prefill (recording) + the warm switch;
-- re-prefill: the target reads the whole prompt and produces its first token.
-Peak memory of each path, the translation's arithmetic rate against the machine's measured
-matmul peak, the BLAS in use and the dtype are recorded with the timings.
+- cold switch: the source's prefill (recording) + the warm switch. The source reads the prompt
+  with the fastest recurrence the device has (`fastest_recurrence`: mlx-lm's Metal kernel on a
+  Mac, the chunkwise-parallel form elsewhere), so the figure measures translation, not mlx-lm's
+  token loop off Metal;
+- re-prefill: the target reads the whole prompt and produces its first token, in plain mlx-lm
+  (what a user of mlx-lm gets: the token loop off Metal). When the target has linear-attention
+  layers, `reprefill_chunked_s` is the same prefill under the chunkwise form, so both
+  comparisons are visible: cold switch vs re-prefill (what switching saves a user today) and
+  cold switch vs chunked re-prefill (same recurrence on both sides);
+- bound: the least a warm switch could cost here, measured beside it: (a) the target's first
+  decode step on the installed cache alone, (b) the translation's arithmetic at the matmul peak
+  measured in the bench's dtype, (c) the installed cache's bytes at the measured memory
+  bandwidth. `warm_over_bound` = warm switch / bound.
+Peak memory of each path, the translation's arithmetic rate, the BLAS in use and the dtype are
+recorded with the timings.
 """
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
-from .capture import capture
+from .blas import matmul_gflops, memory_bandwidth_gbs
+from .capture import Capture, capture
+from .gated_delta import chunked_recurrence
 from .install import install
-from .layouts import CapturePoint, layout_of
+from .layouts import CapturePoint, ObjectKind, layout_of
+from .layouts.linear_attention import metal_recurrence_available
 from .translators.token_identity import TokenIdentity
 from .translators.translator import Translator, measure_widths
+
+PREFILL_CHUNK = 2048  # mlx-lm generation's default prefill step
 
 
 @dataclass
@@ -34,6 +53,22 @@ class BenchRow:
     translate_gflops: float
     peak_mb_switch: float
     peak_mb_reprefill: float
+    # the bound = first_step_s + flops_at_peak_s + bytes_at_bandwidth_s
+    first_step_s: float  # (a) the target's first decode step on the installed cache
+    flops_at_peak_s: float  # (b) translation flops / matmul peak
+    bytes_at_bandwidth_s: float  # (c) install bytes / memory bandwidth
+    install_bytes: int
+    matmul_peak_gflops: float  # measured in this row, in the bench's dtype
+    bandwidth_gbs: float  # measured in this row (bytes read + written)
+    reprefill_chunked_s: float | None = None  # target prefill, chunkwise recurrence
+
+    @property
+    def bound_s(self) -> float:
+        return self.first_step_s + self.flops_at_peak_s + self.bytes_at_bandwidth_s
+
+    @property
+    def warm_over_bound(self) -> float:
+        return self.warm_switch_s / self.bound_s
 
     @property
     def speedup_warm(self) -> float:
@@ -44,8 +79,8 @@ class BenchRow:
         return self.reprefill_s / self.cold_switch_s
 
     def to_json(self) -> dict:
-        return {**asdict(self), "speedup_warm": self.speedup_warm,
-                "speedup_cold": self.speedup_cold}
+        return {**asdict(self), "bound_s": self.bound_s, "warm_over_bound": self.warm_over_bound,
+                "speedup_warm": self.speedup_warm, "speedup_cold": self.speedup_cold}
 
 
 def translation_flops(translator: Translator, length: int, target_layout) -> float:
@@ -54,71 +89,126 @@ def translation_flops(translator: Translator, length: int, target_layout) -> flo
     return translator.flops(length, target_layout)
 
 
-def _median(fn, repeats: int) -> tuple[float, float]:
+def cache_nbytes(cache: list) -> int:
+    """Bytes of every array an mlx-lm cache holds (each object's `state`: the valid rows)."""
+    return sum(x.nbytes for _, x in tree_flatten([c.state for c in cache])
+               if isinstance(x, mx.array))
+
+
+def fastest_recurrence():
+    """Context in which linear-attention layers run the fastest recurrence here: mlx-lm's own
+    Metal kernel on a Mac (nothing to change), the chunkwise-parallel form elsewhere."""
+    return contextlib.nullcontext() if metal_recurrence_available() else chunked_recurrence()
+
+
+def source_prefill(translator: Translator, source, prompt: mx.array, source_layout=None,
+                   fast: bool = True) -> Capture:
+    """The source reads `prompt`, recording what `translator` reads (with `fast`, under
+    `fastest_recurrence`)."""
+    with fastest_recurrence() if fast else contextlib.nullcontext():
+        return capture(source, prompt, points=translator.source_points(),
+                       layout=source_layout or layout_of(source), chunk_size=PREFILL_CHUNK)
+
+
+def switch_cache(translator: Translator, recorded: Capture, target, target_layout,
+                 prompt: mx.array) -> list:
+    """Translate the recorded source objects and install them: the target's cache, evaluated."""
+    objects, points = translator.translate(recorded, target, target_layout, prompt)
+    cache = install(target_layout, objects, points)
+    mx.eval([c.state for c in cache])
+    return cache
+
+
+def first_token(target, last: mx.array, cache: list) -> mx.array:
+    """The target's first decode step on `cache`: the greedy next token, evaluated."""
+    token = mx.argmax(target(last, cache=cache)[:, -1], axis=-1)
+    mx.eval(token)
+    return token
+
+
+def _median(fn, repeats: int, setup=None) -> tuple[float, float]:
     """(median seconds, peak MB above what was resident before: the weights and any source
-    cache) of `fn`, each run evaluated to the end."""
+    cache) of `fn` (of `setup()`'s result, built untimed, when given), each run evaluated."""
     times, peaks = [], []
     for _ in range(repeats):
+        args = (setup(),) if setup else ()
         mx.clear_cache()
         mx.reset_peak_memory()
         resident = mx.get_active_memory()
         start = time.perf_counter()
-        fn()
+        fn(*args)
         times.append(time.perf_counter() - start)
         peaks.append((mx.get_peak_memory() - resident) / 2**20)
     return statistics.median(times), max(peaks)
 
 
+def _main_dtype(model) -> mx.Dtype:
+    """The dtype holding most of `model`'s parameter bytes."""
+    sizes = Counter()
+    for _, p in tree_flatten(model.parameters()):
+        sizes[p.dtype] += p.nbytes
+    return sizes.most_common(1)[0][0]
+
+
 def bench_switch(translator: Translator, source, target, lengths: list[int], repeats: int = 3,
-                 vocab: int | None = None, seed: int = 0) -> list[BenchRow]:
-    """TTFT rows for mlx-lm models `source` -> `target` at each prompt length."""
+                 vocab: int | None = None, seed: int = 0, dtype=None) -> list[BenchRow]:
+    """TTFT rows for mlx-lm models `source` -> `target` at each prompt length (`dtype`, for the
+    matmul peak: default the target's)."""
     source_layout, target_layout = layout_of(source), layout_of(target)
+    target_is_hybrid = ObjectKind.RECURRENT_STATE in target_layout.kinds()
+    dtype = dtype or _main_dtype(target)
     translator.prepare()
-    points = translator.source_points()
     vocab = vocab or 256
     rows = []
     for length in lengths:
         tokens = mx.random.randint(0, vocab, (1, length), key=mx.random.key(seed + length))
         prompt, last = tokens[:, :-1], tokens[:, -1:]
-
-        def first_token(cache):
-            mx.eval(mx.argmax(target(last, cache=cache)[:, -1], axis=-1))
-
-        recorded = capture(source, prompt, points=points, layout=source_layout, chunk_size=2048)
+        recorded = source_prefill(translator, source, prompt, source_layout)
 
         def translate_only():
-            objects, pts = translator.translate(recorded, target, target_layout, prompt)
-            cache = install(target_layout, objects, pts)
-            mx.eval([c.state for c in cache])
-            return cache
+            return switch_cache(translator, recorded, target, target_layout, prompt)
 
         def warm():
-            first_token(translate_only())
+            first_token(target, last, translate_only())
 
         def cold():
             nonlocal recorded
-            recorded = capture(source, prompt, points=points, layout=source_layout,
-                               chunk_size=2048)
+            recorded = source_prefill(translator, source, prompt, source_layout)
             warm()
 
         def reprefill():  # plain mlx-lm prefill, in the chunks its generation uses
             from mlx_lm.models.cache import make_prompt_cache
 
             cache = make_prompt_cache(target)
-            for start in range(0, prompt.shape[1], 2048):
-                target(prompt[:, start:start + 2048], cache=cache)
+            for start in range(0, prompt.shape[1], PREFILL_CHUNK):
+                target(prompt[:, start:start + PREFILL_CHUNK], cache=cache)
                 mx.eval([c.state for c in cache])
-            first_token(cache)
+            first_token(target, last, cache)
+
+        def reprefill_chunked():
+            with chunked_recurrence():
+                reprefill()
 
         warm()  # compile and allocate once
+        install_bytes = cache_nbytes(translate_only())
+        peak = matmul_gflops(dtype=dtype)
+        bandwidth = memory_bandwidth_gbs()
         t_translate, _ = _median(translate_only, repeats)
+        t_step, _ = _median(lambda cache: first_token(target, last, cache), repeats,
+                            setup=translate_only)
         t_warm, peak_switch = _median(warm, repeats)
         t_cold, _ = _median(cold, repeats)
         t_full, peak_full = _median(reprefill, repeats)
-        rows.append(BenchRow(length, t_warm, t_cold, t_full, t_translate,
-                             translation_flops(translator, length, target_layout)
-                             / t_translate / 1e9,
-                             peak_switch, peak_full))
+        t_chunked = _median(reprefill_chunked, repeats)[0] if target_is_hybrid else None
+        flops = translation_flops(translator, length, target_layout)
+        rows.append(BenchRow(
+            length=length, warm_switch_s=t_warm, cold_switch_s=t_cold, reprefill_s=t_full,
+            translate_s=t_translate, translate_gflops=flops / t_translate / 1e9,
+            peak_mb_switch=peak_switch, peak_mb_reprefill=peak_full,
+            first_step_s=t_step, flops_at_peak_s=flops / (peak * 1e9),
+            bytes_at_bandwidth_s=install_bytes / (bandwidth * 1e9),
+            install_bytes=install_bytes, matmul_peak_gflops=peak, bandwidth_gbs=bandwidth,
+            reprefill_chunked_s=t_chunked))
     return rows
 
 
@@ -141,3 +231,62 @@ def shaped_translator(source_model, target_model, recipes, source_point=1) -> Tr
             params[f"{recipe.key}.{name}"] = value
     mx.eval(params)
     return Translator(CapturePoint(source_point), TokenIdentity(), recipes, params)
+
+
+def realistic_fit(source_lm, target_lm, config, full_names: tuple[str, str] | None = None,
+                  windows: int = 8, length: int = 256, seed: int = 0):
+    """Fit a translator in closed form on random-weight models of real per-layer sizes (its
+    values are meaningless, its cost is real) and project the cost to the full checkpoints'
+    layer counts (`full_names`: keys of `zoo.families.FULL`).
+
+    The projection scales `translators.cost.plan_cost`'s model of the fit by how this fit
+    measured against that model here. Returns (translator, record)."""
+    from .blas import matmul_gflops, memory_bandwidth_gbs
+    from .translators.cost import plan_cost
+    from .translators.features import input_embedding
+    from .translators.fit import fit
+
+    vocab = input_embedding(source_lm.model).weight.shape[0]
+    batches = [mx.random.randint(0, vocab, (4, length), key=mx.random.key(seed + i))
+               for i in range(max(1, windows // 4))]
+    translator = fit(source_lm.model, target_lm.model, batches, None, config)
+    measured = translator.info["fit"]
+    gflops, bandwidth = matmul_gflops(), memory_bandwidth_gbs()
+    identity = (input_embedding(target_lm.model).weight.shape[-1]
+                if config.token_identity != "off" else 0)
+    here = plan_cost(source_lm, target_lm, translator.recipes, config.point, identity, gflops,
+                     bandwidth)
+    seconds_per_million = measured["seconds"] / measured["tokens"] * 1e6
+    record = {"fit_seconds": measured["seconds"], "fit_tokens": measured["tokens"],
+              "fit_peak_memory_bytes": measured["peak_memory_bytes"],
+              "fit_moments_bytes": measured["moments_bytes"],
+              "fit_seconds_per_million_tokens": round(seconds_per_million, 1),
+              "projected_seconds_per_million_tokens": round(
+                  here.fit_seconds_per_million_tokens, 1)}
+    if full_names:
+        from mlx_lm.utils import _get_classes
+
+        from .models import LoadedModel
+        from .zoo.families import full_config
+
+        def lazy(config):  # built, never evaluated: nothing is allocated
+            model_class, args_class = _get_classes(config)
+            return model_class(args_class.from_dict(config))
+
+        full = [LoadedModel(n, None, lazy(full_config(n)), None, full_config(n))
+                for n in full_names]
+        source_layout, target_layout = (layout_of(lm.model) for lm in full)
+        recipes = config.plan(source_layout, target_layout)
+        projected = plan_cost(*full, recipes, config.point, identity, gflops, bandwidth)
+        scale = seconds_per_million / max(here.fit_seconds_per_million_tokens, 1e-12)
+        record["full"] = {
+            "models": list(full_names), "layers": [len(source_layout.layers),
+                                                   len(target_layout.layers)],
+            "feature_sets": [[f.inputs, f.outputs, f.maps] for f in projected.feature_sets],
+            "moments_bytes": projected.moments_bytes,
+            "fit_peak_bytes_without_weights": projected.fit_peak_bytes - projected.weights_bytes,
+            "fit_seconds_per_million_tokens": round(
+                projected.fit_seconds_per_million_tokens * scale, 1),
+            "solve_seconds": round(projected.solve_seconds * scale, 1),
+            "translation_flops_per_token": projected.translation_flops_per_token}
+    return translator, record

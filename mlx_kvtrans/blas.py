@@ -12,6 +12,7 @@ import ctypes
 import ctypes.util
 import os
 import platform
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -86,21 +87,48 @@ class BlasReport:
         return FIX if self.slow else None
 
 
+def _median_seconds(fn, repeats: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def matmul_gflops(n: int = 1024, repeats: int = 8, dtype=None) -> float:
-    """Measured float32 (or `dtype`) n x n matmul throughput on the default device, GFLOP/s."""
+    """Measured float32 (or `dtype`) n x n matmul throughput on the default device, GFLOP/s
+    (median of `repeats`)."""
     import mlx.core as mx
 
     dtype = dtype or mx.float32
     a = mx.random.normal((n, n)).astype(dtype)
     b = mx.random.normal((n, n)).astype(dtype)
     mx.eval(a, b)
-    for _ in range(2):
-        mx.eval(a @ b)
-    start = time.perf_counter()
-    for _ in range(repeats):
-        mx.eval(a @ b)
-    seconds = (time.perf_counter() - start) / repeats
-    return 2 * n**3 / seconds / 1e9
+    return 2 * n**3 / _median_seconds(lambda: mx.eval(a @ b), repeats) / 1e9
+
+
+def memory_bandwidth_gbs(mib: int = 256, repeats: int = 5) -> float:
+    """Measured memory bandwidth through MLX on the default device, GB/s: the median time of
+    copying a `mib` MiB float32 array (`a + 0`: every byte read once and written once), counting
+    bytes read + written.
+
+    The output buffer is reused from MLX's cache (its limit raised for the measurement, then
+    restored): MLX's CPU cache keeps only 32 MiB by default, and a fresh 256 MiB buffer costs
+    page faults (about 10x the copy on Linux), which measure the allocator, not the memory."""
+    import mlx.core as mx
+
+    a = mx.arange(mib * 2**20 // 4, dtype=mx.float32)
+    mx.eval(a)
+    limit = mx.set_cache_limit(mx.get_cache_memory() + 2 * a.nbytes)
+    try:
+        seconds = _median_seconds(lambda: mx.eval(a + 0), repeats)
+    finally:
+        mx.set_cache_limit(limit)
+        mx.clear_cache()
+    return 2 * a.nbytes / seconds / 1e9
 
 
 def blas_report(measure: bool = True) -> BlasReport:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import platform
 
-from .blas import blas_report, matmul_gflops
+from .blas import blas_report, matmul_gflops, memory_bandwidth_gbs
 
 
 def diagnose() -> dict:
@@ -27,6 +27,8 @@ def diagnose() -> dict:
         "matmul_float32_gflops": round(report.gflops, 1),
         # bf16 is what Macs run; on a CPU it is far slower than float32.
         "matmul_bfloat16_gflops": round(matmul_gflops(n=512, repeats=4, dtype=mx.bfloat16), 1),
+        # a 256 MiB float32 copy, bytes read + written: what installing a cache moves at
+        "memory_bandwidth_gbs": round(memory_bandwidth_gbs(), 1),
         "blas_is_slow_reference": report.slow,
         "fix": report.fix,
     }

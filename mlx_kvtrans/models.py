@@ -74,10 +74,26 @@ def _hf_snapshot(repo: str) -> Path:
                                  f"({type(err).__name__})") from None
 
 
+def _hf_config(repo: str) -> Path:
+    from huggingface_hub import hf_hub_download
+
+    for local in (True, False):
+        try:
+            return Path(hf_hub_download(repo, "config.json", local_files_only=local))
+        except Exception as err:
+            error = err
+    raise ModelNotFoundError(f"no config.json for {repo!r}: not in the local Hugging Face cache "
+                             f"and not downloadable ({type(error).__name__})") from None
+
+
 def read_config(path: Path) -> dict[str, Any]:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ModelNotFoundError(f"{path} has no config.json: not a model directory")
+    return _read_json_config(config_file)
+
+
+def _read_json_config(config_file: Path) -> dict[str, Any]:
     try:
         config = json.loads(config_file.read_text())
     except json.JSONDecodeError as err:
@@ -136,6 +152,31 @@ def load(name: str, dtype=None) -> LoadedModel:
     return LoadedModel(str(name), path, model, tokenizer, config)
 
 
+def load_config_only(name: str) -> LoadedModel:
+    """A model built from `config.json` alone, for planning: `name` is a config.json file, a
+    directory holding one (weights need not be there), a zoo alias or a Hugging Face id in the
+    local cache. Its modules are lazy: nothing is allocated, and it must not be run."""
+    from mlx_lm.utils import _get_classes
+
+    given = Path(str(name)).expanduser()
+    if given.is_file():
+        path, config = given.parent, _read_json_config(given)
+    elif name not in zoo_aliases() and not given.exists() and _looks_like_hf_id(str(name)):
+        config_file = _hf_config(str(name))  # the config alone: never the weights
+        path, config = config_file.parent, _read_json_config(config_file)
+    else:
+        path = given if given.is_dir() else resolve(str(name))
+        config = read_config(path)
+    check_supported(config["model_type"])
+    try:
+        model_class, args_class = _get_classes(config)
+        model = model_class(args_class.from_dict(config))
+    except Exception as err:
+        raise KvtransError(f"mlx-lm could not build a model from {path}'s config: "
+                           f"{type(err).__name__}: {err}") from None
+    return LoadedModel(str(name), path, model, None, config)
+
+
 def cast_parameters(model, dtype) -> None:
     """Cast floating parameters to `dtype`, except those the model keeps in float32 (mlx-lm's
     `cast_predicate`, e.g. A_log, dt_bias, router biases)."""
@@ -187,5 +228,5 @@ def model_identity(lm) -> dict:
             "weights_fingerprint": weights_fingerprint(lm.path)}
 
 
-__all__ = ["LoadedModel", "SUPPORTED_FAMILIES", "config_fingerprint", "load", "model_identity",
-           "resolve", "weights_dir", "weights_fingerprint", "zoo_aliases"]
+__all__ = ["LoadedModel", "SUPPORTED_FAMILIES", "config_fingerprint", "load", "load_config_only",
+           "model_identity", "resolve", "weights_dir", "weights_fingerprint", "zoo_aliases"]

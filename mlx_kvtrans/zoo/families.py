@@ -124,6 +124,32 @@ REALISTIC_PAIRS = {"kimi": ("kimi-linear", "kimi-vl"), "qwen3.5": ("qwen3.5", "q
                    "dsa": ("qwen3.5", "deepseek-v3.2")}
 
 
+# The full checkpoints' text-model layer counts and vocabularies, for projections from the
+# per-layer sizes above (Kimi: FIELD_NOTES section 6; Kimi-Linear puts MLA at every fourth
+# layer and the last).
+FULL = {"kimi-linear": dict(layers=27, vocab=163840, mla_layers=[4, 8, 12, 16, 20, 24, 27]),
+        "kimi-vl": dict(layers=27, vocab=163840),
+        "qwen3.5": dict(layers=64, vocab=248320),
+        "deepseek-v3.2": dict(layers=61, vocab=129280)}
+
+
+def full_config(name: str) -> dict:
+    """A full checkpoint's text-model config: the per-layer sizes of `REALISTIC[name]` at the
+    real layer count and vocabulary (for planning; build it lazily, never run it)."""
+    config = copy.deepcopy(REALISTIC[name])
+    full = FULL[name]
+    target = config.get("text_config", config)
+    target["num_hidden_layers"], target["vocab_size"] = full["layers"], full["vocab"]
+    if "first_k_dense_replace" in target:
+        target["first_k_dense_replace"] = full["layers"]  # dense FFNs: the cache is the same
+    if "linear_attn_config" in target:
+        mla = full["mla_layers"]
+        target["linear_attn_config"] = {**target["linear_attn_config"], "full_attn_layers": mla,
+                                        "kda_layers": [i for i in range(1, full["layers"] + 1)
+                                                       if i not in mla]}
+    return config
+
+
 def realistic_config(name: str, vocab_size: int, special_token_ids: dict | None = None) -> dict:
     config = copy.deepcopy(REALISTIC[name])
     target = config.get("text_config", config)

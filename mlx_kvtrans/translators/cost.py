@@ -1,0 +1,198 @@
+"""What a plan costs, from the layouts alone (no weights, no prefill): per map the features it
+reads and its parameters, per shared feature set its moment matrices, the projected fit time and
+memory on this machine, and per switch the translation's FLOPs and bytes.
+
+A layout is derived from `config.json` alone (MLX arrays are lazy: a 48B model's modules
+allocate nothing until evaluated), so a user can plan for a checkpoint before downloading it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass, field
+
+import mlx.core as mx
+
+from ..layouts import CapturePoint, ModelLayout, ObjectKind
+from ..layouts.linear_attention import RecurrentInputs
+from .features import feature_point
+from .recipes import Recipe, Widths
+
+FIT_BATCH_TOKENS = 4 * 256  # `kvtrans fit` reads windows in batches of 4 x 256 tokens
+
+
+def _recurrent_inputs(cache, tokens: int) -> RecurrentInputs:
+    """Zero-filled (lazy, shape-only) recurrence inputs of a linear-attention layer."""
+    a = (cache.heads_v, cache.dk) if cache.mixer == "kda" else (cache.heads_v,)
+    return RecurrentInputs(mx.zeros((1, tokens, cache.heads_k, cache.dk)),
+                           mx.zeros((1, tokens, cache.heads_k, cache.dk)),
+                           mx.zeros((1, tokens, cache.heads_v, cache.dv)),
+                           mx.zeros((1, tokens, *a)), mx.zeros((1, tokens, cache.heads_v)))
+
+
+def _sample(layer, obj, point, tokens: int = 8):
+    """A zero array shaped as `obj` is captured at `point` (never evaluated)."""
+    if obj.kind == ObjectKind.RECURRENT_STATE and point == CapturePoint.NORMED:
+        return _recurrent_inputs(layer.cache, tokens)
+    if point == CapturePoint.ENGINE:
+        return mx.zeros(tuple(tokens if d == "T" else d for d in obj.engine_shape))
+    return mx.zeros((1, tokens, obj.token_dim))
+
+
+def feature_width(layout: ModelLayout, layer: int, point: int, kinds=()) -> int:
+    """Per-token width of source `layer`'s features at `point` (only objects of `kinds`)."""
+    total = 0
+    for obj in layout.layers[layer].objects:
+        if (kinds and obj.kind.value not in kinds) or feature_point(obj, point) is None:
+            continue
+        if obj.kind == ObjectKind.RECURRENT_STATE:
+            total += sum(math.prod(x.shape[2:])
+                         for x in _recurrent_inputs(layout.layers[layer].cache, 1).arrays())
+        else:
+            total += obj.token_dim
+    return total
+
+
+def layout_widths(source: ModelLayout, target: ModelLayout, recipes: list[Recipe], point: int,
+                  identity_width: int = 0) -> Widths:
+    """The `Widths` that `translator.measure_widths` measures, from the layouts alone."""
+    reads = set().union(*(r.feature_reads() for r in recipes))
+    features = {(s, kinds): feature_width(source, s, point, kinds) for s, kinds in reads}
+    samples = {}
+    for layer in target.layers:
+        for obj in layer.objects:
+            for p in obj.capture_points:
+                samples[(layer.index, obj.name, p)] = _sample(layer, obj, p)
+            if obj.kind == ObjectKind.RECURRENT_STATE:
+                samples[(layer.index, obj.name, CapturePoint.NORMED)] = _sample(
+                    layer, obj, CapturePoint.NORMED)
+    return Widths(features, identity_width, samples)
+
+
+@dataclass
+class MapCost:
+    layer: int
+    name: str
+    recipe: str
+    sources: tuple[int, ...]
+    inputs: int  # features per token, token identity included
+    outputs: int
+    parameters: int
+
+
+@dataclass
+class FeatureSetCost:
+    sources: tuple[int, ...]
+    kinds: tuple[str, ...]
+    inputs: int
+    outputs: int  # every map reading this set, side by side
+    maps: int
+    moments_bytes: int  # float64 X^T X and X^T Y on the host
+
+
+@dataclass
+class PlanCost:
+    maps: list[MapCost]
+    feature_sets: list[FeatureSetCost]
+    parameters: int
+    moments_bytes: int
+    fit_peak_bytes: int  # projected: moments + one batch's device buffers + both models' weights
+    fit_seconds_per_million_tokens: float  # projected at `gflops`
+    solve_seconds: float
+    translation_flops_per_token: float
+    install_bytes_per_token: int
+    gflops: float
+    machine_bytes: int
+    weights_bytes: int
+    lengths: dict = field(default_factory=dict)  # tokens -> {"flops", "bytes", "seconds_at_peak"}
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def machine_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def weights_bytes(lm) -> int:
+    """Bytes of a model's weights in its checkpoint's dtype (`torch_dtype` of its config; a
+    built-but-lazy model's arrays are float32 until loaded)."""
+    config = lm.config.get("text_config", lm.config)
+    dtype = config.get("torch_dtype", lm.config.get("torch_dtype", "float32"))
+    return parameter_count(lm.model) * DTYPE_BYTES.get(str(dtype), 4)
+
+
+def parameter_count(model) -> int:
+    from mlx.utils import tree_flatten
+
+    return sum(v.size for _, v in tree_flatten(model.parameters()))
+
+
+def plan_cost(source_lm, target_lm, recipes: list[Recipe], point: int,
+              identity_width: int = 0, gflops: float = 100.0, bandwidth_gbs: float = 20.0,
+              lengths=(1024, 4096)) -> PlanCost:
+    """Project what fitting and using `recipes` costs (`source_lm`, `target_lm`: LoadedModels,
+    weights or not). `gflops` / `bandwidth_gbs`: this machine's matmul rate and bandwidth."""
+    from ..layouts import layout_of
+
+    source_model, target_model = source_lm.model, target_lm.model
+    source, target = layout_of(source_model), layout_of(target_model)
+    widths = layout_widths(source, target, recipes, point, identity_width)
+    maps, sets = [], {}
+    params = translation = 0.0
+    for r in recipes:
+        r = r.shaped(widths)
+        shapes = r.param_shapes(widths)
+        if not shapes:
+            continue
+        n = sum(math.prod(s) for s in shapes.values())
+        outputs = sum(s[0] for name, s in shapes.items() if name.endswith("weight"))
+        inputs = next((s[1] for name, s in shapes.items() if name.endswith("weight")), 0)
+        maps.append(MapCost(r.layer, r.name, r.recipe, r.sources, inputs, outputs, n))
+        params += n
+        obj = target.layers[r.layer].cache.object(r.name)
+        translation += r.flops(1, shapes, obj)
+        if hasattr(r, "feature_key"):
+            key = r.feature_key()
+            entry = sets.setdefault(key, [inputs, 0, 0])
+            entry[1] += outputs
+            entry[2] += 1
+    feature_sets = [FeatureSetCost(k[0], k[1], d, o, m, 8 * d * (d + o))
+                    for k, (d, o, m) in sets.items()]
+    moments = sum(f.moments_bytes for f in feature_sets)
+    accumulate_flops = sum(2.0 * f.inputs * (f.inputs + f.outputs) for f in feature_sets)
+    prefill_flops = 2.0 * (parameter_count(source_model) + parameter_count(target_model))
+    per_token = accumulate_flops + prefill_flops
+    batch_device = sum(4 * f.inputs * (f.inputs + f.outputs) + 4 * FIT_BATCH_TOKENS
+                       * (f.inputs + f.outputs) for f in feature_sets)
+    weights = weights_bytes(source_lm) + weights_bytes(target_lm)
+    solve_flops = sum(f.inputs ** 3 / 3 + 2.0 * f.inputs ** 2 * f.outputs for f in feature_sets)
+    install = sum(o.bytes_per_token for l in target.layers for o in l.objects)
+    fixed = sum(o.fixed_bytes for l in target.layers for o in l.objects)
+    cost = PlanCost(maps, feature_sets, int(params), int(moments),
+                    int(moments + batch_device + weights),
+                    1e6 * per_token / (gflops * 1e9), solve_flops / (gflops * 1e9),
+                    translation, install, gflops, machine_memory(), weights)
+    for n in lengths:
+        flops, nbytes = translation * n, install * n + fixed
+        cost.lengths[n] = {"flops": flops, "bytes": nbytes,
+                           "seconds_at_peak": flops / (gflops * 1e9)
+                           + nbytes / (bandwidth_gbs * 1e9)}
+    return cost
+
+
+def fits(cost: PlanCost, share: float = 0.9) -> bool:
+    """Whether the projected fit fits in `share` of this machine's memory."""
+    return cost.fit_peak_bytes <= share * cost.machine_bytes
+
+
+ALTERNATIVES = ({"features": "nearest", "nu": 2}, {"features": "nearest", "nu": 1},
+                {"features": "nearest", "nu": 1, "token_identity": "off"})
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"

@@ -1,0 +1,96 @@
+"""The switch benchmark: the bound measured beside every row, install bytes, and a cold switch
+whose source prefill runs the chunkwise recurrence yet yields the same first token. No timed
+assertions: timings are only checked to exist and to add up."""
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import ArraysCache, CacheList, KVCache
+
+import mlx_kvtrans as kv
+from mlx_kvtrans import gated_delta
+from mlx_kvtrans.bench import (bench_switch, cache_nbytes, first_token, source_prefill,
+                               switch_cache)
+from mlx_kvtrans.layouts.linear_attention import metal_recurrence_available
+from mlx_kvtrans.translators.fit import FitConfig, fit
+from mlx_kvtrans.translators.plan import plan
+
+
+def batches(n=3, length=48, seed=0):
+    return [mx.random.randint(0, 259, (4, length), key=mx.random.key(seed + i)) for i in range(n)]
+
+
+def tiny_translator(S, T):
+    return fit(S, T, batches(), plan(kv.layout_of(S), kv.layout_of(T), point=1, nu=2),
+               FitConfig(point=1))
+
+
+def hand_count(cache) -> int:
+    """Bytes of an mlx-lm cache, object by object."""
+    total = 0
+    for c in cache:
+        if isinstance(c, CacheList):
+            total += hand_count(c.caches)
+        elif isinstance(c, KVCache):
+            total += c.keys[..., :c.offset, :].nbytes + c.values[..., :c.offset, :].nbytes
+        elif isinstance(c, ArraysCache):
+            total += sum(a.nbytes for a in c.cache if a is not None)
+        else:
+            raise AssertionError(f"unexpected cache class {type(c).__name__}")
+    return total
+
+
+@pytest.mark.parametrize("source,target", [("kimi_linear", "kimi_vl"), ("kimi_vl", "kimi_linear")])
+def test_bound_parts_are_positive_and_sum_to_the_bound(loaded, source, target):
+    S, T = loaded(source).model, loaded(target).model
+    row, = bench_switch(tiny_translator(S, T), S, T, [64], repeats=1)
+    parts = (row.first_step_s, row.flops_at_peak_s, row.bytes_at_bandwidth_s)
+    assert all(p > 0 for p in parts)
+    assert row.bound_s == pytest.approx(sum(parts))
+    assert row.warm_over_bound == pytest.approx(row.warm_switch_s / row.bound_s)
+    assert row.matmul_peak_gflops > 0 and row.bandwidth_gbs > 0
+    data = row.to_json()
+    assert data["bound_s"] == row.bound_s and data["warm_over_bound"] == row.warm_over_bound
+    # a chunked re-prefill is timed only for a target with linear-attention layers
+    assert (row.reprefill_chunked_s is not None) == (target == "kimi_linear")
+    assert row.reprefill_chunked_s is None or row.reprefill_chunked_s > 0
+
+
+@pytest.mark.parametrize("source,target", [("kimi_linear", "kimi_vl"), ("kimi_vl", "kimi_linear")])
+def test_install_bytes_equal_the_installed_caches_nbytes(loaded, source, target):
+    S, T = loaded(source).model, loaded(target).model
+    tr = tiny_translator(S, T)
+    prompt = mx.random.randint(0, 259, (1, 63), key=mx.random.key(64))
+    layout = kv.layout_of(T)
+    cache = switch_cache(tr, source_prefill(tr, S, prompt), T, layout, prompt)
+    assert cache_nbytes(cache) == hand_count(cache)
+    assert cache_nbytes(cache) == layout.bytes_per_token * 63 + layout.fixed_bytes
+    row, = bench_switch(tr, S, T, [64], repeats=1)  # the bench's prompt is 63 tokens + 1
+    assert row.install_bytes == cache_nbytes(cache)
+
+
+def test_cold_switch_under_chunked_recurrence_gives_the_same_first_token(loaded, monkeypatch):
+    S, T = loaded("kimi_linear").model, loaded("kimi_vl").model  # the source has KDA layers
+    tr = tiny_translator(S, T)
+    tokens = mx.random.randint(0, 259, (1, 96), key=mx.random.key(7))
+    prompt, last = tokens[:, :-1], tokens[:, -1:]
+    layout = kv.layout_of(T)
+    calls = []
+    chunked = gated_delta.gated_delta_update_chunked
+    monkeypatch.setattr(gated_delta, "gated_delta_update_chunked",
+                        lambda *a, **k: calls.append(1) or chunked(*a, **k))
+    fast = switch_cache(tr, source_prefill(tr, S, prompt, fast=True), T, layout, prompt)
+    assert bool(calls) != metal_recurrence_available()  # off a Mac GPU: the chunkwise form ran
+    calls.clear()
+    plain = switch_cache(tr, source_prefill(tr, S, prompt, fast=False), T, layout, prompt)
+    assert not calls
+    assert first_token(T, last, fast).item() == first_token(T, last, plain).item()
+    fast = switch_cache(tr, source_prefill(tr, S, prompt, fast=True), T, layout, prompt)
+    plain = switch_cache(tr, source_prefill(tr, S, prompt, fast=False), T, layout, prompt)
+    logits_fast, logits_plain = T(last, cache=fast), T(last, cache=plain)
+    assert mx.abs(logits_fast - logits_plain).max().item() < 1e-4
+
+
+def test_doctor_reports_memory_bandwidth():
+    from mlx_kvtrans.doctor import diagnose
+
+    assert diagnose()["memory_bandwidth_gbs"] > 0

@@ -1,0 +1,71 @@
+"""Planning from configs alone: the same recipes and parameter shapes as from loaded models, the
+moment memory the fit really holds, and a refusal before any work when a fit would not fit."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+import mlx_kvtrans as kv
+from mlx_kvtrans.cli.main import app
+from mlx_kvtrans.models import load_config_only
+from mlx_kvtrans.translators import cost
+from mlx_kvtrans.translators.cost import layout_widths, plan_cost
+from mlx_kvtrans.translators.fit import FitConfig, fit
+from mlx_kvtrans.translators.translator import measure_widths
+
+from test_translators import batches
+
+PAIRS = [("kimi_linear", "kimi_vl", {}), ("kimi_vl", "kimi_linear", {}),
+         ("qwen3_5", "deepseek_v32", {}), ("qwen3", "qwen3_next", {}),
+         ("qwen3_5", "qwen3_next", {"recurrent_state": "bilinear"})]
+
+
+@pytest.mark.parametrize("source,target,recipes", PAIRS)
+@pytest.mark.parametrize("features", ["attention", "all"])
+def test_plan_from_configs_alone_matches_the_loaded_models(model_dirs, loaded, source, target,
+                                                           recipes, features):
+    S, T = loaded(source), loaded(target)
+    config = FitConfig(features=features, recipes=recipes)
+    from_models = config.plan(kv.layout_of(S.model), kv.layout_of(T.model))
+    lazy_s = load_config_only(str(model_dirs(source) / "config.json"))
+    lazy_t = load_config_only(str(model_dirs(target)))
+    from_configs = config.plan(kv.layout_of(lazy_s.model), kv.layout_of(lazy_t.model))
+    assert [r.to_json() for r in from_configs] == [r.to_json() for r in from_models]
+    measured = measure_widths(S.model, T.model, from_models, 1)
+    projected = layout_widths(kv.layout_of(lazy_s.model), kv.layout_of(lazy_t.model),
+                              from_configs, 1)
+    assert projected.features == measured.features
+    for r in from_models:
+        assert r.shaped(projected).param_shapes(projected) == \
+            r.shaped(measured).param_shapes(measured)
+
+
+@pytest.mark.parametrize("source,target", [("kimi_linear", "kimi_vl"), ("qwen3", "llama")])
+def test_projected_moments_and_parameters_are_the_fits(loaded, source, target):
+    S, T = loaded(source), loaded(target)
+    recipes = kv.plan(kv.layout_of(S.model), kv.layout_of(T.model))
+    tr = fit(S.model, T.model, batches(1), recipes)
+    projected = plan_cost(S, T, recipes, 1)
+    assert projected.moments_bytes == tr.info["fit"]["moments_bytes"]
+    assert projected.parameters == sum(v.size for v in tr.params.values())
+    assert projected.translation_flops_per_token * 100 == tr.flops(100, kv.layout_of(T.model))
+
+
+def test_plan_command_runs_from_zoo_aliases():
+    result = CliRunner().invoke(app, ["plan", "--from", "kimi-linear", "--to", "kimi-vl",
+                                      "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["fits"] and report["feature_sets"][0]["maps"] == 8  # one set serves all
+
+
+def test_a_fit_that_would_not_fit_is_refused_before_any_work(monkeypatch, tmp_path):
+    monkeypatch.setattr(cost, "machine_memory", lambda: 2**20)  # a 1 MiB machine
+    result = CliRunner().invoke(app, ["fit", "--from", "kimi-linear", "--to", "kimi-vl",
+                                      "--out", str(tmp_path / "tr"), "--data",
+                                      str(tmp_path / "nothing.txt")])
+    assert result.exit_code == 2 and "would need about" in result.output
+    assert not (tmp_path / "tr").exists()
