@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 
 import mlx_kvtrans  # noqa: F401  (fast BLAS first)
@@ -18,22 +16,12 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
 
-from mlx_kvtrans.blas import blas_report
+from mlx_kvtrans.blas import blas_report, median_seconds
 from mlx_kvtrans.gated_delta import chunked_recurrence, gated_delta_update_chunked
 from mlx_kvtrans.zoo.families import tiny_config
 from mlx_kvtrans.zoo.random_model import build_model
 
 RESULTS = Path(__file__).parent / "results" / "recurrence.json"
-
-
-def median_seconds(fn, repeats):
-    fn()  # warm-up (compilation, allocation)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def recurrence_inputs(B, T, H, D, per_channel):

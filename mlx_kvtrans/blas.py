@@ -87,7 +87,8 @@ class BlasReport:
         return FIX if self.slow else None
 
 
-def _median_seconds(fn, repeats: int, warmup: int = 2) -> float:
+def median_seconds(fn, repeats: int, warmup: int = 2) -> float:
+    """Median wall time of `fn` over `repeats` runs, after `warmup` runs."""
     for _ in range(warmup):
         fn()
     times = []
@@ -107,7 +108,7 @@ def matmul_gflops(n: int = 1024, repeats: int = 8, dtype=None) -> float:
     a = mx.random.normal((n, n)).astype(dtype)
     b = mx.random.normal((n, n)).astype(dtype)
     mx.eval(a, b)
-    return 2 * n**3 / _median_seconds(lambda: mx.eval(a @ b), repeats) / 1e9
+    return 2 * n**3 / median_seconds(lambda: mx.eval(a @ b), repeats) / 1e9
 
 
 def memory_bandwidth_gbs(mib: int = 256, repeats: int = 5) -> float:
@@ -124,7 +125,7 @@ def memory_bandwidth_gbs(mib: int = 256, repeats: int = 5) -> float:
     mx.eval(a)
     limit = mx.set_cache_limit(mx.get_cache_memory() + 2 * a.nbytes)
     try:
-        seconds = _median_seconds(lambda: mx.eval(a + 0), repeats)
+        seconds = median_seconds(lambda: mx.eval(a + 0), repeats)
     finally:
         mx.set_cache_limit(limit)
         mx.clear_cache()
