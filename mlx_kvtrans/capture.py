@@ -54,16 +54,45 @@ def _join(parts: list[Any]) -> Any:
 
 
 class _Recorder:
-    """Collects tapped outputs per (layer, object, point) while a prefill runs."""
+    """Collects tapped outputs per (layer, object, point) while a prefill runs; with `select`,
+    only those (layer, object name, point) triples."""
 
-    def __init__(self, layout: ModelLayout, points: set[int]):
-        self.layout, self.points = layout, points
-        self.layer = -1
+    def __init__(self, layout: ModelLayout, points: set[int],
+                 select: set[tuple[int, str, int]] | None = None):
+        self.layout, self.points, self.select = layout, points, select
         self.parts: list[dict[tuple[str, int], list]] = [{} for _ in layout.layers]
 
-    def record(self, name: str, point: int, value: Any) -> None:
-        if point in self.points:
-            self.parts[self.layer].setdefault((name, point), []).append(value)
+    def wants(self, layer: int, name: str | None = None, point: int | None = None) -> bool:
+        """Whether anything of `layer` (of its object `name` at `point`, when given) is kept."""
+        if point is not None and point not in self.points:
+            return False
+        if self.select is None:
+            return True
+        return any(l == layer and name in (None, n) and point in (None, p)
+                   for l, n, p in self.select)
+
+    def recorder(self, layer: int):
+        """`record(name, point, value)` for the taps of one layer (they run every forward)."""
+        parts, points = self.parts[layer], self.points
+        wanted = None if self.select is None else {(n, p) for l, n, p in self.select
+                                                   if l == layer}
+
+        def record(name: str, point: int, value: Any) -> None:
+            if point in points and (wanted is None or (name, point) in wanted):
+                values = parts.get((name, point))
+                if values is None:
+                    parts[(name, point)] = [value]
+                else:
+                    values.append(value)
+        return record
+
+    def drop_last(self) -> None:
+        """Forget the last forward's objects (each forward appends one of each)."""
+        for layer in self.parts:
+            for key in list(layer):
+                del layer[key][-1]
+                if not layer[key]:
+                    del layer[key]
 
     def pending(self) -> list[mx.array]:
         out = []
@@ -78,40 +107,50 @@ class _Recorder:
 
 
 @contextlib.contextmanager
-def tapped(model: nn.Module, layout: ModelLayout, points: set[int]):
-    """Within the block, running `model` records cache objects at `points` into the recorder."""
-    rec = _Recorder(layout, points)
+def tapped(model: nn.Module, layout: ModelLayout, points: set[int],
+           select: set[tuple[int, str, int]] | None = None):
+    """Within the block, running `model` records cache objects at `points` into the recorder
+    (every forward appends; `rec.joined()` concatenates them). `select`: record only these
+    (layer, object name, point) triples; no hook is installed where nothing is selected."""
+    rec = _Recorder(layout, set(points), select)
     with contextlib.ExitStack() as stack:
-        current = stack.enter_context(running_layer(model))
-
-        def record(name, point, value):
-            rec.layer = current["layer"]
-            rec.record(name, point, value)
-
-        for layer in layout.layers:
+        records = [rec.recorder(index) for index in range(len(layout.layers))]
+        for index, layer in enumerate(layout.layers):
+            if not rec.wants(index):
+                continue
             for module, on_call in layer.cache.taps():
                 stack.enter_context(hook_module(
-                    module, after=lambda m, args, kw, out, f=on_call: f(record, args, out)))
+                    module, after=lambda m, args, kw, out, f=on_call, r=records[index]:
+                    f(r, args, out)))
 
-        def recording_update(q, k, v, a, b, *args, **kwargs):
-            record("state", CapturePoint.NORMED, RecurrentInputs(q, k, v, a, b))
+        # one observer per mlx-lm module: its layers share the function it looks up, so it
+        # learns the calling layer from `running_layer`
+        namespaces = {getattr(layer.cache, "recurrence_namespace", None)
+                      for index, layer in enumerate(layout.layers)
+                      if rec.wants(index, "state", CapturePoint.NORMED)} - {None}
+        if namespaces:
+            current = stack.enter_context(running_layer(model))
 
-        # one observer per mlx-lm module: its layers share the function it looks up
-        for namespace in {getattr(layer.cache, "recurrence_namespace", None)
-                          for layer in layout.layers} - {None}:
-            stack.enter_context(observe_function(namespace, "gated_delta_update",
-                                                 recording_update))
+            def recording_update(q, k, v, a, b, *args, **kwargs):
+                records[current["layer"]]("state", CapturePoint.NORMED,
+                                          RecurrentInputs(q, k, v, a, b))
+
+            for namespace in namespaces:
+                stack.enter_context(observe_function(namespace, "gated_delta_update",
+                                                     recording_update))
         yield rec
 
 
 def capture(model: nn.Module, tokens, points=tuple(CapturePoint), chunk_size: int | None = None,
-            layout: ModelLayout | None = None, cache: list | None = None) -> Capture:
+            layout: ModelLayout | None = None, cache: list | None = None,
+            select: set[tuple[int, str, int]] | None = None) -> Capture:
     """Prefill `tokens` ((T,) or (B, T) ids) and capture every cache object at `points`.
 
     `chunk_size` prefills in chunks (as mlx-lm's generation does), which bounds memory on long
     prompts; the captured objects are the same. With `cache` (an mlx-lm cache that has read
     earlier tokens) the prefill continues it: (1)/(2) objects cover the new tokens, (3) objects
-    are the whole cache.
+    are the whole cache. `select`: capture only these (layer, object name, point) triples
+    (None: every object at `points`).
     """
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -122,13 +161,14 @@ def capture(model: nn.Module, tokens, points=tuple(CapturePoint), chunk_size: in
     points = {CapturePoint(p) for p in points}
     engine = cache if cache is not None else make_prompt_cache(model)
     step = chunk_size or tokens.shape[1]
-    with tapped(model, layout, points - {CapturePoint.ENGINE}) as rec:
+    with tapped(model, layout, points - {CapturePoint.ENGINE}, select) as rec:
         for start in range(0, tokens.shape[1], step):
             logits = model(tokens[:, start:start + step], cache=engine)
             mx.eval(logits[:, -1], rec.pending(), [c.state for c in engine])
     objects = rec.joined()
     if CapturePoint.ENGINE in points:
-        for found, layer, cache in zip(objects, layout.layers, engine):
+        for index, (found, layer, cache) in enumerate(zip(objects, layout.layers, engine)):
             for name, value in layer.cache.read_engine(cache).items():
-                found[(name, CapturePoint.ENGINE)] = value
+                if select is None or (index, name, CapturePoint.ENGINE) in select:
+                    found[(name, CapturePoint.ENGINE)] = value
     return Capture(layout, tokens, objects, engine, logits[:, -1])

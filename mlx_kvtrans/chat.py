@@ -19,7 +19,7 @@ from .session import STRATEGIES, Session, SwitchStatus
 
 COMMANDS = {
     "/switch": "move the conversation to the other model (or /switch NAME)",
-    "/who": "which model is answering, and what each has read",
+    "/who": "which model is answering, what each has read and what it records per token",
     "/strategy": "switching strategy: segment, naive or refresh (/strategy NAME)",
     "/save": "save the active model's cache as an mlx-lm prompt-cache file (/save PATH)",
     "/help": "this list",
@@ -127,7 +127,9 @@ class Chat:
                     f"{s.translate_seconds * 1000:.1f} ms")
         if word == "/who":
             rows = [f"{'*' if n == self.session.active else ' '} {n}: read {l.seen} of "
-                    f"{len(self.session.tokens)} tokens" for n, l in self.session.lines.items()]
+                    f"{len(self.session.tokens)} tokens; records {l.bytes_per_token:,.0f} bytes "
+                    f"a token, holds {l.recorded_bytes() / 1024:,.1f} KiB"
+                    for n, l in self.session.lines.items()]
             return "\n".join(rows)
         if word == "/strategy":
             if arg not in STRATEGIES:

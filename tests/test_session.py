@@ -14,6 +14,7 @@ import pytest
 from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache
 
 import mlx_kvtrans as kv
+from mlx_kvtrans.capture import capture
 from mlx_kvtrans.chat import Chat, Transcript
 from mlx_kvtrans.session import Session
 from mlx_kvtrans.translators import artifact
@@ -307,3 +308,194 @@ def test_codebook_translator_switches_away_from_a_translated_span(pair):
     status = s.switch(a.name)
     assert status.status == "applied", status.reason
     assert status.tokens_translated == s.lines[b.name].seen
+
+
+# -- decoding through mlx-lm, recording only what translators read ---------------------------
+
+def reference_tokens(model, prompt, n, sampler=None):
+    """mlx-lm's own greedy (or `sampler`) continuation of `prompt`: n tokens."""
+    from mlx_lm.generate import generate_step
+
+    return [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=n, sampler=sampler)]
+
+
+def zoo_pair(source, target):
+    """A zoo model with its shipped translator to `target`, as a two-model session."""
+    path = artifact.shipped(source, target)
+    if path is None:
+        pytest.skip(f"no shipped translator {source} -> {target}")
+    src, tgt = kv.load(source), kv.load(target)
+    return Session({source: src, target: tgt},
+                   {(source, target): kv.load_translator(path, src, tgt)}, active=source)
+
+
+def sessions_for_decoding(pair, loaded, zoo=True):
+    """(session, model name): the tiny kimi_linear with translators both ways, a tiny qwen3_5
+    without any (it records nothing), and (`zoo`) the zoo's kimi-linear and qwen3.5-a with
+    their shipped translators."""
+    a, _, _ = pair
+    q = loaded("qwen3_5")
+    out = [(session_for(pair), a.name), (Session({q.name: q}), q.name)]
+    if zoo:
+        out += [(zoo_pair("kimi-linear", "kimi-vl"), "kimi-linear"),
+                (zoo_pair("qwen3.5-a", "qwen3.5-b"), "qwen3.5-a")]
+    return out
+
+
+def test_session_generation_equals_mlx_lm_token_for_token(pair, loaded):
+    for s, name in sessions_for_decoding(pair, loaded):
+        model = s.lines[name].lm.model
+        prompt = list(range(40, 72))
+        s.add(prompt)
+        first = list(s.generate(12))
+        assert first == reference_tokens(model, prompt, 12), name
+        # the next turn reads the last generated token first, then the new ones
+        s.add([7, 8, 9])
+        second = list(s.generate(6))
+        assert second == reference_tokens(model, s.tokens[:-6], 6), name
+        assert s.lines[name].seen == len(s.tokens) - 1
+
+
+def test_stop_token_ends_the_turn_and_is_read_with_the_next(pair, loaded):
+    for s, name in sessions_for_decoding(pair, loaded, zoo=False):
+        lm = s.lines[name].lm
+        prompt = list(range(50, 70))
+        expected = reference_tokens(lm.model, prompt, 8)
+        s.add(prompt)
+        got = list(s.generate(8, stop={expected[3]}))
+        assert got == expected[:expected.index(expected[3]) + 1]
+        line = s.lines[name]
+        assert line.seen == len(s.tokens) - 1  # the stop token is not read yet
+        # a turn whose iterator is left early behaves the same way
+        s.add([3, 4])
+        for i, _ in enumerate(s.generate(8)):
+            if i == 2:
+                break
+        assert line.seen == len(s.tokens) - 1
+        one = list(s.generate(1))  # nothing added: it reads the last token, then samples
+        assert one == reference_tokens(lm.model, s.tokens[:-1], 1)
+        s.add([1])
+        assert list(s.generate(4)) == reference_tokens(lm.model, s.tokens[:-4], 4)
+        x = mx.array([[s.tokens[-1], 5, 6]])
+        assert max_abs_diff(lm.model(x, cache=line.cache),
+                            lm.model(x, cache=plain_reprefill(lm, s.tokens[:-1]))) <= 1e-4
+
+
+def test_switching_mid_generation_ends_the_turn_first(pair):
+    a, b, _ = pair
+    s = session_for(pair)
+    s.add(list(range(30, 60)))
+    turn = s.generate(10)
+    got = [next(turn), next(turn), next(turn)]
+    status = s.switch(b.name)  # the open turn ends: a has read all but its last token
+    assert list(turn) == [] and s.tokens[-3:] == got
+    assert status.status == "applied" and status.tokens_translated == 32
+    assert s.lines[a.name].seen == s.lines[b.name].seen == len(s.tokens) - 1
+
+
+def test_sampled_generation_uses_mlx_lm_sampler(pair):
+    from mlx_lm.sample_utils import make_sampler
+
+    a, _, _ = pair
+    s = session_for(pair)
+    prompt = list(range(40, 60))
+    s.add(prompt)
+    mx.random.seed(3)
+    got = list(s.generate(10, temperature=0.8))
+    mx.random.seed(3)
+    assert got == reference_tokens(a.model, prompt, 10, sampler=make_sampler(temp=0.8))
+
+
+class Reads:
+    """A stand-in translator that reads `keys` of its source (never asked to translate)."""
+
+    def __init__(self, keys):
+        self.keys = keys
+
+    def prepare(self):
+        return self
+
+    def reads(self, layout):
+        return self.keys
+
+
+@pytest.mark.parametrize("family", ["kimi_linear", "qwen3_5"])
+def test_recorded_objects_equal_a_plain_capture_of_the_same_tokens(loaded, family):
+    """A turn's prefill (generate_step's chunks) and decode steps record what one plain
+    capture of the same tokens gives, recurrence inputs included."""
+    from mlx_kvtrans.session import RECORD_POINTS, _join_recorded
+
+    lm, other = loaded(family), loaded("qwen3")
+    probe = capture(lm.model, [1, 2], points=RECORD_POINTS)
+    everything = {(i, name, point) for i, found in enumerate(probe.objects)
+                  for name, point in found}
+    assert any(name == "state" for _, name, _ in everything)
+    s = Session({"a": lm, "b": other}, {("a", "b"): Reads(everything)}, strategy="naive")
+    s.add(list(range(40, 80)))
+    list(s.generate(9))
+    s.add([1, 2, 3])
+    list(s.generate(5))
+    line = s.lines["a"]
+    assert line.recorded_from == 0 and line.recorded_tokens == line.seen
+    recorded = _join_recorded(line.recorded, 0, line.seen, 0)
+    plain = capture(lm.model, s.tokens[:line.seen], points=RECORD_POINTS)
+    assert [set(found) for found in recorded] == [set(found) for found in plain.objects]
+    for layer, (mine, theirs) in enumerate(zip(recorded, plain.objects)):
+        for key, value in mine.items():
+            ref = theirs[key]
+            pairs = zip(value.arrays(), ref.arrays()) if hasattr(value, "arrays") \
+                else [(value, ref)]
+            for x, y in pairs:  # the same up to the rounding of other matmul shapes
+                assert x.shape == y.shape and max_abs_diff(x, y) <= 2e-5, (layer, key)
+
+
+def test_session_records_only_what_its_outgoing_translators_read(pair):
+    a, b, _ = pair
+    s = session_for(pair, strategy="naive", both=False)  # a -> b only: b records nothing
+    s.add(list(range(40, 70)))
+    list(s.generate(4))
+    line = s.lines[a.name]
+    keys = {(layer, name, point) for part in line.recorded
+            for layer, found in enumerate(part.objects) for name, point in found}
+    assert keys == s.translators[(a.name, b.name)].reads(line.layout) == s.selection(a.name)
+    everything = capture(a.model, s.tokens[:line.seen], points=(1, 2))
+    full = sum(v.nbytes if hasattr(v, "nbytes") else sum(x.nbytes for x in v.arrays())
+               for found in everything.objects for v in found.values()) / line.seen
+    assert 0 < line.bytes_per_token < full
+    assert line.bytes_per_token * line.seen == line.recorded_bytes()
+    s.switch(b.name)
+    s.add([1, 2])
+    list(s.generate(3))
+    assert s.lines[b.name].recorded == [] and s.lines[b.name].bytes_per_token == 0
+
+
+def test_segment_drops_spans_every_receiver_has_read_and_naive_keeps_them(pair):
+    a, b, _ = pair
+    seg, naive = session_for(pair), session_for(pair, strategy="naive")
+    for s in (seg, naive):
+        s.add(list(range(40, 70)))
+        list(s.generate(4))
+        assert s.lines[a.name].recorded_tokens == s.lines[a.name].seen == 33
+        s.switch(b.name)
+        s.add([1, 2])
+        list(s.generate(3))
+    # segment: b has read all a recorded (and a all b's translated span): both dropped; b holds
+    # only its own turn, which a has not read yet
+    assert seg.lines[a.name].recorded == []
+    assert seg.lines[b.name].recorded_from == 33 and seg.lines[b.name].recorded_tokens == 5
+    assert seg.switches[0].recorded_bytes == 0
+    assert seg.switch(a.name).status == "applied" and seg.lines[b.name].recorded == []
+    # naive: everything kept, translated spans included
+    assert naive.lines[a.name].recorded_tokens == 33
+    assert naive.lines[b.name].recorded_from == 0 and naive.lines[b.name].recorded_tokens == 38
+    assert naive.switches[0].recorded_bytes > 0
+
+
+def test_chat_shows_what_each_model_records(pair, tmp_path):
+    a, b, _ = pair
+    s = session_for(pair, both=False)
+    s.add(list(range(30, 50)))
+    list(s.generate(3))
+    shown = Chat(s, Transcript(tmp_path / "t.json", {})).command("/who").splitlines()
+    assert f"records {s.lines[a.name].bytes_per_token:,.0f} bytes a token" in shown[0]
+    assert "records 0 bytes a token, holds 0.0 KiB" in shown[1]
