@@ -56,8 +56,9 @@ def tabulate():
              "matmul peak + installed bytes at the measured memory bandwidth. Side by side in "
              "one process, median of the repeats; peak memory is the extra memory above the "
              "resident models. `realistic-*` rows are random-weight models with real "
-             "checkpoints' per-layer sizes (fewer layers, MoE off) and translators of the "
-             "fitted shapes: timings depend on shapes, not values. "
+             "checkpoints' per-layer sizes (fewer layers, MoE off) and a translator fitted in "
+             "closed form on them (features `attention`, token ids; values meaningless, cost "
+             "real; its fit is listed below the table). "
              "Regenerate with `python benchmarks/switch.py`.\n",
              "| pair | dtype | BLAS (peak GFLOP/s) | tokens | re-prefill ms | re-prefill "
              "chunked ms | warm switch ms | speed-up | bound ms | warm / bound | cold switch ms "
@@ -82,6 +83,27 @@ def tabulate():
                 f"{ms(row['cold_switch_s'])} | x{row['speedup_cold']:.2f} | "
                 f"{row['translate_gflops']:.1f} | {row['peak_mb_switch']:.0f} / "
                 f"{row['peak_mb_reprefill']:.0f} |")
+    fits = []
+    for path in sorted(RESULTS.glob("bench-*.json")):
+        r = json.loads(path.read_text())
+        f = r.get("fit")
+        if not f:
+            continue
+        line = (f"- {r['pair']} ({r['dtype']}): fitted on {f['fit_tokens']:,} tokens in "
+                f"{f['fit_seconds']:.1f} s, peak {f['fit_peak_memory_bytes'] / 2**30:.1f} GiB, "
+                f"moments {f['fit_moments_bytes'] / 2**20:.0f} MiB")
+        if "full" in f:
+            g = f["full"]
+            line += (f"; projected to the full checkpoints ({' -> '.join(g['models'])}, "
+                     f"{g['layers'][0]} -> {g['layers'][1]} layers): moments "
+                     f"{g['moments_bytes'] / 2**30:.2f} GiB, "
+                     f"{g['fit_seconds_per_million_tokens'] / 3600:.1f} h per million fitting "
+                     f"tokens on this machine + {g['solve_seconds']:.0f} s solve, "
+                     f"{g['translation_flops_per_token'] / 1e6:.0f} MFLOP per translated token "
+                     "(weights not counted; the full configs' FFNs are dense)")
+        fits.append(line)
+    if fits:
+        lines += ["", "Realistic translators' closed-form fits:", "", *fits]
     (RESULTS / "switch.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

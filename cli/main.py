@@ -897,7 +897,8 @@ def bench(source: str = typer.Option("kimi-linear", "--from"),
           repeats: int = typer.Option(3, min=1),
           dtype: str = typer.Option("float32", help="float32 or bfloat16 (bf16 is ~8x slower on "
                                     "a CPU; Macs run it)"),
-          out_dir: Path = typer.Option(Path("benchmarks/results"), help="JSON and PNG go here"),
+          out_dir: Path = typer.Option(None, help="write the JSON and PNG here (default: "
+                                       "print only)"),
           as_json: bool = typer.Option(False, "--json")):
     """Time to first token after a switch (warm, cold) versus re-prefill on the target, and the
     bound a warm switch could reach here (see mlx_kvtrans.bench)."""
@@ -945,10 +946,12 @@ def bench(source: str = typer.Option("kimi-linear", "--from"),
     if fit_record is not None:
         result["fit"] = {**fit_record, "features": translator.info["features"],
                          "token_identity": translator.token_identity}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    json_path = out_dir / f"bench-{label}-{dtype}.json"
-    json_path.write_text(json.dumps(result, indent=2) + "\n")
-    plot = _plot_bench(result, out_dir / f"bench-{label}-{dtype}.png")
+    json_path = plot = None
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        json_path = out_dir / f"bench-{label}-{dtype}.json"
+        json_path.write_text(json.dumps(result, indent=2) + "\n")
+        plot = _plot_bench(result, out_dir / f"bench-{label}-{dtype}.png")
     if as_json:
         print(json.dumps(result, indent=2))
         return
@@ -985,8 +988,11 @@ def bench(source: str = typer.Option("kimi-linear", "--from"),
                       f"{g['fit_seconds_per_million_tokens'] / 60:.0f} min per million tokens "
                       f"+ {g['solve_seconds']:.0f} s solve (weights not counted)")
     out.print(table)
-    out.print(f"wrote {json_path}" + (f" and {plot}" if plot else " (no plot: pip install "
-                                                                  "matplotlib)"))
+    if json_path is None:
+        out.print("[dim]pass --out-dir DIR to keep the JSON and PNG[/]")
+    else:
+        out.print(f"wrote {json_path}" + (f" and {plot}" if plot else " (no plot: pip install "
+                                                                      "matplotlib)"))
 
 
 def _plot_bench(result: dict, path: Path) -> Path | None:

@@ -19,6 +19,7 @@ from ..install import install
 from ..layouts import CapturePoint, ModelLayout, layout_of
 from .features import feature_point, input_embedding, layer_features, projection_name
 from .recipes import BuildInputs, Recipe, Widths
+from .recipes.base import concat_features
 from .token_identity import TokenIdentity
 
 
@@ -100,19 +101,35 @@ class Translator:
         identity = None if ids is None else input_embedding(target_model)(ids).astype(mx.float32)
         objects = [{} for _ in target_layout.layers]
         points = [{} for _ in target_layout.layers]
-        by_layer: dict[int, list[Recipe]] = {}
-        for recipe in self.recipes:
-            by_layer.setdefault(recipe.layer, []).append(recipe)
+        inputs = {r: BuildInputs(source, features, identity if r.reads_identity else None,
+                                 source.tokens.shape[0],
+                                 target_layout.layers[r.layer].cache.object(r.name), all_rows)
+                  for r in self.recipes}
+        # maps of the same input run as one matmul (one GEMM at the matmul peak, not dozens)
+        fused: dict[tuple, list[Recipe]] = {}
+        for r in self.recipes:
+            key = r.fused_input(inputs[r])
+            if key is not None:
+                fused.setdefault((key, r.reads_identity), []).append(r)
+        for ((sources, kinds), _), group in fused.items():
+            parts = [(r, part, w, b) for r in group
+                     for part, w, b in r.linear_parts(self.params_of(r, flat))]
+            x = concat_features(features, sources, kinds, inputs[group[0]].identity)
+            y = x @ mx.concatenate([w for *_, w, _ in parts]).T + \
+                mx.concatenate([b for *_, b in parts])
+            start, outputs = 0, {}
+            for r, part, w, _ in parts:
+                outputs.setdefault(r, {})[part] = y[..., start:start + w.shape[0]]
+                start += w.shape[0]
+            for r in group:
+                objects[r.layer][r.name] = r.from_parts(inputs[r], outputs[r])
+                points[r.layer][r.name] = r.point
         for layer in target_layout.layers:
-            for recipe in by_layer.get(layer.index, ()):
-                inputs = BuildInputs(source, features,
-                                     identity if recipe.reads_identity else None,
-                                     source.tokens.shape[0], layer.cache.object(recipe.name),
-                                     all_rows)
-                objects[layer.index][recipe.name] = recipe.build(inputs,
-                                                                 self.params_of(recipe, flat))
-                points[layer.index][recipe.name] = recipe.point
-            mx.eval(list(objects[layer.index].values()))  # stream: one layer at a time
+            for r in (r for r in self.recipes if r.layer == layer.index):
+                if r.name not in objects[layer.index]:
+                    objects[layer.index][r.name] = r.build(inputs[r], self.params_of(r, flat))
+                    points[layer.index][r.name] = r.point
+            mx.eval(list(objects[layer.index].values()))
         return objects, points
 
     # -- cost -------------------------------------------------------------------------------

@@ -126,6 +126,20 @@ class Recipe:
     def build(self, inputs: BuildInputs, params: dict[str, mx.array]):
         raise NotImplementedError
 
+    # -- fused translation: recipes whose work is linear maps of the same input -------------
+    def fused_input(self, inputs: BuildInputs) -> tuple | None:
+        """A key naming its input when its work is linear maps of that input over every token
+        (then maps of the same input run as one matmul); None when it builds otherwise."""
+        return None
+
+    def linear_parts(self, params: dict[str, mx.array]) -> list[tuple[str, mx.array, mx.array]]:
+        """(part, weight, bias) of each linear map, for a fused input."""
+        return []
+
+    def from_parts(self, inputs: BuildInputs, outputs: dict[str, mx.array]):
+        """The target object from each part's output x @ weight.T + bias."""
+        raise NotImplementedError
+
     def param_shapes(self, widths: "Widths") -> dict[str, tuple[int, ...]]:
         """Parameter name (relative to `key`) -> shape."""
         return {}

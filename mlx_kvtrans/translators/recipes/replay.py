@@ -86,14 +86,22 @@ class Replay(Recipe):
 
     def build(self, inputs, params):
         """Predicted per-token recurrence inputs (2); install replays the target's recurrence."""
+        x = concat_features(inputs.features, self.sources, (), inputs.identity)
+        return self.from_parts(inputs, {name: x @ weight.T + bias
+                                        for name, weight, bias in self.linear_parts(params)})
+
+    def fused_input(self, inputs):
+        return self.feature_key()
+
+    def linear_parts(self, params):
+        return [(name, params[f"{name}.weight"], params[f"{name}.bias"])
+                for name in REPLAY_INPUTS]
+
+    def from_parts(self, inputs, outputs):
         from mlx_lm.models.gated_delta import normalize_qk
 
-        x = concat_features(inputs.features, self.sources, (), inputs.identity)
-        B, T, _ = x.shape
-        pred = {}
-        for name in REPLAY_INPUTS:
-            y = x @ params[f"{name}.weight"].T + params[f"{name}.bias"]
-            pred[name] = y.reshape(B, T, *self.shapes[name])
+        B, T, _ = outputs["k"].shape
+        pred = {name: outputs[name].reshape(B, T, *self.shapes[name]) for name in REPLAY_INPUTS}
         k = pred["k"]
         _, k = normalize_qk(k, k, inv_scale=k.shape[-1] ** -0.5, eps=1e-6)  # the target's own
         return RecurrentInputs(mx.zeros_like(k), k, pred["v"], pred["a"], pred["b"])

@@ -128,9 +128,20 @@ class TokenMap(Recipe):
         x = concat_features(inputs.features, self.sources, self.source_kinds, inputs.identity)
         if obj.kind == ObjectKind.CONV_HISTORY and not inputs.all_rows:
             x = x[:, -(obj.engine_shape[1]):]  # only the rows the history keeps
-        y = x @ params["weight"].T + params["bias"]
+        return self.from_parts(inputs, {"": x @ params["weight"].T + params["bias"]})
+
+    def fused_input(self, inputs):
+        if inputs.target_object.kind == ObjectKind.CONV_HISTORY and not inputs.all_rows:
+            return None  # it maps only the K-1 rows the history keeps
+        return self.feature_key()
+
+    def linear_parts(self, params):
+        return [("", params["weight"], params["bias"])]
+
+    def from_parts(self, inputs, outputs):
+        y = outputs[""]
         if self.point == CapturePoint.ENGINE:  # (B, T, heads * dim) -> (B, heads, T, dim)
-            _, heads, _, dim = obj.engine_shape
+            _, heads, _, dim = inputs.target_object.engine_shape
             y = y.reshape(inputs.batch, -1, heads, dim).transpose(0, 2, 1, 3)
         return y
 
