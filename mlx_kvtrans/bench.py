@@ -246,16 +246,25 @@ def realistic_fit(source_lm, target_lm, config, full_names: tuple[str, str] | No
     from .translators.features import input_embedding
     from .translators.fit import fit
 
-    vocab = input_embedding(source_lm.model).weight.shape[0]
-    batches = [mx.random.randint(0, vocab, (4, length), key=mx.random.key(seed + i))
-               for i in range(max(1, windows // 4))]
-    translator = fit(source_lm.model, target_lm.model, batches, None, config)
-    measured = translator.info["fit"]
+    from .errors import KvtransError
+    from .translators.cost import fits, gib
+
     gflops, bandwidth = matmul_gflops(), memory_bandwidth_gbs()
     identity = (input_embedding(target_lm.model).weight.shape[-1]
                 if config.token_identity != "off" else 0)
-    here = plan_cost(source_lm, target_lm, translator.recipes, config.point, identity, gflops,
-                     bandwidth)
+    recipes = config.plan(layout_of(source_lm.model), layout_of(target_lm.model))
+    here = plan_cost(source_lm, target_lm, recipes, config.point, identity, gflops, bandwidth)
+    if not fits(here):  # refused before any work, not killed by the OS half-way
+        raise KvtransError(f"fitting this realistic pair would need about "
+                           f"{gib(here.fit_peak_bytes)} of this machine's "
+                           f"{gib(here.machine_bytes)} (weights {gib(here.weights_bytes)}, "
+                           f"moments {gib(here.moments_bytes)})"
+                           + ("; try --token-identity off" if identity else ""))
+    vocab = input_embedding(source_lm.model).weight.shape[0]
+    batches = [mx.random.randint(0, vocab, (4, length), key=mx.random.key(seed + i))
+               for i in range(max(1, windows // 4))]
+    translator = fit(source_lm.model, target_lm.model, batches, recipes, config)
+    measured = translator.info["fit"]
     seconds_per_million = measured["seconds"] / measured["tokens"] * 1e6
     record = {"fit_seconds": measured["seconds"], "fit_tokens": measured["tokens"],
               "fit_peak_memory_bytes": measured["peak_memory_bytes"],
