@@ -116,7 +116,8 @@ def inspect(model: str = typer.Argument(..., help="zoo alias, model directory or
 @app.command()
 @user_errors
 def verify(model: str = typer.Argument(..., help="zoo alias, model directory or HF id"),
-           prefix: int = typer.Option(None, help="prompt length (default: 64, or beyond index_topk)"),
+           prefix: int = typer.Option(None, min=2,
+                                      help="prompt length (default: 64, or beyond index_topk)"),
            as_json: bool = typer.Option(False, "--json")):
     """Prove capture -> install, (1)/(2) -> (3) conversion and replay exact on this checkpoint."""
     from mlx_kvtrans.verify import checks_to_json, run_checks
@@ -195,7 +196,7 @@ def zoo_corpus(workdir: Path = typer.Option(Path("runs"), help="where sources an
 def zoo_train(alias: str = typer.Argument(..., help="a zoo alias (see recipes)"),
               workdir: Path = typer.Option(Path("runs"), help="checkpoints, logs and corpus"),
               max_minutes: float = typer.Option(None, help="stop (resumable) after this long"),
-              eval_samples: int = typer.Option(50, help="held-out needles per length")):
+              eval_samples: int = typer.Option(50, min=1, help="held-out needles per length")):
     """Train ALIAS from its recipe (seeded; resumes from its checkpoint) into weights/ALIAS."""
     from mlx_kvtrans.models import weights_dir
     from mlx_kvtrans.zoo.recipes import RECIPES
@@ -226,7 +227,7 @@ def zoo_train(alias: str = typer.Argument(..., help="a zoo alias (see recipes)")
 @zoo_app.command("ship")
 @user_errors
 def zoo_ship(alias: str, workdir: Path = typer.Option(Path("runs")),
-                 samples: int = typer.Option(50, help="held-out needles per length")):
+                 samples: int = typer.Option(50, min=1, help="held-out needles per length")):
     """Ship a trained zoo model again from its checkpoint, measure it, rewrite its manifest."""
     from mlx_kvtrans.models import weights_dir
     from mlx_kvtrans.zoo.train import ship
@@ -281,7 +282,7 @@ def eval_needle(model: str = typer.Option(None, "--model", help="zoo alias, dire
                                                     "translated caches, beside native recall"),
                 lengths: str = typer.Option(None, help="comma-separated prompt lengths in tokens "
                                             "(default: 1x, 2x, 4x, 8x the training length)"),
-                samples: int = typer.Option(50, help="held-out needles per length"),
+                samples: int = typer.Option(50, min=1, help="held-out needles per length"),
                 as_json: bool = typer.Option(False, "--json")):
     """Exact six-digit needle recall of a model on held-out needles, per prompt length."""
     from mlx_kvtrans.evaluation.needles import needle_recall
@@ -302,6 +303,9 @@ def eval_needle(model: str = typer.Option(None, "--model", help="zoo alias, dire
             sizes = [int(x) for x in lengths.split(",")]
         except ValueError:
             raise KvtransError(f"--lengths must be integers separated by commas, got {lengths!r}")
+        if min(sizes) < 16:
+            raise KvtransError("--lengths must be at least 16 tokens each (a needle and its "
+                               "question)")
     else:
         manifest = lm.path / "manifest.json"
         base = json.loads(manifest.read_text())["longest_training_prompt"] if manifest.exists() else 256
@@ -916,6 +920,8 @@ def bench(source: str = typer.Option("kimi-linear", "--from"),
         sizes = [int(x) for x in lengths.split(",")]
     except ValueError:
         raise KvtransError("--lengths must be integers separated by commas")
+    if min(sizes) < 2:
+        raise KvtransError("--lengths must be at least 2 tokens each")
     fit_record = None
     if token_identity not in ("ids", "off"):
         raise KvtransError("--token-identity must be ids or off")
