@@ -38,7 +38,8 @@ from .install import install
 from .layouts import CapturePoint, ObjectKind, layout_of
 from .layouts.linear_attention import metal_recurrence_available
 from .translators.token_identity import TokenIdentity
-from .translators.translator import Translator, measure_widths
+from .translators.cost import layout_widths
+from .translators.translator import Translator
 
 PREFILL_CHUNK = 2048  # mlx-lm generation's default prefill step
 
@@ -215,8 +216,10 @@ def bench_switch(translator: Translator, source, target, lengths: list[int], rep
 def shaped_translator(source_model, target_model, recipes, source_point=1) -> Translator:
     """A translator with the shapes `fit` would give `recipes`, and random weights: for timing
     models of real checkpoints' sizes, where time depends on shapes only and a closed-form fit
-    would hold a (features x features) moment matrix per map (a KDA layer alone reads 12,288)."""
-    widths = measure_widths(source_model, target_model, recipes, source_point)
+    would hold a (features x features) moment matrix per map (a KDA layer alone reads 12,288).
+    Shapes come from the layouts alone: nothing is prefilled."""
+    widths = layout_widths(layout_of(source_model), layout_of(target_model), recipes,
+                           source_point)
     recipes = [r.shaped(widths) for r in recipes]
     key = mx.random.key(0)
     params = {}

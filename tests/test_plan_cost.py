@@ -5,18 +5,36 @@ from __future__ import annotations
 
 import json
 
+import mlx.core as mx
 import pytest
 from typer.testing import CliRunner
 
 import mlx_kvtrans as kv
+from mlx_kvtrans.capture import capture
 from mlx_kvtrans.cli.main import app
 from mlx_kvtrans.models import load_config_only
+from mlx_kvtrans.layouts import CapturePoint
 from mlx_kvtrans.translators import cost
 from mlx_kvtrans.translators.cost import layout_widths, plan_cost
 from mlx_kvtrans.translators.fit import FitConfig, fit
-from mlx_kvtrans.translators.translator import measure_widths
+from mlx_kvtrans.translators.recipes import Widths
+from mlx_kvtrans.translators.token_identity import TokenIdentity
+from mlx_kvtrans.translators.translator import Translator
 
 from test_translators import batches
+
+
+def measure_widths(source_model, target_model, recipes, source_point) -> Widths:
+    """The oracle: the widths `recipes` are shaped by, measured on an 8-token capture."""
+    tokens = mx.zeros((1, 8), dtype=mx.int32)
+    shell = Translator(CapturePoint(source_point), TokenIdentity(), recipes, {})
+    features = shell.features(capture(source_model, tokens, points=shell.source_points()))
+    points = set().union(*(r.target_points() for r in recipes)) | {CapturePoint.ENGINE}
+    target = capture(target_model, tokens, points=points)
+    samples = {(layer, name, point): value for layer, found in enumerate(target.objects)
+               for (name, point), value in found.items()}
+    return Widths({k: v.shape[-1] for k, v in features.items()}, 0, samples)
+
 
 PAIRS = [("kimi_linear", "kimi_vl", {}), ("kimi_vl", "kimi_linear", {}),
          ("qwen3_5", "deepseek_v32", {}), ("qwen3", "qwen3_next", {}),

@@ -18,7 +18,7 @@ from ..capture import Capture, capture
 from ..install import install
 from ..layouts import CapturePoint, ModelLayout, layout_of
 from .features import feature_point, input_embedding, layer_features, projection_name
-from .recipes import BuildInputs, Recipe, Widths
+from .recipes import BuildInputs, Recipe
 from .recipes.base import concat_features
 from .token_identity import TokenIdentity
 
@@ -145,20 +145,6 @@ class Translator:
         return compression + sum(
             r.flops(length, shapes[r], target_layout.layers[r.layer].cache.object(r.name))
             for r in self.recipes)
-
-
-def measure_widths(source_model, target_model, recipes: list[Recipe], source_point,
-                   identity: TokenIdentity | None = None) -> Widths:
-    """The widths `recipes` are shaped by, from an 8-token capture of each model."""
-    tokens = mx.zeros((1, 8), dtype=mx.int32)
-    shell = Translator(CapturePoint(source_point), TokenIdentity(), recipes, {})
-    features = shell.features(capture(source_model, tokens, points=shell.source_points()))
-    points = set().union(*(r.target_points() for r in recipes)) | {CapturePoint.ENGINE}
-    target = capture(target_model, tokens, points=points)
-    samples = {(layer, name, point): value for layer, found in enumerate(target.objects)
-               for (name, point), value in found.items()}
-    embed = input_embedding(target_model).weight.shape[-1] if identity and identity.on else 0
-    return Widths({k: v.shape[-1] for k, v in features.items()}, embed, samples)
 
 
 def translate_cache(translator: Translator, source_model, target_model, tokens) -> list:
