@@ -18,6 +18,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from mlx_kvtrans.bench import describe_fit
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 RUNS = {  # name -> `kvtrans bench` arguments (lengths added unless given)
@@ -93,18 +95,7 @@ def tabulate():
         f = r.get("fit")
         if not f:
             continue
-        line = (f"- {r['pair']} ({r['dtype']}): fitted on {f['fit_tokens']:,} tokens in "
-                f"{f['fit_seconds']:.1f} s, peak {f['fit_peak_memory_bytes'] / 2**30:.1f} GiB, "
-                f"moments {f['fit_moments_bytes'] / 2**20:.0f} MiB")
-        if "full" in f:
-            g = f["full"]
-            line += (f"; projected to the full checkpoints ({' -> '.join(g['models'])}, "
-                     f"{g['layers'][0]} -> {g['layers'][1]} layers): moments "
-                     f"{g['moments_bytes'] / 2**30:.2f} GiB, "
-                     f"{g['fit_seconds_per_million_tokens'] / 3600:.1f} h per million fitting "
-                     f"tokens on this machine + {g['solve_seconds']:.0f} s solve, "
-                     f"{g['translation_flops_per_token'] / 1e6:.0f} MFLOP per translated token "
-                     "(weights not counted; the full configs' FFNs are dense)")
+        line = f"- {r['pair']} ({r['dtype']}): {describe_fit(f)}"
         fits.append(line)
     if fits:
         lines += ["", "Realistic translators' closed-form fits:", "", *fits]

@@ -27,16 +27,16 @@ import statistics
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from .blas import matmul_gflops, memory_bandwidth_gbs
 from .capture import Capture, capture
-from .gated_delta import chunked_recurrence
+from .gated_delta import chunked_recurrence, fastest_recurrence
 from .install import install
 from .layouts import CapturePoint, ObjectKind, layout_of
-from .layouts.linear_attention import metal_recurrence_available
 from .translators.token_identity import TokenIdentity
 from .translators.cost import layout_widths
 from .translators.translator import Translator
@@ -96,12 +96,6 @@ def cache_nbytes(cache: list) -> int:
                if isinstance(x, mx.array))
 
 
-def fastest_recurrence():
-    """Context in which linear-attention layers run the fastest recurrence here: mlx-lm's own
-    Metal kernel on a Mac (nothing to change), the chunkwise-parallel form elsewhere."""
-    return contextlib.nullcontext() if metal_recurrence_available() else chunked_recurrence()
-
-
 def source_prefill(translator: Translator, source, prompt: mx.array, source_layout=None,
                    fast: bool = True) -> Capture:
     """The source reads `prompt`, recording what `translator` reads (with `fast`, under
@@ -152,16 +146,27 @@ def _main_dtype(model) -> mx.Dtype:
 
 
 def bench_switch(translator: Translator, source, target, lengths: list[int], repeats: int = 3,
-                 vocab: int | None = None, seed: int = 0, dtype=None) -> list[BenchRow]:
+                 vocab: int | None = None, seed: int = 0, dtype=None,
+                 progress=None) -> list[BenchRow]:
     """TTFT rows for mlx-lm models `source` -> `target` at each prompt length (`dtype`, for the
-    matmul peak: default the target's)."""
+    matmul peak: default the target's). `progress(done, total, what)` follows each measurement."""
     source_layout, target_layout = layout_of(source), layout_of(target)
     target_is_hybrid = ObjectKind.RECURRENT_STATE in target_layout.kinds()
     dtype = dtype or _main_dtype(target)
     translator.prepare()
     vocab = vocab or 256
     rows = []
+    phases = 7 if target_is_hybrid else 6
+    done = 0
+
+    def step(what: str, length: int):
+        nonlocal done
+        if progress:
+            progress(done, phases * len(lengths), f"{what} at {length:,} tokens")
+        done += 1
+
     for length in lengths:
+        step("source prefill", length)
         tokens = mx.random.randint(0, vocab, (1, length), key=mx.random.key(seed + length))
         prompt, last = tokens[:, :-1], tokens[:, -1:]
         recorded = source_prefill(translator, source, prompt, source_layout)
@@ -190,6 +195,7 @@ def bench_switch(translator: Translator, source, target, lengths: list[int], rep
             with chunked_recurrence():
                 reprefill()
 
+        step("bound", length)
         warm()  # compile and allocate once
         install_bytes = cache_nbytes(translate_only())
         peak = matmul_gflops(dtype=dtype)
@@ -197,9 +203,14 @@ def bench_switch(translator: Translator, source, target, lengths: list[int], rep
         t_translate, _ = _median(translate_only, repeats)
         t_step, _ = _median(lambda cache: first_token(target, last, cache), repeats,
                             setup=translate_only)
+        step("warm switch", length)
         t_warm, peak_switch = _median(warm, repeats)
+        step("cold switch", length)
         t_cold, _ = _median(cold, repeats)
+        step("re-prefill", length)
         t_full, peak_full = _median(reprefill, repeats)
+        if target_is_hybrid:
+            step("chunked re-prefill", length)
         t_chunked = _median(reprefill_chunked, repeats)[0] if target_is_hybrid else None
         flops = translation_flops(translator, length, target_layout)
         rows.append(BenchRow(
@@ -210,6 +221,9 @@ def bench_switch(translator: Translator, source, target, lengths: list[int], rep
             bytes_at_bandwidth_s=install_bytes / (bandwidth * 1e9),
             install_bytes=install_bytes, matmul_peak_gflops=peak, bandwidth_gbs=bandwidth,
             reprefill_chunked_s=t_chunked))
+        step("done", length)
+    if progress:
+        progress(done, done, "done")
     return rows
 
 
@@ -237,7 +251,7 @@ def shaped_translator(source_model, target_model, recipes, source_point=1) -> Tr
 
 
 def realistic_fit(source_lm, target_lm, config, full_names: tuple[str, str] | None = None,
-                  windows: int = 8, length: int = 256, seed: int = 0):
+                  windows: int = 8, length: int = 256, seed: int = 0, progress=None):
     """Fit a translator in closed form on random-weight models of real per-layer sizes (its
     values are meaningless, its cost is real) and project the cost to the full checkpoints'
     layer counts (`full_names`: keys of `zoo.families.FULL`).
@@ -266,11 +280,13 @@ def realistic_fit(source_lm, target_lm, config, full_names: tuple[str, str] | No
     vocab = input_embedding(source_lm.model).weight.shape[0]
     batches = [mx.random.randint(0, vocab, (4, length), key=mx.random.key(seed + i))
                for i in range(max(1, windows // 4))]
-    translator = fit(source_lm.model, target_lm.model, batches, recipes, config)
+    translator = fit(source_lm.model, target_lm.model, batches, recipes, config, progress=(
+        progress and (lambda i, n: progress(i, len(batches), f"fitting: {n:,} tokens"))))
     measured = translator.info["fit"]
     seconds_per_million = measured["seconds"] / measured["tokens"] * 1e6
     record = {"fit_seconds": measured["seconds"], "fit_tokens": measured["tokens"],
               "fit_peak_memory_bytes": measured["peak_memory_bytes"],
+              "projected_peak_memory_bytes": here.fit_peak_bytes,
               "fit_moments_bytes": measured["moments_bytes"],
               "fit_seconds_per_million_tokens": round(seconds_per_million, 1),
               "projected_seconds_per_million_tokens": round(
@@ -302,3 +318,80 @@ def realistic_fit(source_lm, target_lm, config, full_names: tuple[str, str] | No
             "solve_seconds": round(projected.solve_seconds * scale, 1),
             "translation_flops_per_token": projected.translation_flops_per_token}
     return translator, record
+
+
+def describe_fit(f: dict) -> str:
+    """One line for a `realistic_fit` record: measured here, and projected to the full models."""
+    projected = f.get("projected_peak_memory_bytes")
+    line = (f"{f['fit_tokens']:,} tokens in {f['fit_seconds']:.1f} s, peak "
+            f"{f['fit_peak_memory_bytes'] / 2**30:.1f} GiB"
+            + (f" (projected {projected / 2**30:.1f} GiB)" if projected else "")
+            + f", moments {f['fit_moments_bytes'] / 2**20:.0f} MiB")
+    if "full" in f:
+        g = f["full"]
+        line += (f"; projected to the full checkpoints ({' -> '.join(g['models'])}, "
+                 f"{g['layers'][0]} -> {g['layers'][1]} layers): moments "
+                 f"{g['moments_bytes'] / 2**30:.2f} GiB, peak without weights "
+                 f"{g['fit_peak_bytes_without_weights'] / 2**30:.1f} GiB, "
+                 f"{g['fit_seconds_per_million_tokens'] / 3600:.1f} h per million fitting "
+                 f"tokens on this machine + {g['solve_seconds']:.0f} s solve, "
+                 f"{g['translation_flops_per_token'] / 1e6:.0f} MFLOP per translated token "
+                 "(the full configs' FFNs are dense)")
+    return line
+
+
+def realistic_pair(name: str, dtype, token_identity: str, progress=None):
+    """Random-weight models with real checkpoints' per-layer sizes, and a translator fitted in
+    closed form on them (values meaningless, cost real), with its fit record."""
+    from .errors import KvtransError
+    from .models import LoadedModel, cast_parameters
+    from .translators.fit import FitConfig
+    from .zoo.families import REALISTIC_PAIRS, realistic_config
+    from .zoo.random_model import build_model
+
+    if name not in REALISTIC_PAIRS:
+        raise KvtransError(f"--realistic takes {', '.join(REALISTIC_PAIRS)}")
+    models = []
+    for i, n in enumerate(REALISTIC_PAIRS[name]):
+        config = realistic_config(n, vocab_size=4096)
+        model = build_model(config, seed=i)
+        cast_parameters(model, dtype)
+        models.append(LoadedModel(n, Path("."), model, None, config))
+    translator, record = realistic_fit(models[0], models[1],
+                                       FitConfig(token_identity=token_identity),
+                                       REALISTIC_PAIRS[name], progress=progress)
+    return models[0], models[1], translator, record
+
+
+def plot_switch(result: dict, path: Path) -> Path | None:
+    """A PNG of a `kvtrans bench` result (None when matplotlib is absent)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    rows = result["rows"]
+    x = [r["length"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key, label in (("reprefill_s", "re-prefill"),
+                       ("reprefill_chunked_s", "re-prefill (chunked recurrence)"),
+                       ("cold_switch_s", "cold switch"),
+                       ("warm_switch_s", "warm switch (translate)")):
+        if all(r.get(key) is not None for r in rows):
+            ax.plot(x, [r[key] * 1000 for r in rows], marker="o", label=label)
+    if all("bound_s" in r for r in rows):
+        ax.plot(x, [r["bound_s"] * 1000 for r in rows], linestyle="--", color="gray",
+                label="bound (step + FLOPs at peak + bytes at bandwidth)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("time to first token (ms)")
+    ax.set_title(f"{result['pair']} · {result['dtype']} · {result['blas']}")
+    ax.legend()
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

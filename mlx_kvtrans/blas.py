@@ -15,6 +15,7 @@ import platform
 import statistics
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,6 +74,11 @@ def _configure() -> tuple[str, str | None]:
 
 
 BLAS_NAME, BLAS_PATH = _configure()
+if BLAS_NAME == "reference" and "mlx.core" in sys.modules and not os.environ.get(
+        "KVTRANS_NO_OPENBLAS"):
+    # mlx.core was imported first and bound its bundled BLAS: say so once, here
+    warnings.warn("mlx.core was imported before mlx_kvtrans, so MLX keeps its bundled reference "
+                  "BLAS (~50x slower matmuls on Linux). Fix: " + FIX, RuntimeWarning, stacklevel=2)
 
 
 @dataclass(frozen=True)

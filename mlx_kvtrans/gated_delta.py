@@ -174,3 +174,11 @@ def chunked_recurrence(chunk_size: int | None = None):
         for name in RECURRENT_MODULES:
             stack.enter_context(replace_function(name, "gated_delta_update", update))
         yield
+
+
+def fastest_recurrence():
+    """Context in which linear-attention layers run the fastest recurrence here: mlx-lm's own
+    Metal kernel on a Mac (nothing to change), the chunkwise-parallel form elsewhere."""
+    from .layouts.linear_attention import metal_recurrence_available
+
+    return contextlib.nullcontext() if metal_recurrence_available() else chunked_recurrence()

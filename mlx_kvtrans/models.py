@@ -27,6 +27,15 @@ def weights_dir() -> Path:
     return Path(__file__).resolve().parent / "weights"
 
 
+def held_out_split(name: str) -> Path | None:
+    """The zoo corpus's held-out `name` split ("validation" or "test"): the copy shipped with
+    the package, else a local build in runs/corpus; None when neither exists."""
+    for path in (weights_dir() / "corpus" / f"{name}.txt", Path("runs/corpus") / f"{name}.txt"):
+        if path.is_file():
+            return path
+    return None
+
+
 def zoo_aliases() -> dict[str, Path]:
     root = weights_dir()
     if not root.is_dir():

@@ -149,7 +149,7 @@ def test_failed_verification_exits_1_without_internal_error(model_dirs, monkeypa
 
 
 def test_shipped_distilled_translator_is_preferred(tmp_path, monkeypatch):
-    from mlx_kvtrans.cli.main import _default_translator
+    from mlx_kvtrans.cli.common import _default_translator
 
     monkeypatch.setenv("KVTRANS_WEIGHTS", str(tmp_path))
     assert _default_translator("a", "b") is None

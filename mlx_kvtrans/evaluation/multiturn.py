@@ -48,14 +48,17 @@ def run_dialogue(models: dict, translators: dict, strategy: str, seed: int, turn
 
 
 def evaluate(models: dict, translators: dict, dialogues: int = 20, turns: int = 10,
-             strategies=("segment", "naive", "refresh", "reprefill")) -> dict:
+             strategies=("segment", "naive", "refresh", "reprefill"), progress=None) -> dict:
     """Per strategy and turn: accuracy on question turns, over `dialogues` held-out dialogues
-    (keys: turn index, "all", and "questions", how many were asked in all)."""
+    (keys: turn index, "all", and "questions", how many were asked in all).
+    `progress(done, total, what)` follows the dialogues."""
     table = {}
-    for strategy in strategies:
+    for n, strategy in enumerate(strategies):
         pairs = {} if strategy == "reprefill" else translators
         per_turn: dict[int, list[bool]] = {}
         for d in range(dialogues):
+            if progress:
+                progress(n * dialogues + d, len(strategies) * dialogues, strategy)
             for r in run_dialogue(models, pairs, strategy, HELD_OUT_DIALOGUES + d, turns):
                 if r["question"]:
                     per_turn.setdefault(r["turn"], []).append(r["right"])

@@ -39,24 +39,33 @@ def needle_prompt_tokens(encode, seed: int, n_tokens: int, filler: list[str]):
 
 
 def needle_recall(model, encode, lengths: list[int], samples: int = 50, filler=None,
-                  seed: int = HELD_OUT_SEED, cache_for=None) -> dict[int, float]:
+                  seed: int = HELD_OUT_SEED, cache_for=None, progress=None) -> dict[int, float]:
     """Exact six-digit recall at each prompt length (tokens), on held-out needles.
 
     `cache_for(prompt_ids)`, when given, builds the cache the model continues from (a translated
-    cache); by default the model reads the prompt itself.
+    cache); by default the model reads the prompt itself. `progress(done, total, what)` follows
+    the needles.
     """
-    return {length: needle_scores(model, encode, length, samples, filler, seed, cache_for)[0]
-            for length in lengths}
+    out = {}
+    for n, length in enumerate(lengths):
+        step = progress and (lambda i, length=length, n=n: progress(
+            n * samples + i, len(lengths) * samples, f"{length:,} tokens"))
+        out[length] = needle_scores(model, encode, length, samples, filler, seed, cache_for,
+                                    step)[0]
+    return out
 
 
 def needle_scores(model, encode, length: int, samples: int = 50, filler=None,
-                  seed: int = HELD_OUT_SEED, cache_for=None) -> tuple[float, float]:
+                  seed: int = HELD_OUT_SEED, cache_for=None, progress=None
+                  ) -> tuple[float, float]:
     """(exact recall, mean loss of the answer digits in nats) at one prompt length.
 
     The digit loss shows copying long before recall does: chance is ln 10 = 2.30."""
     filler = filler or held_out_filler()
     hits, nll = 0, 0.0
     for i in range(samples):
+        if progress:
+            progress(i)
         prompt, answer = needle_prompt_tokens(encode, seed + i, length, filler)
         digits = len(answer) - 1  # the answer is the code and a full stop
         if cache_for is None:

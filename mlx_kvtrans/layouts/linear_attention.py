@@ -52,7 +52,7 @@ def _recurrence(mixer):
     return sys.modules[type(mixer).__module__].gated_delta_update
 
 
-class _DeltaRuleLayer(LayerCache):
+class DeltaRuleLayer(LayerCache):
     """What GDN and KDA share: a recurrent state fed by conv'd projections."""
 
     conv_names: tuple[str, ...]
@@ -142,7 +142,7 @@ class _DeltaRuleLayer(LayerCache):
         return mx.contiguous(history[:, -(self.kernel - 1):, :])
 
 
-class GatedDeltaNet(_DeltaRuleLayer):
+class GatedDeltaNet(DeltaRuleLayer):
     mixer = "gdn"
     cache_class = "ArraysCache(2)"
     conv_names = ("conv",)
@@ -161,7 +161,7 @@ class GatedDeltaNet(_DeltaRuleLayer):
         return self.mixer_module.A_log, self.mixer_module.dt_bias
 
 
-class KimiDeltaAttention(_DeltaRuleLayer):
+class KimiDeltaAttention(DeltaRuleLayer):
     mixer = "kda"
     cache_class = "ArraysCache(4)"
     conv_names = ("conv_q", "conv_k", "conv_v")

@@ -55,11 +55,33 @@ def save(translator: Translator, directory: str | Path, source, target) -> Path:
     return directory
 
 
+def shipped_names() -> list[str]:
+    from ..models import weights_dir
+
+    root = weights_dir() / "translators"
+    return sorted(p.name for p in root.iterdir() if (p / "manifest.json").is_file()) \
+        if root.is_dir() else []
+
+
+def resolve(name: str | Path) -> Path:
+    """A translator directory, or the name of a shipped translator (`kimi-linear__kimi-vl`)."""
+    from ..models import weights_dir
+
+    path = Path(name)
+    if path.is_dir():
+        return path
+    if not path.exists() and str(name) in shipped_names():
+        return weights_dir() / "translators" / str(name)
+    if path.exists():
+        raise KvtransError(f"translator {name} is a file, not a translator directory")
+    raise KvtransError(f"translator {name} not found: not a directory nor a shipped translator "
+                       f"({', '.join(shipped_names()) or 'none shipped'})")
+
+
 def read_manifest(directory: str | Path) -> dict:
-    """The manifest of a translator directory, after checking every file against SHA256SUMS."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise KvtransError(f"translator {directory} not found")
+    """The manifest of a translator directory (or shipped name), after checking every file
+    against SHA256SUMS."""
+    directory = resolve(directory)
     sums_file = directory / "SHA256SUMS"
     if not sums_file.is_file():
         raise KvtransError(f"{directory} has no SHA256SUMS: not a translator directory")
@@ -118,10 +140,14 @@ def check_pair(manifest: dict, source, target) -> None:
 def load(directory: str | Path, source=None, target=None) -> Translator:
     """Load a verified translator. With `source` (a LoadedModel) a codebook translator loads
     the source's codebook when first needed; with `target` too, the pair is checked."""
+    directory = resolve(directory)
     manifest = read_manifest(directory)
     if source is not None and target is not None:
         check_pair(manifest, source, target)
-    params = dict(mx.load(str(Path(directory) / "weights.safetensors")))
+    try:
+        params = dict(mx.load(str(directory / "weights.safetensors")))
+    except (RuntimeError, ValueError) as e:  # consistent sums, unreadable file
+        raise KvtransError(f"translator {directory}: weights.safetensors is unreadable ({e})")
     if manifest["format_version"] == 1:
         manifest, params = _migrate_v1(manifest, params)
     identity = TokenIdentity(manifest["token_identity"])

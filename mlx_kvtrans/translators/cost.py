@@ -97,7 +97,7 @@ class PlanCost:
     feature_sets: list[FeatureSetCost]
     parameters: int
     moments_bytes: int
-    fit_peak_bytes: int  # projected: moments + one batch's device buffers + both models' weights
+    fit_peak_bytes: int  # projected: moments + one batch (captures, forward) + both weights
     fit_seconds_per_million_tokens: float  # projected at `gflops`
     solve_seconds: float
     translation_flops_per_token: float
@@ -130,6 +130,30 @@ def parameter_count(model) -> int:
     from mlx.utils import tree_flatten
 
     return sum(v.size for _, v in tree_flatten(model.parameters()))
+
+
+def forward_bytes_per_token(lm) -> float:
+    """Transient bytes per token of one fitting forward (float32), a conservative model measured
+    against random models of real per-layer sizes (benchmarks/results/switch.md): the FFN's
+    intermediate rows, the logits, a few hidden-wide rows, and for linear-attention layers the
+    chunkwise form's per-chunk products (KDA's per-channel decays: heads x chunk x key dim)."""
+    from ..gated_delta import default_chunk_size
+    from ..layouts import layout_of
+    from ..layouts.linear_attention import DeltaRuleLayer, KimiDeltaAttention
+
+    config = lm.config.get("text_config", lm.config)
+    hidden = config.get("hidden_size", 0)
+    floats = 4 * config.get("intermediate_size", 4 * hidden) + config.get("vocab_size", 0) \
+        + 16 * hidden
+    linear = 0.0
+    for layer in layout_of(lm.model).layers:
+        parts = getattr(layer.cache, "parts", [layer.cache])
+        for c in (c for c in parts if isinstance(c, DeltaRuleLayer)):
+            per_channel = isinstance(c, KimiDeltaAttention)
+            chunk = default_chunk_size(per_channel)
+            linear = max(linear, 2 * c.heads_v * chunk * c.dk if per_channel else
+                         2 * c.heads_v * (chunk + 2 * c.dk * c.dv / chunk + c.dk + c.dv))
+    return 4.0 * (floats + linear)
 
 
 def plan_cost(source_lm, target_lm, recipes: list[Recipe], point: int,
@@ -169,6 +193,11 @@ def plan_cost(source_lm, target_lm, recipes: list[Recipe], point: int,
     per_token = accumulate_flops + prefill_flops
     batch_device = sum(4 * f.inputs * (f.inputs + f.outputs) + 4 * FIT_BATCH_TOKENS
                        * (f.inputs + f.outputs) for f in feature_sets)
+    # one batch's captures (both models, every object at two points) and the larger forward
+    captured = sum(o.bytes_per_token for layout in (source, target) for l in layout.layers
+                   for o in l.objects)
+    batch_device += FIT_BATCH_TOKENS * (2 * captured + max(forward_bytes_per_token(source_lm),
+                                                           forward_bytes_per_token(target_lm)))
     weights = weights_bytes(source_lm) + weights_bytes(target_lm)
     solve_flops = sum(f.inputs ** 3 / 3 + 2.0 * f.inputs ** 2 * f.outputs for f in feature_sets)
     install = sum(o.bytes_per_token for l in target.layers for o in l.objects)

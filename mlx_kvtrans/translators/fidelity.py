@@ -38,18 +38,21 @@ def agreement(a: list[int], b: list[int]) -> float:
 
 def fidelity(translator: Translator, source, target, token_ids: list[int],
              prefix_lengths: list[int], windows: int = 8, continuation: int = 64,
-             generated: int = 32, seed: int = 0) -> list[dict]:
+             generated: int = 32, seed: int = 0, progress=None) -> list[dict]:
     """Per prefix length: KL and greedy agreement, translated and no-cache, over `windows`
-    held-out windows of `token_ids`. `source` and `target` are mlx-lm models."""
+    held-out windows of `token_ids`. `source` and `target` are mlx-lm models.
+    `progress(done, total, what)` follows the windows."""
     rng = random.Random(seed)
     target_layout = layout_of(target)
     rows = []
-    for length in prefix_lengths:
+    for n, length in enumerate(prefix_lengths):
         span = length + continuation
         if len(token_ids) < span + 1:
             raise ValueError(f"held-out text has {len(token_ids)} tokens, fewer than {span + 1}")
         kls, floor_kls, agree, floor_agree = [], [], [], []
-        for _ in range(windows):
+        for w in range(windows):
+            if progress:
+                progress(n * windows + w, len(prefix_lengths) * windows, f"prefix {length:,}")
             start = rng.randrange(0, len(token_ids) - span)
             window = mx.array(token_ids[start:start + span])[None]
             prefix, last = window[:, :length - 1], int(window[0, length - 1])

@@ -17,6 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..capture import capture
+from ..gated_delta import fastest_recurrence
 from ..layouts import CapturePoint, ObjectKind, layout_of
 from .attention_weights import recording_attention
 from .features import input_embedding, layer_features, projection_name
@@ -99,8 +100,12 @@ def fit(source_model, target_model, batches: Iterable[mx.array],
     for i, tokens in enumerate(batches):
         tokens = mx.array(tokens)
         data_hash.update(np.asarray(tokens, dtype=np.int32).tobytes())
-        src = capture(source_model, tokens, points=shell.source_points(), layout=source_layout)
+        # the fastest recurrence also holds the least: the token loop keeps every step's state
+        with fastest_recurrence():
+            src = capture(source_model, tokens, points=shell.source_points(),
+                          layout=source_layout)
         with contextlib.ExitStack() as stack:
+            stack.enter_context(fastest_recurrence())
             attention = (stack.enter_context(recording_attention(target_model, target_layout,
                                                                   config.attention_weighted))
                          if config.attention_weighted else {})
@@ -144,8 +149,9 @@ def principal_directions(source_model, source_layout, batches, shell: Translator
     """A first pass: each compressed source layer's top-`width` principal directions."""
     covariances: dict[int, Covariance] = {}
     for tokens in batches:
-        src = capture(source_model, mx.array(tokens), points={shell.source_point},
-                      layout=source_layout)
+        with fastest_recurrence():
+            src = capture(source_model, mx.array(tokens), points={shell.source_point},
+                          layout=source_layout)
         for layer in layers:
             x = layer_features(src, layer, shell.source_point)
             covariances.setdefault(layer, Covariance(x.shape[-1])).add(x)

@@ -30,6 +30,9 @@ class Translator:
     recipes: list[Recipe]
     params: dict[str, mx.array]  # flat: "layer<L>.<object>.<name>"
     info: dict[str, Any] = field(default_factory=dict)  # manifest fields (pair, fit, metrics)
+    # fused group -> (the arrays it was built from, weight.T, bias), built on first use: a
+    # switch then reads the weights once instead of concatenating them first
+    _fused: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def token_identity(self) -> str:
@@ -111,12 +114,23 @@ class Translator:
             key = r.fused_input(inputs[r])
             if key is not None:
                 fused.setdefault((key, r.reads_identity), []).append(r)
-        for ((sources, kinds), _), group in fused.items():
+        for key, group in fused.items():
+            (sources, kinds), _ = key
             parts = [(r, part, w, b) for r in group
                      for part, w, b in r.linear_parts(self.params_of(r, flat))]
+            arrays = [a for *_, w, b in parts for a in (w, b)]
+            cached = self._fused.get(key) if params is None else None
+            if cached and len(cached[0]) == len(arrays) and all(
+                    a is c for a, c in zip(arrays, cached[0])):
+                weight_t, bias = cached[1:]
+            else:
+                weight_t = mx.concatenate([w for *_, w, _ in parts]).T
+                bias = mx.concatenate([b for *_, b in parts])
+                if params is None:  # its own parameters: keep the fused copy for next time
+                    weight_t = mx.contiguous(weight_t)
+                    self._fused[key] = (arrays, weight_t, bias)
             x = concat_features(features, sources, kinds, inputs[group[0]].identity)
-            y = x @ mx.concatenate([w for *_, w, _ in parts]).T + \
-                mx.concatenate([b for *_, b in parts])
+            y = x @ weight_t + bias
             start, outputs = 0, {}
             for r, part, w, _ in parts:
                 outputs.setdefault(r, {})[part] = y[..., start:start + w.shape[0]]

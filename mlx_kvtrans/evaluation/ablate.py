@@ -1,0 +1,120 @@
+"""Ablation: what each cache object carries, and what translating it alone costs.
+
+For each layer and cache object of a model: the model continues held-out text (and answers
+held-out needles) from its own cache with that one object zeroed, and, given a translator into
+the model, from its own cache with only that object translated. Each case reports the KL against
+the native continuation (nats/token), greedy agreement, and exact needle recall; the no-cache
+floor sits beside them. This is the hybrid-translation paper's swap-in analysis for any model or
+pair.
+
+Zeroing a recurrent state or a conv history is exactly "no history" for that object. Zeroing an
+attention object keeps its positions in the softmax (zero keys score 0, zero values add nothing),
+so it removes the content but not the positions.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from ..capture import capture
+from ..install import install
+from ..layouts import CapturePoint, layout_of
+from ..translators.fidelity import agreement, greedy, kl_per_token
+from .needles import needle_scores
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str  # "native", "zero", "translated" or "no cache"
+    layer: int | None = None
+    object: str | None = None
+
+    @property
+    def label(self) -> str:
+        return self.name if self.layer is None else f"{self.name} {self.layer}.{self.object}"
+
+
+def cases(layout, translated: bool) -> list[Case]:
+    out = [Case("native"), Case("no cache")]
+    for layer in layout.layers:
+        for obj in layer.objects:
+            out.append(Case("zero", layer.index, obj.name))
+            if translated:
+                out.append(Case("translated", layer.index, obj.name))
+    return out
+
+
+class Ablation:
+    """Builds the cache of each case for a prompt (`translator`/`source`: a translator into
+    `model` and its source model, for the "translated" cases)."""
+
+    def __init__(self, model, translator=None, source=None):
+        self.model, self.translator, self.source = model, translator, source
+        self.layout = layout_of(model)
+
+    def cache(self, case: Case, prompt: mx.array):
+        if case.name == "no cache":
+            return None
+        tokens = prompt[None] if prompt.ndim == 1 else prompt
+        if case.name == "translated":
+            src = capture(self.source, tokens, points=self.translator.source_points())
+            moved, points = self.translator.translate(src, self.model, self.layout, tokens)
+            native = capture(self.model, tokens, points={p for d in points for p in d.values()},
+                             layout=self.layout)
+            objects = [{name: moved[i][name] if (i, name) == (case.layer, case.object)
+                        else native.objects[i][(name, points[i][name])] for name in points[i]}
+                       for i in range(len(points))]
+            return install(self.layout, objects, points)
+        native = capture(self.model, tokens, points={CapturePoint.ENGINE}, layout=self.layout)
+        objects = [{name: value for (name, _), value in layer.items()} for layer in native.objects]
+        if case.name == "zero":
+            value = objects[case.layer][case.object]
+            objects[case.layer][case.object] = mx.zeros_like(value)
+        return install(self.layout, objects, CapturePoint.ENGINE)
+
+
+def ablate(model, encode, token_ids: list[int], lengths: list[int], windows: int = 4,
+           needles: int = 20, continuation: int = 32, generated: int = 16, translator=None,
+           source=None, seed: int = 0, progress=None) -> list[dict]:
+    """Per case: {"case", "layer", "object", "lengths": {L: {"kl", "agreement", "recall"}}}.
+    `encode`: the model's tokenizer encode (for the needles); `token_ids`: held-out text."""
+    ablation = Ablation(model, translator, source)
+    todo = cases(ablation.layout, translator is not None)
+    rows = [{"case": c.name, "label": c.label, "layer": c.layer, "object": c.object,
+             "lengths": {}} for c in todo]
+    total, done = len(todo) * len(lengths), 0
+    for length in lengths:
+        span = length + continuation
+        if len(token_ids) < span + 1:
+            raise ValueError(f"held-out text has {len(token_ids)} tokens, fewer than {span + 1}")
+        rng = random.Random(seed + length)
+        starts = [rng.randrange(0, len(token_ids) - span) for _ in range(windows)]
+        prefixes, natives = [], []
+        for start in starts:
+            window = mx.array(token_ids[start:start + span])
+            prefix, inputs = window[:length - 1], window[length - 1:span - 1][None]
+            native_cache = ablation.cache(Case("native"), prefix)
+            prefixes.append((prefix, inputs, int(window[length - 1])))
+            natives.append((ablation.model(inputs, cache=native_cache),
+                            greedy(model, int(window[length - 1]),
+                                   ablation.cache(Case("native"), prefix), generated)))
+        for case, row in zip(todo, rows):
+            if progress:
+                progress(done, total, f"{case.label} at {length:,} tokens")
+            done += 1
+            kls, agrees = [], []
+            for (prefix, inputs, last), (native_logits, native_greedy) in zip(prefixes, natives):
+                logits = model(inputs, cache=ablation.cache(case, prefix))
+                kls.append(float(kl_per_token(native_logits, logits).mean()))
+                agrees.append(agreement(native_greedy, greedy(
+                    model, last, ablation.cache(case, prefix), generated)))
+            recall, _ = needle_scores(
+                model, encode, length, needles,
+                cache_for=lambda ids, case=case: ablation.cache(case, mx.array(ids)))
+            row["lengths"][str(length)] = {"kl": sum(kls) / len(kls),
+                                           "agreement": sum(agrees) / len(agrees),
+                                           "recall": recall}
+    return rows
