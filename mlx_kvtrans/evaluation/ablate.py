@@ -34,11 +34,13 @@ class Case:
 
     @property
     def label(self) -> str:
-        return self.name if self.layer is None else f"{self.name} {self.layer}.{self.object}"
+        if self.layer is None:
+            return "zero all" if self.name == "zero" else self.name
+        return f"{self.name} {self.layer}.{self.object}"
 
 
 def cases(layout, translated: bool) -> list[Case]:
-    out = [Case("native"), Case("no cache")]
+    out = [Case("native"), Case("no cache"), Case("zero")]
     for layer in layout.layers:
         for obj in layer.objects:
             out.append(Case("zero", layer.index, obj.name))
@@ -70,9 +72,10 @@ class Ablation:
             return install(self.layout, objects, points)
         native = capture(self.model, tokens, points={CapturePoint.ENGINE}, layout=self.layout)
         objects = [{name: value for (name, _), value in layer.items()} for layer in native.objects]
-        if case.name == "zero":
-            value = objects[case.layer][case.object]
-            objects[case.layer][case.object] = mx.zeros_like(value)
+        for i, layer in enumerate(objects):
+            for name in layer:
+                if case.name == "zero" and case.layer in (None, i) and case.object in (None, name):
+                    layer[name] = mx.zeros_like(layer[name])
         return install(self.layout, objects, CapturePoint.ENGINE)
 
 
