@@ -29,8 +29,43 @@ def to_engine(model_or_layout: nn.Module | ModelLayout, layers: list[dict[str, A
     layout = resolve_layout(model_or_layout)
     previous = previous or [None] * len(layout.layers)
     points = point if isinstance(point, list) else [point] * len(layout.layers)
-    return [layer.cache.to_engine(objects, p, offset, prev)
-            for layer, objects, p, prev in zip(layout.layers, layers, points, previous)]
+    deferred = []  # (layer, name, rope, unrotated): rotated together below
+
+    def defer(index):
+        def rotate(name, rope, x, offset):
+            deferred.append((index, name, rope, x))
+            return x  # replaced below; only a cast follows a rotation
+        return rotate
+
+    out = [layer.cache.to_engine(objects, p, offset, prev, defer(i))
+           for i, (layer, objects, p, prev) in enumerate(zip(layout.layers, layers, points,
+                                                              previous))]
+    for group in _same_rotation(deferred):
+        # one RoPE call over every layer's heads: on a CPU its cost is per position, not per
+        # head, so this pays it once instead of once per layer (same arithmetic, same bits)
+        rotated = group[0][2](mx.concatenate([x for *_, x in group], axis=1), offset=offset)
+        start = 0
+        for index, name, _, x in group:
+            heads = x.shape[1]
+            out[index][name] = layout.layers[index].cache.cast(
+                name, rotated[:, start:start + heads])
+            start += heads
+    return out
+
+
+def _same_rotation(deferred: list) -> list[list]:
+    """Rotations that one RoPE call can do together: nn.RoPE of one configuration, inputs of
+    one batch, length and width. Any other RoPE module (YaRN, custom) runs alone."""
+    groups: dict = {}
+    for item in deferred:
+        _, _, rope, x = item
+        if isinstance(rope, nn.RoPE):
+            config = (rope.dims, rope.traditional, rope.base, rope.scale)
+        else:
+            config = id(rope)
+        key = (type(rope), config, x.shape[0], x.shape[2], x.shape[3], x.dtype)
+        groups.setdefault(key, []).append(item)
+    return list(groups.values())
 
 
 def install(model_or_layout: nn.Module | ModelLayout, layers: list[dict[str, Any]],

@@ -23,6 +23,12 @@ Record = Callable[[str, int, Any], None]
 Tap = tuple[nn.Module, Callable[[Record, tuple, Any], None]]
 
 
+def apply_rope(name: str, rope, x: mx.array, offset: int) -> mx.array:
+    """How a layer rotates an object by default: its own RoPE, now. `install` passes another
+    `rotate` that applies one RoPE to the same object of many layers at once."""
+    return rope(x, offset=offset)
+
+
 class LayerCache:
     mixer: str  # short name of the layer kind: gqa, mla, mla+indexer, gdn, kda
     cache_class: str  # the mlx-lm cache class that `make_prompt_cache` gives this layer
@@ -35,13 +41,15 @@ class LayerCache:
         raise NotImplementedError
 
     def to_engine(self, objects: dict[str, Any], point: int, offset: int = 0,
-                  previous: dict[str, mx.array] | None = None) -> dict[str, mx.array]:
+                  previous: dict[str, mx.array] | None = None,
+                  rotate=apply_rope) -> dict[str, mx.array]:
         """Objects captured at `point` for tokens starting at position `offset` -> (3) objects.
 
         `point`: one capture point for all objects (each is read at `obj.point_for(point)`, as
         `Capture.layer` gives them), or a point per object name (a translator's output).
         `previous`: the (3) objects of the tokens before `offset`, for fixed-size objects that
-        summarise the whole history (conv history, recurrent state).
+        summarise the whole history (conv history, recurrent state). `rotate(name, rope, x,
+        offset)` applies RoPE; the object is only cast after it.
         """
         raise NotImplementedError
 
@@ -98,12 +106,12 @@ class CacheListLayer(LayerCache):
     def read_engine(self, cache):
         return {k: v for p, c in zip(self.parts, cache.caches) for k, v in p.read_engine(c).items()}
 
-    def to_engine(self, objects, point, offset=0, previous=None):
+    def to_engine(self, objects, point, offset=0, previous=None, rotate=apply_rope):
         out = {}
         for p in self.parts:
             mine = {o.name: objects[o.name] for o in p.objects}
             out.update(p.to_engine(mine, point, offset, previous and
-                                   {o.name: previous[o.name] for o in p.objects}))
+                                   {o.name: previous[o.name] for o in p.objects}, rotate))
         return out
 
     def build_cache(self, objects):

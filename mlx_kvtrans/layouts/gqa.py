@@ -9,7 +9,7 @@ Values are the raw `v_proj` output at every point.
 from __future__ import annotations
 
 
-from .base import LayerCache, kv_append, kv_cache, kv_contents
+from .base import LayerCache, apply_rope, kv_append, kv_cache, kv_contents
 from .objects import CapturePoint, ObjectKind, Rotation, activation_dtype, per_token_object
 
 
@@ -56,14 +56,14 @@ class GQAKeysValues(LayerCache):
         keys, values = kv_contents(cache)
         return {"keys": keys, "values": values}
 
-    def to_engine(self, objects, point, offset=0, previous=None):
+    def to_engine(self, objects, point, offset=0, previous=None, rotate=apply_rope):
         keys, values = objects["keys"], objects["values"]
         if (p := self.point_of("keys", point)) != CapturePoint.ENGINE:
             B, T, _ = keys.shape
             keys = keys.reshape(B, T, self.n_kv, self.head_dim)
             if p == CapturePoint.RAW and self.k_norm is not None:
                 keys = self.k_norm(keys)
-            keys = self.attn.rope(keys.transpose(0, 2, 1, 3), offset=offset)
+            keys = rotate("keys", self.attn.rope, keys.transpose(0, 2, 1, 3), offset)
         if self.point_of("values", point) != CapturePoint.ENGINE:
             B, T, _ = values.shape
             values = values.reshape(B, T, self.n_kv, self.v_head_dim).transpose(0, 2, 1, 3)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .base import LayerCache, kv_append, kv_cache, kv_contents
+from .base import LayerCache, apply_rope, kv_append, kv_cache, kv_contents
 from .objects import CapturePoint, ObjectKind, Rotation, activation_dtype, per_token_object
 
 
@@ -41,13 +41,14 @@ class IndexerKeys(LayerCache):
         keys, _ = kv_contents(cache)
         return {"indexer_key": keys}
 
-    def to_engine(self, objects, point, offset=0, previous=None):
+    def to_engine(self, objects, point, offset=0, previous=None, rotate=apply_rope):
         keys = objects["indexer_key"]
         if (p := self.point_of("indexer_key", point)) != CapturePoint.ENGINE:
             if p == CapturePoint.RAW:
                 keys = self.indexer.k_norm(keys)
             B, T, _ = keys.shape
-            keys = self.indexer.rope(keys.reshape(B, 1, T, self.head_dim), offset=offset)
+            keys = rotate("indexer_key", self.indexer.rope, keys.reshape(B, 1, T, self.head_dim),
+                          offset)
         return {"indexer_key": self.cast("indexer_key", keys)}
 
     def build_cache(self, objects):

@@ -119,7 +119,7 @@ class DeltaRuleLayer(LayerCache):
             cache[i] = self.cast(name, objects[name])
         return cache
 
-    def to_engine(self, objects, point, offset=0, previous=None):
+    def to_engine(self, objects, point, offset=0, previous=None, rotate=None):
         previous = previous or {}
         out = {}
         for name in self.conv_names:

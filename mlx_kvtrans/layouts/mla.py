@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .base import LayerCache, kv_append, kv_cache, kv_contents
+from .base import LayerCache, apply_rope, kv_append, kv_cache, kv_contents
 from .objects import CapturePoint, ObjectKind, Rotation, activation_dtype, per_token_object
 
 
@@ -48,7 +48,7 @@ class MLALatent(LayerCache):
         latent, rope_key = kv_contents(cache)
         return {"latent": latent, "rope_key": rope_key}
 
-    def to_engine(self, objects, point, offset=0, previous=None):
+    def to_engine(self, objects, point, offset=0, previous=None, rotate=apply_rope):
         latent, rope_key = objects["latent"], objects["rope_key"]
         if (p := self.point_of("latent", point)) != CapturePoint.ENGINE:
             if p == CapturePoint.RAW:
@@ -58,7 +58,7 @@ class MLALatent(LayerCache):
             B, T, _ = rope_key.shape
             rope_key = rope_key.reshape(B, T, 1, self.rope_dim).transpose(0, 2, 1, 3)
             if self.rope is not None:
-                rope_key = self.rope(rope_key, offset)
+                rope_key = rotate("rope_key", self.rope, rope_key, offset)
         return {"latent": self.cast("latent", latent), "rope_key": self.cast("rope_key", rope_key)}
 
     def build_cache(self, objects):
