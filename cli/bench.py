@@ -10,15 +10,20 @@ from rich.table import Table
 
 from mlx_kvtrans.errors import KvtransError
 
-from .common import _default_translator, _load_translator_pair, app, out, progress_bar, user_errors
+from .common import (_default_translator, _load_translator_pair, app, int_list, model_configs,
+                     out, output_dir, position_limit, progress_bar, translator_models,
+                     user_errors)
 
 
 @app.command()
 @user_errors
-def bench(source: str = typer.Option("kimi-linear", "--from"),
-          target: str = typer.Option("kimi-vl", "--to"),
+def bench(source: str = typer.Option(None, "--from", help="default: the translator's source, "
+                                      "else kimi-linear"),
+          target: str = typer.Option(None, "--to", help="default: the translator's target, "
+                                     "else kimi-vl"),
           translator_dir: Path = typer.Option(None, "--translator",
-                                              help="default: the shipped FROM -> TO"),
+                                              help="a directory or a shipped name (default: "
+                                              "the shipped FROM -> TO)"),
           realistic: str = typer.Option(None, help="time random models with real per-layer "
                                         "sizes instead: kimi, qwen3.5 or dsa"),
           token_identity: str = typer.Option("ids", help="--realistic: the fitted "
@@ -39,18 +44,31 @@ def bench(source: str = typer.Option("kimi-linear", "--from"),
     from mlx_kvtrans.bench import bench_switch, describe_fit, plot_switch, realistic_pair
     from mlx_kvtrans.blas import blas_report
     from mlx_kvtrans.models import cast_parameters
+    from mlx_kvtrans.zoo.families import REALISTIC_PAIRS, realistic_config
 
     if dtype not in ("float32", "bfloat16", "float16"):
         raise KvtransError("--dtype must be float32, bfloat16 or float16")
-    try:
-        sizes = [int(x) for x in lengths.split(",")]
-    except ValueError:
-        raise KvtransError("--lengths must be integers separated by commas")
-    if min(sizes) < 2:
-        raise KvtransError("--lengths must be at least 2 tokens each")
-    fit_record = None
+    int_list("--lengths", lengths, 2)  # the form first: the models' limit needs their configs
     if token_identity not in ("ids", "off"):
         raise KvtransError("--token-identity must be ids or off")
+    if out_dir is not None:
+        output_dir("--out-dir", out_dir)
+    if realistic:
+        if realistic not in REALISTIC_PAIRS:
+            raise KvtransError(f"--realistic takes {', '.join(REALISTIC_PAIRS)}, not "
+                               f"{realistic!r}")
+        configs = {n: realistic_config(n, vocab_size=4096) for n in REALISTIC_PAIRS[realistic]}
+    else:
+        if translator_dir is not None:
+            source, target = translator_models(translator_dir, source, target)
+        source, target = source or "kimi-linear", target or "kimi-vl"
+        path = translator_dir or _default_translator(source, target)
+        if path is None:
+            raise KvtransError(f"no translator {source} -> {target}: give --translator DIR "
+                               "(kvtrans fit makes one) or use --realistic")
+        configs = model_configs(source, target)
+    sizes = int_list("--lengths", lengths, 2, position_limit(configs))
+    fit_record = None
     if realistic:
         with progress_bar(f"realistic {realistic}: closed-form fit") as progress:
             src, tgt, translator, fit_record = realistic_pair(realistic, getattr(mx, dtype),
@@ -58,10 +76,6 @@ def bench(source: str = typer.Option("kimi-linear", "--from"),
         label = f"realistic-{realistic}"
         vocab = 4096
     else:
-        path = translator_dir or _default_translator(source, target)
-        if path is None:
-            raise KvtransError(f"no translator {source} -> {target}: give --translator DIR "
-                               "(kvtrans fit makes one) or use --realistic")
         translator, src, tgt = _load_translator_pair(path, source, target)
         for lm in (src, tgt):
             cast_parameters(lm.model, getattr(mx, dtype))

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import typer
 from rich.console import Console
+from rich.markup import escape
+from typer.core import TyperGroup
 
 import mlx_kvtrans  # noqa: F401  (selects a fast BLAS before anything imports mlx.core)
 from mlx_kvtrans.errors import KvtransError
@@ -19,17 +23,61 @@ from mlx_kvtrans.translators.fit import FitConfig
 
 FIT, DISTILL = FitConfig(), DistillConfig()  # every default of `fit` and `distill` comes from here
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  rich_markup_mode=None,
+# Piped output (CI logs, files) keeps the full table width instead of rich's 80 columns.
+out = Console(width=None if sys.stdout.isatty() else 160)
+err = Console(stderr=True)
+
+# Typer runs on its own copy of click (typer._click) in recent versions and on click itself in
+# older ones: its exception classes are found from the one it exports.
+_UsageError = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
+_ClickException = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+
+
+def print_error(message: str) -> None:
+    """One red line on stderr, whatever the message holds (newlines, [brackets])."""
+    err.print(f"[bold red]error:[/] {escape(' '.join(str(message).split()))}", highlight=False,
+              soft_wrap=True)
+
+
+class _OneLineUsageError(_ClickException):
+    exit_code = 2
+
+    def show(self, file=None) -> None:
+        print_error(self.message)
+
+
+@contextlib.contextmanager
+def _usage_errors_on_one_line():
+    try:
+        yield
+    except _UsageError as e:
+        if type(e).__name__ == "NoArgsIsHelpError":  # `kvtrans` alone: the help is the answer
+            raise
+        hint = f" (see `{e.ctx.command_path} --help`)" if e.ctx is not None else ""
+        raise _OneLineUsageError(e.format_message() + hint) from None
+
+
+class _Commands(TyperGroup):
+    """Click's own bad-input errors (a value out of range, a missing argument, an unknown
+    option or command) become the one line on stderr every other bad input gets, exit 2,
+    instead of a usage block."""
+
+    def make_context(self, *args, **kwargs):
+        with _usage_errors_on_one_line():
+            return super().make_context(*args, **kwargs)
+
+    def invoke(self, ctx):
+        with _usage_errors_on_one_line():
+            return super().invoke(ctx)
+
+
+app = typer.Typer(cls=_Commands, add_completion=False, no_args_is_help=True,
+                  pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Translate KV caches between language models on MLX.")
 zoo_app = typer.Typer(no_args_is_help=True, help="The shipped zoo of small models.")
 app.add_typer(zoo_app, name="zoo")
 eval_app = typer.Typer(no_args_is_help=True, help="Measure models and translators.")
 app.add_typer(eval_app, name="eval")
-
-# Piped output (CI logs, files) keeps the full table width instead of rich's 80 columns.
-out = Console(width=None if sys.stdout.isatty() else 160)
-err = Console(stderr=True)
 
 
 def user_errors(command):
@@ -42,7 +90,7 @@ def user_errors(command):
         except (typer.Exit, typer.Abort):
             raise  # a command's own exit code
         except KvtransError as e:
-            err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+            print_error(str(e))
             raise typer.Exit(2)
         except KeyboardInterrupt:
             err.print("interrupted")
@@ -52,7 +100,7 @@ def user_errors(command):
         except Exception as e:  # an internal failure: still one line unless debugging
             if os.environ.get("KVTRANS_DEBUG"):
                 raise
-            err.print(f"[bold red]internal error:[/] {type(e).__name__}: {e} "
+            err.print(f"[bold red]internal error:[/] {escape(f'{type(e).__name__}: {e}')} "
                       "(set KVTRANS_DEBUG=1 for the traceback)", highlight=False, soft_wrap=True)
             raise typer.Exit(1)
 
@@ -71,37 +119,134 @@ def _shape(shape) -> str:
     return "(" + ",".join(str(s) for s in shape) + ")"
 
 
-def _text_files(data: Path | None) -> list[Path]:
-    """The .txt files of --data (a file or a directory; default the zoo corpus's train split)."""
-    if data is None:
-        default = Path("runs/corpus/train.txt")
-        if not default.exists():
-            raise KvtransError("no fitting data: give --data FILE|DIR (text), or build the zoo "
-                               "corpus with `kvtrans zoo corpus`")
-        data = default
-    if data.is_dir():
-        files = sorted(data.rglob("*.txt"))
-    elif data.is_file():
-        files = [data]
+# -- option checks, cheap enough to run before any model loads ---------------------------------
+@dataclass(frozen=True)
+class Limit:
+    """The most an option may take, and why (for the message)."""
+    value: int
+    why: str
+
+
+def in_range(option: str, value: int, minimum: int, maximum: Limit | None = None) -> int:
+    if value < minimum:
+        raise KvtransError(f"{option} {value}: must be at least {minimum}")
+    if maximum is not None and value > maximum.value:
+        raise KvtransError(f"{option} {value}: must be at most {maximum.value:,} ({maximum.why})")
+    return value
+
+
+def int_list(option: str, text: str, minimum: int, maximum: Limit | None = None) -> list[int]:
+    """`--lengths 256,1024`: comma-separated integers, each in [minimum, maximum]."""
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise KvtransError(f"{option} takes integers separated by commas, not {text!r}") from None
+    for value in values:
+        in_range(option, value, minimum, maximum)
+    return values
+
+
+def max_positions(config: dict) -> int | None:
+    """The positions a model supports, from its config.json (a VLM's text_config first)."""
+    for section in (config.get("text_config") or {}, config):
+        for key in ("max_position_embeddings", "model_max_length"):
+            if isinstance(section.get(key), int) and section[key] > 0:
+                return section[key]
+    return None
+
+
+# Past this MLX's int32 shapes overflow; it stands for a config that states no limit.
+_MLX_POSITIONS = 2**31 - 1
+
+
+def position_limit(models: dict[str, dict], reserve: int = 0, reserved_for: str = "") -> Limit:
+    """The longest prompt every model of `models` (name -> config.json) supports when
+    `reserve` more positions follow it."""
+    stated = {name: n for name, config in models.items() if (n := max_positions(config))}
+    if not stated:
+        return Limit(_MLX_POSITIONS - reserve, "the most positions MLX indexes")
+    name = min(stated, key=stated.get)
+    why = f"{name} supports {stated[name]:,} positions"
+    return Limit(stated[name] - reserve, why + (f", {reserve} of them for {reserved_for}"
+                                               if reserve else ""))
+
+
+def model_configs(*names: str) -> dict[str, dict]:
+    """name -> config.json of models named as `mlx_kvtrans.load` takes them, read without
+    loading weights (so options can be checked against them first)."""
+    from mlx_kvtrans.models import read_config, resolve
+
+    return {name: read_config(resolve(name)) for name in names}
+
+
+SEEDS = dict(min=0, max=2**64 - 1)  # the range of a seed option: what mx.random.seed takes
+
+
+def finite(value: float | None) -> float | None:
+    """Option callback: click's float ranges let nan and inf through."""
+    if value is not None and not math.isfinite(value):
+        raise typer.BadParameter(f"{value} is not a finite number")
+    return value
+
+
+def positive(value: float | None) -> float | None:
+    """Option callback: a finite number above 0 (minutes, say)."""
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise typer.BadParameter(f"{value} is not a number above 0")
+    return value
+
+
+def output_dir(option: str, path: Path) -> Path:
+    """A directory a command will write: refused now if it cannot be, not after the work."""
+    existing = next(p for p in (path, *path.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise KvtransError(f"{option} {path}: {existing} is a file, not a directory")
+    if not os.access(existing, os.W_OK):
+        raise KvtransError(f"{option} {path}: {existing} is not writable")
+    return path
+
+
+# -- text: the zoo corpus's splits by default -----------------------------------------------------
+def text_files(option: str, given: Path | None, split: str) -> list[Path]:
+    """The .txt files of a text option (a file or a directory of them); by default the zoo
+    corpus's `split` (test and validation ship with the package, train is built locally)."""
+    from mlx_kvtrans.models import held_out_split
+
+    path = given or held_out_split(split)  # it finds a local runs/corpus/train.txt too
+    if path is None:
+        raise KvtransError(f"no {split} text: give {option} FILE, or build the zoo corpus with "
+                           "`kvtrans zoo corpus`")
+    if path.is_dir():
+        files = sorted(path.rglob("*.txt"))
+        if not files:
+            raise KvtransError(f"{option} {path}: no .txt files in this directory")
+    elif path.is_file():
+        files = [path]
     else:
-        raise KvtransError(f"--data {data}: no such file or directory")
-    if not files:
-        raise KvtransError(f"--data {data}: no .txt files")
+        raise KvtransError(f"{option} {path}: no such file or directory")
+    if not any(f.stat().st_size for f in files):
+        raise KvtransError(f"{option} {path}: empty")
     return files
 
 
-def _read_texts(data: Path | None) -> list[str]:
-    return [f.read_text(errors="replace") for f in _text_files(data)]
+def text_file(option: str, given: Path | None, split: str) -> Path:
+    if given is not None and given.is_dir():
+        raise KvtransError(f"{option} {given} is a directory: give a text file")
+    return text_files(option, given, split)[0]
 
 
-def _token_ids(tokenizer, data: Path | None) -> list[int]:
-    """--data's token ids (cached by mlx_kvtrans.tokens), with progress while tokenising."""
+def read_texts(files: list[Path]) -> list[str]:
+    return [f.read_text(errors="replace") for f in files]
+
+
+def token_ids(tokenizer, option: str, files: list[Path]) -> list[int]:
+    """The files' token ids (cached by mlx_kvtrans.tokens), with progress while tokenising."""
     from mlx_kvtrans.tokens import encode_files
 
-    with progress_bar("reading --data") as progress:
-        ids = encode_files(tokenizer, _text_files(data), progress)
+    with progress_bar(f"reading {option}") as progress:
+        ids = encode_files(tokenizer, files, progress)
     if not ids:
-        raise KvtransError(f"--data {data}: no text in it")
+        raise KvtransError(f"{option}: no text in {', '.join(map(str, files))}")
     return ids
 
 
@@ -109,25 +254,34 @@ def _same_tokenizer(a, b) -> bool:
     return a.tokenizer.get_vocab() == b.tokenizer.get_vocab()
 
 
-def _parse_recipes(items: list[str]) -> dict[str, str]:
+def key_values(option: str, items: list[str] | None, example: str) -> dict[str, str]:
+    """`--recipe a=b --recipe c=d` -> {"a": "b", "c": "d"}."""
     out = {}
     for item in items or []:
         key, sep, value = item.partition("=")
-        if not sep:
-            raise KvtransError(f"--recipe {item!r}: expected OBJECT=RECIPE, e.g. "
-                               "recurrent_state=bilinear")
+        if not (sep and key and value):
+            raise KvtransError(f"{option} {item!r}: expected KEY=VALUE, e.g. {example}")
         out[key] = value
     return out
 
 
-def _load_translator_pair(translator_dir: Path, source: str | None, target: str | None):
+def translator_models(translator: Path, source: str | None = None,
+                      target: str | None = None) -> tuple[str, str]:
+    """The models a translator (a directory or a shipped name) was fitted for, unless given:
+    its files are verified, nothing heavy loads."""
+    from mlx_kvtrans.translators import artifact
+
+    manifest = artifact.read_manifest(translator)
+    return source or manifest["source"]["name"], target or manifest["target"]["name"]
+
+
+def _load_translator_pair(translator: Path, source: str | None, target: str | None):
     """The translator and its models: named in its manifest unless given, and checked."""
     from mlx_kvtrans.translators import artifact
 
-    manifest = artifact.read_manifest(translator_dir)
-    src = mlx_kvtrans.load(source or manifest["source"]["name"])
-    tgt = mlx_kvtrans.load(target or manifest["target"]["name"])
-    return artifact.load(translator_dir, src, tgt), src, tgt
+    source, target = translator_models(translator, source, target)
+    src, tgt = mlx_kvtrans.load(source), mlx_kvtrans.load(target)
+    return artifact.load(translator, src, tgt), src, tgt
 
 
 def _default_translator(source: str, target: str) -> Path | None:

@@ -11,8 +11,13 @@ from rich.table import Table
 import mlx_kvtrans
 from mlx_kvtrans.errors import KvtransError
 
-from .common import (_default_translator, _load_translator_pair, eval_app, out, progress_bar,
-                     user_errors)
+from .common import (_default_translator, _load_translator_pair, eval_app, in_range,
+                     int_list, model_configs, out, position_limit, progress_bar, text_file,
+                     translator_models, user_errors)
+
+# Positions each window continues over past its prefix (KL, greedy agreement).
+FIDELITY_CONTINUATION = 64
+ABLATION_CONTINUATION = 32
 
 
 @eval_app.command("needle")
@@ -20,7 +25,8 @@ from .common import (_default_translator, _load_translator_pair, eval_app, out, 
 def eval_needle(model: str = typer.Option(None, "--model", help="zoo alias, directory or HF id"),
                 translator_dir: Path = typer.Option(None, "--translator",
                                                     help="recall of its target continuing from "
-                                                    "translated caches, beside native recall"),
+                                                    "translated caches, beside native recall "
+                                                    "(a directory or a shipped name)"),
                 lengths: str = typer.Option(None, help="comma-separated prompt lengths in tokens "
                                             "(default: 1x, 2x, 4x, 8x the training length)"),
                 samples: int = typer.Option(50, min=1, help="held-out needles per length"),
@@ -30,6 +36,10 @@ def eval_needle(model: str = typer.Option(None, "--model", help="zoo alias, dire
 
     if (model is None) == (translator_dir is None):
         raise KvtransError("give --model (native recall) or --translator (translated recall)")
+    models = translator_models(translator_dir) if translator_dir is not None else (model,)
+    # at least a needle and its question
+    sizes = int_list("--lengths", lengths, 16, position_limit(model_configs(*models))) \
+        if lengths else None
     translated = None
     if translator_dir is not None:
         from mlx_kvtrans.translators.translator import translate_cache
@@ -39,15 +49,7 @@ def eval_needle(model: str = typer.Option(None, "--model", help="zoo alias, dire
         translated = lambda ids: translate_cache(translator, src.model, lm.model, ids)
     else:
         lm = mlx_kvtrans.load(model)
-    if lengths:
-        try:
-            sizes = [int(x) for x in lengths.split(",")]
-        except ValueError:
-            raise KvtransError(f"--lengths must be integers separated by commas, got {lengths!r}")
-        if min(sizes) < 16:
-            raise KvtransError("--lengths must be at least 16 tokens each (a needle and its "
-                               "question)")
-    else:
+    if sizes is None:
         manifest = lm.path / "manifest.json"
         base = json.loads(manifest.read_text())["longest_training_prompt"] if manifest.exists() else 256
         sizes = [base * m for m in (1, 2, 4, 8)]
@@ -78,10 +80,11 @@ def eval_needle(model: str = typer.Option(None, "--model", help="zoo alias, dire
 
 @eval_app.command("fidelity")
 @user_errors
-def eval_fidelity(translator_dir: Path = typer.Option(..., "--translator"),
+def eval_fidelity(translator_dir: Path = typer.Option(..., "--translator",
+                                                     help="a directory or a shipped name"),
                   text: Path = typer.Option(None, help="held-out text (default: zoo test split)"),
                   prefix_lengths: str = typer.Option("64,256", help="comma-separated"),
-                  windows: int = typer.Option(8, help="held-out windows per length"),
+                  windows: int = typer.Option(8, min=1, help="held-out windows per length"),
                   source: str = typer.Option(None, "--from", help="override the manifest's"),
                   target: str = typer.Option(None, "--to", help="override the manifest's"),
                   as_json: bool = typer.Option(False, "--json")):
@@ -89,22 +92,16 @@ def eval_fidelity(translator_dir: Path = typer.Option(..., "--translator"),
     no-cache floor beside them."""
     from mlx_kvtrans.translators.fidelity import fidelity
 
+    source, target = translator_models(translator_dir, source, target)
+    lengths = int_list("--prefix-lengths", prefix_lengths, 2, position_limit(
+        model_configs(source, target), FIDELITY_CONTINUATION, "the continuation"))
+    text = text_file("--text", text, "test")
     translator, src, tgt = _load_translator_pair(translator_dir, source, target)
-    if text is None:
-        text = Path("runs/corpus/test.txt")
-        if not text.exists():
-            raise KvtransError("no held-out text: give --text FILE or run `kvtrans zoo corpus`")
-    if not text.is_file():
-        raise KvtransError(f"--text {text}: no such file")
-    try:
-        lengths = [int(x) for x in prefix_lengths.split(",")]
-    except ValueError:
-        raise KvtransError("--prefix-lengths must be integers separated by commas")
     ids = src.tokenizer.encode(text.read_text(errors="replace"))
     try:
         with progress_bar("fidelity") as progress:
             rows = fidelity(translator, src.model, tgt.model, ids, lengths, windows=windows,
-                            progress=progress)
+                            continuation=FIDELITY_CONTINUATION, progress=progress)
     except ValueError as e:
         raise KvtransError(str(e))
     if as_json:
@@ -120,11 +117,27 @@ def eval_fidelity(translator_dir: Path = typer.Option(..., "--translator"),
 
 
 
+def _longest_dialogue(tokenizer, dialogues: int, turns: int) -> int:
+    """About the positions the longest held-out dialogue fills: its messages, and every reply
+    at the longest the evaluation lets it run."""
+    import inspect
+
+    from mlx_kvtrans.evaluation import tasks
+    from mlx_kvtrans.evaluation.multiturn import HELD_OUT_DIALOGUES, run_dialogue
+
+    reply = inspect.signature(run_dialogue).parameters["max_tokens"].default + 1  # and a newline
+    return max(len(tokenizer.apply_chat_template(
+        tasks.dialogue(HELD_OUT_DIALOGUES + d, turns=turns).messages, add_generation_prompt=True))
+        for d in range(dialogues)) + turns * reply
+
+
 @eval_app.command("multiturn")
 @user_errors
-def eval_multiturn(translator_dir: Path = typer.Option(..., "--translator", help="A -> B"),
+def eval_multiturn(translator_dir: Path = typer.Option(..., "--translator",
+                                                      help="A -> B: a directory or a shipped "
+                                                      "name"),
                    back: Path = typer.Option(None, help="B -> A (default: shipped, else re-read)"),
-                   dialogues: int = typer.Option(20, help="held-out dialogues"),
+                   dialogues: int = typer.Option(20, min=1, help="held-out dialogues"),
                    turns: int = typer.Option(10, min=2),
                    as_json: bool = typer.Option(False, "--json")):
     """Per-turn answer accuracy of dialogues alternating models, for segment-wise, naive and
@@ -132,7 +145,16 @@ def eval_multiturn(translator_dir: Path = typer.Option(..., "--translator", help
     from mlx_kvtrans.evaluation.multiturn import evaluate
     from mlx_kvtrans.translators import artifact
 
+    names = translator_models(translator_dir)
+    if back is not None:
+        translator_models(back)  # verified now, loaded once the models are
+    limit = position_limit(model_configs(*names))
+    in_range("--turns", turns, 2, limit)  # a turn holds a token at least
     forward, src, tgt = _load_translator_pair(translator_dir, None, None)
+    longest = _longest_dialogue(src.tokenizer, dialogues, turns)
+    if longest > limit.value:
+        raise KvtransError(f"--turns {turns}: the longest dialogue would reach about "
+                           f"{longest:,} positions, past {limit.value:,} ({limit.why})")
     translators = {(src.name, tgt.name): forward}
     back_path = back or _default_translator(tgt.name, src.name)
     if back_path is not None:
@@ -161,8 +183,9 @@ def eval_multiturn(translator_dir: Path = typer.Option(..., "--translator", help
 @user_errors
 def eval_ablate(model: str = typer.Option(None, "--model", help="zoo alias, directory or HF id"),
                 translator_dir: Path = typer.Option(None, "--translator",
-                                                    help="a translator into the model: also "
-                                                    "each object translated alone"),
+                                                    help="a translator into the model (a "
+                                                    "directory or a shipped name): also each "
+                                                    "object translated alone"),
                 lengths: str = typer.Option("256,1024", help="prompt lengths (comma-separated)"),
                 windows: int = typer.Option(4, min=1, help="held-out windows per length"),
                 needles: int = typer.Option(20, min=1, help="held-out needles per length"),
@@ -173,31 +196,25 @@ def eval_ablate(model: str = typer.Option(None, "--model", help="zoo alias, dire
     cache with that object zeroed (and, with --translator, with only it translated): KL
     against native, greedy agreement and needle recall, beside the no-cache floor."""
     from mlx_kvtrans.evaluation.ablate import ablate
-    from mlx_kvtrans.models import held_out_split
 
     if (model is None) == (translator_dir is None):
         raise KvtransError("give --model, or --translator (its target is the model)")
+    models = translator_models(translator_dir) if translator_dir is not None else (model,)
+    sizes = int_list("--lengths", lengths, 16, position_limit(
+        model_configs(*models), ABLATION_CONTINUATION, "the continuation"))
+    text = text_file("--text", text, "test")
     translator = src = None
     if translator_dir is not None:
         translator, src, lm = _load_translator_pair(translator_dir, None, None)
         model, src = lm.name, src.model
     else:
         lm = mlx_kvtrans.load(model)
-    text = text or held_out_split("test")
-    if text is None or not text.is_file():
-        raise KvtransError(f"--text {text}: no such file" if text else
-                           "no held-out text: give --text FILE or run `kvtrans zoo corpus`")
-    try:
-        sizes = [int(x) for x in lengths.split(",")]
-    except ValueError:
-        raise KvtransError(f"--lengths must be integers separated by commas, got {lengths!r}")
-    if min(sizes) < 16:
-        raise KvtransError("--lengths must be at least 16 tokens each")
     ids = lm.tokenizer.encode(text.read_text(errors="replace"))
     try:
         with progress_bar("ablate") as progress:
             rows = ablate(lm.model, lm.tokenizer.encode, ids, sizes, windows, needles,
-                          translator=translator, source=src, progress=progress)
+                          continuation=ABLATION_CONTINUATION, translator=translator,
+                          source=src, progress=progress)
     except ValueError as e:
         raise KvtransError(str(e))
     if as_json:

@@ -10,7 +10,8 @@ from rich.table import Table
 
 import mlx_kvtrans
 
-from .common import _bytes, _shape, app, out, user_errors
+from .common import (_bytes, _shape, app, in_range, model_configs, out, position_limit,
+                     user_errors)
 
 
 def _size(obj) -> str:
@@ -65,8 +66,11 @@ def verify(model: str = typer.Argument(..., help="zoo alias, model directory or 
                                       help="prompt length (default: 64, or beyond index_topk)"),
            as_json: bool = typer.Option(False, "--json")):
     """Prove capture -> install, (1)/(2) -> (3) conversion and replay exact on this checkpoint."""
-    from mlx_kvtrans.verify import checks_to_json, run_checks
+    from mlx_kvtrans.verify import CONTINUATION, checks_to_json, run_checks
 
+    if prefix is not None:
+        in_range("--prefix", prefix, 2, position_limit(model_configs(model), CONTINUATION,
+                                                        "the continuation"))
     lm = mlx_kvtrans.load(model)
     checks = run_checks(lm.model, lm.tokenizer, prefix=prefix, model_name=str(lm.path))
     result = checks_to_json(checks)

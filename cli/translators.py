@@ -11,9 +11,27 @@ from rich.table import Table
 
 import mlx_kvtrans
 from mlx_kvtrans.errors import KvtransError
+from mlx_kvtrans.translators.fit import FitConfig
 
-from .common import (DISTILL, FIT, DistillConfig, _load_translator_pair, _parse_recipes,
-                     _read_texts, _same_tokenizer, _token_ids, app, out, user_errors)
+from .common import (DISTILL, FIT, SEEDS, DistillConfig, Limit, _load_translator_pair,
+                     _same_tokenizer, app, finite, in_range, key_values, model_configs, out,
+                     output_dir, position_limit, positive, read_texts, text_file, text_files,
+                     token_ids, translator_models, user_errors)
+
+
+def _fit_config(capture_point: int, nu: int, features: str, width: int, recipe: list[str],
+                token_identity: str, **more) -> FitConfig:
+    """The FitConfig `plan` and `fit` build from their options, each name checked."""
+    from mlx_kvtrans.translators.plan import FEATURES
+    from mlx_kvtrans.translators.token_identity import MODES
+
+    if token_identity not in MODES:
+        raise KvtransError(f"--token-identity must be {', '.join(MODES)}, not {token_identity!r}")
+    if features not in FEATURES:
+        raise KvtransError(f"--features must be {', '.join(FEATURES)}, not {features!r}")
+    return FitConfig(point=capture_point, nu=nu, features=features, width=width,
+                     recipes=key_values("--recipe", recipe, "recurrent_state=bilinear"),
+                     token_identity=token_identity, **more)
 
 
 def _plan_and_cost(src, tgt, config):
@@ -79,13 +97,8 @@ def plan_command(source: str = typer.Option(..., "--from", help="source: zoo ali
     on this machine, and per switch the translation FLOPs and bytes."""
     from mlx_kvtrans.models import load_config_only
     from mlx_kvtrans.translators.cost import fits, gib
-    from mlx_kvtrans.translators.fit import FitConfig
-    from mlx_kvtrans.translators.token_identity import MODES
 
-    if token_identity not in MODES:
-        raise KvtransError(f"--token-identity must be {', '.join(MODES)}, not {token_identity!r}")
-    config = FitConfig(point=capture_point, nu=nu, features=features, width=width,
-                       recipes=_parse_recipes(recipe), token_identity=token_identity)
+    config = _fit_config(capture_point, nu, features, width, recipe, token_identity)
     src, tgt = load_config_only(source), load_config_only(target)
     recipes, cost = _plan_and_cost(src, tgt, config)
     fit_seconds = cost.fit_seconds_per_million_tokens * tokens / 1e6 + cost.solve_seconds
@@ -151,43 +164,42 @@ def fit(source: str = typer.Option(..., "--from", help="source model"),
                                                "attention of each window's last C tokens"),
         windows: int = typer.Option(FIT.windows, min=1, help="fitting windows"),
         length: int = typer.Option(FIT.length, min=2, help="tokens per window"),
-        ridge: float = typer.Option(FIT.ridge, min=0.0, help="ridge strength, relative to the "
-                                    "data scale"),
+        ridge: float = typer.Option(FIT.ridge, min=0.0, callback=finite,
+                                    help="ridge strength, relative to the data scale"),
         as_json: bool = typer.Option(False, "--json")):
     """Fit a translator from SOURCE's cache to TARGET's in closed form (stage 1)."""
     from mlx_kvtrans.translators import artifact
-    from mlx_kvtrans.translators.fit import FitConfig, token_windows
     from mlx_kvtrans.translators.fit import fit as fit_translator
-    from mlx_kvtrans.translators.token_identity import MODES, codebook_of
+    from mlx_kvtrans.translators.fit import token_windows
+    from mlx_kvtrans.translators.token_identity import codebook_of
 
-    if token_identity not in MODES:
-        raise KvtransError(f"--token-identity must be {', '.join(MODES)}, not {token_identity!r}")
     if assign not in ("relative", "best"):
         raise KvtransError(f"--assign must be relative or best, not {assign!r}")
-    try:
-        points = {k: int(v) for k, v in _parse_recipes(point).items()}
-    except ValueError:
-        raise KvtransError("--point takes OBJECT=1|2|3")
-    if any(p not in (1, 2, 3) for p in points.values()):
-        raise KvtransError("--point takes OBJECT=1|2|3")
-    config = FitConfig(point=capture_point, nu=nu, features=features, width=width,
-                       recipes=_parse_recipes(recipe), points=points,
-                       split_kv=split_kv, headwise=headwise, token_identity=token_identity,
-                       ridge=ridge, attention_weighted=attention_weighted, windows=windows,
-                       length=length)
+    points = key_values("--point", point, "rope_key=3")
+    if any(p not in ("1", "2", "3") for p in points.values()):
+        raise KvtransError(f"--point takes OBJECT=1|2|3, not {' '.join(point)}")
+    config = _fit_config(capture_point, nu, features, width, recipe, token_identity,
+                         points={k: int(v) for k, v in points.items()}, split_kv=split_kv,
+                         headwise=headwise, ridge=ridge, attention_weighted=attention_weighted,
+                         windows=windows, length=length)
+    output_dir("--out", out_dir)
+    in_range("--length", length, 2, position_limit(model_configs(source, target)))
+    in_range("--attention-weighted", attention_weighted, 0,
+             Limit(length - 1, f"a window of --length {length} keeps a token before its last C"))
     src, tgt = mlx_kvtrans.load(source), mlx_kvtrans.load(target)
     if not _same_tokenizer(src, tgt):
         raise KvtransError(f"{source} and {target} do not share a tokenizer; translation "
                            "between tokenizers is not supported yet")
     recipes, cost = _plan_and_cost(src, tgt, config)
-    _refuse_unless_it_fits(src, tgt, config, cost)
+    _refuse_unless_it_fits(src, tgt, config, cost)  # a fit too big is refused before --data
+    files = text_files("--data", data, "train")
     codebook = None
     if token_identity == "codebook":
         try:
             codebook = codebook_of(src)
         except ValueError as e:
             raise KvtransError(str(e))
-    ids = _token_ids(src.tokenizer, data)
+    ids = token_ids(src.tokenizer, "--data", files)
     try:
         batches = list(token_windows(ids, length, windows, batch=4))
     except ValueError as e:
@@ -232,7 +244,8 @@ def fit(source: str = typer.Option(..., "--from", help="source model"),
 
 @app.command()
 @user_errors
-def distill(translator_dir: Path = typer.Option(..., "--translator", help="stage-1 translator"),
+def distill(translator_dir: Path = typer.Option(..., "--translator", help="stage-1 translator: "
+                                                "a directory or a shipped name"),
             out_dir: Path = typer.Option(None, "--out", help="distilled translator to write "
                                          "(default: DIR-distilled)"),
             data: Path = typer.Option(None, help="text file or directory (default: the zoo "
@@ -242,23 +255,25 @@ def distill(translator_dir: Path = typer.Option(..., "--translator", help="stage
             steps: int = typer.Option(DISTILL.steps, min=1),
             batch: int = typer.Option(DISTILL.batch, min=1,
                                       help="windows per step, over all processes"),
-            lr: float = typer.Option(DISTILL.lr, min=0.0, help="Adam learning rate after warm-up"),
+            lr: float = typer.Option(DISTILL.lr, min=0.0, callback=finite,
+                                     help="Adam learning rate after warm-up"),
             warmup: int = typer.Option(DISTILL.warmup, min=0),
             min_prefix: int = typer.Option(DISTILL.min_prefix, min=2),
             max_prefix: int = typer.Option(DISTILL.max_prefix, min=2),
             continuation: int = typer.Option(DISTILL.continuation, min=1,
                                              help="positions the KL is taken over"),
-            indexer_weight: float = typer.Option(DISTILL.indexer_weight, min=0.0,
+            indexer_weight: float = typer.Option(DISTILL.indexer_weight, min=0.0, callback=finite,
                                                  help="weight of the indexer-key rehearsal"),
             needle_share: float = typer.Option(DISTILL.needle_share, min=0.0, max=1.0,
-                                               help="share of each batch that is synthetic "
-                                               "needles, question and answer last"),
+                                               callback=finite, help="share of each batch that "
+                                               "is synthetic needles, question and answer last"),
             validate_every: int = typer.Option(DISTILL.validate_every, min=1),
             validation_windows: int = typer.Option(DISTILL.validation_windows, min=1),
-            seed: int = typer.Option(DISTILL.seed),
+            seed: int = typer.Option(DISTILL.seed, **SEEDS),
             workdir: Path = typer.Option(None, help="checkpoints (default: runs/distill/NAME)"),
             resume: bool = typer.Option(False, help="continue from the checkpoint in --workdir"),
-            max_minutes: float = typer.Option(None, help="stop (resumable) after this long"),
+            max_minutes: float = typer.Option(None, callback=positive,
+                                              help="stop (resumable) after this long"),
             as_json: bool = typer.Option(False, "--json")):
     """Distil a translator end to end: KL of the target reading the translated cache against
     it reading its own (stage 2). Under `mlx.launch` the batch is shared among processes."""
@@ -271,18 +286,23 @@ def distill(translator_dir: Path = typer.Option(..., "--translator", help="stage
 
     if min_prefix > max_prefix:
         raise KvtransError("--min-prefix must not exceed --max-prefix")
+    in_range("--max-prefix", max_prefix, min_prefix,
+             position_limit(model_configs(*translator_models(translator_dir)), continuation,
+                            "--continuation"))
+    files = text_files("--data", data, "train")
+    validation = text_file("--validation", validation, "validation")
+    name = translator_dir.resolve().name
+    workdir = output_dir("--workdir", workdir or Path("runs") / "distill" / name)
+    if (workdir / "state.json").exists() and not resume:
+        raise KvtransError(f"{workdir} holds a checkpoint: pass --resume to continue it, or "
+                           "another --workdir")
+    out_dir = output_dir("--out", out_dir or translator_dir.with_name(translator_dir.name
+                                                                      + "-distilled"))
     translator, src, tgt = _load_translator_pair(translator_dir, None, None)
     if translator.info.get("stage") == 2:
         out.print(f"{translator_dir} is already distilled; distilling it further")
-    texts = _read_texts(data)
-    train_ids = _token_ids(src.tokenizer, data)
-    if validation is None:
-        validation = Path("runs/corpus/validation.txt")
-        if not validation.exists():
-            raise KvtransError("no held-out text: give --validation FILE or run "
-                               "`kvtrans zoo corpus`")
-    if not validation.is_file():
-        raise KvtransError(f"--validation {validation}: no such file")
+    texts = read_texts(files)
+    train_ids = token_ids(src.tokenizer, "--data", files)
     validation_ids = src.tokenizer.encode(validation.read_text(errors="replace"))
     config = DistillConfig(steps=steps, lr=lr, warmup=warmup, batch=batch, min_prefix=min_prefix,
                            max_prefix=max_prefix, continuation=continuation,
@@ -297,13 +317,8 @@ def distill(translator_dir: Path = typer.Option(..., "--translator", help="stage
         needles = needle_rows(src.tokenizer.encode, sentences(texts, limit=20_000),
                               max_prefix + continuation)
     group = mx.distributed.init()
-    name = translator_dir.resolve().name
-    workdir = workdir or Path("runs") / "distill" / name
     distiller = Distiller(translator, src.model, tgt.model, train_ids, validation_ids, config,
                           workdir, group if group.size() > 1 else None, needles)
-    if (workdir / "state.json").exists() and not resume:
-        raise KvtransError(f"{workdir} holds a checkpoint: pass --resume to continue it, or "
-                           "another --workdir")
     if resume and distiller.resume():
         out.print(f"resuming at step {distiller.state['step']} of {steps}")
     main_process = distiller.rank == 0
@@ -333,7 +348,6 @@ def distill(translator_dir: Path = typer.Option(..., "--translator", help="stage
     distilled = distiller.distilled()
     distilled.info["stage"] = 2
     distilled.info["distill"] = summary
-    out_dir = out_dir or translator_dir.with_name(translator_dir.name + "-distilled")
     artifact.save(distilled, out_dir, src, tgt)
     if as_json:
         print(json.dumps({"out": str(out_dir), **{k: v for k, v in summary.items()

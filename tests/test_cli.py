@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from mlx_kvtrans import load as kv_load
 from mlx_kvtrans.cli.main import app
 from mlx_kvtrans.zoo.families import FAMILIES
 
@@ -146,6 +147,39 @@ def test_failed_verification_exits_1_without_internal_error(model_dirs, monkeypa
     result = kvtrans("verify", model_dirs("qwen3"))
     assert result.exit_code == 1
     assert "FAIL" in result.output and "internal error" not in result.output
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "kimi_linear"])
+def test_verify_passes_correct_models_on_any_seed(tmp_path, family):
+    """The full-forward check allows the forward's own float32 reassociation error: a correct
+    checkpoint passes whatever its random weights."""
+    from mlx_kvtrans.verify import run_checks
+    from mlx_kvtrans.zoo.random_model import write_random_model
+
+    for seed in range(4):
+        lm = kv_load(write_random_model(family, tmp_path / f"{family}-{seed}", seed=seed))
+        failed = [c for c in run_checks(lm.model, lm.tokenizer) if not c.passed]
+        assert not failed, (seed, failed)
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "kimi_linear", "qwen3"])
+def test_verify_fails_an_install_off_by_one_percent(loaded, monkeypatch, family):
+    import mlx.core as mx
+
+    from mlx_kvtrans import verify
+
+    real = verify.install
+
+    def off_by_one_percent(layout, objects, *args, **kwargs):
+        nudged = [{name: value * 1.01 if isinstance(value, mx.array) else value
+                   for name, value in layer.items()} for layer in objects]
+        return real(layout, nudged, *args, **kwargs)
+
+    monkeypatch.setattr(verify, "install", off_by_one_percent)
+    lm = loaded(family)
+    failed = {c.name for c in verify.run_checks(lm.model, lm.tokenizer) if not c.passed}
+    assert "capture(3) -> install continues like the full forward" in failed
+    assert "capture(3) -> install continues like the engine's own cache" in failed
 
 
 def test_shipped_distilled_translator_is_preferred(tmp_path, monkeypatch):

@@ -31,16 +31,25 @@ class Case:
     name: str  # "native", "zero", "translated" or "no cache"
     layer: int | None = None
     object: str | None = None
+    kind: str | None = None  # with no layer: every object of this kind
 
     @property
     def label(self) -> str:
         if self.layer is None:
-            return "zero all" if self.name == "zero" else self.name
+            return f"{self.name} every {self.kind}" if self.kind else \
+                "zero all" if self.name == "zero" else self.name
         return f"{self.name} {self.layer}.{self.object}"
+
+    def covers(self, layer, name: str) -> bool:
+        if self.layer is not None:
+            return (layer.index, name) == (self.layer, self.object)
+        return self.kind is None or layer.cache.object(name).kind.value == self.kind
 
 
 def cases(layout, translated: bool) -> list[Case]:
     out = [Case("native"), Case("no cache"), Case("zero")]
+    kinds = sorted({o.kind.value for layer in layout.layers for o in layer.objects})
+    out += [Case("zero", kind=k) for k in kinds] if len(kinds) > 1 else []
     for layer in layout.layers:
         for obj in layer.objects:
             out.append(Case("zero", layer.index, obj.name))
@@ -72,10 +81,11 @@ class Ablation:
             return install(self.layout, objects, points)
         native = capture(self.model, tokens, points={CapturePoint.ENGINE}, layout=self.layout)
         objects = [{name: value for (name, _), value in layer.items()} for layer in native.objects]
-        for i, layer in enumerate(objects):
-            for name in layer:
-                if case.name == "zero" and case.layer in (None, i) and case.object in (None, name):
-                    layer[name] = mx.zeros_like(layer[name])
+        if case.name == "zero":
+            for layer, found in zip(self.layout.layers, objects):
+                for name in found:
+                    if case.covers(layer, name):
+                        found[name] = mx.zeros_like(found[name])
         return install(self.layout, objects, CapturePoint.ENGINE)
 
 
@@ -87,7 +97,7 @@ def ablate(model, encode, token_ids: list[int], lengths: list[int], windows: int
     ablation = Ablation(model, translator, source)
     todo = cases(ablation.layout, translator is not None)
     rows = [{"case": c.name, "label": c.label, "layer": c.layer, "object": c.object,
-             "lengths": {}} for c in todo]
+             "kind": c.kind, "lengths": {}} for c in todo]
     total, done = len(todo) * len(lengths), 0
     for length in lengths:
         span = length + continuation

@@ -96,9 +96,12 @@ def read_manifest(directory: str | Path) -> dict:
         if sha256_file(path) != expected[name]:
             raise KvtransError(f"translator {directory}: {name} does not match SHA256SUMS "
                                "(modified or corrupt); refusing to load it")
-    manifest = json.loads((directory / "manifest.json").read_text())
-    version = manifest.get("format_version")
-    if manifest.get("format") != FORMAT:
+    try:
+        manifest = json.loads((directory / "manifest.json").read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise KvtransError(f"translator {directory}: manifest.json is not valid JSON ({e})")
+    version = manifest.get("format_version") if isinstance(manifest, dict) else None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise KvtransError(f"{directory} is not an {FORMAT} artifact")
     if version not in READABLE_VERSIONS:
         raise KvtransError(f"{directory} is format version {version!r}; this library reads "
@@ -143,19 +146,28 @@ def load(directory: str | Path, source=None, target=None) -> Translator:
     directory = resolve(directory)
     manifest = read_manifest(directory)
     if source is not None and target is not None:
-        check_pair(manifest, source, target)
+        try:
+            check_pair(manifest, source, target)
+        except (KeyError, TypeError) as e:
+            raise KvtransError(f"translator {directory}: its manifest does not name its models "
+                               f"({type(e).__name__}: {e})")
     try:
         params = dict(mx.load(str(directory / "weights.safetensors")))
     except (RuntimeError, ValueError) as e:  # consistent sums, unreadable file
         raise KvtransError(f"translator {directory}: weights.safetensors is unreadable ({e})")
-    if manifest["format_version"] == 1:
-        manifest, params = _migrate_v1(manifest, params)
-    identity = TokenIdentity(manifest["token_identity"])
+    try:
+        if manifest["format_version"] == 1:
+            manifest, params = _migrate_v1(manifest, params)
+        identity = TokenIdentity(manifest["token_identity"])
+        recipes = [recipe_from_json(entry) for entry in manifest["objects"]]
+        point = CapturePoint(manifest["source_point"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise KvtransError(f"translator {directory}: its manifest is incomplete or garbled "
+                           f"({type(e).__name__}: {e})")
     if source is not None:
         identity.bind(source)
-    recipes = [recipe_from_json(entry) for entry in manifest["objects"]]
     info = {k: manifest[k] for k in INFO_FIELDS if k in manifest}
-    return Translator(CapturePoint(manifest["source_point"]), identity, recipes, params, info)
+    return Translator(point, identity, recipes, params, info)
 
 
 def shipped(source: str, target: str) -> Path | None:
