@@ -9,6 +9,7 @@ import typer
 from rich.table import Table
 
 import mlx_kvtrans
+from mlx_kvtrans.audit import STORAGE_NOTE
 
 from .common import (_bytes, _shape, app, in_range, model_configs, out, position_limit,
                      user_errors)
@@ -57,6 +58,7 @@ def inspect(model: str = typer.Argument(..., help="zoo alias, model directory or
     out.print(f"[bold]{len(layout.layers)} layers[/]  ·  {_bytes(layout.bytes_per_token)} per token"
               f"  ·  {_bytes(layout.fixed_bytes)} fixed  ·  capture points: "
               + "; ".join(f"({k}) {v}" for k, v in mlx_kvtrans.CAPTURE_POINTS.items()))
+    out.print(f"{STORAGE_NOTE}; `kvtrans audit {model}` measures how well")
 
 
 @app.command()

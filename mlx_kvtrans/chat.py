@@ -15,15 +15,14 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import signal
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
 from .errors import KvtransError
+from .files import write_private
 from .session import STRATEGIES, Session, SwitchStatus
 
 COMMANDS = {
@@ -74,16 +73,11 @@ class Transcript:
         self.save()
 
     def save(self) -> None:
-        """Write atomically: a temporary file renamed over the transcript."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        data = json.dumps({"models": self.models, "translators": self.translators,
-                           "events": self.events}, indent=2)
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".transcript-")
-        with os.fdopen(fd, "w") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        """Write atomically and readable by its owner only (it is the conversation)."""
+        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        write_private(self.path, json.dumps({"models": self.models,
+                                             "translators": self.translators,
+                                             "events": self.events}, indent=2))
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """mlx-lm prompt-cache files: read them as (3) objects, write installed caches as them.
 
 A file written here carries the model's metadata as `mlx_lm.cache_prompt` writes it (`model`,
-`tokenizer_config`), so `mlx_lm.generate --prompt-cache-file F` continues from it directly.
+`tokenizer_config`), so `mlx_lm.generate --prompt-cache-file F` continues from it directly. A
+cache identifies the tokens it holds, so the file is written 0600, like the conversation text.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .errors import KvtransError
+from .files import private_path
 from .install import resolve_layout
 from .layouts import ModelLayout
 from .layouts import cache_class_name
@@ -22,13 +24,17 @@ from .layouts import cache_class_name
 def write_prompt_cache(path: str | Path, caches: list[Any], model_name: str,
                        tokenizer_config: dict | None = None, extra: dict[str, str] | None = None
                        ) -> Path:
-    """Save mlx-lm caches (from `install`, or a prefill) as a prompt-cache file."""
+    """Save mlx-lm caches (from `install`, or a prefill) as a prompt-cache file, readable by its
+    owner only. Returns the file's path: mlx adds ".safetensors" to a name without it."""
     from mlx_lm.models.cache import save_prompt_cache
 
     metadata = {"model": str(model_name), "tokenizer_config": json.dumps(tokenizer_config or {})}
     metadata.update(extra or {})
     path = Path(path)
-    save_prompt_cache(str(path), caches, metadata)
+    if path.suffix != ".safetensors":
+        path = path.with_name(path.name + ".safetensors")
+    with private_path(path, suffix=".safetensors") as tmp:
+        save_prompt_cache(str(tmp), caches, metadata)
     return path
 
 

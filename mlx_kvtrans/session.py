@@ -253,22 +253,22 @@ class Session:
         self.tokens.extend(int(t) for t in token_ids)
 
     def generate(self, max_tokens: int = 256, temperature: float = 0.0,
-                 stop: set[int] | None = None) -> Iterator[int]:
+                 stop: set[int] | None = None, top_p: float = 1.0) -> Iterator[int]:
         """The active model continues the conversation, token by token (appended as it goes).
 
-        mlx-lm's `generate_step` decodes (temperature > 0: mlx-lm's sampler); a stop token ends
-        the turn. The turn ends when the iterator is exhausted or closed, or when the session
-        is next used (add, generate, switch)."""
+        mlx-lm's `generate_step` decodes (temperature > 0: mlx-lm's sampler, nucleus-filtered
+        when `top_p` < 1); a stop token ends the turn. The turn ends when the iterator is
+        exhausted or closed, or when the session is next used (add, generate, switch)."""
         self._finish_turn()
         line = self.lines[self.active]
         if len(self.tokens) <= line.seen:
             raise ValueError("nothing new to respond to: add tokens first")
-        turn = self._decode(line, max_tokens, temperature, set(stop or ()))
+        turn = self._decode(line, max_tokens, temperature, set(stop or ()), top_p)
         self._turn = weakref.ref(turn)
         return turn
 
     def _decode(self, line: CacheLine, max_tokens: int, temperature: float,
-                stop: set[int]) -> Iterator[int]:
+                stop: set[int], top_p: float = 1.0) -> Iterator[int]:
         from mlx_lm.generate import generate_step
         from mlx_lm.models.cache import make_prompt_cache
         from mlx_lm.sample_utils import make_sampler
@@ -279,7 +279,7 @@ class Session:
         model, start = line.lm.model, line.seen
         if line.cache is None:
             line.cache = make_prompt_cache(model)
-        sampler, drawn = make_sampler(temp=temperature), []
+        sampler, drawn = make_sampler(temp=temperature, top_p=top_p), []
 
         def sample(logprobs):
             drawn[:] = [sampler(logprobs)]

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .files import private_path
+
 CHUNK_CHARS = 1 << 20
 # A chunk ends at a newline followed by a non-space: byte-level pre-tokenizers never join
 # across it, so chunks tokenise to the same ids as the whole text.
@@ -64,11 +66,10 @@ def encode_file(tokenizer, path: Path, progress=None, fingerprint: str | None = 
         if progress:
             progress(i, len(pieces), f"tokenising {Path(path).name}")
         ids.extend(tokenizer.encode(piece, add_special_tokens=i == 0))  # as one text
-    try:
-        entry.parent.mkdir(parents=True, exist_ok=True)
-        partial = entry.with_suffix(f".{os.getpid()}.tmp.npy")
-        np.save(partial, np.asarray(ids, dtype=np.int32))
-        partial.replace(entry)
+    try:  # the ids spell the user's text: private, like a transcript
+        entry.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        with private_path(entry, suffix=".npy") as partial:
+            np.save(partial, np.asarray(ids, dtype=np.int32))
     except OSError:
         pass  # a read-only cache only costs time
     return ids

@@ -1,0 +1,219 @@
+"""`kvtrans serve` under a client: the time to first token of a request that moves a
+conversation to the other model, through translation and, on the same server started with
+--no-translate, through re-reading, side by side at 1K-8K tokens of history; then requests/s
+and p50 / p95 latency with several clients at once. Writes benchmarks/results/serve.{json,md}.
+
+Each server is `kvtrans serve` in its own process (the zoo pair kimi-linear / kimi-vl, shipped
+translators), talked to over loopback HTTP; every conversation carries its own conversation id,
+so none reuses another's cache. A switch: kimi-linear reads the history (a long user turn) and
+replies; the next turn, the history plus that reply plus a question, goes to kimi-vl, streamed
+with max_tokens 1. Its time to first token is measured by the client (the response headers
+come with the first token) and reported by the server (`kvtrans.ttft_ms`).
+
+    python benchmarks/serve.py [--lengths 1024,2048,4096,8192] [--repeats 3] [--clients 8]
+                               [--requests 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+
+import mlx_kvtrans as kv  # first: fast BLAS
+
+from mlx_kvtrans.blas import blas_report
+
+OUT = Path(__file__).resolve().parent / "results"
+FILLER = Path(kv.__file__).parent / "evaluation" / "needle_filler.txt"
+SOURCE, TARGET = "kimi-linear", "kimi-vl"
+
+
+@contextmanager
+def served(translate: bool):
+    """`kvtrans serve` on a free port, until SIGTERM; yields the port."""
+    probe = socket.create_server(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    command = [sys.executable, "-m", "mlx_kvtrans.cli", "serve", "--port", str(port),
+               "--model", SOURCE, "--model", TARGET, "--cache-bytes", "16GiB"]
+    proc = subprocess.Popen(command + ([] if translate else ["--no-translate"]),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health")
+                break
+            except OSError:
+                if proc.poll() is not None:
+                    raise SystemExit(f"kvtrans serve did not start: {proc.stderr.read()}")
+                time.sleep(0.1)
+        yield port
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(120)
+
+
+def chat(port: int, model: str, messages: list, max_tokens: int, conversation: str,
+         stream: bool = False) -> tuple[float, float, dict]:
+    """One request: (seconds to the response headers, seconds to its end, the body's
+    `kvtrans` report and reply)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    body = json.dumps({"model": model, "messages": messages, "max_tokens": max_tokens,
+                       "temperature": 0, "stream": stream})
+    started = time.perf_counter()
+    conn.request("POST", "/v1/chat/completions", body,
+                 {"content-type": "application/json", "x-kvtrans-conversation": conversation})
+    response = conn.getresponse()
+    headers = time.perf_counter() - started
+    text = response.read().decode()
+    done = time.perf_counter() - started
+    conn.close()
+    if response.status != 200:
+        raise SystemExit(f"{model}: HTTP {response.status}: {text[:300]}")
+    if stream:
+        chunks = [json.loads(line[6:]) for line in text.splitlines()
+                  if line.startswith("data: {")]
+        return headers, done, {"kvtrans": chunks[-1]["kvtrans"], "content": ""}
+    answer = json.loads(text)
+    return headers, done, {"kvtrans": answer["kvtrans"],
+                           "content": answer["choices"][0]["message"]["content"]}
+
+
+def history_text(tokenizer, length: int) -> str:
+    ids = tokenizer.encode(FILLER.read_text())
+    ids = (ids * (length // len(ids) + 1))[:length]
+    return tokenizer.decode(ids)
+
+
+def switch(port: int, history: str, conversation: str) -> dict:
+    messages = [{"role": "user", "content": history}]
+    _, _, first = chat(port, SOURCE, messages, 8, conversation)
+    messages += [{"role": "assistant", "content": first["content"]},
+                 {"role": "user", "content": "What did the text say?"}]
+    ttft, _, second = chat(port, TARGET, messages, 1, conversation, stream=True)
+    r = second["kvtrans"]
+    return {"client_ttft_ms": ttft * 1000, "server_ttft_ms": r["ttft_ms"],
+            "translate_ms": r["translate_ms"], "status": r["status"],
+            "tokens_translated": r["tokens_translated"], "tokens_reread": r["tokens_reread"]}
+
+
+def median_row(rows: list[dict]) -> dict:
+    out = {k: round(statistics.median(r[k] for r in rows), 2) for k in rows[0]
+           if isinstance(rows[0][k], (int, float))}
+    out["status"] = sorted({r["status"] for r in rows})
+    return out
+
+
+def load(port: int, clients: int, requests: int, tag: str) -> dict:
+    """`clients` conversations at once, `requests` turns each, alternating models."""
+    latencies, lock = [], threading.Lock()
+
+    def client(index: int):
+        messages = []
+        for turn in range(requests):
+            messages.append({"role": "user", "content": f"Client {index}, turn {turn}: the "
+                                                        "number for copper?"})
+            _, seconds, reply = chat(port, (SOURCE, TARGET)[turn % 2], messages, 8,
+                                     f"{tag}-{index}")
+            messages.append({"role": "assistant", "content": reply["content"]})
+            with lock:
+                latencies.append(seconds)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    started = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - started
+    ordered = sorted(latencies)
+    return {"clients": clients, "requests": len(ordered),
+            "requests_per_second": round(len(ordered) / wall, 2),
+            "p50_ms": round(ordered[len(ordered) // 2] * 1000, 1),
+            "p95_ms": round(ordered[min(len(ordered) - 1, int(len(ordered) * 0.95))] * 1000, 1)}
+
+
+def measure(translate: bool, lengths: list[int], repeats: int, clients: int,
+            requests: int, tokenizer) -> dict:
+    mode = "translate" if translate else "reprefill"
+    with served(translate) as port:
+        switch(port, history_text(tokenizer, 256), f"{mode}-warmup")
+        rows = {}
+        for length in lengths:
+            history = history_text(tokenizer, length)
+            rows[length] = median_row([switch(port, history, f"{mode}-{length}-{r}")
+                                       for r in range(repeats)])
+            print(f"{mode:9s} {length:5d} tokens: first token {rows[length]['client_ttft_ms']:.1f}"
+                  f" ms ({', '.join(rows[length]['status'])})", flush=True)
+        under_load = load(port, clients, requests, f"{mode}-load")
+        print(f"{mode:9s} load: {under_load}", flush=True)
+    return {"switch": rows, "load": under_load}
+
+
+def write_markdown(results: dict) -> None:
+    t, r = results["translate"], results["reprefill"]
+    lines = ["# kvtrans serve\n",
+             f"Time to first token of a request that moves a conversation from {SOURCE} to "
+             f"{TARGET} through `kvtrans serve`, translating the cache, beside the same server "
+             "started with `--no-translate` (the target re-reads the history); medians of "
+             f"{results['repeats']} conversations per length, measured by the client over "
+             "loopback (the server's own figure in brackets). Then requests/s and latency with "
+             f"{results['clients']} clients at once, each a conversation alternating models "
+             "every turn (8 tokens a reply). Regenerate with `python benchmarks/serve.py`.\n",
+             f"BLAS: {results['blas']}; {results['cores']} cores, load average "
+             f"{results['load_average']} when it started.\n",
+             "| history tokens | translated: first token ms | status | re-read: first token ms "
+             "| status | speed-up |", "|---|---|---|---|---|---|"]
+    for length in results["lengths"]:
+        a, b = t["switch"][str(length)], r["switch"][str(length)]
+        lines.append(f"| {length} | {a['client_ttft_ms']:.1f} ({a['server_ttft_ms']:.1f}) | "
+                     f"{', '.join(a['status'])} | {b['client_ttft_ms']:.1f} "
+                     f"({b['server_ttft_ms']:.1f}) | {', '.join(b['status'])} | "
+                     f"{b['client_ttft_ms'] / a['client_ttft_ms']:.1f}x |")
+    lines += ["", "| server | requests | requests/s | p50 ms | p95 ms |", "|---|---|---|---|---|"]
+    for name, row in (("translating", t["load"]), ("--no-translate", r["load"])):
+        lines.append(f"| {name} | {row['requests']} | {row['requests_per_second']} | "
+                     f"{row['p50_ms']} | {row['p95_ms']} |")
+    (OUT / "serve.md").write_text("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lengths", default="1024,2048,4096,8192")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--requests", type=int, default=10, help="per client")
+    args = parser.parse_args()
+    lengths = [int(x) for x in args.lengths.split(",")]
+    tokenizer = kv.load(TARGET).tokenizer
+    busy = os.getloadavg()[0]  # other work on the machine slows the re-reads most
+    started = time.perf_counter()
+    results = {mode: measure(mode == "translate", lengths, args.repeats, args.clients,
+                             args.requests, tokenizer) for mode in ("translate", "reprefill")}
+    report = blas_report()
+    results = json.loads(json.dumps(results))  # lengths become the JSON's string keys
+    results.update(blas=f"{report.name}, float32 matmul {report.gflops:.0f} GFLOP/s",
+                   lengths=lengths, repeats=args.repeats, clients=args.clients,
+                   requests=args.requests, models=[SOURCE, TARGET], cores=os.cpu_count(),
+                   load_average=round(busy, 1),
+                   minutes=round((time.perf_counter() - started) / 60, 1))
+    OUT.mkdir(exist_ok=True)
+    (OUT / "serve.json").write_text(json.dumps(results, indent=2) + "\n")
+    write_markdown(results)
+    print(f"wrote {OUT / 'serve.json'} and {OUT / 'serve.md'}")
+
+
+if __name__ == "__main__":
+    main()

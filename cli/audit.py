@@ -1,0 +1,53 @@
+"""`kvtrans audit`: how well each cached object identifies the tokens it holds."""
+
+from __future__ import annotations
+
+import json
+
+import typer
+from rich.table import Table
+
+from .common import app, in_range, out, progress_bar, user_errors
+
+
+def _accuracy(value: float | None) -> str:
+    return "" if value is None else f"{value:.3f}"
+
+
+@app.command()
+@user_errors
+def audit(model: str = typer.Argument(..., help="zoo alias, model directory, HF id or a llama "
+                                                ".gguf file"),
+          tokens: int = typer.Option(8192, help="held-out tokens per split: fit on the zoo "
+                                                "corpus's validation text, score on its test text"),
+          as_json: bool = typer.Option(False, "--json", help="one JSON entry per layer and object")):
+    """Per layer and cache object: top-1 token-identity accuracy of a linear read-out of the
+    cached rows (and of codebook decoding for an MLA layer 0)."""
+    from mlx_kvtrans.audit import STORAGE_NOTE, audit as run_audit, held_out_tokens, load_model
+
+    in_range("--tokens", tokens, 2)
+    lm = load_model(model)
+    fit, score = held_out_tokens(lm.tokenizer, tokens)
+    with progress_bar("auditing") as progress:
+        result = run_audit(lm, fit, score, progress=progress)
+    if as_json:
+        print(json.dumps(result.to_json(), indent=2))
+        return
+    table = Table(title=f"audit {model}  ·  top-1 token identity on held-out text",
+                  title_justify="left")
+    for col in ("layer", "mixer", "object", "kind", "read at", "features", "ridge",
+                "nearest mean", "codebook", "note"):
+        table.add_column(col, justify="left" if col in ("mixer", "object", "kind", "note")
+                         else "right", no_wrap=col != "note")
+    for row in result.rows:
+        table.add_row(str(row.layer), row.mixer, row.object, row.kind,
+                      "" if row.point is None else f"({row.point})", f"{row.features:,}",
+                      _accuracy(row.readout), _accuracy(row.nearest_mean),
+                      _accuracy(row.codebook), row.note)
+    out.print(table)
+    out.print(f"fitted on {result.fit_tokens:,} validation tokens, scored on "
+              f"{result.score_tokens:,} test tokens in windows of {result.window}  ·  one-hot "
+              f"over the {result.classes:,} token ids that occur in the fit split (of "
+              f"{result.vocab:,})  ·  always the commonest id: {result.majority:.3f}  ·  "
+              f"score tokens whose id the fit saw: {result.ceiling:.3f}")
+    out.print(f"[bold]{STORAGE_NOTE}[/]")

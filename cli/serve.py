@@ -1,0 +1,48 @@
+"""`kvtrans serve`: an OpenAI-compatible server whose conversations move between models through
+translated caches."""
+
+from __future__ import annotations
+
+import typer
+from rich.markup import escape
+
+from .common import _bytes, app, err, out, user_errors
+
+
+@app.command()
+@user_errors
+def serve(model: list[str] = typer.Option(
+              None, "--model", metavar="MODEL",
+              help="a model to serve (repeat; default kimi-linear and kimi-vl)"),
+          translator: list[str] = typer.Option(
+              None, "--translator", metavar="DIR",
+              help="a translator directory (repeat; shipped ones fill the other pairs)"),
+          host: str = typer.Option("127.0.0.1", help="address to listen on"),
+          port: int = typer.Option(8080, help="port to listen on"),
+          cache_bytes: str = typer.Option(
+              "4GiB", metavar="BYTES",
+              help="conversation cache budget, all models together (e.g. 512M, 4GiB)"),
+          translate: bool = typer.Option(
+              True, "--translate/--no-translate",
+              help="hand conversations over by translation (off: the target re-reads)"),
+          max_tokens: int = typer.Option(512, help="reply length when a request gives none"),
+          max_body_bytes: str = typer.Option("8M", metavar="BYTES",
+                                             help="largest request body accepted")):
+    """Serve models behind OpenAI's API; a conversation moves between them without re-reading."""
+    from mlx_kvtrans.serve import Engine, ServeConfig, listen, parse_bytes, run
+
+    config = ServeConfig(models=list(model or ServeConfig().models),
+                         translators=list(translator or []), host=host, port=port,
+                         cache_bytes=parse_bytes(cache_bytes), translate=translate,
+                         default_max_tokens=max_tokens, max_body_bytes=parse_bytes(max_body_bytes))
+    config.check()
+    sock = listen(host, port)
+    engine = Engine.from_config(config)
+    for note in engine.notes:
+        err.print(f"[yellow]{escape(note)}[/]", highlight=False)
+    pairs = ", ".join(f"{a} -> {b}" for a, b in engine.translators) if translate else "off"
+    bound = sock.getsockname()
+    out.print(f"serving {', '.join(engine.models)} at http://{bound[0]}:{bound[1]}/v1 · "
+              f"translators: {pairs or 'none'} · cache {_bytes(config.cache_bytes)}",
+              highlight=False, soft_wrap=True)
+    run(engine, sock)

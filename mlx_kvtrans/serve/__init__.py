@@ -1,0 +1,16 @@
+"""`kvtrans serve`: an OpenAI-compatible server that hands conversations between models
+through translated caches.
+
+- `store.py`: conversation caches shared by every model, keyed by token prefix, with
+  checkpoints for hybrids and least-recently-used eviction under one byte budget;
+- `engine.py`: the resident models and translators, and the one worker thread that runs every
+  request's compute (handoff through `Session.switch`, prompt, decoding);
+- `protocol.py`: OpenAI's request bodies, replies, stream chunks and error objects;
+- `app.py`: the FastAPI routes and the uvicorn runner; `metrics.py`: Prometheus text.
+"""
+
+from .app import create_app, listen, run, server
+from .engine import Engine, Handoff, ServeConfig, parse_bytes
+
+__all__ = ["Engine", "Handoff", "ServeConfig", "create_app", "listen", "parse_bytes", "run",
+           "server"]

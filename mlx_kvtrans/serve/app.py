@@ -1,0 +1,282 @@
+"""The HTTP side of `kvtrans serve`: FastAPI routes speaking OpenAI's API, run by uvicorn.
+
+Handlers render the prompt, validate, queue the compute on the engine's worker and await its
+events. A streaming response starts once the first token exists, so its headers already say
+how the history was handed over; a client that goes away stops its generation. Errors are
+OpenAI error objects: 400 for bad input, 404 for an unknown model or route, 413 for a body over
+the limit, 500 for a fault inside a generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import socket
+import threading
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from ..errors import KvtransError
+from .engine import Engine, Failed, Finished, Generation, Text
+from .protocol import (ChatReply, ChatRequest, CompletionRequest, RequestError, TextReply,
+                       error_body, usage, validation_error)
+
+CONVERSATION_HEADER = "x-kvtrans-conversation"
+PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+
+
+def _error_response(e: RequestError) -> JSONResponse:
+    return JSONResponse(error_body(e.message, e.kind, e.param, e.code), status_code=e.status)
+
+
+def _failure(error: BaseException) -> JSONResponse:
+    if isinstance(error, RequestError):
+        return _error_response(error)
+    return _error_response(RequestError(f"the generation failed: {type(error).__name__}: "
+                                        f"{error}", status=500, kind="server_error",
+                                        code="generation_failed"))
+
+
+async def _send_error(send, status: int, message: str, code: str) -> None:
+    body = json.dumps(error_body(message, "invalid_request_error", None, code)).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class BodyLimit:
+    """Refuses a request body over `limit` bytes (413) before the app reads any of it as JSON,
+    whether or not the client declared its length."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        too_big = f"the request body is over the server's limit of {self.limit} bytes"
+        if declared is not None:
+            if not declared.isdigit():
+                return await _send_error(send, 400, "Content-Length is not a number",
+                                         "invalid_content_length")
+            if int(declared) > self.limit:
+                return await _send_error(send, 413, too_big, "body_too_large")
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client left before sending its body
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.limit:
+                return await _send_error(send, 413, too_big, "body_too_large")
+            if not message.get("more_body"):
+                break
+        body, replayed = b"".join(chunks), False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()  # what follows the body: a disconnect
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+
+class CountRequests:
+    """kvtrans_requests_total by path and status code, every response included."""
+
+    def __init__(self, app, metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = [500]
+
+        async def sending(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            path = scope["path"] if scope["path"] in PATHS else "other"
+            self.metrics.inc("kvtrans_requests_total", path=path, code=str(status[0]))
+
+
+def _sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+async def _respond(engine: Engine, job: Generation, reply, stream: bool, include_usage: bool):
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue = asyncio.Queue()
+    cancelled = threading.Event()
+
+    def emit(event):
+        try:
+            loop.call_soon_threadsafe(events.put_nowait, event)
+        except RuntimeError:  # the event loop is gone (the server stopped)
+            cancelled.set()
+
+    try:
+        engine.submit(job, emit, cancelled)
+    except RuntimeError:  # the worker has shut down
+        return _error_response(RequestError("the server is shutting down", status=503,
+                                            kind="server_error", code="shutting_down"))
+    try:
+        first = await events.get()
+    except asyncio.CancelledError:
+        cancelled.set()
+        raise
+    if isinstance(first, Failed):
+        return _failure(first.error)
+    headers = first.handoff.headers()
+
+    def used(done: Finished) -> dict:
+        h = done.handoff
+        return usage(done.prompt_tokens, done.completion_tokens,
+                     h.tokens_reused + h.tokens_translated)
+
+    if not stream:
+        pieces = []
+        try:
+            while not isinstance(event := await events.get(), (Finished, Failed)):
+                pieces.append(event.text)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        if isinstance(event, Failed):
+            return _failure(event.error)
+        report = event.handoff.fields()
+        return JSONResponse(reply.full("".join(pieces), event.reason, used(event), report),
+                            headers=event.handoff.headers())
+
+    async def chunks():
+        try:
+            if (opening := reply.first_chunk()) is not None:
+                yield _sse(opening)
+            while True:
+                event = await events.get()
+                if isinstance(event, Text):
+                    yield _sse(reply.chunk(event.text))
+                elif isinstance(event, Finished):
+                    report = event.handoff.fields()
+                    yield _sse(reply.chunk(finish=event.reason, kvtrans=report))
+                    if include_usage:
+                        yield _sse(reply.usage_chunk(used(event), report))
+                    break
+                elif isinstance(event, Failed):
+                    body = _failure(event.error).body
+                    yield _sse(json.loads(body))
+                    break
+            yield _sse("[DONE]")
+        finally:
+            cancelled.set()  # a client that left stops its generation
+
+    return StreamingResponse(chunks(), media_type="text/event-stream",
+                             headers={**headers, "cache-control": "no-cache"})
+
+
+def create_app(engine: Engine) -> FastAPI:
+    """The ASGI app over `engine`; its shutdown finishes the queued work and stops the worker."""
+
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        await asyncio.get_running_loop().run_in_executor(None, engine.close)
+
+    app = FastAPI(title="kvtrans serve", lifespan=lifespan, docs_url=None, redoc_url=None)
+    fingerprint = f"kvtrans-{'-'.join(engine.models)}"
+
+    @app.exception_handler(RequestError)
+    async def refused(request: Request, e: RequestError):
+        return _error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, e: RequestValidationError):
+        return _error_response(validation_error(e.errors()))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException):
+        message = {404: f"no route {request.method} {request.url.path}",
+                   405: f"{request.method} is not allowed on {request.url.path}"}
+        return _error_response(RequestError(message.get(e.status_code, str(e.detail)),
+                                            status=e.status_code))
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "models": list(engine.models), "queued": engine.queue_depth}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list",
+                "data": [{"id": name, "object": "model", "created": 0, "owned_by": "kvtrans",
+                          "context_length": engine.context[name]} for name in engine.models]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(engine.metrics.render(engine.gauges()),
+                                 media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest, request: Request):
+        body.check()
+        prompt = engine.chat_prompt(body.model, [m.for_template() for m in body.messages])
+        job = engine.generation(body.model, prompt, body.reply_budget(),
+                                temperature=body.temperature, top_p=body.top_p,
+                                stop=body.stops(), seed=body.seed,
+                                conversation=request.headers.get(CONVERSATION_HEADER))
+        return await _respond(engine, job, ChatReply(body.model, fingerprint), body.stream,
+                              body.include_usage)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        body.check()
+        prompt = engine.text_prompt(body.model, body.prompt)
+        job = engine.generation(body.model, prompt, body.reply_budget(),
+                                temperature=body.temperature, top_p=body.top_p,
+                                stop=body.stops(), seed=body.seed,
+                                conversation=request.headers.get(CONVERSATION_HEADER))
+        return await _respond(engine, job, TextReply(body.model, fingerprint), body.stream,
+                              body.include_usage)
+
+    app.add_middleware(BodyLimit, limit=engine.config.max_body_bytes)
+    app.add_middleware(CountRequests, metrics=engine.metrics)  # outermost: counts the 413s too
+    return app
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening socket, bound before any model loads, so a taken port fails at once."""
+    try:
+        sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host
+                                    else socket.AF_INET, reuse_port=False)
+    except OSError as e:
+        raise KvtransError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+def server(engine: Engine):
+    """A uvicorn server for `engine` (not started)."""
+    import uvicorn
+
+    config = uvicorn.Config(create_app(engine), log_level="warning", access_log=False,
+                            lifespan="on", timeout_graceful_shutdown=None)
+    return uvicorn.Server(config)
+
+
+def run(engine: Engine, sock: socket.socket) -> None:
+    """Serve until SIGTERM or Ctrl-C; in-flight requests finish first."""
+    # uvicorn re-raises the signal it shut down on; handled by this no-op, SIGTERM ends in exit 0
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    server(engine).run(sockets=[sock])

@@ -1,0 +1,545 @@
+"""The model side of `kvtrans serve`: resident models, the translators between them, the
+conversation store, and one worker thread that runs every request's compute in arrival order.
+
+MLX work stays on that one thread (one stream, no two forwards at once); the HTTP side only
+renders prompts and waits for events. A request's compute: take the entry holding the longest
+prefix of its prompt (`store`), hand it to the requested model when another model holds more
+(`Session.switch`: segment-wise translation, or a visible re-read), read the rest of the prompt
+(a hybrid takes a checkpoint at the end of the history), then decode, streaming text events.
+A fault fails that request only: its entry is not put back, every other stays as it was.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import mlx.core as mx
+
+from ..errors import KvtransError
+from ..session import Session, SwitchStatus
+from .metrics import Metrics
+from .protocol import RequestError
+from .store import ConversationStore, Entry, Match, trimmable
+
+DEFAULT_MODELS = ("kimi-linear", "kimi-vl")
+DEFAULT_CONTEXT = 32768  # for a config that does not say how long its context is
+
+
+@dataclass
+class ServeConfig:
+    models: list[str] = field(default_factory=lambda: list(DEFAULT_MODELS))
+    translators: list[str] = field(default_factory=list)  # directories or shipped names
+    host: str = "127.0.0.1"
+    port: int = 8080
+    cache_bytes: int = 4 << 30
+    translate: bool = True
+    default_max_tokens: int = 512  # a chat reply's length when the request gives none
+    max_body_bytes: int = 8 << 20
+
+    def check(self) -> None:
+        if not self.models:
+            raise KvtransError("serve at least one --model")
+        if len(set(self.models)) != len(self.models):
+            raise KvtransError(f"--model names a model twice: {', '.join(self.models)}")
+        if not 0 <= self.port <= 65535:
+            raise KvtransError(f"--port {self.port}: a port is 0-65535")
+        if self.cache_bytes < 0:
+            raise KvtransError(f"--cache-bytes {self.cache_bytes}: must be 0 or more")
+        if self.default_max_tokens < 1:
+            raise KvtransError(f"--max-tokens {self.default_max_tokens}: must be at least 1")
+        if self.max_body_bytes < 1:
+            raise KvtransError(f"--max-body-bytes {self.max_body_bytes}: must be at least 1")
+
+
+def parse_bytes(text: str) -> int:
+    """'1073741824', '512M', '2GiB', '1.5G' -> bytes (K/M/G/T, decimal or binary alike: 1024)."""
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    s = str(text).strip().upper().removesuffix("B").removesuffix("I")
+    unit = s[-1] if s and s[-1] in units else ""
+    try:
+        value = float(s[:-1] if unit else s)
+    except ValueError:
+        raise KvtransError(f"{text!r} is not a size (e.g. 4294967296, 512M, 4GiB)") from None
+    return int(value * units[unit])
+
+
+# -- what a response reports ------------------------------------------------------------------
+@dataclass
+class Handoff:
+    """What happened to a request's history: `applied` (another model's cache translated),
+    `fallback_reprefill` (another model held it but this one re-read it; `reason` says why),
+    `reused` (this model's own cache), `none` (nothing cached)."""
+
+    status: str = "none"
+    reason: str = ""
+    source_model: str | None = None
+    tokens_reused: int = 0
+    tokens_translated: int = 0
+    tokens_reread: int = 0
+    tokens_new: int = 0  # prompt tokens no cache held
+    translate_ms: float = 0.0  # the switch: translation, or the fallback's re-read
+    queue_ms: float = 0.0
+    ttft_ms: float = 0.0  # from the request's arrival to its first token
+    conversation: str = ""
+
+    def fields(self) -> dict:
+        out = asdict(self)
+        for key in ("translate_ms", "queue_ms", "ttft_ms"):
+            out[key] = round(out[key], 3)
+        return out
+
+    def headers(self) -> dict[str, str]:
+        out = {"x-kvtrans-handoff": self.status,
+               "x-kvtrans-tokens-reused": str(self.tokens_reused),
+               "x-kvtrans-tokens-translated": str(self.tokens_translated),
+               "x-kvtrans-tokens-reread": str(self.tokens_reread),
+               "x-kvtrans-tokens-new": str(self.tokens_new),
+               "x-kvtrans-translate-ms": f"{self.translate_ms:.3f}",
+               "x-kvtrans-ttft-ms": f"{self.ttft_ms:.3f}",
+               "x-kvtrans-conversation": self.conversation}
+        if self.source_model:
+            out["x-kvtrans-source-model"] = self.source_model
+        if self.reason:  # header values are one line of latin-1
+            out["x-kvtrans-reason"] = " ".join(self.reason.split()).encode(
+                "latin-1", "replace").decode("latin-1")
+        return out
+
+
+# -- events the worker sends the HTTP side ----------------------------------------------------
+@dataclass
+class Started:
+    handoff: Handoff  # known once the first token is out
+
+
+@dataclass
+class Text:
+    text: str
+
+
+@dataclass
+class Finished:
+    reason: str  # stop, length, cancelled
+    prompt_tokens: int
+    completion_tokens: int
+    handoff: Handoff
+
+
+@dataclass
+class Failed:
+    error: BaseException
+
+
+@dataclass
+class Generation:
+    """One request's compute, validated."""
+
+    model: str
+    prompt: list[int]
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+    conversation: str | None = None
+    arrived: float = field(default_factory=time.perf_counter)
+
+
+class StopText:
+    """OpenAI's `stop`: the reply ends before the first stop sequence, and text that could be
+    the start of one is held back until it is known not to be."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self.pending, self.stopped = "", False
+
+    def feed(self, piece: str, final: bool = False) -> str:
+        """The text that can go out now."""
+        self.pending += piece
+        hits = [i for s in self.stops if (i := self.pending.find(s)) >= 0]
+        if hits:
+            out, self.pending, self.stopped = self.pending[:min(hits)], "", True
+            return out
+        held = 0 if final else max((k for s in self.stops for k in range(1, len(s))
+                                    if self.pending.endswith(s[:k])), default=0)
+        out = self.pending[:len(self.pending) - held]
+        self.pending = self.pending[len(out):]
+        return out
+
+
+# -- loading ----------------------------------------------------------------------------------
+def load_models(names: list[str]) -> dict:
+    from ..models import load
+
+    return {name: load(name) for name in names}
+
+
+def tokenizer_groups(models: dict) -> dict[str, str]:
+    """model -> the first model with the same vocabulary (translation needs shared token ids)."""
+    groups: dict[str, str] = {}
+    vocabularies: list[tuple[str, dict]] = []
+    for name, lm in models.items():
+        vocab = lm.tokenizer.get_vocab()
+        groups[name] = next((first for first, v in vocabularies if v == vocab), name)
+        if groups[name] == name:
+            vocabularies.append((name, vocab))
+    return groups
+
+
+def find_translators(models: dict, given: list[str]) -> tuple[dict, list[str]]:
+    """Translators between the served models: each given one for the pairs it was fitted on,
+    the shipped one (distilled first) for the other pairs. Returns them and notes on the pairs
+    left without (switching that way re-reads)."""
+    from ..translators import artifact
+
+    groups = tokenizer_groups(models)
+    pairs = [(a, b) for a in models for b in models if a != b]
+    found, notes = {}, []
+    for name in given:
+        path = artifact.resolve(name)
+        manifest = artifact.read_manifest(path)
+        fits = []
+        for a, b in pairs:
+            try:
+                artifact.check_pair(manifest, models[a], models[b])
+            except KvtransError:
+                continue
+            fits.append((a, b))
+        if not fits:
+            raise KvtransError(f"--translator {name} was fitted for {manifest['source']['name']} "
+                               f"-> {manifest['target']['name']}, not a pair of the served "
+                               f"models ({', '.join(models)})")
+        for a, b in fits:
+            found[(a, b)] = artifact.load(path, models[a], models[b])
+    for a, b in pairs:
+        if (a, b) in found:
+            continue
+        if groups[a] != groups[b]:
+            notes.append(f"{a} and {b} have different tokenizers: switching between them "
+                         "re-reads")
+            continue
+        path = artifact.shipped(a, b)
+        if path is None:
+            notes.append(f"no translator {a} -> {b}: switching that way re-reads")
+            continue
+        try:
+            found[(a, b)] = artifact.load(path, models[a], models[b])
+        except KvtransError as e:
+            notes.append(f"translator {path.name} not used ({e}): switching {a} -> {b} re-reads")
+    return found, notes
+
+
+class ComputeThread:
+    """One daemon thread that runs jobs in the order they come. It never ends: a thread that
+    ran MLX's compiled functions aborts the process when it exits during Python's shutdown (its
+    thread-local compile cache needs the interpreter to go), so once closed it waits forever and
+    goes with the process."""
+
+    def __init__(self, name: str = "kvtrans-compute"):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = False
+        threading.Thread(target=self._loop, name=name, daemon=True).start()
+
+    def submit(self, job: Callable, *args) -> None:
+        if self._closed:
+            raise RuntimeError("the compute thread is closed")
+        self._jobs.put((job, args))
+
+    def close(self) -> None:
+        """Run what is queued, then take no more."""
+        if self._closed:
+            return
+        self._closed = True
+        drained = threading.Event()
+        self._jobs.put((drained.set, ()))
+        drained.wait()
+
+    def _loop(self) -> None:
+        while True:
+            job, args = self._jobs.get()
+            try:
+                job(*args)
+            except Exception:  # jobs report their own failures; this one could not
+                logging.getLogger(__name__).exception("a compute job failed")
+
+
+def context_length(lm) -> int:
+    config = lm.config
+    return int(config.get("max_position_embeddings")
+               or config.get("text_config", {}).get("max_position_embeddings")
+               or DEFAULT_CONTEXT)
+
+
+class Engine:
+    """Models, translators, the conversation store and the worker thread.
+
+    `models`: name -> LoadedModel; `translators`: (source, target) -> Translator (all of them;
+    with `config.translate` off, none is used and every switch re-reads)."""
+
+    def __init__(self, models: dict, translators: dict, config: ServeConfig | None = None,
+                 notes: list[str] | None = None):
+        from mlx_lm.models.cache import make_prompt_cache
+
+        self.config = config or ServeConfig(models=list(models))
+        self.models = models
+        self.translators = {pair: tr.prepare() for pair, tr in translators.items()}
+        # MLX streams belong to threads: a lazy array left by loading here could not be
+        # evaluated on the worker
+        mx.eval([lm.model.parameters() for lm in models.values()],
+                [tr.params for tr in self.translators.values()],
+                [tr.identity.codebook for tr in self.translators.values()
+                 if tr.identity.codebook is not None])
+        self.notes = list(notes or [])
+        self.groups = tokenizer_groups(models)
+        self.context = {name: context_length(lm) for name, lm in models.items()}
+        self.trimmable = {name: trimmable(make_prompt_cache(lm.model))
+                          for name, lm in models.items()}
+        self.metrics = Metrics()
+        self.store = ConversationStore(self._new_session, self.groups, self.config.cache_bytes)
+        # HF tokenizers may refuse concurrent use from two threads ("Already borrowed"): the
+        # HTTP side renders prompts while the worker detokenises
+        self._tokenizer_locks = {name: threading.Lock() for name in models}
+        self._worker = ComputeThread()
+        self._waiting = 0
+        self._waiting_lock = threading.Lock()
+
+    @classmethod
+    def from_config(cls, config: ServeConfig) -> "Engine":
+        config.check()
+        models = load_models(config.models)
+        translators, notes = find_translators(models, config.translators)
+        return cls(models, translators, config, notes)
+
+    def _new_session(self, model: str) -> Session:
+        group = self.groups[model]
+        names = [n for n in self.models if self.groups[n] == group]
+        used = {pair: tr for pair, tr in self.translators.items()
+                if pair[0] in names and pair[1] in names} if self.config.translate else {}
+        return Session({n: self.models[n] for n in names}, used, active=model)
+
+    def close(self) -> None:
+        """Finish the queued requests, then stop the worker."""
+        self._worker.close()
+
+    @property
+    def queue_depth(self) -> int:
+        return self._waiting
+
+    # -- the HTTP side: prompts and validation ------------------------------------------------
+    def check_model(self, model: str) -> None:
+        if model not in self.models:
+            raise RequestError(f"the model {model!r} is not served here (served: "
+                               f"{', '.join(self.models)})", status=404, param="model",
+                               code="model_not_found")
+
+    def chat_prompt(self, model: str, messages: list[dict]) -> list[int]:
+        """The prompt tokens of `messages`, through the model's own chat template (as mlx-lm's
+        server renders them), ending with the assistant's generation prompt."""
+        self.check_model(model)
+        tok = self.models[model].tokenizer
+        with self._tokenizer_locks[model]:
+            try:
+                if tok.has_chat_template:
+                    return list(tok.apply_chat_template(messages, add_generation_prompt=True))
+                # mlx-lm's fallback for a tokenizer without a template
+                text = "".join(f"{m['role'].upper()}: {m['content']}\n" for m in messages)
+                return list(tok.encode(text + "ASSISTANT: "))
+            except Exception as e:  # a template that rejects the conversation (roles, order)
+                raise RequestError(f"the chat template of {model} rejects these messages: {e}",
+                                   param="messages") from None
+
+    def text_prompt(self, model: str, prompt: str | list) -> list[int]:
+        self.check_model(model)
+        if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)):
+            vocab = len(self.models[model].tokenizer)
+            if any(not 0 <= t < vocab for t in prompt):
+                raise RequestError(f"token ids must be in 0..{vocab - 1}", param="prompt")
+            return list(prompt)
+        text = prompt[0] if isinstance(prompt, list) else prompt
+        with self._tokenizer_locks[model]:
+            return list(self.models[model].tokenizer.encode(text))
+
+    def generation(self, model: str, prompt: list[int], max_tokens: int | None,
+                   **options) -> Generation:
+        """A validated request: a non-empty prompt, 1 <= max_tokens, and both within the
+        model's context."""
+        self.check_model(model)
+        context = self.context[model]
+        if not prompt:
+            raise RequestError("the prompt is empty", param="prompt")
+        if len(prompt) >= context:
+            raise RequestError(f"this model's maximum context length is {context} tokens; the "
+                               f"prompt has {len(prompt)}", param="messages",
+                               code="context_length_exceeded")
+        if max_tokens is None:
+            max_tokens = min(self.config.default_max_tokens, context - len(prompt))
+        if max_tokens < 1:
+            raise RequestError(f"max_tokens is {max_tokens}; it must be at least 1",
+                               param="max_tokens", code="invalid_value")
+        if max_tokens > context:
+            raise RequestError(f"max_tokens is {max_tokens}, more than {model}'s whole context "
+                               f"of {context} tokens", param="max_tokens", code="invalid_value")
+        if len(prompt) + max_tokens > context:
+            raise RequestError(f"this model's maximum context length is {context} tokens; the "
+                               f"request needs {len(prompt) + max_tokens} ({len(prompt)} in the "
+                               f"prompt, {max_tokens} to generate)", param="max_tokens",
+                               code="context_length_exceeded")
+        return Generation(model, list(prompt), max_tokens,
+                          **{k: v for k, v in options.items() if v is not None})
+
+    def submit(self, job: Generation, emit: Callable[[object], None],
+               cancelled: threading.Event) -> None:
+        """Queue `job` on the worker; `emit` receives Started, Text..., then Finished or Failed
+        (on the worker thread). Setting `cancelled` stops it at its next token."""
+        with self._waiting_lock:
+            self._waiting += 1
+        try:
+            self._worker.submit(self._run, job, emit, cancelled)
+        except RuntimeError:  # closed: the server is stopping
+            with self._waiting_lock:
+                self._waiting -= 1
+            raise
+
+    # -- the worker ---------------------------------------------------------------------------
+    def _run(self, job: Generation, emit, cancelled: threading.Event) -> None:
+        with self._waiting_lock:
+            self._waiting -= 1
+        if cancelled.is_set():  # the client left while it waited
+            return
+        try:
+            finished = self._generate(job, emit, cancelled)
+        except Exception as e:
+            self.metrics.inc("kvtrans_generation_failures_total", model=job.model)
+            emit(Failed(e))
+            return
+        self._count(job, finished)
+        emit(finished)
+
+    def _generate(self, job: Generation, emit, cancelled: threading.Event) -> Finished:
+        handoff = Handoff(queue_ms=(time.perf_counter() - job.arrived) * 1000)
+        match = self.store.checkout(job.model, job.prompt, job.conversation)
+        entry = match.entry
+        handoff.conversation = entry.conversation or entry.id
+        # a failure below leaves `entry` out of the store: its lines may be half-written
+        self._hand_off(match, job.model, handoff)
+        handoff.tokens_new = len(job.prompt) - match.position
+        self._read_prompt(entry, job)
+        reason, count = self._decode(entry, job, handoff, emit, cancelled)
+        self.store.checkin(entry, {job.model, match.holder})
+        return Finished(reason, len(job.prompt), count, handoff)
+
+    def _hand_off(self, match: Match, model: str, handoff: Handoff) -> None:
+        """Make `model` the active model of the entry, holding `match.position` tokens."""
+        session = match.entry.session
+        handoff.tokens_reused = match.own
+        if match.holder == model or match.position <= match.own:
+            session.active = model
+            handoff.status = "reused" if match.own else "none"
+            return
+        session.active = match.holder
+        try:
+            status = session.switch(model)
+        except Exception as e:  # the translator itself failed: re-read instead, visibly
+            status = self._reread(match.entry, model, f"translation failed: "
+                                                      f"{type(e).__name__}: {e}")
+        if status.status == "fallback_reprefill" and not self.config.translate:
+            status.reason = "translation is off (--no-translate)"
+        handoff.status, handoff.reason = status.status, status.reason
+        handoff.source_model = match.holder
+        handoff.tokens_translated = status.tokens_translated
+        handoff.tokens_reread = status.tokens_reprefilled
+        handoff.translate_ms = status.translate_seconds * 1000
+
+    def _reread(self, entry: Entry, model: str, reason: str) -> SwitchStatus:
+        started = time.perf_counter()
+        session = entry.session
+        source = session.active
+        entry.drop(model)  # the failed switch may have written part of it
+        session.active = model
+        session.refresh(model)
+        return SwitchStatus(source, model, "fallback_reprefill", reason,
+                            tokens_reprefilled=len(session.tokens),
+                            translate_seconds=time.perf_counter() - started)
+
+    def _read_prompt(self, entry: Entry, job: Generation) -> None:
+        """Append the prompt's unread tokens. A model with fixed-size caches first reads up to
+        the end of the history and takes a checkpoint there: the reply that follows comes back
+        as text, and may not tokenise to what was generated."""
+        session = entry.session
+        boundary = len(job.prompt) - 1  # the generation reads the last token
+        if not self.trimmable[job.model] and session.lines[job.model].seen < boundary:
+            session.add(job.prompt[len(session.tokens):boundary])
+            for _ in session.generate(0):
+                pass
+            entry.checkpoint(job.model)
+        session.add(job.prompt[len(session.tokens):])
+
+    def _decode(self, entry: Entry, job: Generation, handoff: Handoff, emit,
+                cancelled: threading.Event) -> tuple[str, int]:
+        tok = self.models[job.model].tokenizer
+        lock = self._tokenizer_locks[job.model]
+        eos = set(tok.eos_token_ids)
+        with lock:
+            detok = tok.detokenizer
+        stops = StopText(job.stop)
+        if job.seed is not None:
+            mx.random.seed(job.seed)
+        turn = entry.session.generate(job.max_tokens, job.temperature, stop=eos, top_p=job.top_p)
+        reason, count = "length", 0
+        try:
+            for token in turn:
+                count += 1
+                if count == 1:
+                    handoff.ttft_ms = (time.perf_counter() - job.arrived) * 1000
+                    emit(Started(handoff))
+                if token in eos:
+                    reason = "stop"
+                    break
+                with lock:
+                    detok.add_token(token)
+                    piece = detok.last_segment
+                text = stops.feed(piece)
+                if text:
+                    emit(Text(text))
+                if stops.stopped:
+                    reason = "stop"
+                    break
+                if cancelled.is_set():
+                    reason = "cancelled"
+                    break
+        finally:
+            turn.close()
+        if not stops.stopped and reason != "cancelled":
+            with lock:
+                detok.finalize()
+                piece = detok.last_segment
+            text = stops.feed(piece, final=True)
+            if text:
+                emit(Text(text))
+        return reason, count
+
+    def _count(self, job: Generation, done: Finished) -> None:
+        h, m = done.handoff, self.metrics
+        m.inc("kvtrans_handoffs_total", model=job.model, status=h.status)
+        m.inc("kvtrans_generations_total", model=job.model, finish=done.reason)
+        for kind, n in (("reused", h.tokens_reused), ("translated", h.tokens_translated),
+                        ("reread", h.tokens_reread), ("new", h.tokens_new),
+                        ("generated", done.completion_tokens)):
+            m.inc("kvtrans_tokens_total", n, model=job.model, kind=kind)
+        m.observe("kvtrans_time_to_first_token_seconds", h.ttft_ms / 1000, model=job.model)
+        if h.source_model:
+            m.observe("kvtrans_switch_seconds", h.translate_ms / 1000, status=h.status)
+
+    def gauges(self) -> dict[str, dict[tuple, float]]:
+        stats = self.store.stats()
+        return {"kvtrans_cache_bytes": {(): stats["bytes"]},
+                "kvtrans_cache_budget_bytes": {(): self.store.budget_bytes},
+                "kvtrans_cache_conversations": {(): stats["conversations"]},
+                "kvtrans_cache_lines": {(("model", n),): stats["lines"].get(n, 0)
+                                        for n in self.models},
+                "kvtrans_cache_evictions_total": {(): stats["evictions"]},
+                "kvtrans_queue_depth": {(): self.queue_depth}}

@@ -1,0 +1,265 @@
+"""Conversation caches shared by every model, keyed by token prefix.
+
+An entry is one conversation: a `Session` over the models that share a tokenizer, whose cache
+lines (one per model) have each read some prefix of the entry's tokens. A request takes the
+entry whose lines hold the longest usable prefix of its prompt. A line whose caches can all be
+trimmed is usable up to the common prefix; a line with fixed-size state (the recurrent and conv
+state of a hybrid) only where it stands, or at a checkpoint taken at a message boundary (the end
+of a prompt, before the reply: a client re-sends the reply as text, which may tokenise
+differently). A request that extends an entry uses it in place; one that would discard tokens
+(a regenerated or edited reply, another conversation branching off a shared prefix) gets a
+copy, so no conversation loses what another continues. While a request works on an entry it is
+out of the store, so no other request sees it. Over the byte budget, the least recently used
+line goes first, whichever model it belongs to.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import threading
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from ..capture import Capture
+from ..layouts.linear_attention import RecurrentInputs
+from ..session import CacheLine, Session
+
+KEEP_CHECKPOINTS = 4  # per line: a divergence falls in the latest replies, near the newest ones
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """The number of leading tokens `a` and `b` share."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    return int(np.argmax(np.asarray(a[:n]) != np.asarray(b[:n])))
+
+
+def trimmable(cache: list) -> bool:
+    return all(c.is_trimmable() for c in cache)
+
+
+def _head(part: Capture, n: int) -> Capture:
+    """The first `n` tokens of a recorded span."""
+    objects = [{key: value.slice(0, n) if isinstance(value, RecurrentInputs) else value[:, :n]
+                for key, value in layer.items()} for layer in part.objects]
+    return Capture(part.layout, part.tokens[:, :n], objects, part.engine)
+
+
+def _cut_recorded(line: CacheLine, stop: int) -> None:
+    """Keep only the recorded objects of conversation tokens before `stop`."""
+    kept, offset = [], line.recorded_from
+    for part in line.recorded:
+        if offset + part.length <= stop:
+            kept.append(part)
+        elif offset < stop:
+            kept.append(_head(part, stop - offset))
+        offset += part.length
+    line.recorded = kept
+
+
+@dataclass
+class Entry:
+    """One conversation: a Session, and per model the snapshots of its fixed-size caches at
+    message boundaries (position -> one item per cache, None where the cache is trimmable)."""
+
+    id: str
+    group: str  # the tokenizer its models share
+    session: Session
+    conversation: str | None = None  # the client's conversation id, when it gave one
+    checkpoints: dict[str, dict[int, list]] = field(default_factory=dict)
+    used: dict[str, int] = field(default_factory=dict)  # model -> store clock at its last use
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.session.tokens
+
+    @property
+    def last_used(self) -> int:
+        return max(self.used.values(), default=0)
+
+    def live(self) -> list[str]:
+        """The models whose line holds a cache."""
+        return [n for n, line in self.session.lines.items() if line.cache is not None]
+
+    def usable(self, name: str, limit: int) -> int:
+        """How many conversation tokens `name`'s line can keep when at most the first `limit`
+        are wanted: where it stands, all of `limit` when its caches can be trimmed, else its
+        latest checkpoint within `limit`."""
+        line = self.session.lines[name]
+        if line.cache is None or line.seen == 0:
+            return 0
+        if line.seen <= limit:
+            return line.seen
+        if trimmable(line.cache):
+            return limit
+        return max((p for p in self.checkpoints.get(name, {}) if p <= limit), default=0)
+
+    def rewind(self, name: str, limit: int) -> None:
+        """Put `name`'s line back to `usable(name, limit)` tokens (nothing left: dropped)."""
+        line = self.session.lines[name]
+        keep = self.usable(name, limit)
+        if keep == line.seen:
+            return
+        if keep == 0:
+            self.drop(name)
+            return
+        points = self.checkpoints.get(name, {})
+        snapshot = points.get(keep) or [None] * len(line.cache)
+        for i, c in enumerate(line.cache):
+            if c.is_trimmable():
+                c.trim(line.seen - keep)
+            else:  # a copy: the snapshot serves later rewinds too
+                line.cache[i] = copy.deepcopy(snapshot[i])
+        line.seen = keep
+        _cut_recorded(line, keep)
+        self.checkpoints[name] = {p: s for p, s in points.items() if p <= keep}
+
+    def checkpoint(self, name: str) -> None:
+        """Snapshot `name`'s fixed-size caches where its line stands."""
+        line = self.session.lines[name]
+        points = self.checkpoints.setdefault(name, {})
+        points[line.seen] = [None if c.is_trimmable() else copy.deepcopy(c) for c in line.cache]
+        for p in sorted(points)[:-KEEP_CHECKPOINTS]:
+            del points[p]
+
+    def drop(self, name: str) -> None:
+        line = self.session.lines[name]
+        line.cache, line.seen, line.recorded = None, 0, []
+        self.checkpoints.pop(name, None)
+
+    def line_bytes(self, name: str) -> int:
+        """What `name`'s line holds: its cache, its recorded objects and its checkpoints."""
+        line = self.session.lines[name]
+        if line.cache is None:
+            return 0
+        snapshots = sum(c.nbytes for s in self.checkpoints.get(name, {}).values()
+                        for c in s if c is not None)
+        return sum(c.nbytes for c in line.cache) + line.recorded_bytes() + snapshots
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.line_bytes(n) for n in self.live())
+
+    def fork(self, new_id: str, session: Session, limit: int) -> "Entry":
+        """A copy holding what each line can keep within `limit` tokens; lines that would keep
+        nothing are not copied. Recorded spans and snapshots are never written into, so the
+        copy shares them."""
+        twin = Entry(new_id, self.group, session, self.conversation)
+        session.tokens = list(self.tokens)
+        session.active = self.session.active
+        for name, line in self.session.lines.items():
+            if self.usable(name, limit) == 0:
+                continue
+            other = session.lines[name]
+            other.cache, other.seen = copy.deepcopy(line.cache), line.seen
+            other.recorded, other.recorded_from = list(line.recorded), line.recorded_from
+            other.own_recorded = list(line.own_recorded)
+            twin.checkpoints[name] = dict(self.checkpoints.get(name, {}))
+            twin.used[name] = self.used.get(name, 0)
+        return twin
+
+
+@dataclass
+class Match:
+    """What a request starts from."""
+
+    entry: Entry
+    position: int  # conversation tokens some line holds, rewound to
+    holder: str  # the model whose line holds all of them
+    own: int  # of them, what the requested model's own line holds
+
+
+class ConversationStore:
+    """Entries of every tokenizer group under one byte budget.
+
+    `new_session(model)`: a fresh Session over `model`'s tokenizer group; `group_of`: model ->
+    group. Entries are checked out for the length of a request and checked in after it."""
+
+    def __init__(self, new_session: Callable[[str], Session], group_of: dict[str, str],
+                 budget_bytes: int):
+        self.new_session, self.group_of, self.budget_bytes = new_session, group_of, budget_bytes
+        self.evictions = 0
+        self._entries: list[Entry] = []
+        self._lock = threading.Lock()  # the worker changes entries; /metrics reads them
+        self._clock = itertools.count(1)
+        self._ids = itertools.count(1)
+
+    def _new_entry(self, model: str, conversation: str | None) -> Entry:
+        return Entry(f"c{next(self._ids)}", self.group_of[model], self.new_session(model),
+                     conversation)
+
+    def checkout(self, model: str, prompt: list[int], conversation: str | None = None) -> Match:
+        """The entry to answer `prompt` with, taken out of the store and rewound to the longest
+        prefix of `prompt` one of its lines can keep (never the last prompt token: reading it
+        gives the first reply token). With `conversation`, only that conversation's entries are
+        searched; without, only those of clients that gave no id."""
+        limit = len(prompt) - 1
+        with self._lock:
+            best, best_key = None, None
+            for entry in self._entries:
+                if entry.group != self.group_of[model] or entry.conversation != conversation:
+                    continue
+                within = min(common_prefix(entry.tokens, prompt), limit)
+                holds = {name: entry.usable(name, within) for name in entry.live()}
+                holder = max(holds, key=lambda n: (holds[n], n == model), default=None)
+                if holder is None or holds[holder] == 0:
+                    continue
+                key = (holds[holder], holds.get(model, 0), entry.last_used)
+                if best_key is None or key > best_key:
+                    best, best_key = (entry, holder), key
+            if best is None:
+                return Match(self._new_entry(model, conversation), 0, model, 0)
+            entry, holder = best
+            position = best_key[0]
+            if any(entry.session.lines[n].seen > position for n in entry.live()):
+                entry = entry.fork(f"c{next(self._ids)}", self.new_session(model), position)
+            else:
+                self._entries.remove(entry)
+        for name in entry.live():
+            entry.rewind(name, position)
+        del entry.tokens[position:]
+        return Match(entry, position, holder, entry.session.lines[model].seen)
+
+    def checkin(self, entry: Entry, models: set[str]) -> None:
+        """Put `entry` back, `models` just used, and evict down to the budget."""
+        with self._lock:
+            tick = next(self._clock)
+            for name in models:
+                entry.used[name] = tick
+            if entry.live():
+                self._entries.append(entry)
+            self._evict()
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+    def _evict(self) -> None:
+        total = sum(e.nbytes for e in self._entries)
+        while total > self.budget_bytes:
+            entry, name = min(((e, n) for e in self._entries for n in e.live()),
+                              key=lambda pair: pair[0].used.get(pair[1], 0))
+            total -= entry.line_bytes(name)
+            entry.drop(name)
+            self.evictions += 1
+            if not entry.live():
+                self._entries.remove(entry)
+
+    # -- what /metrics shows ----------------------------------------------------------------
+    def stats(self) -> dict:
+        with self._lock:
+            lines: dict[str, int] = {}
+            for entry in self._entries:
+                for name in entry.live():
+                    lines[name] = lines.get(name, 0) + 1
+            return {"bytes": sum(e.nbytes for e in self._entries),
+                    "conversations": len(self._entries), "lines": lines,
+                    "evictions": self.evictions}
+
+    def entries(self) -> list[Entry]:
+        with self._lock:
+            return list(self._entries)

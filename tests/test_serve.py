@@ -1,0 +1,473 @@
+"""`kvtrans serve`: OpenAI's API over translated caches, on loopback with the official client.
+
+The server runs in-process on a free port (the SIGTERM test starts `kvtrans serve` itself);
+the zoo pair kimi-linear (MLA + KDA hybrid) / kimi-vl (full MLA) with the shipped translators.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from contextlib import contextmanager
+
+import openai
+import pytest
+from typer.testing import CliRunner
+
+from mlx_kvtrans.cli.main import app as cli
+from mlx_kvtrans.instrument import hook_module
+from mlx_kvtrans.serve import Engine, ServeConfig, listen, server
+from mlx_kvtrans.serve.engine import find_translators, load_models
+from mlx_kvtrans.session import Session
+from mlx_kvtrans.translators.translator import Translator
+
+HYBRID, FULL = "kimi-linear", "kimi-vl"
+BODY_LIMIT = 1 << 20
+
+
+@contextmanager
+def running(engine):
+    """`engine` served on a free loopback port; yields the base URL."""
+    sock = listen("127.0.0.1", 0)
+    srv = server(engine)
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not srv.started:
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        srv.should_exit = True
+        thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def zoo():
+    models = load_models([HYBRID, FULL])
+    translators, notes = find_translators(models, [])
+    assert set(translators) == {(HYBRID, FULL), (FULL, HYBRID)}, notes
+    return models, translators
+
+
+@pytest.fixture(scope="module")
+def served(zoo):
+    models, translators = zoo
+    engine = Engine(models, translators, ServeConfig(models=list(models),
+                                                     max_body_bytes=BODY_LIMIT))
+    with running(engine) as url:
+        yield engine, url
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+def report(response) -> dict:
+    return response.model_extra["kvtrans"]
+
+
+def post(url: str, path: str, body, headers: dict | None = None) -> tuple[int, dict]:
+    """A raw POST (the client refuses some bad bodies before sending them)."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.request("POST", path, data, {"content-type": "application/json", **(headers or {})})
+    response = conn.getresponse()
+    status, text = response.status, response.read()
+    conn.close()
+    return status, json.loads(text) if text else {}
+
+
+def ask(c, model, messages, max_tokens=16, conversation=None, **options):
+    headers = {"x-kvtrans-conversation": conversation} if conversation else None
+    return c.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
+                                     temperature=0, extra_headers=headers, **options)
+
+
+def test_chat_reply_reports_its_handoff_in_body_and_headers(served):
+    engine, url = served
+    raw = client(url).chat.completions.with_raw_response.create(
+        model=FULL, messages=[{"role": "user", "content": "Remember: copper is 552190."}],
+        max_tokens=12, temperature=0)
+    reply = raw.parse()
+    assert reply.object == "chat.completion" and reply.choices[0].message.role == "assistant"
+    assert isinstance(reply.choices[0].message.content, str)
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
+    fields = report(reply)
+    assert fields["tokens_new"] == reply.usage.prompt_tokens
+    assert raw.headers["x-kvtrans-handoff"] == fields["status"]
+    assert float(raw.headers["x-kvtrans-ttft-ms"]) == pytest.approx(fields["ttft_ms"], abs=1e-3)
+
+
+def test_streamed_chat_equals_the_plain_reply_and_reports_in_its_last_chunk(served):
+    _, url = served
+    c = client(url)
+    messages = [{"role": "user", "content": "What is the number for walnut?"}]
+    plain = ask(c, HYBRID, messages, max_tokens=20)
+    chunks = list(c.chat.completions.create(model=HYBRID, messages=messages, max_tokens=20,
+                                            temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert all(ch.object == "chat.completion.chunk" for ch in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == plain.choices[0].message.content
+    finish = [ch for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert finish[0].choices[0].finish_reason == plain.choices[0].finish_reason
+    last = chunks[-1]
+    assert last.choices == [] and last.usage.completion_tokens == plain.usage.completion_tokens
+    assert report(last)["status"] == "reused"  # the same prompt: read but its last token
+
+
+def test_alternating_models_translate_and_match_the_session_api(served, zoo):
+    engine, url = served
+    models, translators = zoo
+    turns = [(HYBRID, "Remember: the lantern is 318402."), (FULL, "And the anchor is 774120?"),
+             (HYBRID, "What is the lantern?"), (FULL, "What is the anchor?")]
+    c, messages, statuses = client(url), [], []
+    for model, text in turns:
+        messages.append({"role": "user", "content": text})
+        reply = ask(c, model, messages, max_tokens=24, conversation="alternating")
+        statuses.append(report(reply)["status"])
+        messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+    assert statuses == ["none", "applied", "applied", "applied"]
+
+    # the same conversation through the Session API, greedy
+    tok = models[HYBRID].tokenizer
+    eos = set(tok.eos_token_ids)
+    session = Session(models, translators, active=HYBRID)
+    history = []
+    for (model, text), said in zip(turns, messages[1::2]):
+        history.append({"role": "user", "content": text})
+        prompt = tok.apply_chat_template(history, add_generation_prompt=True)
+        assert prompt[:len(session.tokens)] == session.tokens  # the template extends it
+        if model != session.active:
+            assert session.switch(model).status == "applied"
+        session.add(prompt[len(session.tokens):])
+        ids = list(session.generate(24, stop=eos))
+        assert tok.decode([t for t in ids if t not in eos]) == said["content"]
+        history.append(said)
+    entry = next(e for e in engine.store.entries() if e.conversation == "alternating")
+    assert entry.tokens == session.tokens  # every prompt and reply token, the same
+
+
+def test_repeated_prefix_is_reused_and_the_original_stays(served):
+    _, url = served
+    c = client(url)
+    for model in (HYBRID, FULL):
+        messages = [{"role": "user", "content": f"A fresh question for {model}: the kettle?"}]
+        first = ask(c, model, messages)
+        again = ask(c, model, messages)
+        assert report(again)["status"] == "reused"
+        assert report(again)["tokens_reused"] == again.usage.prompt_tokens - 1
+        assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
+        assert again.choices[0].message.content == first.choices[0].message.content
+        ask(c, model, messages, max_tokens=2)  # a shorter branch of the same prompt
+        # continuing the first reply still finds it: branches are copies. The reply comes back
+        # as text, which may tokenise differently ("\n\n" generated as two tokens is one), so
+        # the hybrid may go back to its checkpoint at the end of the prompt.
+        messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": "Thanks."}]
+        later = report(ask(c, model, messages))
+        assert later["status"] == "reused"
+        assert later["tokens_reused"] >= first.usage.prompt_tokens - 1
+        if model == FULL:
+            assert later["tokens_reused"] > first.usage.prompt_tokens + 2
+
+
+def test_an_edited_reply_reuses_up_to_the_message_boundary(served):
+    """A trimmable cache keeps the common prefix; a hybrid's goes back to its checkpoint at the
+    end of the first prompt."""
+    _, url = served
+    c = client(url)
+    for model, kept in ((FULL, 0), (HYBRID, 1)):
+        messages = [{"role": "user", "content": f"{model}: tell me about the ferry."}]
+        first = ask(c, model, messages)
+        edited = messages + [{"role": "assistant", "content": "Zebra zebra."},
+                             {"role": "user", "content": "Go on."}]
+        second = ask(c, model, edited)
+        assert report(second)["status"] == "reused"
+        assert report(second)["tokens_reused"] == first.usage.prompt_tokens - kept
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_text_completions(served, streamed):
+    _, url = served
+    c = client(url)
+    kwargs = dict(model=FULL, prompt="The number for copper is", max_tokens=8, temperature=0)
+    plain = c.completions.create(**kwargs)
+    assert plain.object == "text_completion" and isinstance(plain.choices[0].text, str)
+    if streamed:
+        chunks = list(c.completions.create(stream=True, **kwargs))
+        assert "".join(ch.choices[0].text for ch in chunks) == plain.choices[0].text
+        assert report(chunks[-1])["status"] == "reused"
+
+
+def test_stop_sequences_seed_and_models(served):
+    _, url = served
+    c = client(url)
+    messages = [{"role": "user", "content": "Remember: the harbor is 404112."}]
+    full = ask(c, FULL, messages, max_tokens=20).choices[0].message.content
+    cut = full[len(full) // 2:][:3]
+    stopped = ask(c, FULL, messages, max_tokens=20, stop=[cut])
+    assert stopped.choices[0].message.content == full[:full.index(cut)]
+    assert stopped.choices[0].finish_reason == "stop"
+    sampled = [c.chat.completions.create(model=FULL, messages=messages, max_tokens=12,
+                                         temperature=1.0, top_p=0.9, seed=7)
+               .choices[0].message.content for _ in range(2)]
+    assert sampled[0] == sampled[1]
+    assert [m.id for m in c.models.list().data] == [HYBRID, FULL]
+    health = json.loads(urllib.request.urlopen(f"{url}/health").read())
+    assert health["status"] == "ok"
+
+
+BAD = [
+    ("malformed JSON", b'{"model": "kimi-vl", "messages": [', 400, None),
+    ("a body that is not an object", b"[1, 2]", 400, None),
+    ("missing messages", {"model": FULL}, 400, "messages"),
+    ("empty messages", {"model": FULL, "messages": []}, 400, "messages"),
+    ("numeric content", {"model": FULL, "messages": [{"role": "user", "content": 12}]}, 400,
+     "messages.0.content"),
+    ("object content", {"model": FULL, "messages": [{"role": "user", "content": {"a": 1}}]},
+     400, "messages.0.content"),
+    ("unknown model", {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]},
+     404, "model"),
+    ("a prompt over the context", {"model": FULL, "messages": [
+        {"role": "user", "content": "word " * 17000}]}, 400, "messages"),
+    ("max_tokens 0", {"model": FULL, "max_tokens": 0,
+                      "messages": [{"role": "user", "content": "hi"}]}, 400, "max_tokens"),
+    ("max_tokens -3", {"model": FULL, "max_tokens": -3,
+                       "messages": [{"role": "user", "content": "hi"}]}, 400, "max_tokens"),
+    ("absurd max_tokens", {"model": FULL, "max_tokens": 10 ** 9,
+                           "messages": [{"role": "user", "content": "hi"}]}, 400, "max_tokens"),
+    ("fractional max_tokens", {"model": FULL, "max_tokens": 2.5,
+                               "messages": [{"role": "user", "content": "hi"}]}, 400,
+     "max_tokens"),
+    ("an oversized body", b"{" + b" " * (BODY_LIMIT + 10) + b"}", 413, None),
+]
+
+
+def test_bad_input_gets_its_code_and_the_next_request_succeeds(served):
+    _, url = served
+    c = client(url)
+    good = [{"role": "user", "content": "Still there?"}]
+    for why, body, code, param in BAD:
+        status, answer = post(url, "/v1/chat/completions", body)
+        assert status == code, (why, answer)
+        assert set(answer["error"]) >= {"message", "type", "param", "code"}, why
+        assert answer["error"]["message"], why
+        if param is not None:
+            assert answer["error"]["param"] == param, (why, answer)
+        assert ask(c, FULL, good, max_tokens=2).choices[0].finish_reason in ("stop", "length")
+    status, _ = post(url, "/v1/nothing-here", {})
+    assert status == 404
+    assert post(url, "/v1/completions", {"model": FULL})[0] == 400
+    with pytest.raises(openai.BadRequestError):
+        c.chat.completions.create(model=FULL, messages=good, max_tokens=0)
+
+
+def test_a_fault_inside_a_generation_is_a_500_and_every_cache_stays_usable(served):
+    _, url = served
+    c = client(url)
+    kept = [{"role": "user", "content": "Kept: the compass is 909011."}]
+    ask(c, HYBRID, kept)
+
+    def boom(module, args, kwargs):
+        raise RuntimeError("injected fault")
+
+    victim = [{"role": "user", "content": "This one fails."}]
+    with hook_module(served[0].models[FULL].model, before=boom):
+        status, answer = post(url, "/v1/chat/completions",
+                              {"model": FULL, "messages": victim, "max_tokens": 4})
+    assert status == 500 and "injected fault" in answer["error"]["message"]
+    assert answer["error"]["type"] == "server_error"
+    assert ask(c, FULL, victim, max_tokens=4).choices[0].finish_reason in ("stop", "length")
+    assert report(ask(c, HYBRID, kept))["status"] == "reused"
+
+
+def test_a_failed_translation_falls_back_to_rereading_visibly(served, monkeypatch):
+    _, url = served
+    c = client(url)
+    messages = [{"role": "user", "content": "Failing over: the beacon is 111222."}]
+    first = ask(c, HYBRID, messages, max_tokens=6)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("translator broke")
+
+    monkeypatch.setattr(Translator, "translate", broken)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "And?"}]
+    second = ask(c, FULL, messages, max_tokens=6)
+    fields = report(second)
+    assert fields["status"] == "fallback_reprefill" and "translator broke" in fields["reason"]
+    assert fields["tokens_reread"] > 0 and fields["source_model"] == HYBRID
+
+
+def test_without_translation_a_switch_rereads_and_says_why(zoo):
+    models, translators = zoo
+    engine = Engine(models, translators, ServeConfig(models=list(models), translate=False))
+    with running(engine) as url:
+        c = client(url)
+        messages = [{"role": "user", "content": "No translation here."}]
+        first = ask(c, HYBRID, messages, max_tokens=6)
+        messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": "Next."}]
+        raw = c.chat.completions.with_raw_response.create(
+            model=FULL, messages=messages, max_tokens=6, temperature=0)
+        fields = report(raw.parse())
+    assert fields["status"] == "fallback_reprefill"
+    assert fields["reason"] == "translation is off (--no-translate)"
+    assert fields["tokens_reread"] == first.usage.prompt_tokens + first.usage.completion_tokens - 1
+    assert raw.headers["x-kvtrans-reason"] == fields["reason"]
+
+
+def test_a_client_that_disconnects_stops_its_generation(served):
+    engine, url = served
+    before = engine.metrics.value("kvtrans_tokens_total", model=FULL, kind="generated")
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    body = {"model": FULL, "messages": [{"role": "user", "content": "Talk for a long time."}],
+            "max_tokens": 8000, "temperature": 1.0, "seed": 3, "stream": True}
+    conn.request("POST", "/v1/chat/completions", json.dumps(body),
+                 {"content-type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200
+    response.read(200)
+    conn.close()
+    ask(client(url), FULL, [{"role": "user", "content": "after"}], max_tokens=2)  # queued behind
+    cancelled = engine.metrics.value("kvtrans_generations_total", model=FULL, finish="cancelled")
+    generated = engine.metrics.value("kvtrans_tokens_total", model=FULL, kind="generated")
+    assert cancelled >= 1 and generated - before < 4000
+
+
+CONVERSATIONS, TURNS = 8, 25
+
+
+def _turn(index: int, turn: int) -> tuple[str, dict]:
+    """Client `index`'s model and user message at `turn` (models alternate every turn)."""
+    return (HYBRID, FULL)[turn % 2], {"role": "user",
+                                      "content": f"Client {index}, turn {turn}: number?"}
+
+
+def _conversation(c, index: int, name: str) -> list[str]:
+    messages, replies = [], []
+    for turn in range(TURNS):
+        model, said = _turn(index, turn)
+        messages.append(said)
+        reply = ask(c, model, messages, max_tokens=3, conversation=f"{name}-{index}")
+        replies.append(reply.choices[0].message.content)
+        messages.append({"role": "assistant", "content": replies[-1]})
+    return replies
+
+
+async def _conversation_async(c, index: int, name: str, check) -> list[str]:
+    messages, replies = [], []
+    for turn in range(TURNS):
+        model, said = _turn(index, turn)
+        messages.append(said)
+        reply = await c.chat.completions.create(
+            model=model, messages=messages, max_tokens=3, temperature=0,
+            extra_headers={"x-kvtrans-conversation": f"{name}-{index}"})
+        replies.append(reply.choices[0].message.content)
+        messages.append({"role": "assistant", "content": replies[-1]})
+        check()
+    return replies
+
+
+def test_concurrent_conversations_equal_their_sequential_runs_under_the_budget(served):
+    """8 clients x 25 requests at once, each its own conversation alternating models, under a
+    budget a third of what they hold: every reply equals the conversation's run alone."""
+    engine, url = served
+    store = engine.store
+    alone = [_conversation(client(url), i, "alone") for i in range(CONVERSATIONS)]
+    held = store.stats()["bytes"]
+    store.clear()
+    budget, store.budget_bytes = store.budget_bytes, held // 3
+    evictions = store.evictions
+    failures = engine.metrics.value("kvtrans_requests_total", path="/v1/chat/completions",
+                                    code="500")
+
+    def under_budget():
+        assert store.stats()["bytes"] <= store.budget_bytes
+
+    async def everyone():
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused",
+                                      max_retries=0) as c:
+            return await asyncio.gather(*(_conversation_async(c, i, "together", under_budget)
+                                          for i in range(CONVERSATIONS)))
+
+    try:
+        together = asyncio.run(everyone())  # a 5xx would raise
+    finally:
+        store.budget_bytes = budget
+    assert together == alone
+    assert store.evictions > evictions  # the budget was felt
+    assert engine.metrics.value("kvtrans_requests_total", path="/v1/chat/completions",
+                                code="500") == failures
+
+
+def test_metrics_are_prometheus_text(served):
+    engine, url = served
+    text = urllib.request.urlopen(f"{url}/metrics").read().decode()
+    assert "# TYPE kvtrans_requests_total counter" in text
+    assert 'kvtrans_requests_total{code="200",path="/v1/chat/completions"}' in text
+    assert "# TYPE kvtrans_time_to_first_token_seconds histogram" in text
+    cache = next(line for line in text.splitlines() if line.startswith("kvtrans_cache_bytes "))
+    assert 0 < float(cache.split()[1]) <= engine.store.budget_bytes
+    assert 'kvtrans_handoffs_total{model="kimi-vl",status="applied"}' in text
+
+
+def test_bad_cli_options_are_one_line_and_exit_2():
+    taken = listen("127.0.0.1", 0)
+    cases = [["--cache-bytes", "-1"], ["--cache-bytes", "lots"], ["--port", "70000"],
+             ["--model", "no-such-model"], ["--model", FULL, "--model", FULL],
+             ["--translator", "/no/such/translator"],
+             ["--port", str(taken.getsockname()[1])], ["--max-tokens", "0"]]
+    try:
+        for args in cases:
+            result = CliRunner().invoke(cli, ["serve", *args])
+            assert result.exit_code == 2, (args, result.output)
+            assert len(result.output.strip().splitlines()) == 1, (args, result.output)
+            assert "error:" in result.output and "Traceback" not in result.output
+    finally:
+        taken.close()
+
+
+@pytest.mark.slow
+def test_sigterm_finishes_the_request_in_flight_and_exits_0():
+    sock = listen("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    sock.close()
+    proc = subprocess.Popen([sys.executable, "-m", "mlx_kvtrans.cli", "serve", "--port",
+                             str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health")
+                break
+            except OSError:
+                assert proc.poll() is None and time.time() < deadline, proc.stderr.read()
+                time.sleep(0.1)
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        body = {"model": FULL, "messages": [{"role": "user", "content": "A long story."}],
+                "max_tokens": 1500, "temperature": 1.0, "seed": 5, "stream": True}
+        conn.request("POST", "/v1/chat/completions", json.dumps(body),
+                     {"content-type": "application/json"})
+        response = conn.getresponse()
+        response.read(64)
+        proc.send_signal(signal.SIGTERM)
+        rest = response.read().decode()
+        assert rest.rstrip().endswith("data: [DONE]") and '"finish_reason": "' in rest
+        assert proc.wait(60) == 0, proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
