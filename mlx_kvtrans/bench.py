@@ -33,7 +33,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from .blas import matmul_gflops, memory_bandwidth_gbs
-from .capture import Capture, capture
+from .capture import PREFILL_CHUNK, Capture, capture
 from .gated_delta import chunked_recurrence, fastest_recurrence
 from .install import install
 from .layouts import CapturePoint, ObjectKind, layout_of
@@ -41,7 +41,6 @@ from .translators.token_identity import TokenIdentity
 from .translators.cost import layout_widths
 from .translators.translator import Translator
 
-PREFILL_CHUNK = 2048  # mlx-lm generation's default prefill step
 
 
 @dataclass

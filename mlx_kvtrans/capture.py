@@ -141,6 +141,9 @@ def tapped(model: nn.Module, layout: ModelLayout, points: set[int],
         yield rec
 
 
+PREFILL_CHUNK = 2048  # mlx-lm generation's default prefill step
+
+
 def capture(model: nn.Module, tokens, points=tuple(CapturePoint), chunk_size: int | None = None,
             layout: ModelLayout | None = None, cache: list | None = None,
             select: set[tuple[int, str, int]] | None = None) -> Capture:

@@ -33,7 +33,7 @@ from typing import Callable, Iterator
 
 import mlx.core as mx
 
-from .capture import Capture, capture, tapped
+from .capture import PREFILL_CHUNK, Capture, capture, tapped
 from .instrument import hook_module
 from .layouts import CapturePoint, layout_of
 from .layouts.linear_attention import RecurrentInputs
@@ -235,7 +235,8 @@ class Session:
             line.cache = make_prompt_cache(line.lm.model)
         start = line.seen
         cap = capture(line.lm.model, self.tokens[start:upto], points=RECORD_POINTS,
-                      layout=line.layout, cache=line.cache, select=self.selection(line.name))
+                      layout=line.layout, cache=line.cache, select=self.selection(line.name),
+                      chunk_size=PREFILL_CHUNK)
         self._keep(line, start, cap, own=True)
         line.seen = upto
         return cap.last_logits
