@@ -1,4 +1,5 @@
-"""`kvtrans eval ...`: needle recall, fidelity and multi-turn accuracy of models and translators."""
+"""`kvtrans eval ...`: needle recall, fidelity, multi-turn accuracy and answer behaviour of models
+and translators."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ from rich.table import Table
 import mlx_kvtrans
 from mlx_kvtrans.errors import KvtransError
 
-from .common import (_default_translator, _load_translator_pair, eval_app, in_range,
-                     int_list, model_configs, out, position_limit, progress_bar, text_file,
-                     translator_models, user_errors)
+from .common import (SEEDS, Limit, _default_translator, _load_translator_pair, eval_app,
+                     in_range, int_list, model_configs, out, position_limit, progress_bar,
+                     text_file, translator_models, user_errors)
 
 # Positions each window continues over past its prefix (KL, greedy agreement).
 FIDELITY_CONTINUATION = 64
@@ -230,4 +231,80 @@ def eval_ablate(model: str = typer.Option(None, "--model", help="zoo alias, dire
     for r in rows:
         table.add_row(r["label"], *(f"{r['lengths'][str(n)][k]:.{3 if k == 'kl' else 2}f}"
                                     for n in sizes for k in ("kl", "agreement", "recall")))
+    out.print(table)
+
+
+# The shortest needle or prose prompt: a needle and its question.
+BEHAVIOUR_MIN_PROMPT = 16
+
+
+@eval_app.command("behaviour")
+@user_errors
+def eval_behaviour(translator_dir: Path = typer.Option(..., "--translator",
+                                                      help="a directory or a shipped name"),
+                   prompts: int = typer.Option(20, min=1, help="held-out prompts of each kind "
+                                               "(dialogue, needle, prose)"),
+                   max_tokens: int = typer.Option(32, min=1, help="tokens per answer at most"),
+                   length: int = typer.Option(None, help="tokens of each needle and prose "
+                                              "prompt (default: the target's training length)"),
+                   text: Path = typer.Option(None, help="held-out prose (default: zoo test "
+                                             "split)"),
+                   seed: int = typer.Option(0, **SEEDS, help="prose windows and bootstrap "
+                                            "resamples"),
+                   as_json: bool = typer.Option(False, "--json")):
+    """How the target's answers change when it continues from translated caches: first-token
+    agreement, answer length, leading spaces, refusal and "I don't know" phrases, numbers copied
+    from the prompt, repetition; translated minus native with 95% paired bootstrap intervals,
+    flagged where an interval excludes zero."""
+    from mlx_kvtrans.evaluation.behaviour import behaviour, held_out_prompts
+    from mlx_kvtrans.translators.translator import translate_cache
+
+    configs = model_configs(*translator_models(translator_dir))
+    positions = position_limit(configs)
+    in_range("--max-tokens", max_tokens, 1, Limit(
+        positions.value - BEHAVIOUR_MIN_PROMPT,
+        f"{positions.why}, {BEHAVIOUR_MIN_PROMPT} of them for the prompt"))
+    limit = position_limit(configs, max_tokens, "the answers")
+    if length is not None:
+        in_range("--length", length, BEHAVIOUR_MIN_PROMPT, limit)
+    text = text_file("--text", text, "test")
+    translator, src, tgt = _load_translator_pair(translator_dir, None, None)
+    if length is None:
+        manifest = tgt.path / "manifest.json"
+        trained = json.loads(manifest.read_text())["longest_training_prompt"] \
+            if manifest.exists() else 256
+        length = min(trained, limit.value)
+    ids = tgt.tokenizer.encode(text.read_text(errors="replace"))
+    try:
+        held_out = held_out_prompts(tgt.tokenizer, prompts, length, ids, seed)
+    except ValueError as e:
+        raise KvtransError(f"--text {text}: {e}")
+    longest = max(held_out, key=lambda p: len(p.ids))
+    if len(longest.ids) > limit.value:
+        raise KvtransError(f"a held-out {longest.kind} prompt has {len(longest.ids):,} tokens, "
+                           f"past {limit.value:,} ({limit.why})")
+    with progress_bar("behaviour") as progress:
+        rows = behaviour(tgt.model, tgt.tokenizer, held_out,
+                         lambda prefix: translate_cache(translator, src.model, tgt.model, prefix),
+                         max_tokens, seed=seed, progress=progress)
+    if as_json:
+        print(json.dumps({"translator": str(translator_dir), "source": src.name,
+                          "target": tgt.name, "prompts_per_kind": prompts, "length": length,
+                          "max_tokens": max_tokens, "seed": seed, "rows": rows}, indent=2))
+        return
+    table = Table(title=f"behaviour · {src.name} -> {tgt.name} · {prompts} prompts per kind "
+                  f"(dialogue, needle, prose) · answers of at most {max_tokens} tokens",
+                  title_justify="left")
+    table.add_column("metric")
+    for col in ("prompts", "native", "translated", "difference", "95% interval", "flagged"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        if r["difference"] is None:
+            table.add_row(r["label"], "0", "-", "-", "-", "-", "")
+            continue
+        digits = 1 if r["metric"] == "answer_tokens" else 3
+        table.add_row(r["label"], str(r["prompts"]), f"{r['native']:.{digits}f}",
+                      f"{r['translated']:.{digits}f}", f"{r['difference']:+.{digits}f}",
+                      f"[{r['ci_low']:+.{digits}f}, {r['ci_high']:+.{digits}f}]",
+                      "[bold red]yes[/]" if r["flagged"] else "")
     out.print(table)
