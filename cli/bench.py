@@ -104,11 +104,13 @@ def bench(source: str = typer.Option(None, "--from", help="default: the translat
         print(json.dumps(result, indent=2))
         return
     chunked = any(r.reprefill_chunked_s is not None for r in rows)
+    gated = any(r.gated_switch_s is not None for r in rows)
     table = Table(title=f"TTFT after a switch · {label} · {dtype} · {blas.name} "
                         f"({peak:.0f} GFLOP/s peak, {bandwidth:.0f} GB/s) · median of {repeats}",
                   title_justify="left")
     for col in ("tokens", "re-prefill", *(["re-prefill chunked"] if chunked else []),
-                "warm switch", "speed-up", "bound", "warm / bound", "cold switch", "speed-up",
+                "warm switch", "speed-up", "bound", "warm / bound",
+                *(["gated switch", "speed-up"] if gated else []), "cold switch", "speed-up",
                 "translate GFLOP/s", "extra peak MB switch / prefill"):
         table.add_column(col, justify="right")
     for r in rows:
@@ -117,12 +119,18 @@ def bench(source: str = typer.Option(None, "--from", help="default: the translat
         table.add_row(str(r.length), f"{r.reprefill_s * 1000:.1f} ms", *chunked_cell,
                       f"{r.warm_switch_s * 1000:.1f} ms", f"x{r.speedup_warm:.1f}",
                       f"{r.bound_s * 1000:.1f} ms", f"x{r.warm_over_bound:.1f}",
+                      *([f"{r.gated_switch_s * 1000:.1f} ms", f"x{r.speedup_gated:.1f}"]
+                        if r.gated_switch_s is not None else ["-", "-"]) if gated else [],
                       f"{r.cold_switch_s * 1000:.1f} ms", f"x{r.speedup_cold:.2f}",
                       f"{r.translate_gflops:.1f} "
                       f"({100 * r.translate_gflops / r.matmul_peak_gflops:.0f}%)",
                       f"{r.peak_mb_switch:.0f} / {r.peak_mb_reprefill:.0f}")
     out.print("bound = first decode step on the installed cache + translation FLOPs at the "
               "matmul peak + installed bytes at the memory bandwidth, measured beside each row")
+    if gated:
+        out.print(f"gated switch = what a session does: all but the last {rows[0].gate_tokens} "
+                  "tokens translated, the target reads those itself and the fidelity gate "
+                  "compares its NLL on them with the source's, then the first token")
     if fit_record is not None:
         out.print(f"translator fitted in closed form here: {describe_fit(fit_record)}")
     out.print(table)

@@ -11,6 +11,7 @@ from rich.table import Table
 
 import mlx_kvtrans
 from mlx_kvtrans.errors import KvtransError
+from mlx_kvtrans.gate import WINDOWS
 from mlx_kvtrans.translators.fit import FitConfig
 
 from .common import (DISTILL, FIT, SEEDS, DistillConfig, Limit, _load_translator_pair,
@@ -141,6 +142,9 @@ def fit(source: str = typer.Option(..., "--from", help="source model"),
         target: str = typer.Option(..., "--to", help="target model"),
         out_dir: Path = typer.Option(..., "--out", help="translator directory to write"),
         data: Path = typer.Option(None, help="text file or directory (default: the zoo corpus)"),
+        validation: Path = typer.Option(None, help="held-out text the fidelity gate is "
+                                        "calibrated on (default: the zoo corpus's validation "
+                                        "split)"),
         capture_point: int = typer.Option(int(FIT.point), "--capture", min=1, max=3,
                                           help="capture point of source and target objects"),
         nu: int = typer.Option(FIT.nu, "--nu", min=1, help="source layers per target layer"),
@@ -193,6 +197,7 @@ def fit(source: str = typer.Option(..., "--from", help="source model"),
     recipes, cost = _plan_and_cost(src, tgt, config)
     _refuse_unless_it_fits(src, tgt, config, cost)  # a fit too big is refused before --data
     files = text_files("--data", data, "train")
+    held_out = text_file("--validation", validation, "validation")
     codebook = None
     if token_identity == "codebook":
         try:
@@ -218,7 +223,8 @@ def fit(source: str = typer.Option(..., "--from", help="source model"),
         task = progress.add_task("fit", total=len(batches), tokens=0)
         translator = fit_translator(
             src.model, tgt.model, batches, recipes, config, codebook=codebook,
-            progress=lambda i, n: progress.update(task, completed=i, tokens=f"{n:,}"))
+            progress=lambda i, n: progress.update(task, completed=i, tokens=f"{n:,}"),
+            held_out=src.tokenizer.encode(held_out.read_text(errors="replace")))
     artifact.save(translator, out_dir, src, tgt)
     summary = {"out": str(out_dir), **translator.info}
     if as_json:
@@ -240,6 +246,38 @@ def fit(source: str = typer.Option(..., "--from", help="source model"),
               f"({fit_info['tokens_per_second']:,.0f} tokens/s) · peak memory "
               f"{fit_info['peak_memory_bytes'] / 2**20:,.0f} MiB, moments "
               f"{fit_info['moments_bytes'] / 2**20:,.0f} MiB{extra} · wrote {out_dir}")
+    out.print(_gate_line(translator.info["gate"]))
+
+
+def _gate_line(calibration: dict) -> str:
+    bands = ", ".join(f"{b['threshold']['read']:+.2f} / {b['threshold']['generated']:+.2f} at "
+                      f"{b['prefix'][0]}-{b['prefix'][1]} tokens" for b in calibration["bands"])
+    return (f"fidelity gate (last {calibration['tail']} tokens) fires over {bands} (nats/token, "
+            f"on text the source read / on its own reply)")
+
+
+@app.command()
+@user_errors
+def calibrate(translator_dir: Path = typer.Option(..., "--translator", help="a translator "
+                                                  "directory or a shipped name"),
+              validation: Path = typer.Option(None, help="held-out text (default: the zoo "
+                                              "corpus's validation split)"),
+              windows: int = typer.Option(WINDOWS, min=1, help="held-out windows of each "
+                                          "kind (the source's text, its own reply) and band "
+                                          "of prefix lengths"),
+              as_json: bool = typer.Option(False, "--json")):
+    """Calibrate a translator's fidelity gate on held-out text and write it into its manifest
+    (its weights are not touched)."""
+    from mlx_kvtrans.gate import calibrate_directory
+    from mlx_kvtrans.translators import artifact
+
+    path = artifact.resolve(translator_dir)
+    held_out = text_file("--validation", validation, "validation")
+    record = calibrate_directory(path, held_out, windows=windows)
+    if as_json:
+        print(json.dumps(record, indent=2))
+        return
+    out.print(f"{_gate_line(record)} · wrote {path / 'manifest.json'}")
 
 
 @app.command()
@@ -348,6 +386,7 @@ def distill(translator_dir: Path = typer.Option(..., "--translator", help="stage
     distilled = distiller.distilled()
     distilled.info["stage"] = 2
     distilled.info["distill"] = summary
+    distilled.info["gate"] = distiller.calibrated_gate(distilled)
     artifact.save(distilled, out_dir, src, tgt)
     if as_json:
         print(json.dumps({"out": str(out_dir), **{k: v for k, v in summary.items()
@@ -357,3 +396,4 @@ def distill(translator_dir: Path = typer.Option(..., "--translator", help="stage
               f"{summary['validation_kl_after']:.4f} nats/token after {summary['steps']} steps "
               f"({summary['minutes']:.1f} min, peak memory "
               f"{summary['peak_memory_bytes'] / 2**20:.0f} MiB) · wrote {out_dir}")
+    out.print(_gate_line(distilled.info["gate"]))

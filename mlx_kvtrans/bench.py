@@ -7,6 +7,8 @@ For each prompt length, with medians over repeats:
   with the fastest recurrence the device has (`fastest_recurrence`: mlx-lm's Metal kernel on a
   Mac, the chunkwise-parallel form elsewhere), so the figure measures translation, not mlx-lm's
   token loop off Metal;
+- gated switch: what a `Session` does (the fidelity gate): all but the last r tokens translated
+  and installed, the target reading those r itself, the gate's NLL comparison, first decode step;
 - re-prefill: the target reads the whole prompt and produces its first token, in plain mlx-lm
   (what a user of mlx-lm gets: the token loop off Metal). When the target has linear-attention
   layers, `reprefill_chunked_s` is the same prefill under the chunkwise form, so both
@@ -34,8 +36,10 @@ from mlx.utils import tree_flatten
 
 from .blas import matmul_gflops, memory_bandwidth_gbs
 from .capture import PREFILL_CHUNK, Capture, capture
+from .gate import GATE_TOKENS
 from .gated_delta import chunked_recurrence, fastest_recurrence
 from .install import install
+from .instrument import recording_final_rows
 from .layouts import CapturePoint, ObjectKind, layout_of
 from .translators.token_identity import TokenIdentity
 from .translators.cost import layout_widths
@@ -61,6 +65,10 @@ class BenchRow:
     matmul_peak_gflops: float  # measured in this row, in the bench's dtype
     bandwidth_gbs: float  # measured in this row (bytes read + written)
     reprefill_chunked_s: float | None = None  # target prefill, chunkwise recurrence
+    # the switch a Session makes: translate all but the last `gate_tokens`, the target reads
+    # those itself, the fidelity gate compares its NLL on them with the source's, first token
+    gated_switch_s: float | None = None
+    gate_tokens: int = 0
 
     @property
     def bound_s(self) -> float:
@@ -78,9 +86,14 @@ class BenchRow:
     def speedup_cold(self) -> float:
         return self.reprefill_s / self.cold_switch_s
 
+    @property
+    def speedup_gated(self) -> float | None:
+        return self.reprefill_s / self.gated_switch_s if self.gated_switch_s else None
+
     def to_json(self) -> dict:
         return {**asdict(self), "bound_s": self.bound_s, "warm_over_bound": self.warm_over_bound,
-                "speedup_warm": self.speedup_warm, "speedup_cold": self.speedup_cold}
+                "speedup_warm": self.speedup_warm, "speedup_cold": self.speedup_cold,
+                "speedup_gated": self.speedup_gated}
 
 
 def translation_flops(translator: Translator, length: int, target_layout) -> float:
@@ -102,6 +115,37 @@ def source_prefill(translator: Translator, source, prompt: mx.array, source_layo
     with fastest_recurrence() if fast else contextlib.nullcontext():
         return capture(source, prompt, points=translator.source_points(),
                        layout=source_layout or layout_of(source), chunk_size=PREFILL_CHUNK)
+
+
+def gated_source_prefill(translator: Translator, source, prompt: mx.array, tail: int,
+                         source_layout=None) -> tuple[Capture, mx.array]:
+    """The source reads `prompt` in two parts, as a Session's source has when a gated switch
+    comes: (what it recorded of all but the last `tail` tokens, its state there included; its
+    final-norm rows of the last `tail`)."""
+    layout = source_layout or layout_of(source)
+    head = source_prefill(translator, source, prompt[:, :-tail], layout)
+    with fastest_recurrence(), recording_final_rows(source, tail) as rows:
+        capture(source, prompt[:, -tail:], points=translator.source_points(), layout=layout,
+                cache=head.engine)
+    return head, rows.last(tail)
+
+
+def gated_switch(translator: Translator, head: Capture, source_rows: mx.array, source, target,
+                 target_layout, tokens: mx.array) -> float:
+    """A Session's switch on `tokens` (1, n + 1), the source having read n: the translation
+    of `head`, the target reading the rest of the n itself, the gate's gap, then the first
+    token. Returns the gap."""
+    from .gate import compare, tail_of
+
+    n, handoff = tokens.shape[1] - 1, head.length
+    cache = switch_cache(translator, head, target, target_layout, tokens[:, :handoff])
+    with recording_final_rows(target, n - handoff) as rows:
+        target(tokens[:, handoff:n], cache=cache)
+    ids = tokens[0].tolist()
+    reading = compare(source, tail_of(source_rows, n), target, tail_of(rows.last(n - handoff), n),
+                      ids, handoff, n)
+    first_token(target, tokens[:, n:], cache)
+    return reading.gap
 
 
 def switch_cache(translator: Translator, recorded: Capture, target, target_layout,
@@ -146,16 +190,17 @@ def _main_dtype(model) -> mx.Dtype:
 
 def bench_switch(translator: Translator, source, target, lengths: list[int], repeats: int = 3,
                  vocab: int | None = None, seed: int = 0, dtype=None,
-                 progress=None) -> list[BenchRow]:
+                 progress=None, gate_tokens: int = GATE_TOKENS) -> list[BenchRow]:
     """TTFT rows for mlx-lm models `source` -> `target` at each prompt length (`dtype`, for the
-    matmul peak: default the target's). `progress(done, total, what)` follows each measurement."""
+    matmul peak: default the target's; `gate_tokens`: the gated switch's tail, 0 for none).
+    `progress(done, total, what)` follows each measurement."""
     source_layout, target_layout = layout_of(source), layout_of(target)
     target_is_hybrid = ObjectKind.RECURRENT_STATE in target_layout.kinds()
     dtype = dtype or _main_dtype(target)
     translator.prepare()
     vocab = vocab or 256
     rows = []
-    phases = 7 if target_is_hybrid else 6
+    phases = (7 if target_is_hybrid else 6) + bool(gate_tokens)
     done = 0
 
     def step(what: str, length: int):
@@ -206,6 +251,19 @@ def bench_switch(translator: Translator, source, target, lengths: list[int], rep
         t_warm, peak_switch = _median(warm, repeats)
         step("cold switch", length)
         t_cold, _ = _median(cold, repeats)
+        tail = min(gate_tokens, prompt.shape[1] - 1)
+        t_gated = None
+        if tail:
+            step("gated switch", length)
+            head, source_rows = gated_source_prefill(translator, source, prompt, tail,
+                                                     source_layout)
+
+            def gated():
+                gated_switch(translator, head, source_rows, source, target, target_layout,
+                             tokens)
+
+            gated()  # compile and allocate once
+            t_gated, _ = _median(gated, repeats)
         step("re-prefill", length)
         t_full, peak_full = _median(reprefill, repeats)
         if target_is_hybrid:
@@ -219,7 +277,7 @@ def bench_switch(translator: Translator, source, target, lengths: list[int], rep
             first_step_s=t_step, flops_at_peak_s=flops / (peak * 1e9),
             bytes_at_bandwidth_s=install_bytes / (bandwidth * 1e9),
             install_bytes=install_bytes, matmul_peak_gflops=peak, bandwidth_gbs=bandwidth,
-            reprefill_chunked_s=t_chunked))
+            reprefill_chunked_s=t_chunked, gated_switch_s=t_gated, gate_tokens=tail))
         step("done", length)
     if progress:
         progress(done, done, "done")
@@ -377,7 +435,8 @@ def plot_switch(result: dict, path: Path) -> Path | None:
     for key, label in (("reprefill_s", "re-prefill"),
                        ("reprefill_chunked_s", "re-prefill (chunked recurrence)"),
                        ("cold_switch_s", "cold switch"),
-                       ("warm_switch_s", "warm switch (translate)")):
+                       ("warm_switch_s", "warm switch (translate)"),
+                       ("gated_switch_s", "gated switch (translate, read the last r, gate)")):
         if all(r.get(key) is not None for r in rows):
             ax.plot(x, [r[key] * 1000 for r in rows], marker="o", label=label)
     if all("bound_s" in r for r in rows):

@@ -99,6 +99,17 @@ class Saved:
     command: list[str]
 
 
+def gate_summary(s: SwitchStatus) -> str:
+    """The fidelity gate's verdict on a switch, for a person (empty when it had none)."""
+    if not s.gate:
+        return ""
+    gap = f"gap {s.gate_gap:+.2f} nats/token" if s.gate_gap is not None else ""
+    if s.gate_threshold is not None:
+        gap += f", threshold {s.gate_threshold:.2f}"
+    why = "; ".join(x for x in (gap, s.gate_note) if x)
+    return f"; gate {s.gate}" + (f" ({why})" if why else "")
+
+
 class Chat:
     """Session + tokenizer + transcript; `say` and `command` are what a front end calls. Bad
     input (an empty turn, an unknown command, model or strategy) raises KvtransError and leaves
@@ -272,9 +283,10 @@ class Chat:
                 return f"already talking to {arg}"
             s = self.switch(arg or None)
             detail = f" ({s.reason})" if s.reason else ""
+            read = f", the last {s.tokens_read} read by {s.target}" if s.tokens_read else ""
             return (f"switched {s.source} -> {s.target}: {s.status}{detail}; "
-                    f"{s.tokens_translated} tokens translated, {s.tokens_reprefilled} re-read, "
-                    f"{s.translate_seconds * 1000:.1f} ms")
+                    f"{s.tokens_translated} tokens translated{read}, {s.tokens_reprefilled} "
+                    f"re-read, {s.translate_seconds * 1000:.1f} ms{gate_summary(s)}")
         if word == "/who":
             if arg:
                 raise KvtransError("/who takes no argument")

@@ -19,7 +19,9 @@ import contextlib
 import importlib
 from typing import Any, Callable, Iterator
 
+import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 # before(module, args, kwargs); after(module, args, kwargs, output)
 Before = Callable[[nn.Module, tuple, dict], None]
@@ -175,3 +177,58 @@ def recording_indexer_scores(model: nn.Module) -> Iterator[list]:
             if indexer is not None:
                 stack.enter_context(hook_module(indexer, after=after))
         yield records
+
+
+def language_model(model: nn.Module) -> nn.Module:
+    """The part of an mlx-lm model that holds the decoder and its output head (a vision-language
+    or multimodal checkpoint keeps it under `language_model`)."""
+    return getattr(model, "language_model", model)
+
+
+def final_norm(model: nn.Module) -> nn.Module:
+    """The norm the decoder applies after its last layer: what the output head reads."""
+    return language_model(model).model.norm
+
+
+def output_head(model: nn.Module) -> Callable:
+    """Final-norm rows -> logits, as the model's own `__call__` computes them (its `lm_head`, or
+    the input embedding when the two are tied)."""
+    lm = language_model(model)
+    head = getattr(lm, "lm_head", None)
+    return head if head is not None else lm.model.embed_tokens.as_linear
+
+
+class FinalRows:
+    """The last `keep` rows the final norm wrote (batch row 0), one piece per forward, so the
+    last forward can be taken back."""
+
+    def __init__(self, keep: int):
+        self.keep = keep
+        self.pieces: list = []
+
+    def add(self, out) -> None:
+        self.pieces.append(out[0, -self.keep:])
+        while sum(p.shape[0] for p in self.pieces[1:]) >= self.keep:
+            self.pieces.pop(0)  # dropped before it is evaluated: never computed
+
+    def drop_last(self) -> None:
+        if self.pieces:
+            self.pieces.pop()
+
+    def last(self, n: int):
+        """The last `n` rows (or fewer), (n, D), in a buffer of their own (a slice would keep a
+        whole prefill chunk's rows alive)."""
+        if not self.pieces or n < 1:
+            return None
+        rows = mx.concatenate(self.pieces, axis=0)[-n:]
+        return mx.array(np.array(rows.astype(mx.float32))).astype(rows.dtype)
+
+
+@contextlib.contextmanager
+def recording_final_rows(model: nn.Module, keep: int) -> Iterator[FinalRows]:
+    """Within the block, the last `keep` final-norm rows of every forward of `model`. Only the
+    rows kept are ever evaluated, so a prefill pays no output head for them; the last chunk's
+    final layer does run over its rows."""
+    rows = FinalRows(keep)
+    with hook_module(final_norm(model), after=lambda m, args, kwargs, out: rows.add(out)):
+        yield rows

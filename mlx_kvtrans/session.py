@@ -10,6 +10,14 @@ when the translated tensors are not finite, or when the context is longer than t
 allows. Every switch yields a `SwitchStatus` record that the chat, the benchmark and the tests
 all read.
 
+The fidelity gate (`gate`): a switch translates the span except its last `gate_tokens` tokens,
+which the target then reads itself, and compares its NLL on them with the source's; over the
+translator's calibrated threshold, the target re-reads the span instead. The source's side comes
+from the final-norm rows every model keeps of the last tokens it read (`CacheLine.tail`). A
+translator that copies the source's recurrent state needs that state where the translation
+stops, so a model with such a translator keeps a few snapshots of its fixed-size caches (every
+`gate_tokens` positions, references to arrays, not copies), and the translation stops at one.
+
 What is recorded: per model, only what its outgoing translators read (`Translator.reads`); a
 model with no translator from it records nothing. Under `segment` and `refresh` a recorded span
 is dropped once every model this one has a translator to has read it; `naive` keeps everything.
@@ -25,6 +33,7 @@ takes back the model's last forward (trim the KV caches, restore the fixed-size 
 from __future__ import annotations
 
 import contextlib
+import copy
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -33,8 +42,9 @@ from typing import Callable, Iterator
 
 import mlx.core as mx
 
+from . import gate
 from .capture import PREFILL_CHUNK, Capture, capture, tapped
-from .instrument import hook_module
+from .instrument import hook_module, recording_final_rows
 from .layouts import CapturePoint, layout_of
 from .layouts.linear_attention import RecurrentInputs
 
@@ -51,8 +61,15 @@ class SwitchStatus:
     strategy: str = "segment"
     tokens_translated: int = 0
     tokens_reprefilled: int = 0
-    translate_seconds: float = 0.0
+    translate_seconds: float = 0.0  # the whole switch: translation, read tail, gate, fallback
     recorded_bytes: int = 0  # per-token objects every model holds after the switch
+    tokens_read: int = 0  # the span's last tokens, read by the target on the translated cache
+    gate: str = ""  # passed, fired, uncalibrated, unchecked or off ("" when nothing translated)
+    gate_note: str = ""  # why the gate did not judge (uncalibrated, unchecked)
+    gate_gap: float | None = None  # nats/token: target's mean NLL on the tail - the source's
+    gate_threshold: float | None = None
+    gate_tokens: int = 0  # tokens the gap is taken over
+    gate_seconds: float = 0.0  # the read tail and the comparison
 
 
 def _covers(value, length: int) -> bool:
@@ -66,6 +83,31 @@ def _nbytes(value) -> int:
         else value.nbytes
 
 
+def _fixed_slots(cache: list) -> list[list]:
+    """The arrays of each fixed-size cache (ArraysCache) as they are now: every forward replaces
+    them, never writes into them, so holding the list holds this state."""
+    return [list(c.cache) for c in cache if not c.is_trimmable()]
+
+
+def _with_slots(cache: list, slots: list[list]) -> list:
+    """`cache` with its fixed-size caches as `slots` had them (shallow copies; trimmable caches
+    as they are)."""
+    out, saved = [], iter(slots)
+    for c in cache:
+        if not c.is_trimmable():
+            c = copy.copy(c)
+            c.cache = list(next(saved))
+        out.append(c)
+    return out
+
+
+def _head(part: Capture, n: int) -> Capture:
+    """The first `n` tokens of a recorded span."""
+    objects = [{key: value.slice(0, n) if isinstance(value, RecurrentInputs) else value[:, :n]
+                for key, value in layer.items()} for layer in part.objects]
+    return Capture(part.layout, part.tokens[:, :n], objects, part.engine)
+
+
 @dataclass
 class CacheLine:
     """One model's view of the conversation: its cache and what it has read."""
@@ -77,10 +119,30 @@ class CacheLine:
     recorded: list[Capture] = field(default_factory=list)  # per-token objects, contiguous spans
     recorded_from: int = 0  # conversation position of the first recorded token
     own_recorded: list[int] = field(default_factory=lambda: [0, 0])  # bytes, tokens it computed
+    tail: gate.Tail | None = None  # final-norm rows of the last tokens it read
+    states: dict[int, list] = field(default_factory=dict)  # position -> `_fixed_slots` there
 
     @cached_property
     def layout(self):
         return layout_of(self.lm.model)
+
+    def reset(self) -> None:
+        """Forget everything: no cache, nothing read."""
+        self.cache, self.seen, self.recorded, self.tail, self.states = None, 0, [], None, {}
+
+    def cut(self, stop: int) -> None:
+        """Forget what was recorded of conversation tokens from `stop` on (the cache itself is
+        the caller's to trim)."""
+        kept, offset = [], self.recorded_from
+        for part in self.recorded:
+            if offset + part.length <= stop:
+                kept.append(part)
+            elif offset < stop:
+                kept.append(_head(part, stop - offset))
+            offset += part.length
+        self.recorded = kept
+        self.tail = self.tail.cut(stop) if self.tail is not None else None
+        self.states = {p: s for p, s in self.states.items() if p <= stop}
 
     @property
     def recorded_tokens(self) -> int:
@@ -162,18 +224,24 @@ def _taking_back(model, cache: list, rec) -> Iterator[Callable[[], None]]:
 class Session:
     """A conversation that can move between models without re-reading.
 
-    `models`: name -> LoadedModel; `translators`: (source, target) -> Translator.
+    `models`: name -> LoadedModel; `translators`: (source, target) -> Translator;
+    `gate_tokens`: r, the span's last tokens the target reads itself at a switch and the gate
+    compares (0: translate everything, no gate).
     """
 
     def __init__(self, models: dict, translators: dict | None = None, active: str | None = None,
-                 strategy: str = "segment", refresh_every: int = 4, max_context: int | None = None):
+                 strategy: str = "segment", refresh_every: int = 4, max_context: int | None = None,
+                 gate_tokens: int = gate.GATE_TOKENS):
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}")
+        if gate_tokens < 0:
+            raise ValueError("gate_tokens must be 0 (no gate) or more")
         self.lines = {name: CacheLine(name, lm) for name, lm in models.items()}
         self.translators = {pair: tr.prepare() for pair, tr in (translators or {}).items()}
         self.active = active or next(iter(models))
         self.strategy, self.refresh_every = strategy, refresh_every
         self.max_context = max_context
+        self.gate_tokens = gate_tokens
         self.tokens: list[int] = []
         self.switches: list[SwitchStatus] = []
         self._turn = None  # weak reference to a generation not yet finished
@@ -190,6 +258,18 @@ class Session:
         return set().union(*(self.translators[(name, t)].reads(layout)
                              for t in self.receivers(name)))
 
+    def keeps_states(self, name: str) -> bool:
+        """Whether `name` keeps snapshots of its fixed-size caches: a translator from it reads
+        its state, which the gate needs where the translation stops, r tokens back."""
+        return self.gate_tokens > 0 and any(
+            CapturePoint.ENGINE in self.translators[(name, t)].source_points()
+            for t in self.receivers(name))
+
+    @property
+    def _tail_rows(self) -> int:
+        # a translation that stops at a state snapshot leaves up to 2r tokens to the target
+        return 2 * self.gate_tokens
+
     def _keep(self, line: CacheLine, start: int, part: Capture, own: bool) -> None:
         """Hold `part` (conversation tokens from `start`) as recorded by `line`."""
         if not self.selection(line.name):
@@ -204,6 +284,22 @@ class Session:
             line.own_recorded[0] += sum(_nbytes(v) for layer in part.objects
                                         for v in layer.values())
             line.own_recorded[1] += part.length
+
+    def _keep_tail(self, line: CacheLine, rows, end: int, first_generated: int | None = None):
+        """Hold the final-norm `rows` of the tokens `line` read up to `end`."""
+        tail = gate.tail_of(rows, end, first_generated)
+        if tail is not None:
+            line.tail = tail if line.tail is None else line.tail.then(tail, self._tail_rows)
+
+    def _snapshot(self, line: CacheLine) -> None:
+        """Keep `line`'s fixed-size state where it stands, and of the older snapshots only those
+        a translation could still stop at (the last one at least r tokens back, and later)."""
+        if not self.keeps_states(line.name) or line.cache is None:
+            return
+        line.states[line.seen] = _fixed_slots(line.cache)
+        back = [p for p in line.states if p <= line.seen - self.gate_tokens]
+        floor = max(back, default=0)
+        line.states = {p: s for p, s in line.states.items() if floor <= p <= line.seen}
 
     def _drop_received(self) -> None:
         """Segment-wise transfer sends a span once: when every model a line has a translator to
@@ -225,21 +321,34 @@ class Session:
         return {name: line.recorded_bytes() for name, line in self.lines.items()}
 
     # -- reading and writing ----------------------------------------------------------------
-    def _read(self, line: CacheLine, upto: int) -> mx.array | None:
-        """Let `line`'s model read conversation tokens [seen, upto); returns the last logits."""
+    def _read(self, line: CacheLine, upto: int) -> None:
+        """Let `line`'s model read conversation tokens [seen, upto), keeping what it records,
+        the final-norm rows of the last of them and (when it keeps states) a snapshot r tokens
+        before the end."""
         if upto <= line.seen:
-            return None
+            return
         from mlx_lm.models.cache import make_prompt_cache
 
         if line.cache is None:
             line.cache = make_prompt_cache(line.lm.model)
+        if self.keeps_states(line.name) and upto - line.seen > self.gate_tokens:
+            self._capture(line, upto - self.gate_tokens)
+        self._snapshot(line)
+        self._capture(line, upto)
+        self._snapshot(line)
+
+    def _capture(self, line: CacheLine, upto: int) -> None:
         start = line.seen
-        cap = capture(line.lm.model, self.tokens[start:upto], points=RECORD_POINTS,
-                      layout=line.layout, cache=line.cache, select=self.selection(line.name),
-                      chunk_size=PREFILL_CHUNK)
+        with contextlib.ExitStack() as stack:
+            rows = (stack.enter_context(recording_final_rows(line.lm.model, self._tail_rows))
+                    if self.gate_tokens else None)
+            cap = capture(line.lm.model, self.tokens[start:upto], points=RECORD_POINTS,
+                          layout=line.layout, cache=line.cache,
+                          select=self.selection(line.name), chunk_size=PREFILL_CHUNK)
         self._keep(line, start, cap, own=True)
         line.seen = upto
-        return cap.last_logits
+        if rows is not None:
+            self._keep_tail(line, rows.last(upto - start), upto)
 
     def _finish_turn(self) -> None:
         """End a generation whose iterator is still open (as closing it would)."""
@@ -288,12 +397,26 @@ class Session:
 
         select = self.selection(line.name)
         read = prompt_end = len(self.tokens)
+        # the prompt but its last r tokens is read first, so that the last r, read by
+        # generate_step, are a forward of their own: their final-norm rows cost a few rows of
+        # the last layer, and a state snapshot falls r tokens before the prompt's end
+        tail_from = prompt_end - self.gate_tokens if self.gate_tokens and \
+            prompt_end - start > self.gate_tokens + 1 else start
         broken = False
-        with tapped(model, line.layout, set(RECORD_POINTS), select) as rec, \
-                _taking_back(model, line.cache, rec) as take_back:
+        with contextlib.ExitStack() as stack:
+            rec = stack.enter_context(tapped(model, line.layout, set(RECORD_POINTS), select))
+            take_back = stack.enter_context(_taking_back(model, line.cache, rec))
+            if self.keeps_states(line.name):
+                stack.enter_context(_snapshots(self, line, tail_from))
+            for begin in range(start, tail_from, PREFILL_CHUNK):
+                model(mx.array([self.tokens[begin:min(begin + PREFILL_CHUNK, tail_from)]]),
+                      cache=line.cache)
+                mx.eval([c.state for c in line.cache], rec.pending())
+            rows = (stack.enter_context(recording_final_rows(model, self._tail_rows + 1))
+                    if self.gate_tokens else None)  # one more: the last forward may go back
             # generate_step reads each token before yielding it: ask for one fewer, and take
             # the last from the sampler (sampled after the last read, not read itself)
-            steps = generate_step(mx.array(self.tokens[start:]), model,
+            steps = generate_step(mx.array(self.tokens[tail_from:]), model,
                                   prompt_cache=line.cache, max_tokens=max_tokens - 1,
                                   sampler=sample)
             try:
@@ -313,10 +436,12 @@ class Session:
             finally:
                 steps.close()
                 if broken:
-                    line.cache, line.seen, line.recorded = None, 0, []
+                    line.reset()
                 else:
                     if read == len(self.tokens) > prompt_end:
                         take_back()  # the last token is read with the next turn
+                        if rows is not None:
+                            rows.drop_last()
                         read -= 1
                     objects = rec.joined()
                     mx.eval([v.arrays() if isinstance(v, RecurrentInputs) else v
@@ -325,6 +450,10 @@ class Session:
                                    line.cache)
                     self._keep(line, start, part, own=True)
                     line.seen = read
+                    if rows is not None:
+                        self._keep_tail(line, rows.last(min(self._tail_rows, read - tail_from)),
+                                        read, first_generated=prompt_end)
+                    self._snapshot(line)
 
     # -- switching ----------------------------------------------------------------------------
     def switch(self, target: str) -> SwitchStatus:
@@ -355,13 +484,7 @@ class Session:
                 self._fallback(tgt, status, "the source did not record the span the target "
                                             "has not seen")
             else:
-                try:
-                    ok = self._translate(translator, src, tgt, start, n, status)
-                except ValueError as e:  # the recorded span lacks what the translator reads
-                    self._fallback(tgt, status, f"cannot translate the source's cache: {e}")
-                else:
-                    if not ok:
-                        self._fallback(tgt, status, "translated tensors are not finite")
+                self._hand_over(translator, src, tgt, start, n, status)
         status.translate_seconds = time.perf_counter() - started
         self.active = target
         self._drop_received()
@@ -369,15 +492,104 @@ class Session:
         self.switches.append(status)
         return status
 
+    def _handoff_point(self, translator, src: CacheLine, start: int, n: int) -> tuple[int, str]:
+        """(C, why the gate cannot run): the translation covers [start, C), the target reads
+        [C, n) itself. C = n - r; a translator that reads the source's state stops at a state
+        snapshot between n - 2r and n - 2; a span of r tokens or fewer is read, not translated."""
+        r = self.gate_tokens
+        if r == 0:
+            return n, ""
+        if n - start <= r:
+            return start, "the target read the whole span itself"
+        if CapturePoint.ENGINE not in translator.source_points():
+            return n - r, ""
+        back = [p for p in src.states if start <= p <= n - r and n - p <= 2 * r]
+        ahead = [p for p in src.states if max(start, n - r) < p <= n - 2]
+        if back or ahead:
+            return (max(back) if back else min(ahead)), ""
+        return n, "the source kept no state a few tokens back (the translator reads its state)"
+
+    def _hand_over(self, translator, src: CacheLine, tgt: CacheLine, start: int, n: int,
+                   status: SwitchStatus) -> None:
+        """Translate [start, C), let the target read [C, n), and let the gate judge: over its
+        threshold, the target re-reads [start, n) instead."""
+        handoff, why = self._handoff_point(translator, src, start, n)
+        before = None if tgt.cache is None or start == 0 else _fixed_slots(tgt.cache)
+        if handoff > start:
+            try:
+                ok = self._translate(translator, src, tgt, start, handoff, status)
+            except ValueError as e:  # the recorded span lacks what the translator reads
+                self._fallback(tgt, status, f"cannot translate the source's cache: {e}")
+                return
+            if not ok:
+                self._fallback(tgt, status, "translated tensors are not finite")
+                return
+            self._snapshot(tgt)
+        if self.gate_tokens == 0:
+            status.gate = "off"
+            return
+        if handoff == n:
+            status.gate, status.gate_note = "unchecked", why
+            return
+        started = time.perf_counter()
+        self._read(tgt, n)
+        status.tokens_read = n - handoff
+        if handoff == start:
+            status.gate, status.gate_note = "unchecked", why
+            status.gate_seconds = time.perf_counter() - started
+            return
+        reading = gate.compare(src.lm.model, src.tail, tgt.lm.model, tgt.tail, self.tokens,
+                               handoff, n)
+        status.gate_seconds = time.perf_counter() - started
+        if reading is None:
+            status.gate, status.gate_note = "unchecked", ("the source holds no predictions of "
+                                                          "the span's last tokens")
+            return
+        threshold, why = gate.threshold(translator.info.get("gate"), self.gate_tokens,
+                                        reading.generated, n)
+        status.gate_gap, status.gate_tokens, status.gate_threshold = (
+            reading.gap, reading.tokens, threshold)
+        if threshold is None:
+            status.gate, status.gate_note = "uncalibrated", why
+        elif reading.gap <= threshold:
+            status.gate = "passed"
+        else:
+            status.gate = "fired"
+            self._take_back(tgt, start, before)
+            status.tokens_translated = status.tokens_read = 0
+            self._fallback(tgt, status, f"fidelity gate: the target's NLL on the last "
+                                        f"{reading.tokens} tokens is {reading.gap:+.2f} "
+                                        f"nats/token from the source's, over the translator's "
+                                        f"threshold {threshold:.2f}")
+
+    def _take_back(self, line: CacheLine, start: int, fixed: list | None) -> None:
+        """Put `line` back where it stood at `start`, before a switch wrote into it (`fixed`:
+        its fixed-size caches' slots then; None when it had nothing)."""
+        if fixed is None:
+            line.reset()
+            return
+        for c in line.cache:
+            if c.is_trimmable():
+                c.trim(line.seen - start)
+        for c, slots in zip((c for c in line.cache if not c.is_trimmable()), fixed):
+            c.cache = slots
+        line.cut(start)
+        line.seen = start
+
     def _translate(self, translator, src: CacheLine, tgt: CacheLine, start: int, stop: int,
                    status: SwitchStatus) -> bool:
         from mlx_lm.models.cache import make_prompt_cache
 
         span = Capture(src.layout, mx.array([self.tokens[start:stop]]),
                        _join_recorded(src.recorded, start, stop, src.recorded_from), src.cache)
-        for found, layer, cache in zip(span.objects, src.layout.layers, src.cache):
+        # fixed-size objects: the source's state where the span ends (a snapshot, when the
+        # translation stops before the source's end)
+        snapshot = src.states.get(stop) if stop < src.seen else None
+        engine = src.cache if snapshot is None else _with_slots(src.cache, snapshot)
+        for found, layer, cache in zip(span.objects, src.layout.layers, engine):
+            if stop < src.seen and snapshot is None and not cache.is_trimmable():
+                continue  # no state there (a translator that reads it stops at a snapshot)
             for name, value in layer.cache.read_engine(cache).items():
-                # fixed-size objects: the source's current state
                 found[(name, CapturePoint.ENGINE)] = value
         target_layout = tgt.layout
         objects, points = translator.translate(span, tgt.lm.model, target_layout, span.tokens,
@@ -398,7 +610,7 @@ class Session:
             for layer, c, objs in zip(target_layout.layers, cache, engine):
                 layer.cache.append(c, objs)
         if fresh:
-            tgt.recorded = []
+            tgt.recorded, tgt.tail, tgt.states = [], None, {}
         # What the target now holds for the span, at the points the translator produced it and
         # its own translators read: a later switch away translates it onwards, errors and all.
         select = self.selection(tgt.name)
@@ -414,7 +626,7 @@ class Session:
         """Re-prefill: the target reads what it has not seen (everything, when `full`)."""
         status.status, status.reason = "fallback_reprefill", reason
         if full:
-            tgt.cache, tgt.seen, tgt.recorded = None, 0, []
+            tgt.reset()
         n = self.lines[self.active].seen
         status.tokens_reprefilled = n - tgt.seen
         self._read(tgt, n)
@@ -423,7 +635,23 @@ class Session:
         """Re-prefill a model's cache line from the conversation (on request)."""
         self._finish_turn()
         line = self.lines[name or self.active]
-        line.cache, line.seen, line.recorded = None, 0, []
+        line.reset()
         self._read(line, self.lines[self.active].seen if line.name != self.active
                    else len(self.tokens))
         self._drop_received()
+
+
+@contextlib.contextmanager
+def _snapshots(session: Session, line: CacheLine, first: int) -> Iterator[None]:
+    """Within the block, `line` keeps a snapshot of its fixed-size caches before each forward
+    at `first` and then every r positions (the first forward starting at or past each mark)."""
+    position, mark = [line.seen], [first]
+
+    def before(module, args, kwargs):
+        if position[0] >= mark[0]:
+            line.states[position[0]] = _fixed_slots(line.cache)
+            mark[0] = position[0] + session.gate_tokens
+        position[0] += args[0].shape[1]
+
+    with hook_module(line.lm.model, before=before):
+        yield

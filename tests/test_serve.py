@@ -129,15 +129,20 @@ def test_streamed_chat_equals_the_plain_reply_and_reports_in_its_last_chunk(serv
 def test_alternating_models_translate_and_match_the_session_api(served, zoo):
     engine, url = served
     models, translators = zoo
-    turns = [(HYBRID, "Remember: the lantern is 318402."), (FULL, "And the anchor is 774120?"),
+    turns = [(HYBRID, "The lantern is 318402."), (FULL, "And the anchor is 774120?"),
              (HYBRID, "What is the lantern?"), (FULL, "What is the anchor?")]
     c, messages, statuses = client(url), [], []
     for model, text in turns:
         messages.append({"role": "user", "content": text})
         reply = ask(c, model, messages, max_tokens=24, conversation="alternating")
-        statuses.append(report(reply)["status"])
+        statuses.append((report(reply)["status"], report(reply)["gate"]))
         messages.append({"role": "assistant", "content": reply.choices[0].message.content})
-    assert statuses == ["none", "applied", "applied", "applied"]
+    # every switch translates; the fidelity gate sends back the ones whose tail the target
+    # cannot continue (a reply ending in a number kimi-vl cannot recall) to a re-read
+    assert statuses[0] == ("none", "")
+    assert all(s in (("applied", "passed"), ("fallback_reprefill", "fired"))
+               for s in statuses[1:]), statuses
+    assert ("applied", "passed") in statuses
 
     # the same conversation through the Session API, greedy
     tok = models[HYBRID].tokenizer
@@ -149,7 +154,8 @@ def test_alternating_models_translate_and_match_the_session_api(served, zoo):
         prompt = tok.apply_chat_template(history, add_generation_prompt=True)
         assert prompt[:len(session.tokens)] == session.tokens  # the template extends it
         if model != session.active:
-            assert session.switch(model).status == "applied"
+            status = session.switch(model)  # the server's switch, the same way
+            assert (status.status, status.gate) == statuses[len(history) // 2]
         session.add(prompt[len(session.tokens):])
         ids = list(session.generate(24, stop=eos))
         assert tok.decode([t for t in ids if t not in eos]) == said["content"]

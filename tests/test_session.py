@@ -64,17 +64,19 @@ def test_segment_wise_transfer_translates_only_new_tokens(pair):
     s.add(list(range(60, 90)))
     list(s.generate(5))
     first = s.switch(b.name)
-    assert first.status == "applied" and first.tokens_translated == 34  # 30 read + 4 generated
+    # 30 read + 4 generated: all but the gate's last 8 translated, those read by b itself
+    assert first.status == "applied" and (first.tokens_translated, first.tokens_read) == (26, 8)
     s.add(list(range(100, 110)))
     list(s.generate(5))
     # b read a's last token, the 10 new ones and 4 of its 5: a lacks those 15
     back = s.switch(a.name)
-    assert back.status == "applied" and back.tokens_translated == 15
+    assert back.status == "applied" and (back.tokens_translated, back.tokens_read) == (7, 8)
     s.add([5, 6, 7])
     list(s.generate(3))
-    # a read b's last token, the 3 new ones and 2 of its 3 tokens: b lacks those 6
+    # a read b's last token, the 3 new ones and 2 of its 3 tokens: b lacks those 6, no more
+    # than the gate reads, so b reads them all
     again = s.switch(b.name)
-    assert again.tokens_translated == 6
+    assert (again.tokens_translated, again.tokens_read) == (0, 6)
     assert s.lines[b.name].seen == s.lines[a.name].seen == len(s.tokens) - 1
 
 
@@ -134,7 +136,7 @@ def test_refresh_reprefills_fully_every_nth_switch_into_a_model(pair):
                                               "fallback_reprefill"] * 2
     for st, n in zip(statuses, held):
         if st.status == "applied":
-            assert st.tokens_translated > 0 and st.tokens_reprefilled == 0
+            assert st.tokens_translated + st.tokens_read > 0 and st.tokens_reprefilled == 0
         else:  # the whole conversation, not only the unseen span
             assert "refresh" in st.reason and st.tokens_reprefilled == n
     x = mx.array([[9, 8, 7]])
@@ -282,7 +284,8 @@ def test_naive_retranslates_the_whole_prefix_including_translated_spans(pair):
         status = s.switch(b.name if i % 2 == 0 else a.name)
         assert status.status == "applied", status.reason
         # every switch translates everything the source holds, its translated spans included
-        assert status.tokens_translated == s.lines[status.source].seen
+        # (the gate's last tokens read by the target)
+        assert status.tokens_translated + status.tokens_read == s.lines[status.source].seen
         s.add([1, 2])
 
 
@@ -307,7 +310,7 @@ def test_codebook_translator_switches_away_from_a_translated_span(pair):
     list(s.generate(3))
     status = s.switch(a.name)
     assert status.status == "applied", status.reason
-    assert status.tokens_translated == s.lines[b.name].seen
+    assert status.tokens_translated + status.tokens_read == s.lines[b.name].seen
 
 
 # -- decoding through mlx-lm, recording only what translators read ---------------------------
@@ -389,7 +392,7 @@ def test_switching_mid_generation_ends_the_turn_first(pair):
     got = [next(turn), next(turn), next(turn)]
     status = s.switch(b.name)  # the open turn ends: a has read all but its last token
     assert list(turn) == [] and s.tokens[-3:] == got
-    assert status.status == "applied" and status.tokens_translated == 32
+    assert status.status == "applied" and status.tokens_translated + status.tokens_read == 32
     assert s.lines[a.name].seen == s.lines[b.name].seen == len(s.tokens) - 1
 
 
@@ -417,6 +420,9 @@ class Reads:
 
     def reads(self, layout):
         return self.keys
+
+    def source_points(self):
+        return {point for _, _, point in self.keys}
 
 
 @pytest.mark.parametrize("family", ["kimi_linear", "qwen3_5"])

@@ -82,7 +82,10 @@ class Handoff:
     tokens_translated: int = 0
     tokens_reread: int = 0
     tokens_new: int = 0  # prompt tokens no cache held
-    translate_ms: float = 0.0  # the switch: translation, or the fallback's re-read
+    translate_ms: float = 0.0  # the switch: translation and gate, or the fallback's re-read
+    gate: str = ""  # the fidelity gate: passed, fired, uncalibrated, unchecked, off
+    gate_gap: float | None = None  # nats/token over the tail the target read itself
+    gate_threshold: float | None = None
     queue_ms: float = 0.0
     ttft_ms: float = 0.0  # from the request's arrival to its first token
     conversation: str = ""
@@ -104,6 +107,10 @@ class Handoff:
                "x-kvtrans-conversation": self.conversation}
         if self.source_model:
             out["x-kvtrans-source-model"] = self.source_model
+        if self.gate:
+            out["x-kvtrans-gate"] = self.gate
+        if self.gate_gap is not None:
+            out["x-kvtrans-gate-gap"] = f"{self.gate_gap:.4f}"
         if self.reason:  # header values are one line of latin-1
             out["x-kvtrans-reason"] = " ".join(self.reason.split()).encode(
                 "latin-1", "replace").decode("latin-1")
@@ -451,8 +458,11 @@ class Engine:
         handoff.status, handoff.reason = status.status, status.reason
         handoff.source_model = match.holder
         handoff.tokens_translated = status.tokens_translated
-        handoff.tokens_reread = status.tokens_reprefilled
+        # the span's last tokens, read on the translated cache for the gate, are read too
+        handoff.tokens_reread = status.tokens_reprefilled + status.tokens_read
         handoff.translate_ms = status.translate_seconds * 1000
+        handoff.gate, handoff.gate_gap = status.gate, status.gate_gap
+        handoff.gate_threshold = status.gate_threshold
 
     def _reread(self, entry: Entry, model: str, reason: str) -> SwitchStatus:
         started = time.perf_counter()
@@ -533,6 +543,8 @@ class Engine:
         m.observe("kvtrans_time_to_first_token_seconds", h.ttft_ms / 1000, model=job.model)
         if h.source_model:
             m.observe("kvtrans_switch_seconds", h.translate_ms / 1000, status=h.status)
+        if h.gate:
+            m.inc("kvtrans_gate_total", model=job.model, verdict=h.gate)
 
     def gauges(self) -> dict[str, dict[tuple, float]]:
         stats = self.store.stats()

@@ -23,6 +23,9 @@ HELP = {
                                                      "model worker."),
     "kvtrans_time_to_first_token_seconds": ("histogram", "From the request's arrival to its "
                                                          "first generated token."),
+    "kvtrans_gate_total": ("counter", "Translated switches by target model and the fidelity "
+                                      "gate's verdict (passed, fired: re-read instead, "
+                                      "uncalibrated, unchecked, off)."),
     "kvtrans_switch_seconds": ("histogram", "Handing a conversation to another model: "
                                             "translation, or the re-read of a fallback."),
     "kvtrans_cache_bytes": ("gauge", "Bytes held by the conversation cache (caches, recorded "

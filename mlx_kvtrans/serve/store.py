@@ -23,9 +23,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..capture import Capture
-from ..layouts.linear_attention import RecurrentInputs
-from ..session import CacheLine, Session
+from ..session import Session
 
 KEEP_CHECKPOINTS = 4  # per line: a divergence falls in the latest replies, near the newest ones
 
@@ -42,25 +40,6 @@ def trimmable(cache: list) -> bool:
     return all(c.is_trimmable() for c in cache)
 
 
-def _head(part: Capture, n: int) -> Capture:
-    """The first `n` tokens of a recorded span."""
-    objects = [{key: value.slice(0, n) if isinstance(value, RecurrentInputs) else value[:, :n]
-                for key, value in layer.items()} for layer in part.objects]
-    return Capture(part.layout, part.tokens[:, :n], objects, part.engine)
-
-
-def _cut_recorded(line: CacheLine, stop: int) -> None:
-    """Keep only the recorded objects of conversation tokens before `stop`."""
-    kept, offset = [], line.recorded_from
-    for part in line.recorded:
-        if offset + part.length <= stop:
-            kept.append(part)
-        elif offset < stop:
-            kept.append(_head(part, stop - offset))
-        offset += part.length
-    line.recorded = kept
-
-
 @dataclass
 class Entry:
     """One conversation: a Session, and per model the snapshots of its fixed-size caches at
@@ -71,6 +50,8 @@ class Entry:
     session: Session
     conversation: str | None = None  # the client's conversation id, when it gave one
     checkpoints: dict[str, dict[int, list]] = field(default_factory=dict)
+    # model -> position -> the line's gate tail and state snapshots there
+    marks: dict[str, dict[int, tuple]] = field(default_factory=dict)
     used: dict[str, int] = field(default_factory=dict)  # model -> store clock at its last use
 
     @property
@@ -115,21 +96,27 @@ class Entry:
             else:  # a copy: the snapshot serves later rewinds too
                 line.cache[i] = copy.deepcopy(snapshot[i])
         line.seen = keep
-        _cut_recorded(line, keep)
+        line.cut(keep)
+        if keep in self.marks.get(name, {}):  # what the gate reads, as it was there
+            line.tail, line.states = self.marks[name][keep][0], dict(self.marks[name][keep][1])
         self.checkpoints[name] = {p: s for p, s in points.items() if p <= keep}
+        self.marks[name] = {p: m for p, m in self.marks.get(name, {}).items() if p <= keep}
 
     def checkpoint(self, name: str) -> None:
         """Snapshot `name`'s fixed-size caches where its line stands."""
         line = self.session.lines[name]
         points = self.checkpoints.setdefault(name, {})
         points[line.seen] = [None if c.is_trimmable() else copy.deepcopy(c) for c in line.cache]
+        marks = self.marks.setdefault(name, {})
+        marks[line.seen] = (line.tail, dict(line.states))
         for p in sorted(points)[:-KEEP_CHECKPOINTS]:
             del points[p]
+            marks.pop(p, None)
 
     def drop(self, name: str) -> None:
-        line = self.session.lines[name]
-        line.cache, line.seen, line.recorded = None, 0, []
+        self.session.lines[name].reset()
         self.checkpoints.pop(name, None)
+        self.marks.pop(name, None)
 
     def line_bytes(self, name: str) -> int:
         """What `name`'s line holds: its cache, its recorded objects and its checkpoints."""
@@ -146,8 +133,8 @@ class Entry:
 
     def fork(self, new_id: str, session: Session, limit: int) -> "Entry":
         """A copy holding what each line can keep within `limit` tokens; lines that would keep
-        nothing are not copied. Recorded spans and snapshots are never written into, so the
-        copy shares them."""
+        nothing are not copied. Recorded spans, gate tails and snapshots are never written
+        into, so the copy shares them."""
         twin = Entry(new_id, self.group, session, self.conversation)
         session.tokens = list(self.tokens)
         session.active = self.session.active
@@ -158,7 +145,9 @@ class Entry:
             other.cache, other.seen = copy.deepcopy(line.cache), line.seen
             other.recorded, other.recorded_from = list(line.recorded), line.recorded_from
             other.own_recorded = list(line.own_recorded)
+            other.tail, other.states = line.tail, dict(line.states)
             twin.checkpoints[name] = dict(self.checkpoints.get(name, {}))
+            twin.marks[name] = dict(self.marks.get(name, {}))
             twin.used[name] = self.used.get(name, 0)
         return twin
 

@@ -30,7 +30,7 @@ from .translator import Translator
 FORMAT = "mlx-kvtrans-translator"
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
-INFO_FIELDS = ("fit", "metrics", "source", "target", "stage", "distill", "features")
+INFO_FIELDS = ("fit", "metrics", "source", "target", "stage", "distill", "features", "gate")
 FILES = ("weights.safetensors", "manifest.json")
 
 
@@ -49,9 +49,27 @@ def save(translator: Translator, directory: str | Path, source, target) -> Path:
         **{k: v for k, v in translator.info.items() if k in INFO_FIELDS
            and k not in ("source", "target")},
     }
+    _write_manifest(directory, manifest)
+    return directory
+
+
+def _write_manifest(directory: Path, manifest: dict) -> None:
     (directory / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     sums = "".join(f"{sha256_file(directory / name)}  {name}\n" for name in FILES)
     (directory / "SHA256SUMS").write_text(sums)
+
+
+def update_manifest(directory: str | Path, **fields) -> Path:
+    """Set manifest `fields` (of INFO_FIELDS, not the model identities) of a verified translator
+    directory, in the format version it was written in; weights.safetensors is left byte for
+    byte, SHA256SUMS rewritten."""
+    unknown = set(fields) - set(INFO_FIELDS) | set(fields) & {"source", "target"}
+    if unknown:
+        raise ValueError(f"not manifest info fields: {', '.join(sorted(unknown))}")
+    directory = resolve(directory)
+    manifest = read_manifest(directory)
+    manifest.update(fields)
+    _write_manifest(directory, manifest)
     return directory
 
 

@@ -283,10 +283,19 @@ class Distiller:
                           for r in self.state["history"]]}
 
     def distilled(self) -> Translator:
-        """The translator with the distilled parameters (in the closed-form dtype)."""
+        """The translator with the distilled parameters (in the closed-form dtype); the stage-1
+        gate calibration does not carry over (`calibrated_gate` measures it anew)."""
         trained = dict(tree_flatten(self.params))
         params = {k: trained[k].astype(v.dtype) for k, v in self.translator.params.items()}
-        return replace(self.translator, params=params, info=dict(self.translator.info))
+        info = {k: v for k, v in self.translator.info.items() if k != "gate"}
+        return replace(self.translator, params=params, info=info)
+
+    def calibrated_gate(self, translator: Translator) -> dict:
+        """The fidelity gate's calibration of `translator` on the validation text
+        (`gate.calibrate`)."""
+        from ..gate import calibrate
+
+        return calibrate(translator, self.source, self.target, self.validation_ids)
 
 
 def distill(translator: Translator, source, target, train_ids, validation_ids,
@@ -308,4 +317,5 @@ def distill(translator: Translator, source, target, train_ids, validation_ids,
         distilled = run.distilled()
     distilled.info["stage"] = 2
     distilled.info["distill"] = summary
+    distilled.info["gate"] = run.calibrated_gate(distilled)
     return distilled
