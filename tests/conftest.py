@@ -47,3 +47,15 @@ def loaded(model_dirs):
         return cache[family]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def zoo():
+    """zoo alias -> LoadedModel, loaded once per test module."""
+    models = {}
+
+    def get(name):
+        if name not in models:
+            models[name] = mlx_kvtrans.load(name)
+        return models[name]
+    return get

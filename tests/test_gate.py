@@ -38,17 +38,6 @@ def used(source: str, target: str) -> str:
 TEST_TEXT = weights_dir() / "corpus" / "test.txt"
 
 
-@pytest.fixture(scope="module")
-def zoo():
-    models = {}
-
-    def get(name):
-        if name not in models:
-            models[name] = kv.load(name)
-        return models[name]
-    return get
-
-
 def shipped(name, zoo):
     """(translator, source, target) of a shipped translator, loaded with its pair."""
     manifest = artifact.read_manifest(name)

@@ -21,17 +21,6 @@ SHIPPED = sorted(p.name for p in (weights_dir() / "translators").iterdir()
                  if (p / "manifest.json").exists())
 
 
-@pytest.fixture(scope="module")
-def zoo():
-    models = {}
-
-    def get(name):
-        if name not in models:
-            models[name] = kv.load(name)
-        return models[name]
-    return get
-
-
 def test_every_shipped_translator_is_pinned():
     assert SHIPPED == sorted(GOLDEN["kl"])
 
