@@ -18,11 +18,13 @@ def main():
     lines = ["# The zoo: native figures\n",
              "Held-out perplexity on the validation split beside the unigram baseline of the train "
              "split; exact six-digit needle recall on held-out needles at 1x, 2x, 4x and 8x the "
-             "longest training prompt. Tabulated from weights/*/manifest.json by "
-             "`python benchmarks/zoo.py`.\n",
+             "longest training prompt. For the hybrids, what zeroing every recurrent state "
+             "costs at 1,024 held-out tokens: its KL as a share of the no-cache floor's, and "
+             "needle recall native -> zeroed (the zoo's bar: a share >= 0.30 or a drop >= 0.3). "
+             "Tabulated from weights/*/manifest.json by `python benchmarks/zoo.py`.\n",
              "| alias | model_type | params | steps | tokens | minutes | ppl | unigram ppl | "
-             "recall 1x | 2x | 4x | 8x |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "recall 1x | 2x | 4x | 8x | zeroed states: KL share | recall |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for alias, path in zoo_aliases().items():
         manifest_file = path / "manifest.json"
         if not manifest_file.exists():
@@ -34,10 +36,18 @@ def main():
         lines.append(f"| {alias} | {m['model_type']} | {m['parameters'] / 1e6:.2f}M | "
                      f"{steps} | {m['tokens_seen']:,} | {m['training_minutes']} | "
                      f"{m['held_out_perplexity']} | {m['unigram_perplexity']} | "
-                     + " | ".join(recall) + " |")
+                     + " | ".join(recall) + " | " + _states(m.get("state_ablation")) + " |")
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def _states(ablation: dict | None) -> str:
+    if not ablation:
+        return "- | -"
+    return (f"{ablation['kl_share']:.2f} ({ablation['kl_zero_states']:.4f} of "
+            f"{ablation['kl_no_cache']:.4f}) | {ablation['recall_native']:.2f} -> "
+            f"{ablation['recall_zero_states']:.2f}")
 
 
 if __name__ == "__main__":

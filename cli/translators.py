@@ -166,6 +166,16 @@ def fit(source: str = typer.Option(..., "--from", help="source model"),
         attention_weighted: int = typer.Option(FIT.attention_weighted, min=0,
                                                help="C > 0: weight prefix tokens by the "
                                                "attention of each window's last C tokens"),
+        identity_tables: int = typer.Option(FIT.identity_tables, min=0,
+                                            help="R > 0: every map adds rank-R per-token "
+                                            "tables of the ids at t and t-1 (needs "
+                                            "--token-identity)"),
+        residual: int = typer.Option(FIT.residual, min=0, help="H > 0: every map adds a "
+                                     "residual nonlinearity of H units, zero until distilled"),
+        needle_share: float = typer.Option(0.0, min=0.0, max=1.0, callback=finite,
+                                           help="about this share of the fitting windows are "
+                                           "synthetic needles, question and answer last (with "
+                                           "--attention-weighted, their queries weight the fit)"),
         windows: int = typer.Option(FIT.windows, min=1, help="fitting windows"),
         length: int = typer.Option(FIT.length, min=2, help="tokens per window"),
         ridge: float = typer.Option(FIT.ridge, min=0.0, callback=finite,
@@ -185,6 +195,7 @@ def fit(source: str = typer.Option(..., "--from", help="source model"),
     config = _fit_config(capture_point, nu, features, width, recipe, token_identity,
                          points={k: int(v) for k, v in points.items()}, split_kv=split_kv,
                          headwise=headwise, ridge=ridge, attention_weighted=attention_weighted,
+                         identity_tables=identity_tables, residual=residual,
                          windows=windows, length=length)
     output_dir("--out", out_dir)
     in_range("--length", length, 2, position_limit(model_configs(source, target)))
@@ -205,8 +216,16 @@ def fit(source: str = typer.Option(..., "--from", help="source model"),
         except ValueError as e:
             raise KvtransError(str(e))
     ids = token_ids(src.tokenizer, "--data", files)
+    needles = None
+    if needle_share:
+        from mlx_kvtrans.evaluation.needles import needle_rows
+        from mlx_kvtrans.zoo.corpus import sentences
+
+        needles = needle_rows(src.tokenizer.encode, sentences(read_texts(files), limit=20_000),
+                              length, count=max(1, round(windows * needle_share)))
     try:
-        batches = list(token_windows(ids, length, windows, batch=4))
+        batches = list(token_windows(ids, length, windows, batch=4, needles=needles,
+                                     needle_share=needle_share))
     except ValueError as e:
         raise KvtransError(str(e))
     if assign == "best":
@@ -302,6 +321,10 @@ def distill(translator_dir: Path = typer.Option(..., "--translator", help="stage
                                              help="positions the KL is taken over"),
             indexer_weight: float = typer.Option(DISTILL.indexer_weight, min=0.0, callback=finite,
                                                  help="weight of the indexer-key rehearsal"),
+            attention_weight: float = typer.Option(
+                DISTILL.attention_weight, min=0.0, callback=finite,
+                help="weight of the attention rehearsal: the target's attention over the "
+                "translated cache held to its attention over its own (0: off)"),
             needle_share: float = typer.Option(DISTILL.needle_share, min=0.0, max=1.0,
                                                callback=finite, help="share of each batch that "
                                                "is synthetic needles, question and answer last"),
@@ -344,7 +367,8 @@ def distill(translator_dir: Path = typer.Option(..., "--translator", help="stage
     validation_ids = src.tokenizer.encode(validation.read_text(errors="replace"))
     config = DistillConfig(steps=steps, lr=lr, warmup=warmup, batch=batch, min_prefix=min_prefix,
                            max_prefix=max_prefix, continuation=continuation,
-                           indexer_weight=indexer_weight, needle_share=needle_share,
+                           indexer_weight=indexer_weight, attention_weight=attention_weight,
+                           needle_share=needle_share,
                            validate_every=validate_every,
                            validation_windows=validation_windows, seed=seed)
     needles = None

@@ -28,6 +28,10 @@ def test_native_is_exact_and_each_zeroed_object_is_its_own_case(model_dirs):
     assert states and all(rows[s]["kl"] > 1e-5 for s in states)
     assert len({round(rows[s]["kl"], 9) for s in states}) == len(states)  # one layer each
     assert rows["zero all"]["kl"] >= max(rows[s]["kl"] for s in states) * 0.5
+    chosen = {"no cache", states[0]}
+    some = {r["label"]: r["lengths"]["48"] for r in ablate(
+        lm.model, lm.tokenizer.encode, ids, [48], windows=2, needles=2, only=chosen)}
+    assert set(some) == chosen and all(some[k] == rows[k] for k in chosen)
 
 
 def test_only_one_object_translated():

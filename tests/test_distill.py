@@ -44,10 +44,10 @@ def test_gradient_matches_finite_differences(loaded, source, target, recipes, pr
     translator, S, T = tiny_translator(loaded, source, target, recipes)
     windows = mx.random.randint(0, 259, (2, prefix + continuation), key=mx.random.key(9))
     with chunked_recurrence():
-        problem = Problem(translator, S, T, windows, prefix)
+        problem = Problem(translator, S, T, windows, prefix, attention=True)
         params = dict(tree_flatten(translator.parameters()))  # flat names: the loss takes either
-        (loss, (kl, rehearsal)), grads = mx.value_and_grad(problem.loss)(params)
-        assert set(grads) == set(params) and float(loss) > 0
+        (total, (kl, rehearsal, attention)), _ = mx.value_and_grad(problem.loss)(params)
+        assert float(total) > 0 and float(attention) > 0
         if target == "deepseek_v32":
             assert float(rehearsal) > 0
         keys = mx.random.split(mx.random.key(3), len(params))
@@ -55,14 +55,58 @@ def test_gradient_matches_finite_differences(loaded, source, target, recipes, pr
                      for key, (k, v) in zip(keys, params.items())}
         norm = sum(float((d * d).sum()) for d in direction.values()) ** 0.5
         eps = 1e-2 / norm
+        # the output KL (+ indexer rehearsal), then the attention rehearsal alone
+        for loss in (lambda p: problem.loss(p)[0],
+                     lambda p: problem.loss(p, 0.0, 1.0)[1][2]):
+            grads = mx.grad(loss)(params)
+            assert set(grads) == set(params)
 
-        def at(sign):
-            return float(problem.loss({k: params[k] + sign * eps * direction[k]
-                                       for k in params})[0])
+            def at(sign):
+                return float(loss({k: params[k] + sign * eps * direction[k] for k in params}))
 
-        numeric = (at(1) - at(-1)) / (2 * eps)
-    analytic = sum(float((grads[k] * direction[k]).sum()) for k in params)
-    assert abs(numeric - analytic) <= 0.02 * abs(analytic) + 1e-4, (numeric, analytic)
+            numeric = (at(1) - at(-1)) / (2 * eps)
+            analytic = sum(float((grads[k] * direction[k]).sum()) for k in params)
+            assert abs(numeric - analytic) <= 0.02 * abs(analytic) + 1e-4, (numeric, analytic)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "kimi_vl", "kimi_linear"])
+def test_recorded_attention_is_the_attention_the_model_computes(loaded, family):
+    """Recomputed from what `scaled_dot_product_attention` is given (GQA, MLA's additive rope
+    scores, the causal mask of queries reading a cache), the probabilities times the values are
+    its output."""
+    from mlx_kvtrans.instrument import attention_module_name, observe_function
+    from mlx_kvtrans.translators.attention_weights import attention_probabilities
+    from mlx_lm.models.base import scaled_dot_product_attention as sdpa
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model = loaded(family).model
+    cache = make_prompt_cache(model)
+    model(mx.random.randint(0, 259, (1, 20), key=mx.random.key(1)), cache=cache)
+    checked = []
+
+    def observe(queries, keys, values, cache=None, scale=1.0, mask=None, **kw):
+        probs = attention_probabilities(queries, keys, scale, mask)
+        expected = sdpa(queries, keys, values, cache=None, scale=scale, mask=mask)
+        values = mx.repeat(values, probs.shape[1] // values.shape[1], axis=1)
+        checked.append(float(mx.abs(probs @ values.astype(mx.float32) - expected).max()))
+
+    name = next(n for n in map(attention_module_name, model.layers) if n)
+    with observe_function(name, "scaled_dot_product_attention", observe):
+        model(mx.random.randint(0, 259, (1, 6), key=mx.random.key(2)), cache=cache)
+    assert checked and max(checked) < 1e-4, checked
+
+
+def test_attention_rehearsal_is_zero_for_the_native_cache_and_positive_otherwise(loaded):
+    from mlx_kvtrans.translators.distill import attention_rehearsal
+
+    translator, S, T = tiny_translator(loaded, "qwen3", "llama")
+    windows = mx.random.randint(0, 259, (2, 40), key=mx.random.key(4))
+    problem = Problem(translator, S, T, windows, 32, attention=True)
+    assert len(problem.native_attention) == len(T.layers)
+    assert float(attention_rehearsal(problem.native_attention, problem.native_attention)) \
+        == pytest.approx(0.0, abs=1e-6)
+    _, (_, _, attention) = problem.loss(translator.params, attention_weight=1.0)
+    assert float(attention) > 1e-4
 
 
 def ids_of(loaded, family):
@@ -192,3 +236,21 @@ def test_needle_rows_end_with_question_and_answer():
     assert [r in tails for r in rows] == [False, False, True, True]
     codes = {tasks.needle(NEEDLE_SEED + i, filler=[]).meta["code"] for i in range(20)}
     assert all(tok.decode(list(r[-7:-1])) in codes for r in rows[2:])
+
+
+def test_residual_nonlinearity_starts_at_zero_and_distils(loaded):
+    """A map's residual term leaves the closed form exactly as it was; stage 2's gradient
+    reaches it."""
+    S, T = loaded("qwen3").model, loaded("llama").model
+    data = [mx.random.randint(0, 259, (4, 48), key=mx.random.key(i)) for i in range(2)]
+    plain = fit(S, T, data, config=FitConfig(point=1))
+    with_residual = fit(S, T, data, config=FitConfig(point=1, residual=8))
+    tokens = mx.random.randint(0, 259, (1, 30), key=mx.random.key(5))
+    a = kv.translate_cache(plain, S, T, tokens)[1].keys[..., :30, :]
+    b = kv.translate_cache(with_residual, S, T, tokens)[1].keys[..., :30, :]
+    assert mx.allclose(a, b, atol=1e-5)  # (the fused and unfused matmuls round apart)
+    windows = mx.random.randint(0, 259, (2, 40), key=mx.random.key(6))
+    problem = Problem(with_residual, S, T, windows, 32)
+    grads = dict(tree_flatten(mx.grad(lambda p: problem.loss(p)[0])(with_residual.parameters())))
+    down = [k for k in grads if k.endswith("residual.down")]
+    assert down and all(float(mx.abs(grads[k]).sum()) > 0 for k in down)

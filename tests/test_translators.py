@@ -433,3 +433,16 @@ def test_compressed_features_at_full_width_reproduce_the_uncompressed_fit(loaded
     a = T(toks[:, -1:], cache=translate_cache(plain, S, T, toks[:, :-1]))
     b = T(toks[:, -1:], cache=translate_cache(full, S, T, toks[:, :-1]))
     assert max_abs_diff(a, b) <= 1e-3 * float(mx.abs(a).max())
+
+
+def test_needle_windows_end_with_the_answer():
+    from mlx_kvtrans.translators.fit import token_windows
+
+    ids = list(range(1000))
+    needles = [[7] * 90 + [1, 2, 3], [8] * 70 + [4, 5, 6]]
+    rows = [r for b in token_windows(ids, 50, 8, batch=4, needles=needles, needle_share=0.5)
+            for r in b.tolist()]
+    assert len(rows) == 8 and all(len(r) == 50 for r in rows)
+    ends = [r[-3:] for r in rows[::2]]
+    assert ends == [[1, 2, 3], [4, 5, 6], [1, 2, 3], [4, 5, 6]]
+    assert all(r[0] == r[1] - 1 for r in rows[1::2])  # the others are corpus windows

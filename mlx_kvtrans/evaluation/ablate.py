@@ -91,11 +91,14 @@ class Ablation:
 
 def ablate(model, encode, token_ids: list[int], lengths: list[int], windows: int = 4,
            needles: int = 20, continuation: int = 32, generated: int = 16, translator=None,
-           source=None, seed: int = 0, progress=None) -> list[dict]:
+           source=None, seed: int = 0, progress=None, only: set[str] | None = None
+           ) -> list[dict]:
     """Per case: {"case", "layer", "object", "lengths": {L: {"kl", "agreement", "recall"}}}.
-    `encode`: the model's tokenizer encode (for the needles); `token_ids`: held-out text."""
+    `encode`: the model's tokenizer encode (for the needles); `token_ids`: held-out text;
+    `only`: the labels of the cases to run (all by default)."""
     ablation = Ablation(model, translator, source)
-    todo = cases(ablation.layout, translator is not None)
+    todo = [c for c in cases(ablation.layout, translator is not None)
+            if only is None or c.label in only]
     rows = [{"case": c.name, "label": c.label, "layer": c.layer, "object": c.object,
              "kind": c.kind, "lengths": {}} for c in todo]
     total, done = len(todo) * len(lengths), 0

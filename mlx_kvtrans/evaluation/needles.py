@@ -61,8 +61,17 @@ def needle_scores(model, encode, length: int, samples: int = 50, filler=None,
     """(exact recall, mean loss of the answer digits in nats) at one prompt length.
 
     The digit loss shows copying long before recall does: chance is ln 10 = 2.30."""
+    report = needle_report(model, encode, length, samples, filler, seed, cache_for, progress)
+    return report["recall"], report["digit_nll"]
+
+
+def needle_report(model, encode, length: int, samples: int = 50, filler=None,
+                  seed: int = HELD_OUT_SEED, cache_for=None, progress=None) -> dict:
+    """{"recall", "digit_nll", "digit_accuracy"} at one prompt length: exact recall, the answer
+    digits' mean loss, and the share of answer digits whose greedy prediction is right (with
+    the earlier digits given)."""
     filler = filler or held_out_filler()
-    hits, nll = 0, 0.0
+    hits, nll, right, digits_seen = 0, 0.0, 0, 0
     for i in range(samples):
         if progress:
             progress(i)
@@ -77,8 +86,12 @@ def needle_scores(model, encode, length: int, samples: int = 50, filler=None,
         target = mx.array(answer[:digits])
         nll += float((mx.logsumexp(logits, axis=-1)
                       - mx.take_along_axis(logits, target[:, None], -1)[:, 0]).mean())
-        hits += mx.argmax(logits, axis=-1).tolist() == answer[:digits]
-    return hits / samples, nll / samples
+        predicted = mx.argmax(logits, axis=-1).tolist()
+        hits += predicted == answer[:digits]
+        right += sum(a == b for a, b in zip(predicted, answer[:digits]))
+        digits_seen += digits
+    return {"recall": hits / samples, "digit_nll": nll / samples,
+            "digit_accuracy": right / max(digits_seen, 1)}
 
 
 def needle_rows(encode, filler: list[str], length: int, count: int = 2000,

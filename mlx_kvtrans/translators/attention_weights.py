@@ -1,5 +1,6 @@
 """Attention-weighted fitting (KV-Lingo section 3.2): weight each prefix token's reconstruction
-error by how much the continuation's queries attend to it in the target.
+error by how much the continuation's queries attend to it in the target. And the attention
+distributions themselves, for the attention rehearsal of stage 2.
 
 During a target forward over [prefix | continuation], the scores that mlx-lm's attention computes
 are recomputed for the continuation queries only (an observer of `scaled_dot_product_attention` sees
@@ -19,21 +20,47 @@ from ..layouts import ModelLayout
 
 def _continuation_weights(queries, keys, scale, mask, continuation: int) -> mx.array:
     """(B, prefix) mean attention of the last `continuation` queries to each prefix key."""
-    B, H, L, _ = queries.shape
-    if keys.shape[1] != H:  # grouped keys: each serves H / n_kv query heads
-        keys = mx.repeat(keys, H // keys.shape[1], axis=1)
-    q = queries[:, :, L - continuation:].astype(mx.float32)
-    scores = (q * scale) @ keys.astype(mx.float32).swapaxes(-1, -2)  # (B, H, c, L)
+    L = queries.shape[2]
     if isinstance(mask, mx.array):
-        rows = mask[..., L - continuation:, :]
-        scores = mx.where(rows, scores, -mx.inf) if rows.dtype == mx.bool_ else scores + rows
-    else:  # "causal" or None in a full forward: query i sees keys <= i
-        positions = mx.arange(L)
-        visible = positions[None, :] <= (positions[L - continuation:])[:, None]
-        scores = mx.where(visible, scores, -mx.inf)
-    probs = mx.softmax(scores, axis=-1)[..., : L - continuation]
-    weights = probs.mean(axis=(1, 2))  # (B, prefix)
+        mask = mask[..., L - continuation:, :]
+    elif mask is None:  # a full forward: query i sees keys <= i
+        mask = "causal"
+    probs = attention_probabilities(queries[:, :, L - continuation:], keys, scale, mask)
+    weights = probs[..., : L - continuation].mean(axis=(1, 2))  # (B, prefix)
     return weights / mx.maximum(weights.mean(axis=-1, keepdims=True), 1e-12)
+
+
+def attention_probabilities(queries, keys, scale, mask) -> mx.array:
+    """(B, H, L, S) softmax attention of the L queries over the S keys, as mlx-lm's
+    `scaled_dot_product_attention` computes it: an array mask is boolean or additive (MLA passes
+    its rope scores so), "causal" lets the queries, the last L positions, see keys up to their
+    own."""
+    B, H, L, _ = queries.shape
+    S = keys.shape[2]
+    if keys.shape[1] != H:
+        keys = mx.repeat(keys, H // keys.shape[1], axis=1)
+    scores = (queries.astype(mx.float32) * scale) @ keys.astype(mx.float32).swapaxes(-1, -2)
+    if isinstance(mask, mx.array):
+        scores = mx.where(mask, scores, -mx.inf) if mask.dtype == mx.bool_ else scores + mask
+    elif mask == "causal":
+        visible = mx.arange(S)[None, :] <= (mx.arange(L) + S - L)[:, None]
+        scores = mx.where(visible, scores, -mx.inf)
+    return mx.softmax(scores, axis=-1)
+
+
+@contextlib.contextmanager
+def recording_attention_probabilities(model):
+    """Within the block, every softmax-attention call appends its (B, H, L, S) probabilities to
+    the list yielded, in layer order."""
+    found: list[mx.array] = []
+
+    def observe(queries, keys, values, cache=None, scale=1.0, mask=None, **kw):
+        found.append(attention_probabilities(queries, keys, scale, mask))
+
+    with contextlib.ExitStack() as stack:
+        for name in {attention_module_name(layer) for layer in model.layers} - {None}:
+            stack.enter_context(observe_function(name, "scaled_dot_product_attention", observe))
+        yield found
 
 
 @contextlib.contextmanager

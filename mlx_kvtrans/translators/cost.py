@@ -16,7 +16,7 @@ import mlx.core as mx
 
 from ..layouts import CapturePoint, ModelLayout, ObjectKind
 from ..layouts.linear_attention import RecurrentInputs
-from .features import feature_point
+from .features import feature_point, input_embedding
 from .recipes import Recipe, Widths
 
 FIT_BATCH_TOKENS = 4 * 256  # `kvtrans fit` reads windows in batches of 4 x 256 tokens
@@ -166,8 +166,9 @@ def plan_cost(source_lm, target_lm, recipes: list[Recipe], point: int,
     source_model, target_model = source_lm.model, target_lm.model
     source, target = layout_of(source_model), layout_of(target_model)
     widths = layout_widths(source, target, recipes, point, identity_width)
+    widths.vocab = input_embedding(target_model).weight.shape[0]
     maps, sets = [], {}
-    params = translation = 0.0
+    params = translation = tables = 0.0
     for r in recipes:
         r = r.shaped(widths)
         shapes = r.param_shapes(widths)
@@ -177,6 +178,8 @@ def plan_cost(source_lm, target_lm, recipes: list[Recipe], point: int,
         outputs = sum(s[0] for name, s in shapes.items() if name.endswith("weight"))
         inputs = next((s[1] for name, s in shapes.items() if name.endswith("weight")), 0)
         maps.append(MapCost(r.layer, r.name, r.recipe, r.sources, inputs, outputs, n))
+        if getattr(r, "tables", 0):  # per-id sums of x and y, two lags, float64
+            tables += 16.0 * widths.vocab * (inputs + outputs)
         params += n
         obj = target.layers[r.layer].cache.object(r.name)
         translation += r.flops(1, shapes, obj)
@@ -187,7 +190,7 @@ def plan_cost(source_lm, target_lm, recipes: list[Recipe], point: int,
             entry[2] += 1
     feature_sets = [FeatureSetCost(k[0], k[1], d, o, m, 8 * d * (d + o))
                     for k, (d, o, m) in sets.items()]
-    moments = sum(f.moments_bytes for f in feature_sets)
+    moments = sum(f.moments_bytes for f in feature_sets) + tables
     accumulate_flops = sum(2.0 * f.inputs * (f.inputs + f.outputs) for f in feature_sets)
     prefill_flops = 2.0 * (parameter_count(source_model) + parameter_count(target_model))
     per_token = accumulate_flops + prefill_flops

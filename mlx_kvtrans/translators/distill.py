@@ -8,7 +8,10 @@ corrections, replay maps). Source and target never change.
 Indexer keys (DSA targets) receive no gradient through the top-k selection, so a rehearsal loss
 asks the target's indexer scores over the prefix, read against predicted keys, to match its
 scores against its own keys: KL between the two score distributions per query, weighted by
-`indexer_weight`.
+`indexer_weight`. The attention rehearsal (`attention_weight`) does the same for every softmax
+attention layer: KL between the target's per-head attention distributions reading its own cache
+and reading the translated one, for every continuation query, so every query and head
+supervises the keys, not only the output distribution.
 
 Recurrences run through the chunkwise-parallel gated delta rule (it has a backward pass on every
 device; the Metal kernel has none). Each step's batch depends only on (seed, step), and the
@@ -44,6 +47,7 @@ from ..gated_delta import chunked_recurrence
 from ..install import install
 from ..instrument import recording_indexer_scores
 from ..layouts import CapturePoint, layout_of
+from .attention_weights import recording_attention_probabilities
 from .fidelity import kl_per_token
 from .translator import Translator
 
@@ -58,6 +62,7 @@ class DistillConfig:
     max_prefix: int = 256  # prefix lengths are drawn from [min_prefix, max_prefix] per step
     continuation: int = 32  # positions the KL is taken over
     indexer_weight: float = 1.0
+    attention_weight: float = 0.0  # the attention rehearsal's weight (0: off)
     needle_share: float = 0.0  # share of each batch's rows that are needles, answer at the end
     validate_every: int = 50
     validation_windows: int = 16
@@ -74,12 +79,22 @@ def indexer_rehearsal(native: list[mx.array], translated: list[mx.array], prefix
     return mx.stack(losses).mean() if losses else mx.array(0.0)
 
 
+def attention_rehearsal(native: list[mx.array], translated: list[mx.array]) -> mx.array:
+    """Mean over layers, heads and queries of KL(native attention || translated attention)."""
+    losses = []
+    for n, t in zip(native, translated):
+        kl = mx.where(n > 0, n * (mx.log(mx.maximum(n, 1e-30)) - mx.log(t + 1e-9)), 0.0)
+        losses.append(kl.sum(-1).mean())
+    return mx.stack(losses).mean() if losses else mx.array(0.0)
+
+
 class Problem:
     """One batch of windows: the source's capture and the target's native continuation (fixed),
     from which `loss(params)` measures a translator's parameters."""
 
-    def __init__(self, translator: Translator, source, target, windows: mx.array, prefix: int):
-        self.translator, self.target = translator, target
+    def __init__(self, translator: Translator, source, target, windows: mx.array, prefix: int,
+                 attention: bool = False):
+        self.translator, self.target, self.attention = translator, target, attention
         self.layout = layout_of(target)
         self.prefix_ids = windows[:, :prefix]
         self.inputs = windows[:, prefix:]
@@ -87,21 +102,33 @@ class Problem:
         self.source = capture(source, self.prefix_ids, points=translator.source_points())
         native_cache = capture(target, self.prefix_ids, points=(CapturePoint.ENGINE,),
                                layout=self.layout).engine
-        with recording_indexer_scores(target) as scores:
+        with self._recording() as (scores, probs):
             self.native_logits = target(self.inputs, cache=native_cache)
         self.native_scores = [mx.stop_gradient(s) for s in scores]
-        mx.eval(self.native_logits, self.native_scores)
+        self.native_attention = [mx.stop_gradient(p) for p in probs]
+        mx.eval(self.native_logits, self.native_scores, self.native_attention)
 
-    def loss(self, params: dict, indexer_weight: float = 1.0):
-        """(total, (KL, rehearsal)) of `params` (a tree or flat) on this batch."""
+    @contextlib.contextmanager
+    def _recording(self):
+        with contextlib.ExitStack() as stack:
+            scores = stack.enter_context(recording_indexer_scores(self.target))
+            probs = (stack.enter_context(recording_attention_probabilities(self.target))
+                     if self.attention else [])
+            yield scores, probs
+
+    def loss(self, params: dict, indexer_weight: float = 1.0, attention_weight: float = 0.0):
+        """(total, (KL, indexer rehearsal, attention rehearsal)) of `params` (a tree or flat)
+        on this batch."""
         objects, points = self.translator.translate(self.source, self.target, self.layout,
                                                     self.prefix_ids, params=params)
         cache = install(self.layout, objects, points)
-        with recording_indexer_scores(self.target) as scores:
+        with self._recording() as (scores, probs):
             logits = self.target(self.inputs, cache=cache)
         kl = kl_per_token(self.native_logits, logits).mean()
         rehearsal = indexer_rehearsal(self.native_scores, scores, self.prefix)
-        return kl + indexer_weight * rehearsal, (kl, rehearsal)
+        attention = attention_rehearsal(self.native_attention, probs)
+        total = kl + indexer_weight * rehearsal + attention_weight * attention
+        return total, (kl, rehearsal, attention)
 
 
 def start_fingerprint(translator: Translator) -> str:
@@ -219,7 +246,7 @@ class Distiller:
         """Mean held-out KL (nats/token) of `params` (default: the current ones)."""
         params = self.params if params is None else params
         with chunked_recurrence():
-            kls = [float(p.loss(params, self.config.indexer_weight)[1][0]) * len(p.inputs)
+            kls = [float(p.loss(params)[1][0]) * len(p.inputs)
                    for p in self.validation_problems()]
         return sum(kls) / self.config.validation_windows
 
@@ -228,17 +255,20 @@ class Distiller:
         windows, prefix = draw_windows(self.train_ids, step, self.config, self.needles)
         share = windows[self.rank::self.size]
         with chunked_recurrence():
-            problem = Problem(self.translator, self.source, self.target, share, prefix)
-            (loss, (kl, rehearsal)), grads = mx.value_and_grad(
-                lambda p: problem.loss(p, self.config.indexer_weight))(self.params)
+            c = self.config
+            problem = Problem(self.translator, self.source, self.target, share, prefix,
+                              attention=c.attention_weight > 0)
+            (loss, (kl, rehearsal, attention)), grads = mx.value_and_grad(
+                lambda p: problem.loss(p, c.indexer_weight, c.attention_weight))(self.params)
         if self.size > 1:
             grads = nn.average_gradients(grads, group=self.group)
-            loss, kl, rehearsal = (mx.distributed.all_sum(x, group=self.group) / self.size
-                                   for x in (loss, kl, rehearsal))
+            loss, kl, rehearsal, attention = (
+                mx.distributed.all_sum(x, group=self.group) / self.size
+                for x in (loss, kl, rehearsal, attention))
         self.params = self.optimizer.apply_gradients(grads, self.params)
-        mx.eval(self.params, self.optimizer.state, loss, kl, rehearsal)
+        mx.eval(self.params, self.optimizer.state, loss, kl, rehearsal, attention)
         return {"step": step + 1, "prefix": prefix, "loss": float(loss), "kl": float(kl),
-                "indexer_rehearsal": float(rehearsal)}
+                "indexer_rehearsal": float(rehearsal), "attention_rehearsal": float(attention)}
 
     def run(self, on_step=None, checkpoint_seconds: float = 120.0, max_minutes=None) -> dict:
         """Train to `config.steps` (from the checkpoint if resumed); returns the summary."""
@@ -279,7 +309,7 @@ class Distiller:
                 "validation_kl_after": validated[-1]["validation_kl"] if validated else None,
                 "peak_memory_bytes": self.state.get("peak_memory_bytes", mx.get_peak_memory()),
                 "curve": [{k: r[k] for k in ("step", "loss", "kl", "indexer_rehearsal",
-                                             "validation_kl") if k in r}
+                                             "attention_rehearsal", "validation_kl") if k in r}
                           for r in self.state["history"]]}
 
     def distilled(self) -> Translator:

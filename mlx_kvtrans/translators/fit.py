@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Iterable
 
 import mlx.core as mx
@@ -22,7 +22,7 @@ from ..layouts import CapturePoint, ObjectKind, layout_of
 from .attention_weights import recording_attention
 from .features import input_embedding, layer_features, projection_name
 from .plan import plan
-from .recipes import FitBatch, Recipe
+from .recipes import FitBatch, Recipe, RecipeError, TokenMap
 from .stats import Covariance, SharedMoments
 from .token_identity import TokenIdentity
 from .translator import Translator
@@ -44,13 +44,24 @@ class FitConfig:
     token_identity: str = "off"  # off, ids, codebook
     ridge: float = 1e-3  # relative to the data scale
     attention_weighted: int = 0  # c > 0: weight prefix tokens by the last c tokens' attention
+    identity_tables: int = 0  # r > 0: every token map gets rank-r identity tables (t, t-1)
+    residual: int = 0  # h > 0: every token map gets a residual nonlinearity (stage 2 trains it)
     share_moments: bool = True  # maps reading the same features share one moment matrix
     windows: int = 256  # fitting windows (the command line's data)
     length: int = 256  # tokens per window
 
     def plan(self, source_layout, target_layout) -> list[Recipe]:
-        return plan(source_layout, target_layout, self.point, self.nu, self.recipes,
-                    self.points, self.split_kv, self.headwise, self.features)
+        recipes = plan(source_layout, target_layout, self.point, self.nu, self.recipes,
+                       self.points, self.split_kv, self.headwise, self.features)
+        if self.identity_tables:
+            if self.token_identity == "off":
+                raise RecipeError("identity tables need token identity: ids or codebook")
+            recipes = [replace(r, tables=self.identity_tables) if isinstance(r, TokenMap) else r
+                       for r in recipes]
+        if self.residual:
+            recipes = [replace(r, residual=self.residual) if isinstance(r, TokenMap) else r
+                       for r in recipes]
+        return recipes
 
     def to_json(self) -> dict:
         return {**asdict(self), "point": int(self.point)}
@@ -117,7 +128,7 @@ def fit(source_model, target_model, batches: Iterable[mx.array],
             decoded_right += int((ids == tokens).sum())
         batch = FitBatch(src, tgt, shell.features(src),
                          None if ids is None else embed(ids).astype(mx.float32), attention,
-                         shared)
+                         shared, ids, embed.weight.shape[0])
         for recipe in recipes:
             recipe.accumulate(batch, stats)
         if shared is not None:
@@ -171,15 +182,24 @@ def moments_bytes(stats: dict) -> int:
     for entry in stats.values():
         if isinstance(entry, dict) and "moments" in entry:
             total += sum(m.xx.nbytes + m.xy.nbytes for m in entry["moments"].values())
+            total += entry["tables"].nbytes if "tables" in entry else 0
     return total
 
 
-def token_windows(token_ids: list[int], length: int, count: int, batch: int, seed: int = 0):
-    """`count` windows of `length` tokens, evenly spread over `token_ids`, in batches."""
+def token_windows(token_ids: list[int], length: int, count: int, batch: int, seed: int = 0,
+                  needles: list[list[int]] | None = None, needle_share: float = 0.0):
+    """`count` windows of `length` tokens, evenly spread over `token_ids`, in batches; with
+    `needles` (`needle_rows`), that share of the windows are needles cut so that their
+    question and answer end the window (where `attention_weighted` takes its queries)."""
     stride = max(1, (len(token_ids) - length) // max(1, count))
     starts = [i * stride for i in range(count) if i * stride + length <= len(token_ids)]
     if not starts:
         raise ValueError(f"the fitting text has {len(token_ids)} tokens: fewer than one window "
                          f"of {length}")
-    for i in range(0, len(starts), batch):
-        yield mx.array([token_ids[s:s + length] for s in starts[i:i + batch]])
+    rows = [token_ids[s:s + length] for s in starts]
+    if needles and needle_share:
+        every = max(1, round(1 / needle_share))  # evenly interleaved: each batch gets its share
+        rows = [needles[(i // every) % len(needles)][-length:] if i % every == 0 else row
+                for i, row in enumerate(rows)]
+    for i in range(0, len(rows), batch):
+        yield mx.array(rows[i:i + batch])

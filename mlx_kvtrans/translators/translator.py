@@ -106,7 +106,8 @@ class Translator:
         points = [{} for _ in target_layout.layers]
         inputs = {r: BuildInputs(source, features, identity if r.reads_identity else None,
                                  source.tokens.shape[0],
-                                 target_layout.layers[r.layer].cache.object(r.name), all_rows)
+                                 target_layout.layers[r.layer].cache.object(r.name), all_rows,
+                                 ids)
                   for r in self.recipes}
         # maps of the same input run as one matmul (one GEMM at the matmul peak, not dozens)
         fused: dict[tuple, list[Recipe]] = {}

@@ -46,6 +46,8 @@ class FitBatch:
     identity: mx.array | None  # (B, T, E) target embeddings of the token ids, or None
     attention: dict[int, mx.array]  # target layer -> (B, prefix) weights (attention-weighted)
     shared: Any = None  # stats.SharedMoments: maps reading the same features share moments
+    ids: mx.array | None = None  # (B, T) token ids, with token identity on
+    vocab: int = 0  # the target's vocabulary (identity tables' rows)
 
 
 @dataclass
@@ -58,6 +60,7 @@ class BuildInputs:
     batch: int
     target_object: CacheObject
     all_rows: bool = False  # conv histories: every row, not only the K-1 the engine keeps
+    ids: mx.array | None = None  # (B, T) token ids, with token identity on
 
 
 def concat_features(features: dict, sources, kinds, identity) -> mx.array:
@@ -174,3 +177,4 @@ class Widths:
     features: dict[tuple[int, tuple[str, ...]], int]  # (source layer, kinds) -> width
     identity: int  # width of the token-identity embedding (0 when off)
     target: dict[tuple[int, str, int], Any]  # (layer, object, point) -> its value on 8 tokens
+    vocab: int = 0  # the target's vocabulary (identity tables)

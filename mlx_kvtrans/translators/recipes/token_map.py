@@ -6,7 +6,10 @@ target layer's depth, plus token identity (hybrid-translation paper, "Per-object
 
 fitted by ridge regression on streamed second moments. `split_kv` maps keys from source keys and
 values from source values; `heads` = n makes it head-wise (target head h reads source head h
-only, plus the token identity): a block-diagonal W fitted block by block.
+only, plus the token identity): a block-diagonal W fitted block by block. `tables` = r adds
+rank-r identity tables of the ids at t and t-1 (`identity_tables`). `residual` = h adds a small
+nonlinear term, down(gelu(up(rms(x)))) with h hidden units: it starts at zero (down = 0), so the
+closed form is unchanged, and only stage 2 trains it.
 """
 
 from __future__ import annotations
@@ -14,11 +17,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 
 from ...capture import capture
 from ...layouts import CapturePoint, ObjectKind, layout_of
 from ..features import layer_features
+from ..identity_tables import LAGS, TableMoments, table_offsets, table_shapes
 from ..stats import LinearFit, Moments, solve
 from .base import BuildInputs, FitBatch, PlanContext, Recipe, RecipeError, concat_features
 
@@ -41,6 +46,8 @@ class TokenMap(Recipe):
 
     source_kinds: tuple[str, ...] = ()  # only these source object kinds (split K/V); () = all
     heads: int = 0  # 0 = head-mixing; n = head-wise
+    tables: int = 0  # rank of the identity tables (0: none)
+    residual: int = 0  # hidden width of the residual nonlinearity (0: none)
 
     @classmethod
     def plan(cls, obj, layer, ctx: PlanContext) -> "TokenMap":
@@ -92,11 +99,19 @@ class TokenMap(Recipe):
         shared = batch.shared is not None and not self.heads and weights is None
         entry = stats.setdefault(self.key, {"shape": (x.shape[-1], y.shape[-1], per_layer),
                                             "moments": {}, "shared": shared})
+        ids = batch.ids
+        if weights is not None:  # the prefix, weighted by the continuation's attention
+            x, y = x[:, : weights.shape[1]], y[:, : weights.shape[1]]
+            ids = None if ids is None else ids[:, : weights.shape[1]]
+        if self.tables:
+            if ids is None:
+                raise RecipeError("identity tables need token identity (ids or codebook)")
+            if "tables" not in entry:
+                entry["tables"] = TableMoments(batch.vocab, x.shape[-1], y.shape[-1])
+            entry["tables"].add(x, y, ids)
         if shared:
             batch.shared.add(self.feature_key(), x, self.key, y)
             return
-        if weights is not None:  # the prefix, weighted by the continuation's attention
-            x, y = x[:, : weights.shape[1]], y[:, : weights.shape[1]]
         for key, cols, rows in self._blocks(*entry["shape"]):
             xb, yb = (x, y) if cols is None else (x[..., cols], y[..., rows])
             if key not in entry["moments"]:
@@ -120,19 +135,36 @@ class TokenMap(Recipe):
                 r2.append(block.mean_r2)
             fit = LinearFit(weight, bias, np.array([float(np.mean(r2))]), False)
         params = {"weight": mx.array(fit.weight), "bias": mx.array(fit.bias)}
+        if self.tables:
+            params.update(entry["tables"].solve(fit.weight, fit.bias, self.tables))
+        if self.residual:
+            params.update(self._residual_start(*fit.weight.shape))
         return params, {"": {"r2": round(fit.mean_r2, 5), "pinv": fit.used_pinv}}
+
+    def _residual_start(self, dout: int, din: int) -> dict[str, mx.array]:
+        key = mx.random.key(1_000 * self.layer + sum(map(ord, self.name)))
+        return {"residual.up": mx.random.normal((self.residual, din), key=key) / din ** 0.5,
+                "residual.down": mx.zeros((dout, self.residual))}
 
     # -- translating ------------------------------------------------------------------------
     def build(self, inputs: BuildInputs, params):
         obj = inputs.target_object
         x = concat_features(inputs.features, self.sources, self.source_kinds, inputs.identity)
+        y = x @ params["weight"].T + params["bias"]
+        if self.tables:
+            y = y + table_offsets(params, inputs.ids)
+        if self.residual:
+            hidden = nn.gelu(mx.fast.rms_norm(x, None, 1e-6) @ params["residual.up"].T)
+            y = y + hidden @ params["residual.down"].T
         if obj.kind == ObjectKind.CONV_HISTORY and not inputs.all_rows:
-            x = x[:, -(obj.engine_shape[1]):]  # only the rows the history keeps
-        return self.from_parts(inputs, {"": x @ params["weight"].T + params["bias"]})
+            y = y[:, -(obj.engine_shape[1]):]  # only the rows the history keeps
+        return self.from_parts(inputs, {"": y})
 
     def fused_input(self, inputs):
         if inputs.target_object.kind == ObjectKind.CONV_HISTORY and not inputs.all_rows:
             return None  # it maps only the K-1 rows the history keeps
+        if self.tables or self.residual:
+            return None  # its tables or residual add to the map's output
         return self.feature_key()
 
     def linear_parts(self, params):
@@ -149,13 +181,21 @@ class TokenMap(Recipe):
         din = sum(widths.features[(s, self.source_kinds)] for s in self.sources)
         din += widths.identity
         dout = per_token_rows(widths.target[(self.layer, self.name, self.point)]).shape[-1]
-        return {"weight": (dout, din), "bias": (dout,)}
+        shapes = {"weight": (dout, din), "bias": (dout,)}
+        if self.tables:
+            shapes.update(table_shapes(widths.vocab, self.tables, dout))
+        if self.residual:
+            shapes.update({"residual.up": (self.residual, din),
+                           "residual.down": (dout, self.residual)})
+        return shapes
 
     def flops(self, length, shapes, target_object):
         dout, din = shapes["weight"]
         rows = (min(length, target_object.engine_shape[1])
                 if target_object.kind == ObjectKind.CONV_HISTORY else length)
-        return 2.0 * din * dout * rows
+        tables = sum(shapes[f"table{lag}.v"][0] for lag in LAGS) if self.tables else 0
+        residual = self.residual * (din + dout) / dout
+        return 2.0 * (din + tables + residual) * dout * rows
 
 
 def assign_best_single(source_model, target_model, batches, recipes, source_point=1,
