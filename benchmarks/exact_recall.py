@@ -113,6 +113,8 @@ def main():
     parser.add_argument("--kl-windows", type=int, default=8, help="held-out windows per length")
     parser.add_argument("--windows", type=int, default=256, help="fitting windows")
     parser.add_argument("--distill-steps", type=int, default=200)
+    parser.add_argument("--note", default=None,
+                        help="how this run's minutes were measured, kept with the pair")
     args = parser.parse_args()
     pairs = [tuple(p.split(":")) for p in args.pairs.split(",")] if args.pairs else PAIRS
     ideas = args.ideas.split(",") if args.ideas else list(IDEAS)
@@ -140,6 +142,8 @@ def main():
         needles = needle_rows(src.tokenizer.encode,
                               sentences(read_split("runs/corpus", "train"), limit=20_000),
                               FIT_LENGTH + DistillConfig.continuation)
+        if args.note:
+            entry["note"] = args.note
         for idea in ideas:
             if idea in entry["rows"]:
                 continue
@@ -184,7 +188,7 @@ def markdown(results) -> str:
         s = entry["settings"]
         notes.append(f"- {key}: {s['samples']} needles per length, {s['windows']} fitting "
                      f"windows, {s['distill_steps']} distillation steps, {s['kl_windows']} KL "
-                     f"windows per length")
+                     f"windows per length" + (f"; {entry['note']}" if entry.get("note") else ""))
     return "\n".join(lines + ["", *notes]) + "\n"
 
 

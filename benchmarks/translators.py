@@ -50,17 +50,25 @@ DISTILL_LR = {("qwen3-large", "qwen3-small"): 3e-5, ("qwen3.5-b", "qwen3.5-a"): 
 # layer of a hybrid source; "all" also reads the nu nearest linear-attention layers' conv rows
 # (the design shipped before; for a source without linear attention the two are the same).
 DEFAULT = ("default", {"point": 1, "nu": 2}, {"token_identity": "off"})
+# half the fitting windows needles, the fit weighted by their answers' attention: the variant
+# that keeps exact recall across lineages (benchmarks/results/exact_recall.md)
+NEEDLE_WEIGHTED = ("token ids, needle-weighted", {"point": 1, "nu": 2},
+                   {"token_identity": "ids", "attention_weighted": 8, "needle_share": 0.5})
 ALL = {"point": 1, "nu": 2, "features": "all"}
 PAIRS = {
     ("qwen3-small", "qwen3-large"): [DEFAULT],
     ("qwen3-large", "qwen3-small"): [DEFAULT],
-    ("kimi-linear", "kimi-vl"): [("token ids", {"point": 1, "nu": 2}, {"token_identity": "ids"}),
+    ("kimi-linear", "kimi-vl"): [NEEDLE_WEIGHTED,
+                                 ("token ids", {"point": 1, "nu": 2}, {"token_identity": "ids"}),
                                  ("features all, token ids", ALL, {"token_identity": "ids"}),
                                  DEFAULT,
                                  ("features all", ALL, {"token_identity": "off"}),
                                  ("capture (3), token ids", {"point": 3, "nu": 2},
                                   {"token_identity": "ids"})],
-    ("kimi-vl", "kimi-linear"): [("codebook", {"point": 1, "nu": 2},
+    ("kimi-vl", "kimi-linear"): [("codebook, needle-weighted", {"point": 1, "nu": 2},
+                                  {"token_identity": "codebook", "attention_weighted": 8,
+                                   "needle_share": 0.5}),
+                                 ("codebook", {"point": 1, "nu": 2},
                                   {"token_identity": "codebook"}),
                                  DEFAULT,
                                  ("capture (3), codebook", {"point": 3, "nu": 2},
@@ -86,9 +94,21 @@ def codebook_for(src, token_identity):
     return codebook_of(src, Path("runs/cache")) if token_identity == "codebook" else None
 
 
+def training_needles(src, length: int) -> list[list[int]]:
+    filler = sentences(read_split("runs/corpus", "train"), limit=20_000)
+    return needle_rows(src.tokenizer.encode, filler, length)
+
+
 def fit_variant(src, tgt, plan_options, fit_options, train_ids, codebook):
-    return fit(src.model, tgt.model, token_windows(train_ids, FIT_LENGTH, FIT_WINDOWS, batch=8),
-               None, FitConfig(**plan_options, **fit_options), codebook=codebook)
+    """A variant's stage 1; `needle_share` in its fit options makes that share of the fitting
+    windows needles, question and answer last (`benchmarks/exact_recall.py`)."""
+    options = dict(fit_options)
+    share = options.pop("needle_share", 0.0)
+    needles = training_needles(src, FIT_LENGTH) if share else None
+    windows = token_windows(train_ids, FIT_LENGTH, FIT_WINDOWS, batch=8, needles=needles,
+                            needle_share=share)
+    return fit(src.model, tgt.model, windows, None, FitConfig(**plan_options, **options),
+               codebook=codebook)
 
 
 def needles(tokenizer, length: int, samples: int):
@@ -125,10 +145,8 @@ def distill_variant(translator, src, tgt, args, lr, train_ids, validation_ids, n
     config = DistillConfig(steps=args.distill_steps, batch=8, max_prefix=FIT_LENGTH,
                            validate_every=max(1, args.distill_steps // 4), validation_windows=16,
                            needle_share=args.needle_share, lr=lr)
-    needles = None
-    if args.needle_share:
-        filler = sentences(read_split("runs/corpus", "train"), limit=20_000)
-        needles = needle_rows(src.tokenizer.encode, filler, FIT_LENGTH + config.continuation)
+    needles = (training_needles(src, FIT_LENGTH + config.continuation) if args.needle_share
+               else None)
     workdir = Path("runs") / "distill" / (name + (f"-needles{args.needle_share}"
                                                   if args.needle_share else "")
                                           + f"-lr{lr:g}"

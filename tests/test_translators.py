@@ -182,6 +182,16 @@ def test_cli_fit_then_fidelity_and_refusals(model_dirs, tmp_path):
                                  "--out", str(out), "--windows", "8", "--length", "48", "--json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["fit"]["tokens"] == 8 * 48
+    # the recall options: needle windows weighted by their answers, tables, a residual
+    recall = runner.invoke(app, ["fit", "--from", src, "--to", tgt, "--data", str(text),
+                                 "--out", str(tmp_path / "recall"), "--windows", "8", "--length",
+                                 "48", "--token-identity", "ids", "--needle-share", "0.5",
+                                 "--attention-weighted", "4", "--identity-tables", "4",
+                                 "--residual", "4", "--json"])
+    assert recall.exit_code == 0, recall.output
+    manifest = json.loads((tmp_path / "recall" / "manifest.json").read_text())
+    assert all(o["tables"] == 4 and o["residual"] == 4 for o in manifest["objects"]
+               if o["recipe"] == "map")
     result = runner.invoke(app, ["eval", "fidelity", "--translator", str(out), "--text", str(text),
                                  "--prefix-lengths", "32", "--windows", "1", "--json"])
     assert result.exit_code == 0, result.output
