@@ -16,7 +16,8 @@ that), so each other row adds one idea to it:
 - all: every idea together.
 
 Rows are kept as they finish (benchmarks/results/exact_recall.json), so a stopped run continues
-with the rows it lacks; distillations checkpoint under runs/exact_recall/.
+with the rows it lacks; distillations checkpoint under runs/exact_recall/, where each row's
+distilled translator is saved too (`translator/`, for `kvtrans eval needle / multiturn`).
 
     python benchmarks/exact_recall.py [--pairs a:b,...] [--ideas a,b] [--samples N]
                                       [--distill-steps N] [--windows N]
@@ -35,6 +36,7 @@ import mlx.core as mx
 from mlx_kvtrans.blas import blas_report
 from mlx_kvtrans.evaluation.needles import needle_report, needle_rows
 from mlx_kvtrans.models import weights_fingerprint
+from mlx_kvtrans.translators import artifact
 from mlx_kvtrans.translators.distill import DistillConfig, Distiller, start_fingerprint
 from mlx_kvtrans.translators.fidelity import fidelity
 from mlx_kvtrans.translators.fit import FitConfig, fit, token_windows
@@ -92,6 +94,8 @@ def run_idea(src, tgt, idea: str, args, train_ids, validation_ids, test_ids, nee
     distiller.resume()
     summary = distiller.run()
     distilled = distiller.distilled()
+    distilled.info.update(stage=2, distill=summary)
+    artifact.save(distilled, workdir / "translator", src, tgt)  # for `kvtrans eval ...`
     kl = fidelity(distilled, src.model, tgt.model, test_ids, [LENGTHS[0], LENGTHS[2]],
                   windows=args.kl_windows)
     return {"idea": idea, "fit": config.to_json(), "fit_windows": window_options,

@@ -85,7 +85,8 @@ RECIPES = {r.alias: r for r in [
     # Trained at 256 tokens, full MLA recalled nothing at 512: the attention targets train on
     # rows up to 1,024 tokens (2,048 tokens a step: 32 x 64 first, 2 x 1,024 last). 3,000 steps
     # (800 at 64-token rows, 800 at 256, 600 at 512, 800 at 1,024) left it copying no needle
-    # at any length (digit accuracy 0.4): it keeps the short rows longer.
+    # at any length (digit accuracy 0.4); these 4,000 (58.5 min) recall 0.06 at 1,024, copying
+    # only beginning. Not shipped: weights/kimi-vl is still the model its manifest's recipe made.
     Recipe("kimi-vl", "kimi_vl", "full MLA with RoPE'd rope key (Pair A)",
            dict(model_type="kimi_vl", text_config=dict(model_type="deepseek_v3", **_base(128, 4),
                 **_MLA, first_k_dense_replace=4)),
