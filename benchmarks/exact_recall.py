@@ -99,7 +99,7 @@ def run_idea(src, tgt, idea: str, args, train_ids, validation_ids, test_ids, nee
     kl = fidelity(distilled, src.model, tgt.model, test_ids, [LENGTHS[0], LENGTHS[2]],
                   windows=args.kl_windows)
     return {"idea": idea, "fit": config.to_json(), "fit_windows": window_options,
-            "distill": {k: v for k, v in summary["config"].items()},
+            "distill": summary["config"],
             "fit_minutes": round(fit_minutes, 2), "distill_minutes": summary["minutes"],
             "validation_kl_before": summary["validation_kl_before"],
             "validation_kl_after": summary["validation_kl_after"],
