@@ -69,10 +69,13 @@ def _base(hidden, layers, **extra):
 # q and k are RMS-normed per head in qwen3 / qwen3_5 attention, so a head's sharpest attention
 # grows with sqrt(head_dim): 64 rather than 32 lets a copying head single out one token of 256.
 RECIPES = {r.alias: r for r in [
+    # Trained at 256 tokens it recalled 0.48 at 512: its first 2,200 steps are that model's,
+    # the last 500 read rows of 512 and 1,024 tokens.
     Recipe("qwen3-small", "qwen3", "GQA pair, smaller (KV-Lingo's Qwen3-4B side)",
            dict(model_type="qwen3", **_base(128, 4), num_attention_heads=4, num_key_value_heads=2,
                 head_dim=64, rope_theta=10000.0),
-           seed=11, steps=2500, length_schedule=((750, 4), (1250, 2))),
+           seed=11, steps=2700, batch=2, length=1024,
+           length_schedule=((750, 16), (1250, 8), (2200, 4), (2500, 2))),
     # Like Qwen3-4B -> 8B: wider and deeper, same heads. Hidden 192 x 6 layers (4.0M) left its
     # answer-digit loss near 1.0 nats from step 1,300 to 2,500 and took 72 min; 160 x 5 takes
     # more steps in the hour, on the short-row schedule that taught qwen3-small to copy. It
@@ -82,16 +85,18 @@ RECIPES = {r.alias: r for r in [
            dict(model_type="qwen3", **_base(160, 5), num_attention_heads=4, num_key_value_heads=2,
                 head_dim=64, rope_theta=10000.0),
            seed=12, steps=3200, length_schedule=((750, 4), (1250, 2))),
-    # Trained at 256 tokens, full MLA recalled nothing at 512: the attention targets train on
-    # rows up to 1,024 tokens (2,048 tokens a step: 32 x 64 first, 2 x 1,024 last). 3,000 steps
-    # (800 at 64-token rows, 800 at 256, 600 at 512, 800 at 1,024) left it copying no needle
-    # at any length (digit accuracy 0.4); these 4,000 (58.5 min) recall 0.06 at 1,024, copying
-    # only beginning. Not shipped: weights/kimi-vl is still the model its manifest's recipe made.
+    # Trained at 256 tokens, full MLA recalled nothing at 512, so the attention targets end on
+    # rows of 512 and 1,024 tokens (2,048 tokens a step throughout). Full MLA learns to copy
+    # late: the 256-token model under a cosine rate from step 100 began at step 2,200 (rate
+    # ~2.6e-4); two schedules that held the rate at 1e-3 and grew the rows earlier (3,000 and
+    # 4,000 steps) had not learned it by step 2,650 (digit accuracy 0.4) and recalled 0.06 at
+    # 1,024 after 4,000 (58.5 min). So: that model's rows and cosine rate to step 2,600, then
+    # the long rows.
     Recipe("kimi-vl", "kimi_vl", "full MLA with RoPE'd rope key (Pair A)",
            dict(model_type="kimi_vl", text_config=dict(model_type="deepseek_v3", **_base(128, 4),
                 **_MLA, first_k_dense_replace=4)),
-           seed=13, steps=4000, batch=2, length=1024,
-           length_schedule=((1000, 16), (2600, 4), (3300, 2))),
+           seed=13, steps=3200, batch=2, length=1024, decay_share=0.0,
+           length_schedule=((900, 16), (1500, 8), (2600, 4), (2900, 2))),
     # The reference gates (the shipped model, trained from mlx-lm's, keeps a KDA state that
     # zeroing costs 0.003 nats/token): 30.1 min, recall 1.00 / 0.96 / 0.62 / 0.34 at 1x-8x, and
     # zeroing its states costs 61% of the no-cache KL at 1,024 (recall 0.40 -> 0.00). Not
