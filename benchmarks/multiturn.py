@@ -47,7 +47,9 @@ def write_markdown(results: dict, blas: str):
              "turns and ask for them later; the models alternate at every turn, starting with the "
              "first. A question turn is right when the reply contains the asked number. Same "
              "dialogues for every strategy; `reprefill` re-reads the whole history on each switch "
-             "(the reference). Regenerate with `python benchmarks/multiturn.py`.\n",
+             "(the reference); `segment, no gate` is what the translators alone give, and `gate "
+             "fired` the share of translated switches the fidelity gate sent back to re-reading. "
+             "Regenerate with `python benchmarks/multiturn.py`.\n",
              f"BLAS: {blas}\n"]
     for key, r in results.items():
         table = r["accuracy"]
@@ -57,11 +59,13 @@ def write_markdown(results: dict, blas: str):
                   f"Translators: {r['forward']} and back {r['back']}; {r['dialogues']} dialogues "
                   f"of {r['turns']} turns, {asked} questions asked; {r['minutes']} min.\n",
                   "| strategy | " + " | ".join(f"turn {int(k) + 1}" for k in turn_keys)
-                  + " | all |",
-                  "|---" * (len(turn_keys) + 2) + "|"]
+                  + " | all | gate fired |",
+                  "|---" * (len(turn_keys) + 3) + "|"]
         for strategy, row in table.items():
             cells = [f"{row[k]:.2f}" if k in row else "-" for k in turn_keys]
-            lines.append(f"| {strategy} | " + " | ".join(cells) + f" | {row['all']:.2f} |")
+            fired = "-" if row.get("gate_fired") is None else f"{row['gate_fired']:.2f}"
+            lines.append(f"| {strategy} | " + " | ".join(cells)
+                         + f" | {row['all']:.2f} | {fired} |")
         lines.append("")
     (OUT / "multiturn.md").write_text("\n".join(lines))
     print("\n".join(lines))

@@ -174,9 +174,11 @@ def eval_multiturn(translator_dir: Path = typer.Option(..., "--translator",
     for k in turn_keys:
         view.add_column(f"turn {int(k) + 1}", justify="right")
     view.add_column("all", justify="right")
+    view.add_column("gate fired", justify="right")
     for strategy, row in table.items():
+        fired = "-" if row["gate_fired"] is None else f"{row['gate_fired']:.2f}"
         view.add_row(strategy, *(f"{row[k]:.2f}" if k in row else "-" for k in turn_keys),
-                     f"{row['all']:.2f}")
+                     f"{row['all']:.2f}", fired)
     out.print(view)
 
 

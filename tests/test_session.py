@@ -256,7 +256,7 @@ def test_bench_times_switch_and_reprefill_side_by_side(pair, tmp_path):
 
 
 def test_multiturn_dialogues_alternate_models_and_find_the_questions(pair):
-    from mlx_kvtrans.evaluation.multiturn import HELD_OUT_DIALOGUES, run_dialogue
+    from mlx_kvtrans.evaluation.multiturn import HELD_OUT_DIALOGUES, UNGATED, run_dialogue
     from mlx_kvtrans.evaluation import tasks
 
     a, b, paths = pair
@@ -273,6 +273,11 @@ def test_multiturn_dialogues_alternate_models_and_find_the_questions(pair):
     # scored on question turns only; a 4-token reply of a byte-level model cannot hold a
     # 6-digit number, so none is right
     assert [r["right"] for r in rows] == [False if r["question"] else None for r in rows]
+    assert rows[0]["gate"] == ""  # no switch into the first turn
+    assert all(r["gate"] in ("passed", "fired", "uncalibrated", "unchecked") for r in rows[1:])
+    ungated = run_dialogue({a.name: a, b.name: b}, translators, UNGATED, HELD_OUT_DIALOGUES, 4,
+                           max_tokens=4)
+    assert [r["gate"] for r in ungated] == ["", "off", "off", "off"]
 
 
 def test_naive_retranslates_the_whole_prefix_including_translated_spans(pair):

@@ -3,8 +3,9 @@
 Each dialogue (`evaluation.tasks.dialogue`, seeds never used in training) states numbers in early
 user turns and asks for them later. The active model answers every turn greedily; a question turn
 counts as right when the reply contains the asked number. The same dialogues run under each
-switching strategy (segment-wise, naive, refresh) and under re-prefill (no translators), so the
-per-turn accuracies sit side by side.
+switching strategy (segment-wise, naive, refresh; each with the fidelity gate), segment-wise
+without the gate (what the translators alone give) and under re-prefill (no translators), so the
+per-turn accuracies sit side by side with how often the gate sent a switch back to re-reading.
 """
 
 from __future__ import annotations
@@ -17,15 +18,21 @@ from . import tasks
 HELD_OUT_DIALOGUES = 950_000_000
 
 
+UNGATED = "segment, no gate"
+STRATEGIES = ("segment", UNGATED, "naive", "refresh", "reprefill")
+
+
 def run_dialogue(models: dict, translators: dict, strategy: str, seed: int, turns: int,
                  max_tokens: int = 24) -> list[dict]:
-    """Per assistant turn: which model answered, whether it was a question, whether right."""
+    """Per assistant turn: which model answered, whether it was a question, whether right, and
+    the gate's verdict on the switch into the turn ("" on the first turn)."""
     names = list(models)
     sample = tasks.dialogue(seed, turns=turns)
     messages = sample.messages + [{"role": "assistant", "content": sample.answer}]
-    session = Session(models, translators, active=names[0],
-                      strategy="segment" if strategy == "reprefill" else strategy)
-    results, turn = [], 0
+    plain = {"reprefill": "segment", UNGATED: "segment"}.get(strategy, strategy)
+    options = {"gate_tokens": 0} if strategy == UNGATED else {}
+    session = Session(models, translators, active=names[0], strategy=plain, **options)
+    results, turn, gate = [], 0, ""
     for i, message in enumerate(messages):
         if message["role"] != "user":
             continue
@@ -40,30 +47,35 @@ def run_dialogue(models: dict, translators: dict, strategy: str, seed: int, turn
             gold = re.search(r"is (\d{6})", messages[i + 1]["content"]).group(1)
             right = gold in text
         results.append({"turn": turn, "model": session.active, "question": bool(asked),
-                        "right": right})
+                        "right": right, "gate": gate})
         session.add(tok.encode("\n")[-1:])
         turn += 1
-        session.switch(names[turn % len(names)])
+        gate = session.switch(names[turn % len(names)]).gate
     return results
 
 
 def evaluate(models: dict, translators: dict, dialogues: int = 20, turns: int = 10,
-             strategies=("segment", "naive", "refresh", "reprefill"), progress=None) -> dict:
+             strategies=STRATEGIES, progress=None) -> dict:
     """Per strategy and turn: accuracy on question turns, over `dialogues` held-out dialogues
-    (keys: turn index, "all", and "questions", how many were asked in all).
+    (keys: turn index, "all", "questions", how many were asked in all, and "gate_fired", the
+    share of gated switches the gate sent back to re-reading).
     `progress(done, total, what)` follows the dialogues."""
     table = {}
     for n, strategy in enumerate(strategies):
         pairs = {} if strategy == "reprefill" else translators
         per_turn: dict[int, list[bool]] = {}
+        verdicts = []
         for d in range(dialogues):
             if progress:
                 progress(n * dialogues + d, len(strategies) * dialogues, strategy)
             for r in run_dialogue(models, pairs, strategy, HELD_OUT_DIALOGUES + d, turns):
                 if r["question"]:
                     per_turn.setdefault(r["turn"], []).append(r["right"])
+                if r["gate"] in ("passed", "fired"):
+                    verdicts.append(r["gate"] == "fired")
         table[strategy] = {str(t): sum(v) / len(v) for t, v in sorted(per_turn.items())}
         answered = [x for v in per_turn.values() for x in v]
         table[strategy]["all"] = sum(answered) / max(1, len(answered))
         table[strategy]["questions"] = len(answered)
+        table[strategy]["gate_fired"] = sum(verdicts) / len(verdicts) if verdicts else None
     return table
