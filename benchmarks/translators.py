@@ -7,7 +7,8 @@ native. Stage 2: the pair's first variant, distilled (`kvtrans distill`'s loop) 
 same way. For a sparse-attention (DSA) target, also the share of the native indexer selection the
 translated keys select and whether every layer keeps the needle's tokens selected. The first
 variant of each pair is saved under weights/translators/ (stage 1) and its distilled version
-beside it (`-distilled`). Writes benchmarks/results/translators.{json,md}.
+beside it (`-distilled`), each with its fidelity gate calibrated on the validation split.
+Writes benchmarks/results/translators.{json,md}.
 
     python benchmarks/translators.py [--samples N] [--windows N] [--pairs a:b,c:d]
                                      [--distill-steps N]
@@ -28,6 +29,7 @@ import mlx.core as mx
 from mlx_kvtrans.blas import blas_report
 from mlx_kvtrans.evaluation.needles import (held_out_filler, needle_prompt_tokens, needle_recall,
                                             needle_rows)
+from mlx_kvtrans.gate import calibrate
 from mlx_kvtrans.models import weights_dir
 from mlx_kvtrans.translators import artifact
 from mlx_kvtrans.translators.distill import DistillConfig, Distiller, start_fingerprint
@@ -56,8 +58,8 @@ NEEDLE_WEIGHTED = ("token ids, needle-weighted", {"point": 1, "nu": 2},
                    {"token_identity": "ids", "attention_weighted": 8, "needle_share": 0.5})
 ALL = {"point": 1, "nu": 2, "features": "all"}
 PAIRS = {
-    ("qwen3-small", "qwen3-large"): [DEFAULT],
-    ("qwen3-large", "qwen3-small"): [DEFAULT],
+    ("qwen3-small", "qwen3-large"): [NEEDLE_WEIGHTED, DEFAULT],
+    ("qwen3-large", "qwen3-small"): [NEEDLE_WEIGHTED, DEFAULT],
     ("kimi-linear", "kimi-vl"): [NEEDLE_WEIGHTED,
                                  ("token ids", {"point": 1, "nu": 2}, {"token_identity": "ids"}),
                                  ("features all, token ids", ALL, {"token_identity": "ids"}),
@@ -82,7 +84,10 @@ PAIRS = {
     ("qwen3.5-b", "qwen3.5-a"): [
         ("state copy + correction", {**ALL, "recipes": {"recurrent_state": "bilinear"}}, {}),
         ("state copy", {**ALL, "recipes": {"recurrent_state": "copy"}}, {})],
-    ("qwen3.5-a", "dsa"): [("default", ALL, {"token_identity": "off"})],
+    ("qwen3.5-a", "dsa"): [("features all, token ids, needle-weighted", ALL,
+                            {"token_identity": "ids", "attention_weighted": 8,
+                             "needle_share": 0.5}),
+                           ("default", ALL, {"token_identity": "off"})],
 }
 
 
@@ -212,6 +217,7 @@ def main():
             if i:
                 continue
             shipped = weights_dir() / "translators" / f"{source}__{target}"
+            translator.info["gate"] = calibrate(translator, src, tgt, validation_ids)
             artifact.save(translator, shipped, src, tgt)
             if args.distill_steps:
                 distilled, summary = distill_variant(translator, src, tgt, args, lr, train_ids,
@@ -227,6 +233,7 @@ def main():
                 print(json.dumps({"pair": f"{source} -> {target}", **row}), flush=True)
                 distilled_dir = shipped.with_name(shipped.name + "-distilled")
                 if summary["validation_kl_after"] < summary["validation_kl_before"]:
+                    distilled.info["gate"] = calibrate(distilled, src, tgt, validation_ids)
                     artifact.save(distilled, distilled_dir, src, tgt)
                 else:  # shipped only if it improves on stage 1 (chat prefers it)
                     print(f"{source} -> {target}: stage 2 did not lower held-out KL; not shipped")
