@@ -50,10 +50,10 @@ def eval_needle(model: str = typer.Option(None, "--model", help="zoo alias, dire
         translated = lambda ids: translate_cache(translator, src.model, lm.model, ids)
     else:
         lm = mlx_kvtrans.load(model)
-    if sizes is None:
-        manifest = lm.path / "manifest.json"
-        base = json.loads(manifest.read_text())["longest_training_prompt"] if manifest.exists() else 256
-        sizes = [base * m for m in (1, 2, 4, 8)]
+    if sizes is None:  # the lengths the zoo's manifests record recall at
+        from mlx_kvtrans.zoo.train import NEEDLE_LENGTHS
+
+        sizes = list(NEEDLE_LENGTHS)
     with progress_bar("native recall") as progress:
         recall = needle_recall(lm.model, lm.tokenizer.encode, sizes, samples=samples,
                                progress=progress)

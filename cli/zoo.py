@@ -143,7 +143,7 @@ def zoo_list(as_json: bool = typer.Option(False, "--json")):
         return
     table = Table(title="zoo", title_justify="left")
     for col in ("alias", "architecture", "params", "cache objects", "ppl (unigram)",
-                "needle recall 1x / 2x / 4x / 8x"):
+                "needle recall @256 / 512 / 1024 / 2048"):
         table.add_column(col)
     for r in rows:
         recall = " / ".join(f"{v:.2f}" for v in r["needle_recall"].values()) or "-"
