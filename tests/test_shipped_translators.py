@@ -8,10 +8,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import mlx_kvtrans as kv  # first: fast BLAS (re-pinning runs this file as a script)
 import mlx.core as mx
 import pytest
 
-import mlx_kvtrans as kv
 from mlx_kvtrans.capture import capture
 from mlx_kvtrans.evaluation.needles import FILLER_FILE
 from mlx_kvtrans.models import weights_dir
