@@ -214,3 +214,22 @@ def test_reference_gate_init_gives_decays_near_one():
         assert after.max() <= np.exp(-1 * DT_RANGE[0]) + 1e-6
         # most states keep over half of themselves per token; from mlx-lm's constructors few do
         assert (after > 0.5).mean() > 0.75 > 0.25 > (np.array(before) > 0.5).mean()
+
+
+def test_a_restart_keeps_the_first_stage_and_restarts_the_rate():
+    from dataclasses import replace
+
+    from mlx_kvtrans.zoo.recipes import RECIPES
+    from mlx_kvtrans.zoo.train import _schedule
+
+    staged = RECIPES["kimi-vl"]
+    at, rate = staged.restart
+    one_stage = replace(staged, steps=at, restart=None)
+    first, whole = _schedule(one_stage), _schedule(staged)
+    # a checkpoint of the first stage resumes into the second bit for bit
+    assert all(float(first(mx.array(s))) == float(whole(mx.array(s))) for s in range(0, at, 37))
+    assert all(one_stage.shape_at(s) == staged.shape_at(s) for s in range(at))
+    assert float(whole(mx.array(at + staged.warmup))) == pytest.approx(rate)
+    assert float(whole(mx.array(staged.steps))) == pytest.approx(rate * 0.1, rel=1e-3)
+    with pytest.raises(ValueError, match="restart"):
+        _schedule(replace(staged, decay_share=0.2))

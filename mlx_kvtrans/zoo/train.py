@@ -155,6 +155,15 @@ def _schedule(recipe: Recipe):
     Recall can take thousands of steps to appear (full MLA: suddenly, after ~2,400), so the rate
     is held rather than decayed from the start."""
     warm = optim.linear_schedule(1e-7, recipe.lr, recipe.warmup)
+    if recipe.restart:
+        if recipe.decay_share:
+            raise ValueError(f"{recipe.alias}: a restart follows a cosine stage (decay_share 0)")
+        at, rate = recipe.restart
+        first = optim.cosine_decay(recipe.lr, max(1, at - recipe.warmup), recipe.lr * 0.1)
+        ramp = optim.linear_schedule(recipe.lr * 0.1, rate, recipe.warmup)
+        second = optim.cosine_decay(rate, max(1, recipe.steps - at - recipe.warmup), rate * 0.1)
+        return optim.join_schedules([warm, first, ramp, second],
+                                    [recipe.warmup, at, at + recipe.warmup])
     if not recipe.decay_share:
         decay = optim.cosine_decay(recipe.lr, max(1, recipe.steps - recipe.warmup),
                                    recipe.lr * 0.1)
