@@ -98,7 +98,10 @@ RECIPES = {r.alias: r for r in [
     # 1,024 after 4,000 (58.5 min). So: that model's rows and cosine rate to step 2,600, then
     # the long rows; at step 2,912 it recalled 0.06 / 0.19 at 256 / 512 tokens (digit accuracy
     # 0.71), copying just beginning as the rate ran out, so a second stage of 800 steps on rows
-    # of 512 and 1,024 restarts the rate at 3e-4.
+    # of 512 and 1,024 restarts the rate at 3e-4. It did not finish the copy (53.5 min: recall
+    # 0.16 / 0.20 / 0.06 at 256 / 512 / 1,024; 2 rows of 1,024 hold a quarter of the copying
+    # examples of 8 rows of 256). Not shipped: weights/kimi-vl is the model its manifest's
+    # recipe made.
     Recipe("kimi-vl", "kimi_vl", "full MLA with RoPE'd rope key (Pair A)",
            dict(model_type="kimi_vl", text_config=dict(model_type="deepseek_v3", **_base(128, 4),
                 **_MLA, first_k_dense_replace=4)),
