@@ -11,7 +11,7 @@ beside it (`-distilled`), each with its fidelity gate calibrated on the validati
 Writes benchmarks/results/translators.{json,md}.
 
     python benchmarks/translators.py [--samples N] [--windows N] [--pairs a:b,c:d]
-                                     [--distill-steps N]
+                                     [--distill-steps N] [--needle-share S] [--shipped-only]
 """
 
 from __future__ import annotations
@@ -176,11 +176,15 @@ def main():
                         help="stage-2 peak learning rate (default: per pair, DISTILL_LR)")
     parser.add_argument("--needle-share", type=float, default=0.0,
                         help="share of each stage-2 batch that is synthetic needles")
+    parser.add_argument("--shipped-only", action="store_true",
+                        help="only each pair's first variant, the one shipped")
     args = parser.parse_args()
     wanted = PAIRS
     if args.pairs:
         chosen = [tuple(p.split(":")) for p in args.pairs.split(",")]
         wanted = {p: PAIRS[p] for p in chosen}
+    if args.shipped_only:
+        wanted = {p: variants[:1] for p, variants in wanted.items()}
     blas = blas_report()
     results = {"blas": blas.name, "matmul_float32_gflops": round(blas.gflops, 1),
                "fit_length": FIT_LENGTH, "fit_windows": FIT_WINDOWS,
