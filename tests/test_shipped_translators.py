@@ -52,8 +52,11 @@ if __name__ == "__main__":  # re-pin translators that were refitted: python THIS
     import sys
 
     for name in sys.argv[1:] or SHIPPED:
+        if name not in SHIPPED:  # e.g. a stage 2 that did not improve on stage 1
+            print(name, "is not shipped: its pin is dropped")
+            continue
         GOLDEN["kl"][name] = held_out_kl(name)
         print(name, GOLDEN["kl"][name])
-    GOLDEN["kl"] = dict(sorted(GOLDEN["kl"].items()))
+    GOLDEN["kl"] = {k: v for k, v in sorted(GOLDEN["kl"].items()) if k in SHIPPED}
     path = Path(__file__).parent / "data" / "shipped_translators_kl.json"
     path.write_text(json.dumps(GOLDEN, indent=2) + "\n")
