@@ -58,8 +58,8 @@ def noise(translator, scale=10.0, seed=0):
 # garbage latent is normalised on install, and into the qwen3.5 hybrids the harm of noise
 # within 30x the weights' spread stays within the gap's natural spread: the gate misses most of
 # them (benchmarks/results/gate.md).
-CAUGHT = [("qwen3-small__qwen3-large-distilled", 10.0),
-          ("qwen3-large__qwen3-small-distilled", 10.0), ("kimi-linear__kimi-vl-distilled", 30.0)]
+CAUGHT = [(used("qwen3-small", "qwen3-large"), 10.0),
+          (used("qwen3-large", "qwen3-small"), 10.0), (used("kimi-linear", "kimi-vl"), 30.0)]
 
 
 def always_firing(translator):
@@ -132,7 +132,7 @@ def test_gate_fires_on_a_translator_whose_weights_are_noise(name, scale, zoo):
 
 
 def test_uncalibrated_translator_reports_its_gap_and_never_fires(zoo):
-    tr, src, tgt = shipped("qwen3-small__qwen3-large-distilled", zoo)
+    tr, src, tgt = shipped(used("qwen3-small", "qwen3-large"), zoo)
     bare = noise(replace(tr, info={k: v for k, v in tr.info.items() if k != "gate"}))
     window = held_out(src.tokenizer, 160, 7)
     status = gate.window_switch(bare, src, tgt, window, 150, "read").switches[-1]
@@ -143,7 +143,7 @@ def test_uncalibrated_translator_reports_its_gap_and_never_fires(zoo):
 
 
 @pytest.mark.parametrize("a_to_b,b_to_a", [
-    ("kimi-linear__kimi-vl-distilled", "kimi-vl__kimi-linear-distilled"),  # a: MLA + KDA
+    (used("kimi-linear", "kimi-vl"), used("kimi-vl", "kimi-linear")),  # a: MLA + KDA
     (used("qwen3.5-a", "qwen3.5-b"), used("qwen3.5-b", "qwen3.5-a")),  # both GDN hybrids
 ])
 def test_a_fired_gate_rereads_and_the_conversation_continues_as_native(a_to_b, b_to_a, zoo):
@@ -175,7 +175,7 @@ def test_a_fired_gate_rereads_and_the_conversation_continues_as_native(a_to_b, b
 
 
 def test_gate_gap_is_the_two_models_nll_on_the_tail(zoo):
-    tr, src, tgt = shipped("qwen3-small__qwen3-large-distilled", zoo)
+    tr, src, tgt = shipped(used("qwen3-small", "qwen3-large"), zoo)
     window = held_out(src.tokenizer, 140, 5)
     status = gate.window_switch(tr, src, tgt, window, 128, "read").switches[-1]
     n, r = 128, status.tokens_read
@@ -217,7 +217,7 @@ def test_a_translator_that_reads_the_source_state_stops_at_a_snapshot(zoo):
 
 
 def test_a_span_within_the_tail_is_read_not_translated(zoo):
-    tr, src, tgt = shipped("kimi-linear__kimi-vl-distilled", zoo)
+    tr, src, tgt = shipped(used("kimi-linear", "kimi-vl"), zoo)
     s = Session({"a": src, "b": tgt}, {("a", "b"): tr}, active="a")
     s.add(held_out(src.tokenizer, 6, 9))
     list(s.generate(2))  # a reads the 6 and its first reply token
