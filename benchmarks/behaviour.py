@@ -114,6 +114,8 @@ def main():
     results_file = OUT / "behaviour.json"  # read as it is now: other runs may have added to it
     previous = json.loads(results_file.read_text()) if results_file.exists() else {}
     results = previous.get("translators", {}) if previous.get("settings") == settings else {}
+    shipped = set(artifact.shipped_names())  # rows of translators no longer shipped go
+    results = {k: v for k, v in results.items() if k in shipped}
     results.update(measured)
     report = blas_report()
     blas = f"{report.name}, float32 matmul {report.gflops:.0f} GFLOP/s"
