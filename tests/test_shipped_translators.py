@@ -1,4 +1,4 @@
-"""Every shipped translator loads (format 1 artifacts through the migrating loader) and gives the
+"""Every shipped translator loads (through the loader that migrates older formats) and gives the
 held-out KL it gave when it was written (`data/shipped_translators_kl.json`, on fixed windows of
 the shipped held-out filler text; `python tests/test_shipped_translators.py NAME ...` re-pins a
 refitted one)."""
