@@ -51,7 +51,9 @@ def run(names: list[str], lengths: str, repeats: int):
 def tabulate():
     lines = ["# Time to first token after a switch\n",
              "Warm switch: translate the source's cache and install it, then the target's first "
-             "decode step. Cold switch: the source's prefill as well (fastest recurrence on the "
+             "decode step. Gated switch: what a session does, all but the last r tokens translated, "
+             "the target reading those r itself and the fidelity gate comparing its NLL on them "
+             "with the source's, then the first decode step. Cold switch: the source's prefill as well (fastest recurrence on the "
              "device: Metal kernel on a Mac, chunkwise form elsewhere). Re-prefill: the target "
              "reads the prompt itself in plain mlx-lm; re-prefill chunked: the same under the "
              "chunkwise recurrence (targets with linear attention only). Bound: the target's "
@@ -64,9 +66,10 @@ def tabulate():
              "real; its fit is listed below the table). "
              "Regenerate with `python benchmarks/switch.py`.\n",
              "| pair | dtype | BLAS (peak GFLOP/s) | tokens | re-prefill ms | re-prefill "
-             "chunked ms | warm switch ms | speed-up | bound ms | warm / bound | cold switch ms "
-             "| speed-up | translate GFLOP/s | peak MB switch / prefill |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "chunked ms | warm switch ms | speed-up | gated switch ms | speed-up | bound ms | "
+             "warm / bound | cold switch ms | speed-up | translate GFLOP/s | peak MB switch / "
+             "prefill |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def ms(value):  # results written before a column existed show "-"
         return "-" if value is None else f"{value * 1000:.1f}"
@@ -85,6 +88,7 @@ def tabulate():
                 f"{row['length']} | {ms(row['reprefill_s'])} | "
                 f"{ms(row.get('reprefill_chunked_s'))} | "
                 f"{ms(row['warm_switch_s'])} | x{row['speedup_warm']:.1f} | "
+                f"{ms(row.get('gated_switch_s'))} | {times(row.get('speedup_gated'))} | "
                 f"{ms(row.get('bound_s'))} | {times(row.get('warm_over_bound'))} | "
                 f"{ms(row['cold_switch_s'])} | x{row['speedup_cold']:.2f} | "
                 f"{row['translate_gflops']:.1f} | {row['peak_mb_switch']:.0f} / "
