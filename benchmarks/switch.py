@@ -51,9 +51,10 @@ def run(names: list[str], lengths: str, repeats: int):
 def tabulate():
     lines = ["# Time to first token after a switch\n",
              "Warm switch: translate the source's cache and install it, then the target's first "
-             "decode step. Gated switch: what a session does, all but the last r tokens translated, "
-             "the target reading those r itself and the fidelity gate comparing its NLL on them "
-             "with the source's, then the first decode step. Cold switch: the source's prefill as well (fastest recurrence on the "
+             "decode step. Gated switch: what a session does, all but the last r tokens "
+             "translated, the target reading those r itself and the fidelity gate comparing its "
+             "NLL on them with the source's, then the first decode step. Cold switch: the "
+             "source's prefill as well (fastest recurrence on the "
              "device: Metal kernel on a Mac, chunkwise form elsewhere). Re-prefill: the target "
              "reads the prompt itself in plain mlx-lm; re-prefill chunked: the same under the "
              "chunkwise recurrence (targets with linear attention only). Bound: the target's "

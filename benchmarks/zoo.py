@@ -17,8 +17,8 @@ OUT = Path(__file__).parent / "results" / "zoo.md"
 def main():
     lines = ["# The zoo: native figures\n",
              "Held-out perplexity on the validation split beside the unigram baseline of the train "
-             "split; exact six-digit needle recall on held-out needles at 256, 512, 1,024 and 2,048 "
-             "tokens (the translators' fitting length and 2x-8x it; `rows` is the longest "
+             "split; exact six-digit needle recall on held-out needles at 256, 512, 1,024 and "
+             "2,048 tokens (the translators' fitting length and 2x-8x it; `rows` is the longest "
              "training row). For the hybrids, what zeroing every recurrent state "
              "costs at 1,024 held-out tokens: its KL as a share of the no-cache floor's, and "
              "needle recall native -> zeroed (the zoo's bar: a share >= 0.30 or a drop >= 0.3). "

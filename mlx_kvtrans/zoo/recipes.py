@@ -109,10 +109,9 @@ RECIPES = {r.alias: r for r in [
                 **_MLA, first_k_dense_replace=4)),
            seed=13, steps=4000, batch=2, length=1024, decay_share=0.0, restart=(3200, 3e-4),
            length_schedule=((900, 16), (1500, 8), (2600, 4), (2900, 2), (3200, 1), (3600, 2))),
-    # The reference gates (the shipped model, trained from mlx-lm's, keeps a KDA state that
-    # zeroing costs 0.003 nats/token): 30.1 min, recall 1.00 / 0.96 / 0.62 / 0.34 at 1x-8x, and
-    # zeroing its states costs 61% of the no-cache KL at 1,024 (recall 0.40 -> 0.00). Not
-    # shipped yet: its translators are fitted to the shipped model.
+    # The reference gates (the first model, trained from mlx-lm's, kept a KDA state that
+    # zeroing cost 0.003 nats/token): 30.1 min, recall 1.00 / 0.96 / 0.62 / 0.34 at 1x-8x, and
+    # zeroing its states costs 61% of the no-cache KL at 1,024 (recall 0.40 -> 0.00).
     Recipe("kimi-linear", "kimi_linear", "MLA without RoPE + KDA (Pair A)",
            dict(model_type="kimi_linear", **_base(128, 6), num_attention_heads=4,
                 num_key_value_heads=4, head_dim=32, kv_lora_rank=64, qk_nope_head_dim=32,
