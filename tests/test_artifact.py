@@ -86,3 +86,30 @@ def test_a_modified_file_is_refused(copy, read, name):
 def test_a_missing_directory_is_refused(tmp_path):
     with pytest.raises(KvtransError, match="not found"):
         artifact.load(tmp_path / "nowhere")
+
+
+def test_a_format_1_artifact_loads_as_format_2():
+    """tests/data/translator-format1: the manifest of the format-1 kimi-vl -> kimi-linear (map
+    and replay objects) with its tensors' names and shapes (zeros: only the layout is read)."""
+    from pathlib import Path
+
+    fixture = Path(__file__).parent / "data" / "translator-format1"
+    old = json.loads((fixture / "manifest.json").read_text())
+    assert old["format_version"] == 1 and "replay_shapes" in old
+    tr = artifact.load(fixture)
+    assert all(k.startswith("layer") for k in tr.params)
+    claimed = set()
+    for recipe in tr.recipes:
+        own = tr.params_of(recipe)
+        claimed |= {f"{recipe.key}.{name}" for name in own}
+        if recipe.to_json()["recipe"] == "replay":  # its shapes moved into its entry
+            assert recipe.shapes == old["replay_shapes"][f"{recipe.layer}.{recipe.name}"]
+        assert own, f"{recipe.key} found none of its parameters"
+    assert claimed == set(tr.params)
+    assert set(tr.info["metrics"]) == {f"layer{k}" for k in old["metrics"]}
+    # each object's entry agrees with its format-1 entry on the fields both formats write
+    for entry, recipe in zip(old["objects"], tr.recipes, strict=True):
+        now = recipe.to_json()
+        assert {k: now[k] for k in entry.keys() & now.keys()} == \
+            {k: entry[k] for k in entry.keys() & now.keys()}
+        assert {"layer", "name", "recipe", "sources"} <= entry.keys() & now.keys()

@@ -233,3 +233,16 @@ def test_a_restart_keeps_the_first_stage_and_restarts_the_rate():
     assert float(whole(mx.array(staged.steps))) == pytest.approx(rate * 0.1, rel=1e-3)
     with pytest.raises(ValueError, match="restart"):
         _schedule(replace(staged, decay_share=0.2))
+
+
+def test_long_rows_come_now_and_then_at_the_same_tokens_a_step():
+    from mlx_kvtrans.zoo.recipes import Recipe
+
+    recipe = Recipe("r", "qwen3", "", {}, seed=0, steps=100, batch=2, length=1024,
+                    length_schedule=((1 << 30, 4),), long_steps=((40, 8, 1), (40, 4, 2)))
+    shapes = [recipe.shape_at(s) for s in range(100)]
+    assert set(shapes[:40]) == {(8, 256)}
+    assert [shapes[s] for s in range(40, 56)] == [
+        (2, 1024), (8, 256), (8, 256), (8, 256), (4, 512), (8, 256), (8, 256), (8, 256)] * 2
+    assert {b * n for b, n in shapes} == {2048}
+    assert recipe.to_json()["long_steps"] == [[40, 8, 1], [40, 4, 2]]

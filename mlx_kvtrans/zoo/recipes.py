@@ -39,6 +39,11 @@ class Recipe:
     # of examples seen: 8 rows of 256 tokens learned none in 1,300 steps; 32 rows of 64 tokens
     # began to copy digit strings within 300 steps (measured on qwen3-small).
     length_schedule: tuple = ()
+    # Long rows mixed among the schedule's: (from this step, every n-th step, rows shorter than
+    # `length` by this factor); the first that matches wins. A phase of long rows undid copying
+    # (2 rows of 1,024 hold a quarter of the copying examples of 8 rows of 256), so long rows
+    # come now and then, to teach the positions past the short rows.
+    long_steps: tuple = ()
     # 0: cosine decay from the end of warm-up (kimi-vl was trained so);
     # s > 0: the full rate until the last share s of steps, then cosine (see train._schedule)
     decay_share: float = 0.2
@@ -52,6 +57,9 @@ class Recipe:
 
     def shape_at(self, step: int) -> tuple[int, int]:
         """(batch, row length) of training step `step`."""
+        for start, every, factor in self.long_steps:
+            if step >= start and (step - start) % every == 0:
+                return self.batch * factor, self.length // factor
         for until, factor in self.length_schedule:
             if step < until:
                 return self.batch * factor, self.length // factor
@@ -61,6 +69,7 @@ class Recipe:
         data = asdict(self)
         data["mix"] = asdict(self.mix)
         data["length_schedule"] = [list(p) for p in self.length_schedule]
+        data["long_steps"] = [list(p) for p in self.long_steps]
         data["restart"] = list(self.restart) if self.restart else None
         return data
 
@@ -74,15 +83,15 @@ def _base(hidden, layers, **extra):
 # q and k are RMS-normed per head in qwen3 / qwen3_5 attention, so a head's sharpest attention
 # grows with sqrt(head_dim): 64 rather than 32 lets a copying head single out one token of 256.
 RECIPES = {r.alias: r for r in [
-    # Trained at 256 tokens it recalled 0.48 at 512: its first 2,200 steps are that model's,
-    # the last 500 read rows of 512 and 1,024 tokens. That recalled 0.60 / 0.52 / 0.30 at 256 /
-    # 512 / 1,024 (59.6 min beside other jobs; held-out perplexity 103 against 81): the long
-    # rows, a quarter of the copying examples a step, undid copying at 256. Not shipped.
+    # Trained at 256 tokens it recalled 0.48 at 512. Rows of 512 and 1,024 for its last 500
+    # steps undid copying (0.60 / 0.52 / 0.30 at 256 / 512 / 1,024; perplexity 103 against 81),
+    # so long rows come one step in eight each from the end of the short rows.
     Recipe("qwen3-small", "qwen3", "GQA pair, smaller (KV-Lingo's Qwen3-4B side)",
            dict(model_type="qwen3", **_base(128, 4), num_attention_heads=4, num_key_value_heads=2,
                 head_dim=64, rope_theta=10000.0),
-           seed=11, steps=2700, batch=2, length=1024,
-           length_schedule=((750, 16), (1250, 8), (2200, 4), (2500, 2))),
+           seed=11, steps=2500, batch=2, length=1024,
+           length_schedule=((750, 16), (1250, 8), (1 << 30, 4)),
+           long_steps=((1250, 8, 1), (1250, 4, 2))),
     # Like Qwen3-4B -> 8B: wider and deeper, same heads. Hidden 192 x 6 layers (4.0M) left its
     # answer-digit loss near 1.0 nats from step 1,300 to 2,500 and took 72 min; 160 x 5 takes
     # more steps in the hour, on the short-row schedule that taught qwen3-small to copy. It
@@ -92,23 +101,19 @@ RECIPES = {r.alias: r for r in [
            dict(model_type="qwen3", **_base(160, 5), num_attention_heads=4, num_key_value_heads=2,
                 head_dim=64, rope_theta=10000.0),
            seed=12, steps=3200, length_schedule=((750, 4), (1250, 2))),
-    # Trained at 256 tokens, full MLA recalled nothing at 512, so the attention targets end on
-    # rows of 512 and 1,024 tokens (2,048 tokens a step throughout). Full MLA learns to copy
-    # late: the 256-token model under a cosine rate from step 100 began at step 2,200 (rate
-    # ~2.6e-4); two schedules that held the rate at 1e-3 and grew the rows earlier (3,000 and
-    # 4,000 steps) had not learned it by step 2,650 (digit accuracy 0.4) and recalled 0.06 at
-    # 1,024 after 4,000 (58.5 min). So: that model's rows and cosine rate to step 2,600, then
-    # the long rows; at step 2,912 it recalled 0.06 / 0.19 at 256 / 512 tokens (digit accuracy
-    # 0.71), copying just beginning as the rate ran out, so a second stage of 800 steps on rows
-    # of 512 and 1,024 restarts the rate at 3e-4. It did not finish the copy (53.5 min: recall
-    # 0.16 / 0.20 / 0.06 at 256 / 512 / 1,024; 2 rows of 1,024 hold a quarter of the copying
-    # examples of 8 rows of 256). Not shipped: weights/kimi-vl is the model its manifest's
-    # recipe made.
+    # Full MLA learns to copy late: the first model (rows of 64, 128, then 256 tokens, cosine
+    # rate from step 100) began at step ~2,200 and recalled 0.98 at 256 but 0.00 at 512. Long
+    # rows as a phase undid copying (3,000-4,000 steps with rows of 512 and 1,024 from step
+    # 2,600: recall 0.16 / 0.20 / 0.06 at 256 / 512 / 1,024 after 53.5 min). So the first
+    # model's 3,000 steps, then a second stage at a restarted rate on rows of 256 with one step
+    # in eight of 1,024 tokens and one in eight of 512: continued so from the first model,
+    # recall at 256 and 512 reached 1.00 within 200 steps.
     Recipe("kimi-vl", "kimi_vl", "full MLA with RoPE'd rope key (Pair A)",
            dict(model_type="kimi_vl", text_config=dict(model_type="deepseek_v3", **_base(128, 4),
                 **_MLA, first_k_dense_replace=4)),
-           seed=13, steps=4000, batch=2, length=1024, decay_share=0.0, restart=(3200, 3e-4),
-           length_schedule=((900, 16), (1500, 8), (2600, 4), (2900, 2), (3200, 1), (3600, 2))),
+           seed=13, steps=3400, batch=2, length=1024, decay_share=0.0, restart=(3000, 3e-4),
+           length_schedule=((900, 16), (1500, 8), (1 << 30, 4)),
+           long_steps=((3000, 8, 1), (3000, 4, 2))),
     # The reference gates (the first model, trained from mlx-lm's, kept a KDA state that
     # zeroing cost 0.003 nats/token): 30.1 min, recall 1.00 / 0.96 / 0.62 / 0.34 at 1x-8x, and
     # zeroing its states costs 61% of the no-cache KL at 1,024 (recall 0.40 -> 0.00).
@@ -138,5 +143,6 @@ RECIPES = {r.alias: r for r in [
            dict(model_type="deepseek_v32", **_base(128, 4), **_MLA, first_k_dense_replace=4,
                 index_head_dim=32, index_n_heads=2, index_topk=64),
            seed=17, steps=800, batch=2, length=1024, lr=5e-4, warmup=50, init_from="kimi-vl",
-           dense_warmup=0.25),
+           dense_warmup=0.25, length_schedule=((1 << 30, 4),),
+           long_steps=((0, 8, 1), (0, 4, 2))),
 ]}

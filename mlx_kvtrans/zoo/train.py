@@ -108,11 +108,11 @@ def indexer_kl(pairs) -> mx.array:
 
 
 # -- training ---------------------------------------------------------------------------------
-# Every PROBE_EVERY steps: recall and digit loss on 16 needles drawn from seeds that neither
-# training nor the shipped evaluation uses; every PROBE_2X_EVERY steps, recall at twice the
-# longest training prompt too (whether copying holds past the trained lengths).
+# Every PROBE_EVERY steps: recall and digit loss on 16 needles at the translators' fitting
+# length and twice it (the lengths the zoo's bar reads), drawn from seeds that neither training
+# nor the shipped evaluation uses; every PROBE_LONG_EVERY steps at the longest training prompt too.
 PROBE_EVERY = 100
-PROBE_2X_EVERY = 500
+PROBE_LONG_EVERY = 500
 PROBE_SEED = HELD_OUT_SEED + 500_000
 
 
@@ -259,21 +259,21 @@ def train(alias: str, workdir: Path, weights: Path, log=print, eval_samples: int
             record = {"step": state["step"], "loss": float(loss), "ce": float(ce),
                       "indexer_kl": float(aux), "seconds": round(time.perf_counter() - started, 1)}
             if state["step"] % PROBE_EVERY == 0:  # copying shows in the digit loss first
-                record["probe_recall"], record["probe_digit_nll"] = needle_scores(
-                    model, encode, recipe.length, samples=16, filler=probe_filler, seed=PROBE_SEED)
-            if state["step"] % PROBE_2X_EVERY == 0:
-                record["probe_recall_2x"], _ = needle_scores(
-                    model, encode, 2 * recipe.length, samples=16, filler=probe_filler,
-                    seed=PROBE_SEED)
+                record["probe"] = {}
+                lengths = list(NEEDLE_LENGTHS[:2])
+                if state["step"] % PROBE_LONG_EVERY == 0 and recipe.length not in lengths:
+                    lengths.append(recipe.length)
+                for n in lengths:
+                    recall, digit_nll = needle_scores(model, encode, n, samples=16,
+                                                      filler=probe_filler, seed=PROBE_SEED)
+                    record["probe"][str(n)] = {"recall": recall, "digit_nll": digit_nll}
             logf.write(json.dumps(record) + "\n")
             if on_step:
                 on_step(state["step"], recipe.steps, record)
             if state["step"] % 25 == 0 or state["step"] == recipe.steps:
                 logf.flush()
-                probe = (f" needle {record['probe_recall']:.2f} digits "
-                         f"{record['probe_digit_nll']:.2f}" if "probe_recall" in record else "")
-                if "probe_recall_2x" in record:
-                    probe += f" needle at 2x {record['probe_recall_2x']:.2f}"
+                probe = "".join(f" needle@{n} {p['recall']:.2f} ({p['digit_nll']:.2f})"
+                                for n, p in record.get("probe", {}).items())
                 log(f"{alias} step {state['step']}/{recipe.steps} loss {record['loss']:.3f} "
                     f"ce {record['ce']:.3f} kl {record['indexer_kl']:.3f}{probe} "
                     f"{record['seconds'] / 60:.1f} min")
