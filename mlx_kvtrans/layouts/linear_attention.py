@@ -129,7 +129,10 @@ class DeltaRuleLayer(LayerCache):
             out[name] = rows
         state = objects["state"]
         if self.point_of("state", point) == CapturePoint.NORMED:
-            _, state = self.replay(state, previous.get("state"))
+            # the fastest form: mlx-lm's Metal kernel on a Mac GPU, elsewhere the chunkwise one
+            # (2x the token loop's speed at 1-2K tokens on a CPU)
+            _, state = self.replay(state, previous.get("state"),
+                                   parallel=not metal_recurrence_available())
         out["state"] = state
         return out
 
