@@ -47,7 +47,8 @@ DEFAULT_LR = DistillConfig.lr
 # stage-2 peak rates other than the default: at 1e-4 these pairs' held-out KL rose (measured)
 DISTILL_LR = {("qwen3-large", "qwen3-small"): 3e-5, ("qwen3.5-b", "qwen3.5-a"): 3e-5}
 
-# pair -> variants: (name, plan options, fit options); the first variant is the one shipped.
+# pair -> variants: (name, plan options, fit options[, stage-2 options]); the first variant is
+# the one shipped.
 # Features "attention" (the default) reads the source's attention objects, every attention
 # layer of a hybrid source; "all" also reads the nu nearest linear-attention layers' conv rows
 # (the design shipped before; for a source without linear attention the two are the same).
@@ -56,11 +57,16 @@ DEFAULT = ("default", {"point": 1, "nu": 2}, {"token_identity": "off"})
 # that keeps exact recall across lineages (benchmarks/results/exact_recall.md)
 NEEDLE_WEIGHTED = ("token ids, needle-weighted", {"point": 1, "nu": 2},
                    {"token_identity": "ids", "attention_weighted": 8, "needle_share": 0.5})
+# every idea of exact_recall.md together: the needle-weighted fit, rank-32 identity tables,
+# a 32-unit residual nonlinearity, and attention rehearsal in stage 2
+EVERY_IDEA = ("every recall idea", {"point": 1, "nu": 2},
+              {"token_identity": "ids", "attention_weighted": 8, "needle_share": 0.5,
+               "identity_tables": 32, "residual": 32}, {"attention_weight": 1.0})
 ALL = {"point": 1, "nu": 2, "features": "all"}
 PAIRS = {
-    ("qwen3-small", "qwen3-large"): [NEEDLE_WEIGHTED, DEFAULT],
+    ("qwen3-small", "qwen3-large"): [EVERY_IDEA, NEEDLE_WEIGHTED, DEFAULT],
     ("qwen3-large", "qwen3-small"): [NEEDLE_WEIGHTED, DEFAULT],
-    ("kimi-linear", "kimi-vl"): [NEEDLE_WEIGHTED,
+    ("kimi-linear", "kimi-vl"): [EVERY_IDEA, NEEDLE_WEIGHTED,
                                  ("token ids", {"point": 1, "nu": 2}, {"token_identity": "ids"}),
                                  ("features all, token ids", ALL, {"token_identity": "ids"}),
                                  DEFAULT,
@@ -146,15 +152,18 @@ def measure(translator, src, tgt, args, test_ids) -> dict:
     return result
 
 
-def distill_variant(translator, src, tgt, args, lr, train_ids, validation_ids, name):
+def distill_variant(translator, src, tgt, args, lr, train_ids, validation_ids, name,
+                    options=None):
     config = DistillConfig(steps=args.distill_steps, batch=8, max_prefix=FIT_LENGTH,
                            validate_every=max(1, args.distill_steps // 4), validation_windows=16,
-                           needle_share=args.needle_share, lr=lr)
+                           needle_share=args.needle_share, lr=lr, **(options or {}))
     needles = (training_needles(src, FIT_LENGTH + config.continuation) if args.needle_share
                else None)
     workdir = Path("runs") / "distill" / (name + (f"-needles{args.needle_share}"
                                                   if args.needle_share else "")
                                           + f"-lr{lr:g}"
+                                          + "".join(f"-{k}{v:g}" for k, v in
+                                                    sorted((options or {}).items()))
                                           + f"-{start_fingerprint(translator)[:8]}")
     distiller = Distiller(translator, src.model, tgt.model, train_ids, validation_ids, config,
                           workdir, needles=needles)
@@ -200,7 +209,7 @@ def main():
                  "windows": args.windows, "distill_steps": args.distill_steps,
                  "distill_needle_share": args.needle_share, "distill_lr": lr,
                  "needle_native": {str(k): v for k, v in native.items()}, "variants": []}
-        for i, (name, plan_options, fit_options) in enumerate(variants):
+        for i, (name, plan_options, fit_options, *stage2) in enumerate(variants):
             codebook = codebook_for(src, fit_options.get("token_identity"))
             started = time.perf_counter()
             translator = fit_variant(src, tgt, plan_options, fit_options, train_ids, codebook)
@@ -226,7 +235,8 @@ def main():
             if args.distill_steps:
                 distilled, summary = distill_variant(translator, src, tgt, args, lr, train_ids,
                                                      validation_ids,
-                                                     f"{source}__{target}")
+                                                     f"{source}__{target}",
+                                                     stage2[0] if stage2 else None)
                 row = {"variant": name, "stage": 2, "distill_steps": summary["steps"],
                        "distill_minutes": summary["minutes"],
                        "validation_kl_before": summary["validation_kl_before"],
