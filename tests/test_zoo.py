@@ -219,10 +219,12 @@ def test_reference_gate_init_gives_decays_near_one():
 def test_a_restart_keeps_the_first_stage_and_restarts_the_rate():
     from dataclasses import replace
 
-    from mlx_kvtrans.zoo.recipes import RECIPES
+    from mlx_kvtrans.zoo.recipes import Recipe
     from mlx_kvtrans.zoo.train import _schedule
 
-    staged = RECIPES["kimi-vl"]
+    staged = Recipe("r", "qwen3", "", {}, seed=0, steps=900, batch=2, length=1024,
+                    decay_share=0.0, restart=(600, 3e-4), length_schedule=((200, 16), (1 << 30, 4)),
+                    long_steps=((600, 8, 1),))
     at, rate = staged.restart
     one_stage = replace(staged, steps=at, restart=None)
     first, whole = _schedule(one_stage), _schedule(staged)

@@ -102,18 +102,17 @@ RECIPES = {r.alias: r for r in [
                 head_dim=64, rope_theta=10000.0),
            seed=12, steps=3200, length_schedule=((750, 4), (1250, 2))),
     # Full MLA learns to copy late: the first model (rows of 64, 128, then 256 tokens, cosine
-    # rate from step 100) began at step ~2,200 and recalled 0.98 at 256 but 0.00 at 512. Long
-    # rows as a phase undid copying (3,000-4,000 steps with rows of 512 and 1,024 from step
-    # 2,600: recall 0.16 / 0.20 / 0.06 at 256 / 512 / 1,024 after 53.5 min). So the first
-    # model's 3,000 steps, then a second stage at a restarted rate on rows of 256 with one step
-    # in eight of 1,024 tokens and one in eight of 512: continued so from the first model,
-    # recall at 256 and 512 reached 1.00 within 200 steps.
-    Recipe("kimi-vl", "kimi_vl", "full MLA with RoPE'd rope key (Pair A)",
-           dict(model_type="kimi_vl", text_config=dict(model_type="deepseek_v3", **_base(128, 4),
-                **_MLA, first_k_dense_replace=4)),
-           seed=13, steps=3400, batch=2, length=1024, decay_share=0.0, restart=(3000, 3e-4),
-           length_schedule=((900, 16), (1500, 8), (1 << 30, 4)),
-           long_steps=((3000, 8, 1), (3000, 4, 2))),
+    # rate from step 100; 46 min on the corpus's first build) began at step ~2,200 and recalled
+    # 0.98 at 256 but 0.00 at 512. Long rows as a phase undid copying (rows of 512 and 1,024
+    # from step 2,600: recall 0.16 / 0.20 / 0.06 at 256 / 512 / 1,024 after 53.5 min), and the
+    # first model's schedule on the recorded corpus had only begun to copy by step 3,000 (probe
+    # recall 0.12 at 256; 0.12 / 0.12 after 500 more steps with long rows, 50 min). So zoo v2's
+    # kimi-vl continues the first model (shipped as weights/seeds/kimi-vl-1) on the recorded
+    # corpus: rows of 256 with one step in eight of 1,024 tokens and one in eight of 512.
+    Recipe("kimi-vl", "kimi_vl", "full MLA with RoPE'd rope key (Pair A)", {},
+           seed=13, steps=500, batch=2, length=1024, lr=3e-4, warmup=50, decay_share=0.0,
+           init_from="seeds/kimi-vl-1", length_schedule=((1 << 30, 4),),
+           long_steps=((0, 8, 1), (0, 4, 2))),
     # The reference gates (the first model, trained from mlx-lm's, kept a KDA state that
     # zeroing cost 0.003 nats/token): 30.1 min, recall 1.00 / 0.96 / 0.62 / 0.34 at 1x-8x, and
     # zeroing its states costs 61% of the no-cache KL at 1,024 (recall 0.40 -> 0.00).
