@@ -6,8 +6,9 @@ the no-cache floor beside them), and exact needle recall at the same lengths, tr
 native. Stage 2: the pair's first variant, distilled (`kvtrans distill`'s loop) and measured the
 same way. For a sparse-attention (DSA) target, also the share of the native indexer selection the
 translated keys select and whether every layer keeps the needle's tokens selected. The first
-variant of each pair is saved under weights/translators/ (stage 1) and its distilled version
-beside it (`-distilled`), each with its fidelity gate calibrated on the validation split.
+variant of each pair ships under weights/translators/, one translator per direction: distilled
+(`A__B-distilled`) where stage 2 lowers held-out KL, else stage 1 (`A__B`), with its fidelity
+gate calibrated on the validation split.
 Writes benchmarks/results/translators.{json,md}.
 
     python benchmarks/translators.py [--samples N] [--windows N] [--pairs a:b,c:d]
@@ -230,8 +231,8 @@ def main():
             if i:
                 continue
             shipped = weights_dir() / "translators" / f"{source}__{target}"
-            translator.info["gate"] = calibrate(translator, src, tgt, validation_ids)
-            artifact.save(translator, shipped, src, tgt)
+            distilled_dir = shipped.with_name(shipped.name + "-distilled")
+            ship_stage_1 = True
             if args.distill_steps:
                 distilled, summary = distill_variant(translator, src, tgt, args, lr, train_ids,
                                                      validation_ids,
@@ -245,13 +246,17 @@ def main():
                        **measure(distilled, src, tgt, args, test_ids)}
                 entry["variants"].append(row)
                 print(json.dumps({"pair": f"{source} -> {target}", **row}), flush=True)
-                distilled_dir = shipped.with_name(shipped.name + "-distilled")
-                if summary["validation_kl_after"] < summary["validation_kl_before"]:
+                ship_stage_1 = summary["validation_kl_after"] >= summary["validation_kl_before"]
+                if not ship_stage_1:
                     distilled.info["gate"] = calibrate(distilled, src, tgt, validation_ids)
                     artifact.save(distilled, distilled_dir, src, tgt)
-                else:  # shipped only if it improves on stage 1 (chat prefers it)
+                    shutil.rmtree(shipped, ignore_errors=True)  # one translator per direction
+                else:
                     print(f"{source} -> {target}: stage 2 did not lower held-out KL; not shipped")
-                    shutil.rmtree(distilled_dir, ignore_errors=True)  # one of an older fit
+            if ship_stage_1:
+                translator.info["gate"] = calibrate(translator, src, tgt, validation_ids)
+                artifact.save(translator, shipped, src, tgt)
+                shutil.rmtree(distilled_dir, ignore_errors=True)  # one of an older fit
         results["pairs"].append(entry)
         mx.clear_cache()
     if args.pairs and out_json.exists():  # keep the pairs not re-run, as the file is now

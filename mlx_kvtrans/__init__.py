@@ -11,7 +11,7 @@ Public API (everything takes mlx-lm models and returns mlx-lm caches):
     recipes = kvtrans.plan(kvtrans.layout_of(src.model), layout)      # a recipe per target object
     tr = kvtrans.fit(src.model, tgt.model, batches, recipes, kvtrans.FitConfig())   # stage 1
     tr = kvtrans.distill(tr, src.model, tgt.model, train_ids, held_out_ids)        # stage 2
-    tr = kvtrans.load_translator("weights/translators/kimi-linear__kimi-vl", src, tgt)
+    tr = kvtrans.load_translator("kimi-linear__kimi-vl-distilled", src, tgt)  # or a directory
     cache = kvtrans.translate_cache(tr, src.model, tgt.model, tokens)   # the target continues
     session = kvtrans.Session({"a": src, "b": tgt}, {("a", "b"): tr})   # switch mid-conversation
 """

@@ -13,8 +13,10 @@ from typer.testing import CliRunner
 
 from mlx_kvtrans.cli.main import app
 from mlx_kvtrans.models import weights_dir
+from mlx_kvtrans.translators import artifact
 
-PAIR = "kimi-linear__kimi-vl"  # a shipped translator, its models zoo aliases
+PAIR = artifact.shipped("kimi-linear", "kimi-vl").name  # its models are zoo aliases
+REVERSE = artifact.shipped("kimi-vl", "kimi-linear").name
 HUGE = "99999999999"
 
 # (arguments, a fragment the message must hold). {name} stands for a path the `paths` fixture
@@ -269,7 +271,7 @@ CASES = {
     "bench: translator missing": (["bench", "--translator", "{nowhere}"], "not found"),
     "bench: truncated translator weights": (["bench", "--translator", "{truncated}", "--lengths",
                                              "64", "--repeats", "1"], "unreadable"),
-    "bench: translator for other models": (["bench", "--translator", "kimi-vl__kimi-linear",
+    "bench: translator for other models": (["bench", "--translator", REVERSE,
                                             "--from", "kimi-linear", "--to", "kimi-vl",
                                             "--lengths", "64"], "fitted with"),
     "bench: --out-dir a file": (["bench", "--out-dir", "{empty}"], "--out-dir"),

@@ -12,8 +12,9 @@ from mlx_kvtrans.cli.main import app
 from mlx_kvtrans.evaluation.behaviour import (Answer, Prompt, compare, generate_pairs,
                                               held_out_prompts, native_cache, MEASURES)
 from mlx_kvtrans.models import held_out_split
+from mlx_kvtrans.translators import artifact
 
-PAIR = "qwen3-small__qwen3-large"  # a shipped translator, its models the zoo's smallest GQA pair
+PAIR = artifact.shipped("qwen3-small", "qwen3-large").name  # the zoo's smallest GQA pair
 
 
 @pytest.fixture(scope="module")

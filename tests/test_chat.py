@@ -97,7 +97,8 @@ def test_an_explicit_translator_that_cannot_be_used_is_an_error(tmp_path, option
     weights = corrupt / "weights.safetensors"
     weights.write_bytes(weights.read_bytes()[:-8] + b"\0" * 8)
     (tmp_path / "empty").mkdir()
-    other_pair = "kimi-vl__kimi-linear" if option == "--translator" else "kimi-linear__kimi-vl"
+    other_pair = (artifact.shipped(B, A) if option == "--translator"
+                  else artifact.shipped(A, B)).name
     for given, says in ((tmp_path / "missing", "not found"), (tmp_path / "empty", "SHA256SUMS"),
                         (corrupt, "does not match"), (other_pair, "fitted with")):
         result = kvtrans_chat(tmp_path, option, given, script=[FACT])
@@ -108,10 +109,10 @@ def test_an_explicit_translator_that_cannot_be_used_is_an_error(tmp_path, option
 
 
 def test_banner_names_each_directions_translator_or_why_it_re_reads(model_dirs, tmp_path):
-    result = kvtrans_chat(tmp_path, "--translator", "kimi-linear__kimi-vl", script=[])
+    result = kvtrans_chat(tmp_path, "--translator", "kimi-linear__kimi-vl-distilled", script=[])
     assert result.exit_code == 0, result.output
-    assert "kimi-linear -> kimi-vl: translator weights/translators/kimi-linear__kimi-vl " \
-           "(stage 1)" in result.stdout
+    assert "kimi-linear -> kimi-vl: translator weights/translators/kimi-linear__kimi-vl-distilled" \
+           " (stage 2)" in result.stdout
     assert "kimi-vl -> kimi-linear: translator weights/translators/" \
            "kimi-vl__kimi-linear-distilled (stage 2)" in result.stdout
     header = json.loads((tmp_path / "chat.json").read_text())["translators"]

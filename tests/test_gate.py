@@ -247,7 +247,7 @@ def test_calibration_is_stored_and_read_back(zoo, tmp_path):
     """Calibrating a shipped directory rewrites its manifest and sums only (its format kept);
     a translator saved with its calibration loads with it."""
     copy = tmp_path / "qwen3-small__qwen3-large"
-    shutil.copytree(weights_dir() / "translators" / "qwen3-small__qwen3-large", copy)
+    shutil.copytree(artifact.shipped("qwen3-small", "qwen3-large"), copy)
     weights = hashlib.sha256((copy / "weights.safetensors").read_bytes()).hexdigest()
     before = artifact.read_manifest(copy)
     record = gate.calibrate_directory(copy, windows=3)

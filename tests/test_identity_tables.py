@@ -78,6 +78,8 @@ def test_tables_carry_what_the_target_layer0_holds_per_token(loaded, tmp_path):
     path = artifact.save(tabled, tmp_path / "tr", src, tgt)
     again = artifact.load(path, src, tgt)
     assert again.recipes == tabled.recipes
+    lookups = [k for k in again.params if k.endswith(".u")]
+    assert lookups and all(again.params[k].dtype == mx.bfloat16 for k in lookups)
     a = translate_cache(tabled, src.model, tgt.model, held_out)[0].keys[..., :48, :]
     b = translate_cache(again, src.model, tgt.model, held_out)[0].keys[..., :48, :]
     assert mx.allclose(a, b, atol=1e-5)

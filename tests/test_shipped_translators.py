@@ -26,6 +26,13 @@ def test_every_shipped_translator_is_pinned():
     assert SHIPPED == sorted(GOLDEN["kl"])
 
 
+def test_weights_stay_within_their_budget():
+    """Everything under weights/ (zoo models, corpus splits, translators) ships in the wheel
+    and the repository: 64 MB at most."""
+    total = sum(f.stat().st_size for f in weights_dir().rglob("*") if f.is_file())
+    assert total <= 64 * 2**20, f"weights/ holds {total / 2**20:.1f} MiB"
+
+
 def held_out_kl(name: str, load=kv.load) -> float:
     """The pinned measurement: mean KL over the three fixed windows."""
     manifest = json.loads((weights_dir() / "translators" / name / "manifest.json").read_text())

@@ -11,8 +11,9 @@ Fitted in closed form in the same pass as the map: per id, the sums of x and y a
 (and the (t-1, t) bigram counts) are streamed; once W and b are solved, table 0 is each id's
 mean residual shrunk towards zero, (sum of residuals) / (count + shrink), and table 1 the same
 for the previous id on what table 0 leaves. Each table is then cut to rank r by an SVD, so a
-vocabulary of V ids costs V r + r d parameters. The per-id sums hold V (din + dout) floats per
-lag: at a real checkpoint's vocabulary this is the fit's largest buffer.
+vocabulary of V ids costs V r + r d parameters (the V r lookup rows in bfloat16). The per-id
+sums hold V (din + dout) floats per lag: at a real checkpoint's vocabulary this is the fit's
+largest buffer.
 """
 
 from __future__ import annotations
@@ -69,7 +70,9 @@ class TableMoments:
         out = {}
         for lag, table in zip(LAGS, (table0, table1)):
             u, v = low_rank(table, rank)
-            out[f"table{lag}.u"], out[f"table{lag}.v"] = mx.array(u), mx.array(v)
+            # the lookup rows are most of a tabled translator's bytes, and each is a shrunk mean
+            # of a few positions' residuals, far coarser than bfloat16: stored so
+            out[f"table{lag}.u"], out[f"table{lag}.v"] = mx.array(u, mx.bfloat16), mx.array(v)
         return out
 
 
