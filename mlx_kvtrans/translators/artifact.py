@@ -82,7 +82,7 @@ def shipped_names() -> list[str]:
 
 
 def resolve(name: str | Path) -> Path:
-    """A translator directory, or the name of a shipped translator (`kimi-linear__kimi-vl-distilled`)."""
+    """A translator directory, or the name of a shipped one (`kimi-linear__kimi-vl-distilled`)."""
     from ..models import weights_dir
 
     path = Path(name)

@@ -83,14 +83,12 @@ def _base(hidden, layers, **extra):
 # q and k are RMS-normed per head in qwen3 / qwen3_5 attention, so a head's sharpest attention
 # grows with sqrt(head_dim): 64 rather than 32 lets a copying head single out one token of 256.
 RECIPES = {r.alias: r for r in [
-    # Trained at 256 tokens it recalled 0.48 at 512. Rows of 512 and 1,024 for its last 500
-    # steps undid copying (0.60 / 0.52 / 0.30 at 256 / 512 / 1,024; perplexity 103 against 81),
-    # so long rows come one step in eight each from the end of the short rows.
     # The first model (32 rows of 64 tokens, then 16 x 128, then 8 x 256; 2,500 steps, 37 min on
-    # the corpus's first build) recalled 0.94 / 0.48 at 256 / 512. Its rows on the recorded
-    # corpus with long rows mixed in from step 1,250 began to copy only at step ~2,300 (probe
-    # recall 0.62 / 0.06 at step 2,500, 43.6 min). So, as kimi-vl, zoo v2's qwen3-small continues the first
-    # model (shipped as weights/seeds/qwen3-small-1) on the recorded corpus with long rows mixed in.
+    # the corpus's first build) recalled 0.94 / 0.48 at 256 / 512. Rows of 512 and 1,024 for its
+    # last 500 steps undid copying (0.60 / 0.52 / 0.30 at 256 / 512 / 1,024), and its rows on the
+    # recorded corpus with long rows mixed in from step 1,250 began to copy only at step ~2,300
+    # (recall 0.46 / 0.32 after 2,500 steps, 43.7 min). So, as kimi-vl, zoo v2's qwen3-small
+    # continues the first model (shipped as weights/seeds/qwen3-small-1) with long rows mixed in.
     Recipe("qwen3-small", "qwen3", "GQA pair, smaller (KV-Lingo's Qwen3-4B side)", {},
            seed=11, steps=500, batch=2, length=1024, lr=3e-4, warmup=50, decay_share=0.0,
            init_from="seeds/qwen3-small-1", length_schedule=((1 << 30, 4),),
