@@ -1,8 +1,9 @@
 """Swap-in analysis: which target layers and objects, translated, lose the needle.
 
-The target continues from its own cache with some objects replaced by the translated ones (each
-layer alone, all but each layer, and each object alone), and exact needle recall on held-out
-needles is measured at the fitting length, with the answer-digit loss beside it.
+The target continues from its own cache with some objects replaced by the translated ones (all
+of them, each layer alone, each object alone: `kvtrans eval ablate --translator`'s cases), and
+exact needle recall on held-out needles is measured at the fitting length, with the answer-digit
+loss beside it.
 
 Then a linear ceiling for the layer that loses the most: that layer's per-token objects fitted
 in closed form from the target's OWN layer below it plus the token's embedding (and the two
@@ -22,6 +23,7 @@ from pathlib import Path
 import mlx_kvtrans as kv  # first: fast BLAS
 import mlx.core as mx
 
+from mlx_kvtrans.evaluation.ablate import Ablation, Case, cases
 from mlx_kvtrans.evaluation.needles import needle_rows, needle_scores
 from mlx_kvtrans.layouts import ObjectKind
 from mlx_kvtrans.translators import artifact
@@ -36,36 +38,20 @@ CORPUS = Path("runs/corpus")
 
 
 def swap_rows(translator, src, tgt, length, samples):
-    layout = kv.layout_of(tgt.model)
-
-    def mixed(swapped: set[tuple[int, str]]):
-        def cache_for(ids):
-            tokens = mx.array(ids)[None]
-            source = kv.capture(src.model, tokens, points=translator.source_points())
-            moved, points = translator.translate(source, tgt.model, layout, tokens)
-            native = kv.capture(tgt.model, tokens, points={p for d in points for p in d.values()})
-            objects = [{name: moved[i][name] if (i, name) in swapped
-                        else native.objects[i][(name, points[i][name])] for name in points[i]}
-                       for i in range(len(points))]
-            return kv.install(layout, objects, points)
-        return cache_for
-
-    names = {layer.index: [o.name for o in layer.objects] for layer in layout.layers}
-    whole = {(i, n) for i in names for n in names[i]}
-    cases = [("native", None, set()), ("all translated", None, whole)]
-    cases += [(f"only layer {i} translated", i, {(i, n) for n in names[i]}) for i in names]
-    cases += [(f"all but layer {i} translated", None, {x for x in whole if x[0] != i})
-              for i in names]
-    cases += [(f"only layer {i} {n} translated", None, {(i, n)}) for i in names
-              for n in names[i] if len(names[i]) > 1]
+    """`kvtrans eval ablate`'s translated cases (everything, each layer, each object), read by
+    needle recall and answer-digit loss."""
+    ablation = Ablation(tgt.model, translator, src.model)
     rows = []
-    for case, alone, swapped in cases:
+    for case in [Case("native")] + [c for c in cases(ablation.layout, True)
+                                    if c.name == "translated"]:
         recall, nll = needle_scores(tgt.model, tgt.tokenizer.encode, length, samples,
-                                    cache_for=mixed(swapped))
-        rows.append({"case": case, "layer_alone": alone,
-                     "translated": sorted(f"{i}.{n}" for i, n in swapped),
+                                    cache_for=lambda ids, c=case: ablation.cache(c, mx.array(ids)))
+        whole_layer = case.layer is not None and (
+            case.object is None or len(ablation.layout.layers[case.layer].objects) == 1)
+        layer_alone = case.layer if whole_layer else None
+        rows.append({"case": case.label, "layer_alone": layer_alone,
                      "recall": recall, "digit_nll": round(nll, 3)})
-        print(f"{case:40s} recall {recall:.2f}  answer-digit loss {nll:.2f}", flush=True)
+        print(f"{case.label:40s} recall {recall:.2f}  answer-digit loss {nll:.2f}", flush=True)
     return rows
 
 

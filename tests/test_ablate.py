@@ -5,7 +5,7 @@ import pytest
 import mlx.core as mx
 
 import mlx_kvtrans as kv
-from mlx_kvtrans.evaluation.ablate import ablate
+from mlx_kvtrans.evaluation.ablate import Ablation, Case, ablate
 from mlx_kvtrans.translators import artifact
 from mlx_kvtrans.zoo.gates import reference_gate_init
 
@@ -34,12 +34,49 @@ def test_native_is_exact_and_each_zeroed_object_is_its_own_case(model_dirs):
     assert set(some) == chosen and all(some[k] == rows[k] for k in chosen)
 
 
-def test_only_one_object_translated():
+def test_translated_cases_swap_in_exactly_what_they_name():
     src, tgt = kv.load("kimi-linear"), kv.load("kimi-vl")
     translator = artifact.load(artifact.shipped("kimi-linear", "kimi-vl"), src, tgt)
+    layout = kv.layout_of(tgt.model)
     ids = tgt.tokenizer.encode(TEXT)
     rows = {r["label"]: r for r in ablate(tgt.model, tgt.tokenizer.encode, ids, [64], windows=1,
                                           needles=1, translator=translator, source=src.model)}
-    translated = [k for k in rows if k.startswith("translated ")]
-    assert len(translated) == sum(len(l.objects) for l in kv.layout_of(tgt.model).layers)
-    assert all(rows[k]["lengths"]["64"]["kl"] > 0 for k in translated)
+    objects = [k for k in rows if k.startswith("translated ") and "." in k]
+    assert len(objects) == sum(len(l.objects) for l in layout.layers)
+    assert all(rows[k]["lengths"]["64"]["kl"] > 0 for k in objects)
+    assert {f"translated layer {l.index}" for l in layout.layers} < set(rows)
+
+    # every object translated is the translator's own cache; a layer's case swaps only it
+    ablation = Ablation(tgt.model, translator, src.model)
+    prefix, nxt = mx.array(ids[:63]), mx.array(ids[63:64])[None]
+    every = tgt.model(nxt, cache=ablation.cache(Case("translated"), prefix))
+    whole = tgt.model(nxt, cache=kv.translate_cache(translator, src.model, tgt.model, prefix))
+    assert mx.abs(every - whole).max().item() < 1e-5
+    one = ablation.cache(Case("translated", layer=1), prefix)
+    native = ablation.cache(Case("native"), prefix)
+    for i, (a, b) in enumerate(zip(one, native)):
+        same = mx.array_equal(a.keys[..., :a.offset, :], b.keys[..., :b.offset, :]).item()
+        assert same == (i != 1)
+
+
+def test_zeroing_every_object_of_a_linear_attention_model_is_the_no_cache_floor(tmp_path):
+    """States and conv histories carry no positions, so zeroing them all is reading nothing
+    (zeroed attention objects keep their positions: no such identity there)."""
+    from mlx_kvtrans.zoo.families import tiny_config
+    from mlx_kvtrans.zoo.random_model import write_random_model
+    from mlx_kvtrans.zoo.tokenizer import byte_tokenizer, special_token_ids
+
+    tok = byte_tokenizer()
+    config = {**tiny_config("qwen3_next", tok.get_vocab_size(), special_token_ids(tok)),
+              "full_attention_interval": 64}  # every layer Gated DeltaNet
+    lm = kv.load(str(write_random_model("qwen3_next", tmp_path / "linear", seed=5, config=config)))
+    lm.model.model.fa_idx = None  # mlx-lm looks up an attention layer's cache even with none
+    reference_gate_init(lm.model, mx.random.key(2))
+    assert all(o.kind.value in ("conv_history", "recurrent_state")
+               for layer in kv.layout_of(lm.model).layers for o in layer.objects)
+    rows = {r["label"]: r["lengths"]["48"] for r in ablate(
+        lm.model, lm.tokenizer.encode, lm.tokenizer.encode(TEXT), [48], windows=2, needles=2,
+        only={"no cache", "zero all"})}
+    assert rows["no cache"]["kl"] > 1e-3
+    assert rows["zero all"]["kl"] == pytest.approx(rows["no cache"]["kl"], rel=1e-4)
+    assert rows["zero all"]["agreement"] == rows["no cache"]["agreement"]

@@ -30,19 +30,21 @@ from .needles import needle_scores
 class Case:
     name: str  # "native", "zero", "translated" or "no cache"
     layer: int | None = None
-    object: str | None = None
+    object: str | None = None  # with a layer and no object: every object of that layer
     kind: str | None = None  # with no layer: every object of this kind
 
     @property
     def label(self) -> str:
         if self.layer is None:
             return f"{self.name} every {self.kind}" if self.kind else \
-                "zero all" if self.name == "zero" else self.name
+                f"{self.name} all" if self.name in ("zero", "translated") else self.name
+        if self.object is None:
+            return f"{self.name} layer {self.layer}"
         return f"{self.name} {self.layer}.{self.object}"
 
     def covers(self, layer, name: str) -> bool:
         if self.layer is not None:
-            return (layer.index, name) == (self.layer, self.object)
+            return layer.index == self.layer and self.object in (None, name)
         return self.kind is None or layer.cache.object(name).kind.value == self.kind
 
 
@@ -50,6 +52,10 @@ def cases(layout, translated: bool) -> list[Case]:
     out = [Case("native"), Case("no cache"), Case("zero")]
     kinds = sorted({o.kind.value for layer in layout.layers for o in layer.objects})
     out += [Case("zero", kind=k) for k in kinds] if len(kinds) > 1 else []
+    if translated:  # where translation loses what: all of it, each layer, each object
+        out.append(Case("translated"))
+        out += [Case("translated", layer.index) for layer in layout.layers
+                if len(layer.objects) > 1]
     for layer in layout.layers:
         for obj in layer.objects:
             out.append(Case("zero", layer.index, obj.name))
@@ -75,9 +81,9 @@ class Ablation:
             moved, points = self.translator.translate(src, self.model, self.layout, tokens)
             native = capture(self.model, tokens, points={p for d in points for p in d.values()},
                              layout=self.layout)
-            objects = [{name: moved[i][name] if (i, name) == (case.layer, case.object)
+            objects = [{name: moved[i][name] if case.covers(layer, name)
                         else native.objects[i][(name, points[i][name])] for name in points[i]}
-                       for i in range(len(points))]
+                       for i, layer in enumerate(self.layout.layers)]
             return install(self.layout, objects, points)
         native = capture(self.model, tokens, points={CapturePoint.ENGINE}, layout=self.layout)
         objects = [{name: value for (name, _), value in layer.items()} for layer in native.objects]
