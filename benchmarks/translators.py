@@ -13,6 +13,7 @@ Writes benchmarks/results/translators.{json,md}.
 
     python benchmarks/translators.py [--samples N] [--windows N] [--pairs a:b,c:d]
                                      [--distill-steps N] [--needle-share S] [--shipped-only]
+    python benchmarks/translators.py --tabulate
 """
 
 from __future__ import annotations
@@ -188,7 +189,13 @@ def main():
                         help="share of each stage-2 batch that is synthetic needles")
     parser.add_argument("--shipped-only", action="store_true",
                         help="only each pair's first variant, the one shipped")
+    parser.add_argument("--tabulate", action="store_true",
+                        help="only rebuild translators.md from translators.json")
     args = parser.parse_args()
+    if args.tabulate:
+        results = json.loads((ROOT / "results" / "translators.json").read_text())
+        (ROOT / "results" / "translators.md").write_text(markdown(results))
+        return
     wanted = PAIRS
     if args.pairs:
         chosen = [tuple(p.split(":")) for p in args.pairs.split(",")]
@@ -323,9 +330,51 @@ def markdown(results) -> str:
                 top_k = next(iter(v["indexer"].values()))["index_topk"]
                 notes.append(f"- {pair['source']} -> {pair['target']} stage {v['stage']} "
                              f"indexer selection (top-{top_k}): {cells}")
+    lines += state_recipe_ordering(results, lengths)
     if notes:
         lines += ["", "Fitting cost, stage 2 and sparse-indexer selection:", "", *notes]
     return "\n".join(lines) + "\n"
+
+
+# The hybrid-translation paper's ordering of recurrent-state recipes: (claim, better, worse,
+# whether a tie holds it). Replay is its recipe where the source has no state, so it is held
+# against zero, the other recipe that needs none.
+STATE_CLAIMS = [("zero worse than copy", "state copy", "state zero", False),
+                ("correction at least as good as copy", "state copy + correction", "state copy",
+                 True),
+                ("replay better than zero", "state replay", "state zero", False)]
+
+
+def state_recipe_ordering(results, lengths) -> list[str]:
+    """Per pair with state-recipe variants (stage 1), whether each of the paper's claims holds
+    at each length, by KL and by recall."""
+    lines = []
+    for pair in results["pairs"]:
+        by_name = {v["variant"]: v for v in pair["variants"] if v["stage"] == 1}
+        for claim, better, worse, tie in STATE_CLAIMS:
+            if better not in by_name or worse not in by_name:
+                continue
+            b, w = by_name[better], by_name[worse]
+            kl = [(x["kl"], y["kl"]) for x, y in zip(b["fidelity"], w["fidelity"])]
+            recall = [(b["needle_translated"][n], w["needle_translated"][n]) for n in lengths]
+            for metric, values, lower_is_better in (("KL", kl, True), ("recall", recall, False)):
+                digits = 4 if metric == "KL" else 2
+                cells = []
+                for x, y in values:
+                    x, y = round(x, digits), round(y, digits)
+                    holds = x == y and tie or (x < y if lower_is_better else x > y)
+                    cells.append(f"{'yes' if holds else '**no**'} ({x:.{digits}f} vs "
+                                 f"{y:.{digits}f})")
+                lines.append(f"| {pair['source']} -> {pair['target']} | {claim} | {metric} | "
+                             + " | ".join(cells) + " |")
+    if not lines:
+        return []
+    head = ["", "The paper's ordering of recurrent-state recipes, stage 1 (in brackets: the recipe "
+            "the claim favours, then the other; KL to 4 decimals, recall to 2; a tie holds only "
+            "\"at least as good\"):", "",
+            "| pair | claim | metric | " + " | ".join(f"@{n}" for n in lengths) + " |",
+            "|---" * (3 + len(lengths)) + "|"]
+    return head + lines
 
 
 if __name__ == "__main__":
