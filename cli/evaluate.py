@@ -187,8 +187,9 @@ def eval_multiturn(translator_dir: Path = typer.Option(..., "--translator",
 def eval_ablate(model: str = typer.Option(None, "--model", help="zoo alias, directory or HF id"),
                 translator_dir: Path = typer.Option(None, "--translator",
                                                     help="a translator into the model (a "
-                                                    "directory or a shipped name): also each "
-                                                    "object translated alone"),
+                                                    "directory or a shipped name): also the "
+                                                    "translation swapped in whole, per layer "
+                                                    "and per object"),
                 lengths: str = typer.Option("256,1024", help="prompt lengths (comma-separated)"),
                 windows: int = typer.Option(4, min=1, help="held-out windows per length"),
                 needles: int = typer.Option(20, min=1, help="held-out needles per length"),
@@ -196,8 +197,9 @@ def eval_ablate(model: str = typer.Option(None, "--model", help="zoo alias, dire
                                           "split)"),
                 as_json: bool = typer.Option(False, "--json")):
     """What each cache object carries: per layer and object, the model continuing from its own
-    cache with that object zeroed (and, with --translator, with only it translated): KL
-    against native, greedy agreement and needle recall, beside the no-cache floor."""
+    cache with that object zeroed (and, with --translator, with only it, only its layer or
+    everything translated): KL against native, greedy agreement and needle recall, beside the
+    no-cache floor."""
     from mlx_kvtrans.evaluation.ablate import ablate
 
     if (model is None) == (translator_dir is None):
