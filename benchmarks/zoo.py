@@ -24,7 +24,9 @@ def main():
              "needle recall native -> zeroed (the zoo's bar: a share >= 0.30 or a drop >= 0.3). "
              "`bar`: recall >= 0.9 at 256 and 512 (and a hybrid's states bar); `corpus`: the "
              "train split it read, the recorded one (`weights/corpus.json`) or the corpus's "
-             "first build, which no longer rebuilds. "
+             "first build, which no longer rebuilds, and the one the models it continues read "
+             "where that differs: a first-build seed may have trained on documents of the "
+             "recorded held-out splits. "
              "Tabulated from weights/*/manifest.json by `python benchmarks/zoo.py`.\n",
              "| alias | model_type | params | steps | rows | tokens | minutes | ppl | unigram ppl "
              "| recall @256 | @512 | @1024 | @2048 | zeroed states: KL share | recall | bar "
@@ -45,10 +47,24 @@ def main():
                      f"{m['held_out_perplexity']} | {m['unigram_perplexity']} | "
                      + " | ".join(recall) + " | " + _states(m.get("state_ablation")) + " | "
                      + ("yes" if meets_bar(m) else "no") + " | "
-                     + ("recorded" if m["corpus"] == recorded else "first build") + " |")
+                     + _corpora(m, recorded) + " |")
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def _corpora(manifest: dict, recorded: str) -> str:
+    """The train split a model read, and the one the models it continues read where that
+    differs (a seed whose weights no longer ship keeps its manifest for this)."""
+    def name(m):
+        return "recorded" if m["corpus"] == recorded else "first build"
+
+    own, earlier = name(manifest), set()
+    while parent := manifest["recipe"].get("init_from"):
+        manifest = json.loads((weights_dir() / parent / "manifest.json").read_text())
+        earlier.add(name(manifest))
+    return own + (f" (its seeds: {', '.join(sorted(earlier - {own}))})"
+                  if earlier - {own} else "")
 
 
 def meets_bar(manifest: dict) -> bool:

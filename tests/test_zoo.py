@@ -96,6 +96,21 @@ ALIASES = sorted(a for a in zoo_aliases() if (weights_dir() / a / "manifest.json
 
 
 @pytest.mark.parametrize("alias", ALIASES)
+def test_each_shipped_model_is_its_recipe_and_its_seed_ships(alias):
+    """`kvtrans zoo train ALIAS` on a fresh clone runs the recipe that made the shipped model,
+    from weights that ship."""
+    from mlx_kvtrans.zoo.recipes import RECIPES
+
+    recorded = json.loads((weights_dir() / alias / "manifest.json").read_text())["recipe"]
+    recipe = RECIPES[alias].to_json()
+    newer = {k: v for k, v in recipe.items() if k not in recorded}  # fields added since, unset
+    assert all(v in ([], None) for v in newer.values()), newer
+    assert recorded == {k: v for k, v in recipe.items() if k in recorded}
+    if seed := RECIPES[alias].init_from:
+        assert (weights_dir() / seed / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("alias", ALIASES)
 def test_zoo_model_loads_verifies_and_matches_manifest(alias):
     path = weights_dir() / alias
     manifest = json.loads((path / "manifest.json").read_text())

@@ -88,23 +88,25 @@ RECIPES = {r.alias: r for r in [
     # last 500 steps undid copying (0.60 / 0.52 / 0.30 at 256 / 512 / 1,024), and its rows on the
     # recorded corpus with long rows mixed in from step 1,250 began to copy only at step ~2,300
     # (recall 0.46 / 0.32 after 2,500 steps, 43.7 min). So, as kimi-vl, zoo v2's qwen3-small
-    # continues the first model (shipped as weights/seeds/qwen3-small-1) with long rows mixed in:
-    # 500 steps of rows of 256 with one step in eight of 1,024 and one in four of 512 recalled
-    # 0.98 / 0.82 (8.1 min; shipped as weights/seeds/qwen3-small-2), and 500 more from it with
+    # continues the first model with long rows mixed in: 500 steps of rows of 256 with one step
+    # in eight of 1,024 and one in four of 512 recalled 0.98 / 0.82 (8.1 min; shipped as
+    # weights/seeds/qwen3-small-2, its manifest holding that recipe), and 500 more from it with
     # every second step of 512 reach the bar.
     Recipe("qwen3-small", "qwen3", "GQA pair, smaller (KV-Lingo's Qwen3-4B side)", {},
            seed=11, steps=500, batch=2, length=1024, lr=3e-4, warmup=50, decay_share=0.0,
            init_from="seeds/qwen3-small-2", length_schedule=((1 << 30, 4),),
            long_steps=((0, 8, 1), (0, 2, 2))),
     # Like Qwen3-4B -> 8B: wider and deeper, same heads. Hidden 192 x 6 layers (4.0M) left its
-    # answer-digit loss near 1.0 nats from step 1,300 to 2,500 and took 72 min; 160 x 5 takes
-    # more steps in the hour, on the short-row schedule that taught qwen3-small to copy. It
-    # learns to copy later than qwen3-small (probe recall 0.06 at step 2,200, 0.75 at 2,500),
-    # so its rate is held to step 2,560.
-    Recipe("qwen3-large", "qwen3", "GQA pair, larger (KV-Lingo's Qwen3-8B side)",
-           dict(model_type="qwen3", **_base(160, 5), num_attention_heads=4, num_key_value_heads=2,
-                head_dim=64, rope_theta=10000.0),
-           seed=12, steps=3200, length_schedule=((750, 4), (1250, 2))),
+    # answer-digit loss near 1.0 nats from step 1,300 to 2,500 and took 72 min; at 160 x 5
+    # (2.4M; head_dim 64, GQA 4 / 2) on qwen3-small's first row schedule it learned to copy late
+    # (probe recall 0.06 at step 2,200, 0.75 at 2,500) and recalled 0.98 / 0.90 at 256 / 512
+    # after 3,200 steps (56.9 min, lr 1e-3 held to step 2,560, on the corpus's first build;
+    # shipped as weights/seeds/qwen3-large-1). Zoo v2's continues it on the recorded corpus as
+    # qwen3-small's second continuation.
+    Recipe("qwen3-large", "qwen3", "GQA pair, larger (KV-Lingo's Qwen3-8B side)", {},
+           seed=12, steps=500, batch=2, length=1024, lr=3e-4, warmup=50, decay_share=0.0,
+           init_from="seeds/qwen3-large-1", length_schedule=((1 << 30, 4),),
+           long_steps=((0, 8, 1), (0, 2, 2))),
     # Full MLA learns to copy late: the first model (rows of 64, 128, then 256 tokens, cosine
     # rate from step 100; 46 min on the corpus's first build) began at step ~2,200 and recalled
     # 0.98 at 256 but 0.00 at 512. Long rows as a phase undid copying (rows of 512 and 1,024
