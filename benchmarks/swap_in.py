@@ -46,8 +46,8 @@ def swap_rows(translator, src, tgt, length, samples):
                                     if c.name == "translated"]:
         recall, nll = needle_scores(tgt.model, tgt.tokenizer.encode, length, samples,
                                     cache_for=lambda ids, c=case: ablation.cache(c, mx.array(ids)))
-        whole_layer = case.layer is not None and (
-            case.object is None or len(ablation.layout.layers[case.layer].objects) == 1)
+        layer = ablation.layout.layers[case.layer] if case.layer is not None else None
+        whole_layer = layer and all(case.covers(layer, o.name) for o in layer.objects)
         layer_alone = case.layer if whole_layer else None
         rows.append({"case": case.label, "layer_alone": layer_alone,
                      "recall": recall, "digit_nll": round(nll, 3)})

@@ -42,6 +42,7 @@ from mlx_kvtrans.translators.translator import translate_cache
 from mlx_kvtrans.zoo.corpus import read_split, sentences
 
 ROOT = Path(__file__).resolve().parent
+OUT_JSON, OUT_MD = ROOT / "results" / "translators.json", ROOT / "results" / "translators.md"
 FIT_LENGTH = 256  # the longest fitting prompt
 FIT_WINDOWS = int(os.environ.get("KVTRANS_FIT_WINDOWS", 256))  # fewer for a quick check
 LENGTHS = [FIT_LENGTH * m for m in (1, 2, 4, 8)]
@@ -193,8 +194,7 @@ def main():
                         help="only rebuild translators.md from translators.json")
     args = parser.parse_args()
     if args.tabulate:
-        results = json.loads((ROOT / "results" / "translators.json").read_text())
-        (ROOT / "results" / "translators.md").write_text(markdown(results))
+        OUT_MD.write_text(markdown(json.loads(OUT_JSON.read_text())))
         return
     wanted = PAIRS
     if args.pairs:
@@ -206,7 +206,6 @@ def main():
     results = {"blas": blas.name, "matmul_float32_gflops": round(blas.gflops, 1),
                "fit_length": FIT_LENGTH, "fit_windows": FIT_WINDOWS,
                "pairs": []}
-    out_json = ROOT / "results" / "translators.json"
     for (source, target), variants in wanted.items():
         src, tgt = kv.load(source), kv.load(target)
         train_ids, test_ids = corpus_ids(src.tokenizer, "train"), corpus_ids(src.tokenizer, "test")
@@ -266,16 +265,16 @@ def main():
                 shutil.rmtree(distilled_dir, ignore_errors=True)  # one of an older fit
         results["pairs"].append(entry)
         mx.clear_cache()
-    if args.pairs and out_json.exists():  # keep the pairs not re-run, as the file is now
-        previous = json.loads(out_json.read_text())
+    if args.pairs and OUT_JSON.exists():  # keep the pairs not re-run, as the file is now
+        previous = json.loads(OUT_JSON.read_text())
         results["pairs"] = [p for p in previous["pairs"]
                             if (p["source"], p["target"]) not in wanted
                             and "needle_samples" in p] + results["pairs"]
         results["pairs"].sort(key=lambda p: list(PAIRS).index((p["source"], p["target"])))
-    out_json.parent.mkdir(parents=True, exist_ok=True)
-    out_json.write_text(json.dumps(results, indent=2) + "\n")
-    (ROOT / "results" / "translators.md").write_text(markdown(results))
-    print(f"wrote {out_json}")
+    OUT_JSON.parent.mkdir(parents=True, exist_ok=True)
+    OUT_JSON.write_text(json.dumps(results, indent=2) + "\n")
+    OUT_MD.write_text(markdown(results))
+    print(f"wrote {OUT_JSON}")
 
 
 def markdown(results) -> str:
