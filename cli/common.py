@@ -108,6 +108,15 @@ def user_errors(command):
 
 
 
+def refuse_existing(path: str | Path | None, force: bool, option: str = "--out") -> None:
+    """No command replaces what exists unless told: exit 2 with one line, nothing touched."""
+    if path is not None and Path(path).exists() and not force:
+        raise KvtransError(f"{option} {path}: already exists (pass --force to replace it)")
+
+
+FORCE_HELP = "Replace the output if it already exists."
+
+
 def _bytes(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
