@@ -1,20 +1,140 @@
-"""README's Python examples run as written (on the shipped zoo, offline)."""
+"""README is short, its two commands are what CI runs, its Python example really runs on the
+shipped zoo (offline) and says what it should, and its results table is what the results files
+hold now."""
 
 from __future__ import annotations
 
+import importlib.util
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
 BLOCKS = re.findall(r"```python\n(.*?)```", README, re.S)
+DOC_BLOCKS = [(page.name, block) for page in sorted((ROOT / "docs").glob("*.md"))
+              for block in re.findall(r"```python\n(.*?)```", page.read_text(), re.S)]
+MAX_LINES = 250
 
 
-def test_readme_has_python_examples():
-    assert BLOCKS
+def load_summary():
+    spec = importlib.util.spec_from_file_location("summary", ROOT / "benchmarks" / "summary.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-@pytest.mark.parametrize("index", range(len(BLOCKS)))
-def test_readme_python_example_runs(index, capsys):
-    exec(compile(BLOCKS[index], f"README.md python block {index + 1}", "exec"), {})
+def first_code_block() -> list[str]:
+    match = re.search(r"```[a-z]*\n(.*?)```", README, re.S)
+    assert match, "README has no code block"
+    return [line for line in match.group(1).splitlines() if line.strip()]
+
+
+def test_readme_is_at_most_250_lines():
+    assert len(README.splitlines()) <= MAX_LINES
+
+
+def test_readme_opens_with_title_paragraph_and_two_commands():
+    lines = README.splitlines()
+    assert lines[0].startswith("# ")
+    first_block = README.index("```")
+    paragraph = README[len(lines[0]):first_block].strip()
+    assert paragraph and "#" not in paragraph  # a paragraph, no section before the commands
+    commands = first_code_block()
+    assert len(commands) == 2
+    assert commands[1] == "./setup.sh && .venv/bin/python -m pytest -q"  # what .ci/run runs
+    assert "kvtrans chat" in commands[0]
+
+
+def test_ci_runs_the_second_command():
+    """.ci/run takes the second line of README's first code block."""
+    awk = subprocess.run(["bash", "-c", "awk '/^```/{block++; next} block == 1' README.md "
+                          "| sed -n 2p"], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert awk.stdout.strip() == first_code_block()[1]
+
+
+def test_readme_results_table_is_what_the_results_files_hold():
+    summary = load_summary()
+    block = summary.current_block(README)
+    assert block is not None, "README has no results block"
+    assert block == summary.render(), "stale: run python benchmarks/summary.py"
+
+
+def test_summary_check_exits_1_on_a_stale_block(tmp_path):
+    summary = load_summary()
+    stale = tmp_path / "README.md"
+    stale.write_text(README.replace(summary.current_block(README),
+                                    f"{summary.BEGIN}\n| old |\n{summary.END}"))
+    assert summary.main(["--check", "--readme", str(stale)]) == 1
+    assert summary.main(["--readme", str(stale)]) == 0  # rewrites it
+    assert summary.main(["--check", "--readme", str(stale)]) == 0
+    assert stale.read_text() == README
+
+
+def test_summary_rows_are_the_shipped_translators():
+    """One row per shipped direction, named as its directory under weights/translators/."""
+    from mlx_kvtrans.models import weights_dir
+
+    shipped = {p.name for p in (weights_dir() / "translators").iterdir() if p.is_dir()}
+    rows = re.findall(r"^\| `([^`]+)` \|", load_summary().render(), re.M)
+    assert set(rows) == shipped
+
+
+def test_readme_has_one_python_example():
+    assert len(BLOCKS) == 1
+    assert len(BLOCKS[0].splitlines()) <= 30
+
+
+def test_readme_python_example_hands_a_needle_over(capsys):
+    """Run as written: kimi-vl, reading only kimi-linear's translated cache, names the number."""
+    exec(compile(BLOCKS[0], "README.md python example", "exec"), {"__name__": "readme"})
+    printed = capsys.readouterr().out
+    assert "<|" not in printed  # no raw special tokens such as <|im_end|>
+    lines = dict(line.split(":", 1) for line in printed.splitlines() if ":" in line)
+    assert "552190" in lines["kimi-vl"]
+    assert re.search(r"^applied passed \d+ tokens translated$", printed, re.M)
+
+
+@pytest.mark.parametrize("index", range(len(DOC_BLOCKS)))
+def test_docs_python_examples_run(index, capsys):
+    name, block = DOC_BLOCKS[index]
+    exec(compile(block, f"docs/{name} python example", "exec"), {"__name__": "docs"})
+
+
+@pytest.mark.parametrize("doc", ["zoo", "recipes", "serving", "results", "negative-results"])
+def test_readme_links_resolve(doc):
+    assert f"(docs/{doc}.md)" in README
+    assert (ROOT / "docs" / f"{doc}.md").is_file()
+
+
+def test_docs_links_resolve():
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", page.read_text()):
+            assert (page.parent / target).exists(), f"{page.name} links to missing {target}"
+
+
+def test_documented_headers_are_the_servers():
+    """Every x-kvtrans-* header README or docs name is one the server sends or reads."""
+    source = "".join(p.read_text() for p in (ROOT / "mlx_kvtrans" / "serve").glob("*.py"))
+    pages = [README, *(p.read_text() for p in (ROOT / "docs").glob("*.md"))]
+    named = {h.lower() for page in pages for h in re.findall(r"x-kvtrans-[a-zA-Z][a-zA-Z-]*", page)}
+    assert "x-kvtrans-handoff" in named
+    for header in sorted(named):
+        assert f'"{header}"' in source, f"{header} is not a header of kvtrans serve"
+
+
+def test_results_index_names_every_results_file():
+    index = (ROOT / "docs" / "results.md").read_text()
+    results = ROOT / "benchmarks" / "results"
+    stems = {re.sub(r"-(float32|bfloat16)$", "", p.stem) for p in results.glob("*.json")}
+    stems |= {p.stem for p in results.glob("*.md")}
+    for stem in sorted(stems):
+        name = "bench-*" if stem.startswith("bench-") else stem
+        assert name in index, f"docs/results.md does not index {stem}"
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
