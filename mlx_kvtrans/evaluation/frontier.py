@@ -1,0 +1,394 @@
+"""The fidelity frontier: how close a switched cache stays to native, and what it saves, per
+setting of every fidelity knob, at 1x-8x a translator's fitting length, on held-out data.
+
+A switch at a prompt of L tokens gives the target a cache of the first L - 1 (the target then
+reads the last token itself, which yields the first continuation token). One knob so far:
+
+    R (`Setting.reread`): the translator translates the first L - 1 - R tokens, and the target
+    reads the R after them itself over that translated prefix. R >= L - 1 is re-prefill.
+
+Per (length, setting), over held-out prose windows and held-out needles:
+- agreement: the native target generates G = 32 tokens greedily from its own cache; the switched
+  cache is fed the same tokens (teacher forcing) and its argmax compared at each position;
+- agreement_last16: the same for the target reading only the last 16 prompt tokens: the floor
+  (the zoo's tiny targets predict 70-85% of next tokens from those alone), and
+  history_recovered = (agreement - agreement_last16) / (1 - agreement_last16);
+- greedy_match (mean tokens of the G generated from the switched cache equal to native's),
+  greedy_exact (share with all G equal), first_token agreement;
+- kl: mean KL(native || switched) per continuation token, nats;
+- recall_native / recall_translated: exact six-digit needle recall (evaluation/needles.py);
+- speedup = time(target re-prefills L tokens) / time(translate the first L - 1 - R, the target
+  reads the remaining R + 1), measured side by side in one process, medians of a few repeats,
+  the source having read the prompt already (a warm switch).
+
+`cheapest` picks from a frontier the setting a session should switch with; `save` / `load` keep
+a frontier as frontier.json in a translator directory.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+from ..capture import capture
+from ..errors import KvtransError
+from ..files import sha256_file
+from ..install import install
+from ..layouts import CapturePoint, layout_of
+from ..translators.fidelity import greedy, kl_per_token
+from .needles import HELD_OUT_SEED, held_out_filler, needle_report
+
+GENERATED = 32  # continuation tokens compared
+FLOOR_TOKENS = 16  # the floor reads only this many prompt tokens
+MULTIPLES = (1, 2, 4, 8)  # lengths measured: these multiples of the fitting length
+FILE = "frontier.json"
+FORMAT = "mlx-kvtrans-frontier"
+
+
+# -- the knobs ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Setting:
+    """One setting of every fidelity knob. A new knob is a new field with a default that
+    leaves earlier frontiers' settings as they were."""
+    reread: int = 0  # R: tokens the target reads itself over the translated prefix
+
+    def translated(self, prefix_length: int) -> int:
+        """Tokens of a `prefix_length`-token prefix the translator builds (0: re-prefill)."""
+        return max(0, prefix_length - self.reread)
+
+    def applies(self, length: int) -> bool:
+        """Whether, at a prompt of `length` tokens, this setting still translates something."""
+        return self.translated(length - 1) > 0
+
+    def label(self) -> str:
+        return f"R={self.reread}"
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Setting":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+def default_rereads(length: int) -> list[int]:
+    """R = 0, 8, 32, 128, ... while a translation remains at `length`."""
+    out, r = [0], 8
+    while Setting(r).applies(length):
+        out.append(r)
+        r *= 4
+    return out
+
+
+def fitting_length(info: dict) -> int:
+    """The longest prompt a translator was fitted (or distilled) on, from its manifest."""
+    from ..translators.fit import FitConfig
+
+    fit = info.get("fit") or {}
+    distill = (info.get("distill") or {}).get("config") or {}
+    return int(fit.get("length") or distill.get("max_prefix") or FitConfig().length)
+
+
+# -- one switch ----------------------------------------------------------------------------------
+@dataclass
+class Switch:
+    """A translator between two mlx-lm models, and their layouts (read once)."""
+    translator: object
+    source: object
+    target: object
+    source_layout: object = None
+    target_layout: object = None
+
+    def __post_init__(self):
+        self.source_layout = self.source_layout or layout_of(self.source)
+        self.target_layout = self.target_layout or layout_of(self.target)
+
+    def native(self, ids: list[int]) -> list:
+        """The target's own cache of `ids`."""
+        return capture(self.target, mx.array(ids)[None], points=(CapturePoint.ENGINE,),
+                       layout=self.target_layout).engine
+
+    def read(self, setting: Setting, prefix: list[int]):
+        """What the source recorded of the part of `prefix` the setting translates (None when
+        it translates nothing). A warm switch has this already: it is never timed."""
+        n = setting.translated(len(prefix))
+        if n == 0:
+            return None
+        return capture(self.source, mx.array(prefix[:n])[None],
+                       points=self.translator.source_points(), layout=self.source_layout)
+
+    def translated(self, recorded, head: list[int]) -> list:
+        """The target's cache of `head` translated from `recorded` and installed."""
+        objects, points = self.translator.translate(recorded, self.target, self.target_layout,
+                                                    mx.array(head)[None])
+        return install(self.target_layout, objects, points)
+
+    def cache(self, setting: Setting, prefix: list[int], recorded=None) -> list:
+        """The target's cache of `prefix` after a switch at `setting`, evaluated."""
+        n = setting.translated(len(prefix))
+        if n == 0:
+            return self.native(prefix)
+        recorded = recorded if recorded is not None else self.read(setting, prefix)
+        cache = self.translated(recorded, prefix[:n])
+        if n < len(prefix):
+            self.target(mx.array(prefix[n:])[None], cache=cache)
+        mx.eval([c.state for c in cache])
+        return cache
+
+
+def time_switch(switch: Switch, setting: Setting, tokens: list[int],
+                repeats: int = 3) -> tuple[float, float]:
+    """(re-prefill seconds, switch seconds) to the first token of the `tokens` prompt: the
+    target reading every token, beside the warm switch (translate, install, the target reads
+    the rest); each ends with the first token's argmax evaluated. The two alternate, so both
+    see the same load; medians of `repeats` after one untimed run each."""
+    target, prefix = switch.target, tokens[:-1]
+    n = setting.translated(len(prefix))
+
+    def first_token(cache, ids):
+        mx.eval(mx.argmax(target(mx.array(ids)[None], cache=cache)[:, -1], axis=-1))
+
+    runs = {"reprefill": lambda: first_token(make_prompt_cache(target), tokens)}
+    if n:  # else it is the re-prefill
+        recorded = switch.read(setting, prefix)
+        runs["switch"] = lambda: first_token(switch.translated(recorded, prefix[:n]), tokens[n:])
+    times = {name: [] for name in runs}
+    for run in runs.values():
+        run()  # compile and allocate once
+    for _ in range(repeats):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+    reprefill = statistics.median(times["reprefill"])
+    return reprefill, statistics.median(times.get("switch", times["reprefill"]))
+
+
+# -- the frontier ------------------------------------------------------------------------------
+@dataclass
+class Row:
+    length: int
+    setting: Setting
+    windows: int
+    agreement: float  # teacher-forced argmax agreement with the native greedy continuation
+    agreement_last16: float  # the same, the target reading only the last 16 prompt tokens
+    agreement_native: float  # native teacher-forced against its own greedy: numerics, ~1.0
+    history_recovered: float | None
+    greedy_match: float  # mean tokens of GENERATED equal to native's, generated greedily
+    greedy_exact: float  # share of windows whose GENERATED tokens all equal native's
+    first_token: float
+    kl: float
+    needles: int
+    recall_native: float | None
+    recall_translated: float | None
+    reprefill_s: float
+    switch_s: float
+
+    @property
+    def speedup(self) -> float:
+        return self.reprefill_s / self.switch_s
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "setting": self.setting.to_json(), "speedup": self.speedup}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Row":
+        names = {f.name for f in fields(cls)}
+        row = {k: v for k, v in data.items() if k in names}
+        return cls(**{**row, "setting": Setting.from_json(data["setting"])})
+
+
+def history_recovered(agreement: float, floor: float) -> float | None:
+    return None if floor >= 1.0 else (agreement - floor) / (1.0 - floor)
+
+
+def _mean(values: list) -> float:
+    return sum(values) / len(values)
+
+
+def measure(switch: Switch, encode, text_ids: list[int], plan: dict[int, list[Setting]],
+            prompts: int = 16, needles: int = 16, repeats: int = 3, seed: int = 0,
+            progress=None) -> list[Row]:
+    """One row per (length, setting) of `plan` (prompt length -> settings), over `prompts`
+    held-out windows of `text_ids` (starts drawn from `seed` and the length) and `needles`
+    held-out needles (0: no recall). `encode`: the target tokenizer's.
+    `progress(done, total, what)` follows the windows."""
+    target, rows = switch.target, []
+    total, done = sum(len(s) for s in plan.values()) * (prompts + 2), 0
+    filler = held_out_filler() if needles else None
+    for length, settings in plan.items():
+        if len(text_ids) < length + 1:
+            raise ValueError(f"held-out text has {len(text_ids)} tokens, fewer than {length + 1}")
+        rng = random.Random(seed * 1_000_003 + length)  # the same windows whatever else is measured
+        starts = [rng.randrange(0, len(text_ids) - length) for _ in range(prompts)]
+        scores = {s: {k: [] for k in ("agree", "kl", "match", "exact", "first")}
+                  for s in settings}
+        floor, own = [], []  # per window: the last-16 floor's agreement, native's own
+        for w, start in enumerate(starts):
+            tokens = list(text_ids[start:start + length])
+            prefix, last = tokens[:-1], tokens[-1]
+            reference = greedy(target, last, switch.native(prefix), GENERATED)
+            inputs = mx.array([last] + reference[:-1])[None]
+            truth = mx.array(reference)
+            native = target(inputs, cache=switch.native(prefix))[0]
+            tail = mx.array(tokens[-FLOOR_TOKENS:] + reference[:-1])[None]
+            floor.append(float((mx.argmax(target(tail)[0, FLOOR_TOKENS - 1:], -1) == truth)
+                               .mean()))
+            own.append(float((mx.argmax(native, -1) == truth).mean()))
+            for s in settings:
+                if progress:
+                    progress(done, total, f"{length:,} tokens, window {w + 1}, {s.label()}")
+                done += 1
+                recorded = switch.read(s, prefix)
+                logits = target(inputs, cache=switch.cache(s, prefix, recorded))[0]
+                generated = greedy(target, last, switch.cache(s, prefix, recorded), GENERATED)
+                same = [a == b for a, b in zip(generated, reference)]
+                got = scores[s]
+                got["agree"].append(float((mx.argmax(logits, -1) == truth).mean()))
+                got["kl"].append(float(kl_per_token(native, logits).mean()))
+                got["match"].append(sum(same))
+                got["exact"].append(float(all(same)))
+                got["first"].append(float(same[0]))
+        native_recall = needle_report(target, encode, length, needles, filler)["recall"] \
+            if needles else None
+        for s in settings:
+            if progress:
+                progress(done, total, f"{length:,} tokens, needles and timing, {s.label()}")
+            done += 2
+            recall = needle_report(target, encode, length, needles, filler, HELD_OUT_SEED,
+                                   cache_for=lambda ids, s=s: switch.cache(s, ids))["recall"] \
+                if needles else None
+            got, floor_mean = scores[s], _mean(floor)
+            reprefill_s, switch_s = time_switch(switch, s, list(text_ids[starts[0]:starts[0]
+                                                                         + length]), repeats)
+            rows.append(Row(
+                length=length, setting=s, windows=prompts, agreement=_mean(got["agree"]),
+                agreement_last16=floor_mean, agreement_native=_mean(own),
+                history_recovered=history_recovered(_mean(got["agree"]), floor_mean),
+                greedy_match=_mean(got["match"]), greedy_exact=_mean(got["exact"]),
+                first_token=_mean(got["first"]), kl=_mean(got["kl"]), needles=needles,
+                recall_native=native_recall, recall_translated=recall,
+                reprefill_s=reprefill_s, switch_s=switch_s))
+    if progress:
+        progress(total, total, "")
+    return rows
+
+
+@dataclass
+class Frontier:
+    """The rows measured of one translator, and how they were measured."""
+    translator: str  # its directory name
+    source: str
+    target: str
+    fit_length: int
+    rows: list[Row]
+    settings: dict = field(default_factory=dict)  # prompts, needles, repeats, seed, text, ...
+    weights_sha256: str | None = None  # of the translator's weights.safetensors
+
+    def to_json(self) -> dict:
+        return {"format": FORMAT, "translator": self.translator, "source": self.source,
+                "target": self.target, "fit_length": self.fit_length,
+                "weights_sha256": self.weights_sha256, "settings": self.settings,
+                "generated": GENERATED, "floor_tokens": FLOOR_TOKENS,
+                "rows": [r.to_json() for r in self.rows]}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Frontier":
+        return cls(data["translator"], data["source"], data["target"], data["fit_length"],
+                   [Row.from_json(r) for r in data["rows"]], data.get("settings", {}),
+                   data.get("weights_sha256"))
+
+
+def measure_translator(directory, source, target, translator, text_ids: list[int],
+                       lengths: list[int] | None = None, rereads: list[int] | None = None,
+                       prompts: int = 16, needles: int = 16, repeats: int = 3, seed: int = 0,
+                       progress=None) -> Frontier:
+    """The frontier of a loaded translator (`source`, `target`: LoadedModels) from the
+    translator directory `directory`: at `lengths` (default 1x-8x its fitting length) and
+    R in `rereads` (default `default_rereads`); settings that translate nothing are left out."""
+    directory = Path(directory)
+    fit_length = fitting_length(translator.info)
+    lengths = lengths or [fit_length * m for m in MULTIPLES]
+    wanted = sorted({r for n in lengths for r in (rereads or default_rereads(n))})
+    plan = {n: [Setting(r) for r in wanted if Setting(r).applies(n)
+                and (rereads is not None or r in default_rereads(n))] for n in lengths}
+    for n, settings in plan.items():
+        if not settings:
+            raise ValueError(f"no setting of R in {wanted} translates anything at {n} tokens")
+    switch = Switch(translator.prepare(), source.model, target.model)
+    rows = measure(switch, target.tokenizer.encode, text_ids, plan, prompts, needles, repeats,
+                   seed, progress)
+    weights = directory / "weights.safetensors"
+    return Frontier(directory.name, source.name, target.name, fit_length, rows,
+                    {"prompts": prompts, "needles": needles, "repeats": repeats, "seed": seed},
+                    sha256_file(weights) if weights.is_file() else None)
+
+
+# -- choosing a setting --------------------------------------------------------------------------
+def cheapest_row(frontier, agreement: float, length: int, min_speedup: float = 1.0
+                 ) -> Row | None:
+    """The row of the fastest setting whose held-out agreement is at least `agreement` at a
+    switch of `length` tokens; None if none is, or none beats re-prefill (`min_speedup`).
+
+    The rows read are those measured at the shortest length at or past `length` (agreement
+    falls with length, so a longer one is the cautious reading); past every measured length
+    nothing is known and None is returned."""
+    rows = frontier.rows if isinstance(frontier, Frontier) else list(frontier)
+    measured = sorted({r.length for r in rows if r.length >= length})
+    if not measured:
+        return None
+    meeting = [r for r in rows if r.length == measured[0] and r.agreement >= agreement
+               and r.speedup > min_speedup]
+    return max(meeting, key=lambda r: r.speedup, default=None)
+
+
+def cheapest(frontier, agreement: float, length: int, min_speedup: float = 1.0
+             ) -> Setting | None:
+    """The setting of `cheapest_row` (None: re-prefill)."""
+    row = cheapest_row(frontier, agreement, length, min_speedup)
+    return None if row is None else row.setting
+
+
+# -- frontier.json -------------------------------------------------------------------------------
+def _file(path) -> Path:
+    path = Path(path)
+    return path / FILE if path.is_dir() else path
+
+
+def save(frontier: Frontier, path, force: bool = False) -> Path:
+    """Write `frontier` as `path` (a file, or frontier.json in a translator directory);
+    an existing file is replaced only with `force`."""
+    path = _file(path)
+    if path.exists() and not force:
+        raise KvtransError(f"{path} already exists (pass --force to replace it)")
+    path.write_text(json.dumps(frontier.to_json(), indent=2) + "\n")
+    return path
+
+
+def load(path) -> Frontier:
+    """The frontier saved at `path` (a file, or a translator directory holding one). In a
+    translator directory it must have been measured of the weights there."""
+    file = _file(path)
+    if not file.is_file():
+        raise KvtransError(f"{path}: no {FILE} (measure one with `kvtrans eval frontier "
+                           "--record`)")
+    try:
+        data = json.loads(file.read_text())
+        if data.get("format") != FORMAT:
+            raise ValueError(f"not an {FORMAT} file")
+        frontier = Frontier.from_json(data)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise KvtransError(f"{file}: not a readable frontier ({type(e).__name__}: {e})")
+    weights = file.parent / "weights.safetensors"
+    if weights.is_file() and frontier.weights_sha256 not in (None, sha256_file(weights)):
+        raise KvtransError(f"{file} was measured of other weights than {weights}: measure "
+                           "it again")
+    return frontier
