@@ -30,7 +30,8 @@ from mlx_lm.generate import generate_step, stream_generate
 from mlx_kvtrans import blas
 from mlx_kvtrans.capture import capture
 from mlx_kvtrans.evaluation.needles import FILLER_FILE
-from mlx_kvtrans.session import RECORD_POINTS, Session, _nbytes
+from mlx_kvtrans.session import RECORD_POINTS, Session
+from mlx_kvtrans.session.line import nbytes
 from mlx_kvtrans.translators import artifact
 
 OUT = Path(__file__).resolve().parent / "results"
@@ -73,7 +74,7 @@ def run(mode: str, lm, models: dict, translators: dict, prompt: list[int], n: in
 def everything_bytes_per_token(lm, prompt: list[int]) -> float:
     """Bytes a token of recording every object at (1) and (2) (before this change)."""
     cap = capture(lm.model, prompt[:64], points=RECORD_POINTS)
-    return sum(_nbytes(v) for found in cap.objects for v in found.values()) / 64
+    return sum(nbytes(v) for found in cap.objects for v in found.values()) / 64
 
 
 def measure(label: str, lm, models: dict, translators: dict, prompt: list[int], n: int,
@@ -137,7 +138,7 @@ def zoo_rows(prompt_len: int, n: int, runs: int) -> list[dict]:
 def realistic_rows(prompt_len: int, n: int, runs: int) -> list[dict]:
     """Random weights at real checkpoints' per-layer sizes (vocabulary 4,096, the zoo's, so the
     zoo model's tokenizer serves stream_generate), with a translator of the right shapes."""
-    from mlx_kvtrans.bench import shaped_translator
+    from mlx_kvtrans.timing import shaped_translator
     from mlx_kvtrans.models import LoadedModel
     from mlx_kvtrans.translators.plan import plan
     from mlx_kvtrans.zoo.families import realistic_config
@@ -207,7 +208,7 @@ def main():
     if not args.no_realistic:
         try:
             rows += realistic_rows(args.prompt, args.tokens, args.runs)
-        except ImportError as err:  # the shaped translator lives in mlx_kvtrans.bench
+        except ImportError as err:  # the shaped translator lives in mlx_kvtrans.timing
             skipped.append(f"realistic models ({err})")
     measured = {r["model"] for r in rows}
     skipped += [f"{m} (one run took over {TOO_LONG_S:.0f} s)" for m in

@@ -18,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mlx_kvtrans.bench import describe_fit
+from mlx_kvtrans.timing.report import describe_fit
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import typer
 from rich.markup import escape
 
-from .common import _bytes, app, err, out, user_errors
+from .common import app, err, format_bytes, out, user_errors
 
 
 @app.command()
@@ -43,6 +43,6 @@ def serve(model: list[str] = typer.Option(
     pairs = ", ".join(f"{a} -> {b}" for a, b in engine.translators) if translate else "off"
     bound = sock.getsockname()
     out.print(f"serving {', '.join(engine.models)} at http://{bound[0]}:{bound[1]}/v1 · "
-              f"translators: {pairs or 'none'} · cache {_bytes(config.cache_bytes)}",
+              f"translators: {pairs or 'none'} · cache {format_bytes(config.cache_bytes)}",
               highlight=False, soft_wrap=True)
     run(engine, sock)

@@ -68,16 +68,42 @@ def _same_rotation(deferred: list) -> list[list]:
     return list(groups.values())
 
 
-def install(model_or_layout: nn.Module | ModelLayout, layers: list[dict[str, Any]],
-            point: int | list[dict[str, int]] = CapturePoint.ENGINE, offset: int = 0) -> list[Any]:
-    """Fresh mlx-lm cache objects holding `layers` (per-layer objects at `point`).
+class NotFinite(ArithmeticError):
+    """Objects to install hold a NaN or an infinity (raised before any cache is touched)."""
 
-    Build a new cache for every forward that should start from these objects: mlx-lm caches
-    grow in place.
+
+def install(model_or_layout: nn.Module | ModelLayout, layers: list[dict[str, Any]],
+            point: int | list[dict[str, int]] = CapturePoint.ENGINE, offset: int = 0,
+            cache: list | None = None, finite: bool = False) -> list[Any]:
+    """mlx-lm cache objects holding `layers` (per-layer objects at `point`, of the tokens from
+    position `offset` on).
+
+    Without `cache`: fresh caches. Build a new one for every forward that should start from
+    these objects: mlx-lm caches grow in place. With `cache`, the objects are of the tokens
+    after the `offset` it holds: it grows in place (per-token objects appended, fixed-size ones
+    recomputed from its own: a conv history continues, a state is replayed from its state) and
+    is returned. `finite`: raise `NotFinite`, before any cache is touched, when an object to
+    install is not finite.
     """
     layout = resolve_layout(model_or_layout)
     if len(layers) != len(layout.layers):
         raise ValueError(f"{len(layers)} layers of objects for a model of {len(layout.layers)}")
+    if cache is not None and len(cache) != len(layout.layers):
+        raise ValueError(f"a cache of {len(cache)} layers for a model of {len(layout.layers)}")
     if point != CapturePoint.ENGINE:
-        layers = to_engine(layout, layers, point, offset)
-    return [layer.cache.build_cache(objects) for layer, objects in zip(layout.layers, layers)]
+        previous = None if cache is None else [
+            layer.cache.read_engine(c) for layer, c in zip(layout.layers, cache)]
+        layers = to_engine(layout, layers, point, offset, previous)
+    if finite and not all_finite(layers):
+        raise NotFinite("objects to install are not finite")
+    if cache is None:
+        return [layer.cache.build_cache(objects) for layer, objects in zip(layout.layers, layers)]
+    for layer, c, objects in zip(layout.layers, cache, layers):
+        layer.cache.append(c, objects)
+    return cache
+
+
+def all_finite(layers: list[dict[str, mx.array]]) -> bool:
+    """Whether every (3) object is finite (one evaluation for all of them)."""
+    checks = [mx.isfinite(v).all() for layer in layers for v in layer.values()]
+    return not checks or bool(mx.stack(checks).all())

@@ -59,3 +59,27 @@ def zoo():
             models[name] = mlx_kvtrans.load(name)
         return models[name]
     return get
+
+
+@pytest.fixture(scope="module")
+def kimi_pair(model_dirs, tmp_path_factory):
+    """(kimi_linear, kimi_vl, paths): tiny models with stage-1 translators both ways, saved
+    ((source name, target name) -> directory)."""
+    from pathlib import Path
+
+    import mlx.core as mx
+
+    from mlx_kvtrans.translators import artifact
+    from mlx_kvtrans.translators.fit import fit
+    from mlx_kvtrans.translators.plan import plan
+
+    a, b = (mlx_kvtrans.load(str(model_dirs(f))) for f in ("kimi_linear", "kimi_vl"))
+    batches = [mx.random.randint(0, 259, (4, 48), key=mx.random.key(i)) for i in range(3)]
+    root = tmp_path_factory.mktemp("translators")
+    paths = {}
+    for s, t in ((a, b), (b, a)):
+        tr = fit(s.model, t.model, batches,
+                 plan(mlx_kvtrans.layout_of(s.model), mlx_kvtrans.layout_of(t.model)))
+        paths[(s.name, t.name)] = artifact.save(
+            tr, root / f"{Path(s.name).name}__{Path(t.name).name}", s, t)
+    return a, b, paths

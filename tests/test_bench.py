@@ -1,15 +1,20 @@
-"""The switch benchmark: the bound measured beside every row, install bytes, and a cold switch
-whose source prefill runs the chunkwise recurrence yet yields the same first token. No timed
-assertions: timings are only checked to exist and to add up."""
+"""The switch benchmark: the bound measured beside every row, install bytes, a cold switch
+whose source prefill runs the chunkwise recurrence yet yields the same first token, and a gated
+switch that is a session's switch. No timed assertions: timings are only checked to exist and
+to add up."""
+
+import json
 
 import mlx.core as mx
 import pytest
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache
 
 import mlx_kvtrans as kv
 from mlx_kvtrans import gated_delta
-from mlx_kvtrans.bench import (bench_switch, cache_nbytes, first_token, source_prefill,
-                               switch_cache)
+from mlx_kvtrans.session import Session
+from mlx_kvtrans.timing.switch import (bench_switch, cache_nbytes, first_token, gated_session,
+                                       gated_switch, source_prefill, switch_cache)
 from mlx_kvtrans.layouts.linear_attention import metal_recurrence_available
 from mlx_kvtrans.translators.fit import FitConfig, fit
 from mlx_kvtrans.translators.plan import plan
@@ -94,3 +99,58 @@ def test_doctor_reports_memory_bandwidth():
     from mlx_kvtrans.doctor import diagnose
 
     assert diagnose()["memory_bandwidth_gbs"] > 0
+
+
+@pytest.mark.parametrize("source,target", [("kimi_linear", "kimi_vl"), ("kimi_vl", "kimi_linear")])
+def test_the_benchs_gated_switch_is_a_sessions_switch(loaded, source, target):
+    """For the same prompt, the switch the bench times and `Session.switch` leave the target
+    the same cache (bit for bit), the same gate reading and the same first token."""
+    from mlx_kvtrans.models import LoadedModel
+
+    S, T = loaded(source).model, loaded(target).model
+    tr = tiny_translator(S, T)
+    tokens = mx.random.randint(0, 259, (1, 57), key=mx.random.key(3))
+    prompt, last = tokens[0, :-1].tolist(), tokens[:, -1:]
+    bench = gated_session(tr, S, T, prompt, gate_tokens=8, fast=False)
+    timed, token = gated_switch(bench, last)
+    timed_again, token_again = gated_switch(bench, last)  # repeatable: the source is untouched
+    session = Session({"source": LoadedModel("source", None, S, None, {}),
+                       "target": LoadedModel("target", None, T, None, {})},
+                      {("source", "target"): tr}, active="source", gate_tokens=8)
+    session.add(prompt)
+    list(session.generate(0))
+    switched = session.switch("target")
+    assert switched.status == timed.status == "applied"
+    assert (timed.tokens_translated, timed.tokens_read) == (48, 8)
+    for a, b in ((timed, switched), (timed_again, switched)):
+        assert (a.tokens_translated, a.tokens_read, a.gate, a.gate_gap) == \
+            (b.tokens_translated, b.tokens_read, b.gate, b.gate_gap)
+    # the bench's target has read the prompt's last token too: the session's reads it now
+    theirs = first_token(T, last, session.lines["target"].cache)
+    assert token.item() == token_again.item() == theirs.item()
+    mine, theirs = (tree_flatten([c.state for c in s.lines["target"].cache])
+                    for s in (bench, session))
+    assert [name for name, _ in mine] == [name for name, _ in theirs]
+    for (name, x), (_, y) in zip(mine, theirs):
+        assert (x is None and y is None) or mx.array_equal(x, y).item(), name
+
+
+def test_bench_times_switch_and_reprefill_side_by_side(kimi_pair, tmp_path):
+    from typer.testing import CliRunner
+
+    from mlx_kvtrans.cli.main import app
+
+    a, b, paths = kimi_pair
+    result = CliRunner().invoke(app, ["bench", "--from", a.name, "--to", b.name, "--translator",
+                                      str(paths[(a.name, b.name)]), "--lengths", "32,64",
+                                      "--repeats", "1", "--out-dir", str(tmp_path), "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert [r["length"] for r in data["rows"]] == [32, 64]
+    for r in data["rows"]:
+        assert r["warm_switch_s"] > 0 and r["reprefill_s"] > 0 and r["cold_switch_s"] > 0
+        assert r["gated_switch_s"] > 0
+        assert r["speedup_warm"] == pytest.approx(r["reprefill_s"] / r["warm_switch_s"])
+    assert data["blas"] in ("openblas", "accelerate") and data["dtype"] == "float32"
+    assert (tmp_path / "bench-kimi_linear__kimi_vl-float32.json").exists()
+    assert (tmp_path / "bench-kimi_linear__kimi_vl-float32.png").exists()

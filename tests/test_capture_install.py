@@ -5,6 +5,7 @@ import pytest
 from mlx_lm.models.cache import load_prompt_cache
 
 import mlx_kvtrans as kv
+from mlx_kvtrans.install import NotFinite
 from mlx_kvtrans.verify import max_abs_diff
 from mlx_kvtrans.zoo.families import FAMILIES
 
@@ -180,14 +181,60 @@ def test_capture_continues_a_cache_and_append_grows_one(loaded, family):
     whole = kv.capture(model, toks[:, :PREFIX])
     layout = whole.layout
     cache = kv.install(model, kv.capture(model, toks[:, :24]).at(3))
-    previous = [layer.cache.read_engine(c) for layer, c in zip(layout.layers, cache)]
-    converted = kv.to_engine(model, second.at(1), 1, offset=24, previous=previous)
-    for layer, c, objects in zip(layout.layers, cache, converted):
-        layer.cache.append(c, objects)
-        for name in objects:  # per-token objects of the half equal the whole's slice
-            got = second.objects[layer.index].get((name, 1))
-            want = whole.objects[layer.index].get((name, 1))
+    assert kv.install(model, second.at(1), 1, offset=24, cache=cache) is cache  # grown in place
+    for layer in layout.layers:
+        for obj in layer.objects:  # per-token objects of the half equal the whole's slice
+            got = second.objects[layer.index].get((obj.name, 1))
+            want = whole.objects[layer.index].get((obj.name, 1))
             if got is not None and not isinstance(got, kv.RecurrentInputs):
                 assert max_abs_diff(got, want[:, 24:]) <= 1e-5
     expected = model(toks[:, PREFIX:], cache=whole.engine)
     assert max_abs_diff(model(toks[:, PREFIX:], cache=cache), expected) <= 1e-5
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_extending_a_cache_equals_installing_the_concatenation(loaded, family):
+    """`install(..., cache=c)` of a span's (1) objects after the tokens `c` holds gives the
+    cache that installing the whole run at once gives: bit for bit, but for a recurrent state,
+    which the replay reaches in two runs instead of one (the same recurrence, rounded in
+    another order)."""
+    model = loaded(family).model
+    objects = kv.capture(model, tokens()[:, :PREFIX]).at(1)
+    layout = kv.layout_of(model)
+
+    def span(lo, hi):
+        return [{k: v.slice(lo, hi) if isinstance(v, kv.RecurrentInputs) else v[:, lo:hi]
+                 for k, v in layer.items()} for layer in objects]
+
+    whole = kv.install(model, objects, 1)
+    extended = kv.install(model, span(25, PREFIX), 1, offset=25,
+                          cache=kv.install(model, span(0, 25), 1))
+    for layer, a, b in zip(layout.layers, whole, extended):
+        mine, theirs = layer.cache.read_engine(a), layer.cache.read_engine(b)
+        for name in mine:
+            if layer.cache.object(name).kind == kv.ObjectKind.RECURRENT_STATE:
+                assert max_abs_diff(mine[name], theirs[name]) <= 1e-6, (layer.index, name)
+            else:
+                assert mx.array_equal(mine[name], theirs[name]).item(), (layer.index, name)
+    continuation = tokens()[:, PREFIX:]
+    assert max_abs_diff(model(continuation, cache=whole), model(continuation, cache=extended)) \
+        <= 1e-5
+
+
+def test_install_refuses_a_cache_of_another_layer_count(loaded):
+    model = loaded("qwen3").model
+    objects = kv.capture(model, tokens()[:, :PREFIX]).at(1)
+    cache = kv.install(model, objects, 1)
+    with pytest.raises(ValueError, match="a cache of"):
+        kv.install(model, objects, 1, offset=PREFIX, cache=cache[:-1])
+
+
+def test_install_refuses_objects_that_are_not_finite(loaded):
+    model = loaded("qwen3").model
+    objects = kv.capture(model, tokens()[:, :PREFIX]).at(1)
+    cache = kv.install(model, objects, 1)
+    before = [c.offset for c in cache]
+    poisoned = [{k: v * mx.nan for k, v in layer.items()} for layer in objects]
+    with pytest.raises(NotFinite):
+        kv.install(model, poisoned, 1, offset=PREFIX, cache=cache, finite=True)
+    assert [c.offset for c in cache] == before  # refused before any cache grew

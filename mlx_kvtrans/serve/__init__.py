@@ -3,6 +3,7 @@ through translated caches.
 
 - `store.py`: conversation caches shared by every model, keyed by token prefix, with
   checkpoints for hybrids and least-recently-used eviction under one byte budget;
+- `config.py`: what is served, and loading the models and translators between them;
 - `engine.py`: the resident models and translators, and the one worker thread that runs every
   request's compute (handoff through `Session.switch`, prompt, decoding);
 - `protocol.py`: OpenAI's request bodies, replies, stream chunks and error objects;
@@ -10,7 +11,8 @@ through translated caches.
 """
 
 from .app import create_app, listen, run, server
-from .engine import Engine, Handoff, ServeConfig, parse_bytes
+from .config import ServeConfig, parse_bytes
+from .engine import Engine, Handoff
 
 __all__ = ["Engine", "Handoff", "ServeConfig", "create_app", "listen", "parse_bytes", "run",
            "server"]

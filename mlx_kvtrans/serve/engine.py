@@ -4,8 +4,9 @@ conversation store, and one worker thread that runs every request's compute in a
 MLX work stays on that one thread (one stream, no two forwards at once); the HTTP side only
 renders prompts and waits for events. A request's compute: take the entry holding the longest
 prefix of its prompt (`store`), hand it to the requested model when another model holds more
-(`Session.switch`: segment-wise translation, or a visible re-read), read the rest of the prompt
-(a hybrid takes a checkpoint at the end of the history), then decode, streaming text events.
+(`Session.switch`, which runs `session.hand_over`: segment-wise translation, or a visible
+re-read), read the rest of the prompt (a hybrid takes a checkpoint at the end of the
+history), then decode, streaming text events.
 A fault fails that request only: its entry is not put back, every other stays as it was.
 """
 
@@ -16,66 +17,33 @@ import queue
 import threading
 import time
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 from typing import Callable
 
 import mlx.core as mx
 
-from ..errors import KvtransError
-from ..session import Session, SwitchStatus
+from ..session import Outcome, Session, SwitchStatus, Verdict
+from .config import ServeConfig, context_length, find_translators, load_models, tokenizer_groups
 from .metrics import Metrics
 from .protocol import RequestError
 from .store import ConversationStore, Entry, Match, trimmable
 
-DEFAULT_MODELS = ("kimi-linear", "kimi-vl")
-DEFAULT_CONTEXT = 32768  # for a config that does not say how long its context is
-
-
-@dataclass
-class ServeConfig:
-    models: list[str] = field(default_factory=lambda: list(DEFAULT_MODELS))
-    translators: list[str] = field(default_factory=list)  # directories or shipped names
-    host: str = "127.0.0.1"
-    port: int = 8080
-    cache_bytes: int = 4 << 30
-    translate: bool = True
-    default_max_tokens: int = 512  # a chat reply's length when the request gives none
-    max_body_bytes: int = 8 << 20
-
-    def check(self) -> None:
-        if not self.models:
-            raise KvtransError("serve at least one --model")
-        if len(set(self.models)) != len(self.models):
-            raise KvtransError(f"--model names a model twice: {', '.join(self.models)}")
-        if not 0 <= self.port <= 65535:
-            raise KvtransError(f"--port {self.port}: a port is 0-65535")
-        if self.cache_bytes < 0:
-            raise KvtransError(f"--cache-bytes {self.cache_bytes}: must be 0 or more")
-        if self.default_max_tokens < 1:
-            raise KvtransError(f"--max-tokens {self.default_max_tokens}: must be at least 1")
-        if self.max_body_bytes < 1:
-            raise KvtransError(f"--max-body-bytes {self.max_body_bytes}: must be at least 1")
-
-
-def parse_bytes(text: str) -> int:
-    """'1073741824', '512M', '2GiB', '1.5G' -> bytes (K/M/G/T, decimal or binary alike: 1024)."""
-    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-    s = str(text).strip().upper().removesuffix("B").removesuffix("I")
-    unit = s[-1] if s and s[-1] in units else ""
-    try:
-        value = float(s[:-1] if unit else s)
-    except ValueError:
-        raise KvtransError(f"{text!r} is not a size (e.g. 4294967296, 512M, 4GiB)") from None
-    return int(value * units[unit])
-
 
 # -- what a response reports ------------------------------------------------------------------
+class HandoffStatus(StrEnum):
+    """What happened to a request's history."""
+
+    APPLIED = Outcome.APPLIED.value  # another model's cache, translated
+    FALLBACK_REPREFILL = Outcome.FALLBACK_REPREFILL.value  # another model's, re-read: see reason
+    REUSED = "reused"  # this model's own cache
+    NONE = "none"  # nothing cached
+
+
 @dataclass
 class Handoff:
-    """What happened to a request's history: `applied` (another model's cache translated),
-    `fallback_reprefill` (another model held it but this one re-read it; `reason` says why),
-    `reused` (this model's own cache), `none` (nothing cached)."""
+    """What happened to a request's history (`HandoffStatus`), and what it cost."""
 
-    status: str = "none"
+    status: HandoffStatus = HandoffStatus.NONE
     reason: str = ""
     source_model: str | None = None
     tokens_reused: int = 0
@@ -83,12 +51,15 @@ class Handoff:
     tokens_reread: int = 0
     tokens_new: int = 0  # prompt tokens no cache held
     translate_ms: float = 0.0  # the switch: translation and gate, or the fallback's re-read
-    gate: str = ""  # the fidelity gate: passed, fired, uncalibrated, unchecked, off
+    gate: Verdict = Verdict.NONE  # the fidelity gate's verdict
     gate_gap: float | None = None  # nats/token over the tail the target read itself
     gate_threshold: float | None = None
     queue_ms: float = 0.0
     ttft_ms: float = 0.0  # from the request's arrival to its first token
     conversation: str = ""
+
+    def __post_init__(self):
+        self.status, self.gate = HandoffStatus(self.status), Verdict(self.gate)  # words, too
 
     def fields(self) -> dict:
         out = asdict(self)
@@ -97,7 +68,7 @@ class Handoff:
         return out
 
     def headers(self) -> dict[str, str]:
-        out = {"x-kvtrans-handoff": self.status,
+        out = {"x-kvtrans-handoff": self.status.value,
                "x-kvtrans-tokens-reused": str(self.tokens_reused),
                "x-kvtrans-tokens-translated": str(self.tokens_translated),
                "x-kvtrans-tokens-reread": str(self.tokens_reread),
@@ -108,7 +79,7 @@ class Handoff:
         if self.source_model:
             out["x-kvtrans-source-model"] = self.source_model
         if self.gate:
-            out["x-kvtrans-gate"] = self.gate
+            out["x-kvtrans-gate"] = self.gate.value
         if self.gate_gap is not None:
             out["x-kvtrans-gate-gap"] = f"{self.gate_gap:.4f}"
         if self.reason:  # header values are one line of latin-1
@@ -178,68 +149,6 @@ class StopText:
         return out
 
 
-# -- loading ----------------------------------------------------------------------------------
-def load_models(names: list[str]) -> dict:
-    from ..models import load
-
-    return {name: load(name) for name in names}
-
-
-def tokenizer_groups(models: dict) -> dict[str, str]:
-    """model -> the first model with the same vocabulary (translation needs shared token ids)."""
-    groups: dict[str, str] = {}
-    vocabularies: list[tuple[str, dict]] = []
-    for name, lm in models.items():
-        vocab = lm.tokenizer.get_vocab()
-        groups[name] = next((first for first, v in vocabularies if v == vocab), name)
-        if groups[name] == name:
-            vocabularies.append((name, vocab))
-    return groups
-
-
-def find_translators(models: dict, given: list[str]) -> tuple[dict, list[str]]:
-    """Translators between the served models: each given one for the pairs it was fitted on,
-    the shipped one (distilled first) for the other pairs. Returns them and notes on the pairs
-    left without (switching that way re-reads)."""
-    from ..translators import artifact
-
-    groups = tokenizer_groups(models)
-    pairs = [(a, b) for a in models for b in models if a != b]
-    found, notes = {}, []
-    for name in given:
-        path = artifact.resolve(name)
-        manifest = artifact.read_manifest(path)
-        fits = []
-        for a, b in pairs:
-            try:
-                artifact.check_pair(manifest, models[a], models[b])
-            except KvtransError:
-                continue
-            fits.append((a, b))
-        if not fits:
-            raise KvtransError(f"--translator {name} was fitted for {manifest['source']['name']} "
-                               f"-> {manifest['target']['name']}, not a pair of the served "
-                               f"models ({', '.join(models)})")
-        for a, b in fits:
-            found[(a, b)] = artifact.load(path, models[a], models[b])
-    for a, b in pairs:
-        if (a, b) in found:
-            continue
-        if groups[a] != groups[b]:
-            notes.append(f"{a} and {b} have different tokenizers: switching between them "
-                         "re-reads")
-            continue
-        path = artifact.shipped(a, b)
-        if path is None:
-            notes.append(f"no translator {a} -> {b}: switching that way re-reads")
-            continue
-        try:
-            found[(a, b)] = artifact.load(path, models[a], models[b])
-        except KvtransError as e:
-            notes.append(f"translator {path.name} not used ({e}): switching {a} -> {b} re-reads")
-    return found, notes
-
-
 class ComputeThread:
     """One daemon thread that runs jobs in the order they come. It never ends: a thread that
     ran MLX's compiled functions aborts the process when it exits during Python's shutdown (its
@@ -272,13 +181,6 @@ class ComputeThread:
                 job(*args)
             except Exception:  # jobs report their own failures; this one could not
                 logging.getLogger(__name__).exception("a compute job failed")
-
-
-def context_length(lm) -> int:
-    config = lm.config
-    return int(config.get("max_position_embeddings")
-               or config.get("text_config", {}).get("max_position_embeddings")
-               or DEFAULT_CONTEXT)
 
 
 class Engine:
@@ -445,7 +347,7 @@ class Engine:
         handoff.tokens_reused = match.own
         if match.holder == model or match.position <= match.own:
             session.active = model
-            handoff.status = "reused" if match.own else "none"
+            handoff.status = HandoffStatus.REUSED if match.own else HandoffStatus.NONE
             return
         session.active = match.holder
         try:
@@ -453,9 +355,9 @@ class Engine:
         except Exception as e:  # the translator itself failed: re-read instead, visibly
             status = self._reread(match.entry, model, f"translation failed: "
                                                       f"{type(e).__name__}: {e}")
-        if status.status == "fallback_reprefill" and not self.config.translate:
+        if status.status == Outcome.FALLBACK_REPREFILL and not self.config.translate:
             status.reason = "translation is off (--no-translate)"
-        handoff.status, handoff.reason = status.status, status.reason
+        handoff.status, handoff.reason = HandoffStatus(status.status), status.reason
         handoff.source_model = match.holder
         handoff.tokens_translated = status.tokens_translated
         # the span's last tokens, read on the translated cache for the gate, are read too
@@ -471,7 +373,7 @@ class Engine:
         entry.drop(model)  # the failed switch may have written part of it
         session.active = model
         session.refresh(model)
-        return SwitchStatus(source, model, "fallback_reprefill", reason,
+        return SwitchStatus(source, model, Outcome.FALLBACK_REPREFILL, reason,
                             tokens_reprefilled=len(session.tokens),
                             translate_seconds=time.perf_counter() - started)
 

@@ -16,8 +16,10 @@ HELP = {
     "kvtrans_handoffs_total": ("counter", "Generations by model and handoff status (applied, "
                                           "fallback_reprefill, reused, none)."),
     "kvtrans_tokens_total": ("counter", "Tokens by model and what happened to them: reused "
-                                        "(own cache), translated, reread (after a fallback), "
-                                        "new (read for the first time), generated."),
+                                        "(own cache), translated, reread (by the target: the "
+                                        "gate's tail after every applied switch, the whole "
+                                        "conversation after a fallback), new (read for the "
+                                        "first time), generated."),
     "kvtrans_generations_total": ("counter", "Generations by model and finish reason."),
     "kvtrans_generation_failures_total": ("counter", "Generations that failed inside the "
                                                      "model worker."),

@@ -1,0 +1,121 @@
+"""What `kvtrans serve` serves: its configuration, and the models and translators it loads.
+
+Translation needs shared token ids, so models are grouped by vocabulary; between the models of
+a group, each given translator serves the pairs it was fitted on and the shipped ones fill the
+rest. A pair left without one re-reads on a switch, and says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..errors import KvtransError
+
+DEFAULT_MODELS = ("kimi-linear", "kimi-vl")
+DEFAULT_CONTEXT = 32768  # for a config that does not say how long its context is
+
+
+@dataclass
+class ServeConfig:
+    models: list[str] = field(default_factory=lambda: list(DEFAULT_MODELS))
+    translators: list[str] = field(default_factory=list)  # directories or shipped names
+    host: str = "127.0.0.1"
+    port: int = 8080
+    cache_bytes: int = 4 << 30
+    translate: bool = True
+    default_max_tokens: int = 512  # a chat reply's length when the request gives none
+    max_body_bytes: int = 8 << 20
+
+    def check(self) -> None:
+        if not self.models:
+            raise KvtransError("serve at least one --model")
+        if len(set(self.models)) != len(self.models):
+            raise KvtransError(f"--model names a model twice: {', '.join(self.models)}")
+        if not 0 <= self.port <= 65535:
+            raise KvtransError(f"--port {self.port}: a port is 0-65535")
+        if self.cache_bytes < 0:
+            raise KvtransError(f"--cache-bytes {self.cache_bytes}: must be 0 or more")
+        if self.default_max_tokens < 1:
+            raise KvtransError(f"--max-tokens {self.default_max_tokens}: must be at least 1")
+        if self.max_body_bytes < 1:
+            raise KvtransError(f"--max-body-bytes {self.max_body_bytes}: must be at least 1")
+
+
+def parse_bytes(text: str) -> int:
+    """'1073741824', '512M', '2GiB', '1.5G' -> bytes (K/M/G/T, decimal or binary alike: 1024)."""
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    s = str(text).strip().upper().removesuffix("B").removesuffix("I")
+    unit = s[-1] if s and s[-1] in units else ""
+    try:
+        value = float(s[:-1] if unit else s)
+    except ValueError:
+        raise KvtransError(f"{text!r} is not a size (e.g. 4294967296, 512M, 4GiB)") from None
+    return int(value * units[unit])
+
+
+def load_models(names: list[str]) -> dict:
+    from ..models import load
+
+    return {name: load(name) for name in names}
+
+
+def tokenizer_groups(models: dict) -> dict[str, str]:
+    """model -> the first model with the same vocabulary (translation needs shared token ids)."""
+    groups: dict[str, str] = {}
+    vocabularies: list[tuple[str, dict]] = []
+    for name, lm in models.items():
+        vocab = lm.tokenizer.get_vocab()
+        groups[name] = next((first for first, v in vocabularies if v == vocab), name)
+        if groups[name] == name:
+            vocabularies.append((name, vocab))
+    return groups
+
+
+def find_translators(models: dict, given: list[str]) -> tuple[dict, list[str]]:
+    """Translators between the served models: each given one for the pairs it was fitted on,
+    the shipped one (distilled first) for the other pairs. Returns them and notes on the pairs
+    left without (switching that way re-reads)."""
+    from ..translators import artifact
+
+    groups = tokenizer_groups(models)
+    pairs = [(a, b) for a in models for b in models if a != b]
+    found, notes = {}, []
+    for name in given:
+        path = artifact.resolve(name)
+        manifest = artifact.read_manifest(path)
+        fits = []
+        for a, b in pairs:
+            try:
+                artifact.check_pair(manifest, models[a], models[b])
+            except KvtransError:
+                continue
+            fits.append((a, b))
+        if not fits:
+            raise KvtransError(f"--translator {name} was fitted for {manifest['source']['name']} "
+                               f"-> {manifest['target']['name']}, not a pair of the served "
+                               f"models ({', '.join(models)})")
+        for a, b in fits:
+            found[(a, b)] = artifact.load(path, models[a], models[b])
+    for a, b in pairs:
+        if (a, b) in found:
+            continue
+        if groups[a] != groups[b]:
+            notes.append(f"{a} and {b} have different tokenizers: switching between them "
+                         "re-reads")
+            continue
+        path = artifact.shipped(a, b)
+        if path is None:
+            notes.append(f"no translator {a} -> {b}: switching that way re-reads")
+            continue
+        try:
+            found[(a, b)] = artifact.load(path, models[a], models[b])
+        except KvtransError as e:
+            notes.append(f"translator {path.name} not used ({e}): switching {a} -> {b} re-reads")
+    return found, notes
+
+
+def context_length(lm) -> int:
+    config = lm.config
+    return int(config.get("max_position_embeddings")
+               or config.get("text_config", {}).get("max_position_embeddings")
+               or DEFAULT_CONTEXT)

@@ -1,0 +1,22 @@
+"""Handoff sessions: one conversation, several models, one cache line per model.
+
+The active model reads and writes the conversation; while it does, the per-token objects it
+caches are recorded, so that on a switch the target receives only the spans it has not seen,
+translated and appended to its own cache line. Every switch yields a `SwitchStatus` record
+that the chat, the benchmark, the server and the tests all read.
+
+- `line.py`: `CacheLine`, one model's cache and what it recorded, and recorded-span arithmetic;
+- `decode.py`: reading and decoding through mlx-lm, recording as the model goes;
+- `handover.py`: `hand_over`, the switch (translation, the fidelity gate, visible fallbacks);
+- `status.py`: `SwitchStatus` and its str-valued enums;
+- `conversation.py`: `Session`, which holds the conversation and decides what is recorded.
+"""
+
+from .conversation import STRATEGIES, Session
+from .decode import RECORD_POINTS
+from .handover import hand_over
+from .line import CacheLine
+from .status import Outcome, SwitchStatus, Verdict
+
+__all__ = ["RECORD_POINTS", "STRATEGIES", "CacheLine", "Outcome", "Session", "SwitchStatus",
+           "Verdict", "hand_over"]

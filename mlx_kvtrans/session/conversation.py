@@ -1,0 +1,178 @@
+"""`Session`: one conversation, several models, one cache line per model.
+
+The session holds the conversation's tokens, each model's `CacheLine` and the translators
+between them, and decides what each model records while it reads: only what its outgoing
+translators read (`Translator.reads`); a model with no translator from it records nothing.
+Under `segment` and `refresh` a recorded span is dropped once every model this one has a
+translator to has read it; `naive` keeps everything. Reading and decoding live in `decode`, the
+switch in `handover`.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Iterator
+
+from .. import gate
+from ..capture import Capture
+from ..layouts import CapturePoint
+from . import decode
+from .handover import hand_over
+from .line import CacheLine, capture_bytes, fixed_slots
+from .status import SwitchStatus
+
+STRATEGIES = ("segment", "naive", "refresh")
+
+
+class Session:
+    """A conversation that can move between models without re-reading.
+
+    `models`: name -> LoadedModel; `translators`: (source, target) -> Translator;
+    `gate_tokens`: r, the span's last tokens the target reads itself at a switch and the gate
+    compares (0: translate everything, no gate).
+    """
+
+    def __init__(self, models: dict, translators: dict | None = None, active: str | None = None,
+                 strategy: str = "segment", refresh_every: int = 4, max_context: int | None = None,
+                 gate_tokens: int = gate.GATE_TOKENS):
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}")
+        if gate_tokens < 0:
+            raise ValueError("gate_tokens must be 0 (no gate) or more")
+        self.lines = {name: CacheLine(name, lm) for name, lm in models.items()}
+        self.translators = {pair: tr.prepare() for pair, tr in (translators or {}).items()}
+        self.active = active or next(iter(models))
+        self.strategy, self.refresh_every = strategy, refresh_every
+        self.max_context = max_context
+        self.gate_tokens = gate_tokens
+        self.tokens: list[int] = []
+        self.switches: list[SwitchStatus] = []
+        self._turn = None  # weak reference to a generation not yet finished
+
+    # -- what is recorded ---------------------------------------------------------------------
+    def receivers(self, name: str) -> list[str]:
+        """The models `name` has a translator to."""
+        return [t for (s, t) in self.translators if s == name and t != name and t in self.lines]
+
+    def selection(self, name: str) -> set[tuple[int, str, int]]:
+        """(layer, object, capture point) that `name` records per token: the union of what its
+        outgoing translators read."""
+        layout = self.lines[name].layout
+        return set().union(*(self.translators[(name, t)].reads(layout)
+                             for t in self.receivers(name)))
+
+    def keeps_states(self, name: str) -> bool:
+        """Whether `name` keeps snapshots of its fixed-size caches: a translator from it reads
+        its state, which the gate needs where the translation stops, r tokens back."""
+        return self.gate_tokens > 0 and any(
+            CapturePoint.ENGINE in self.translators[(name, t)].source_points()
+            for t in self.receivers(name))
+
+    @property
+    def tail_rows(self) -> int:
+        """Final-norm rows a line keeps: a translation that stops at a state snapshot leaves up
+        to 2r tokens to the target."""
+        return 2 * self.gate_tokens
+
+    def keep(self, line: CacheLine, start: int, part: Capture, own: bool) -> None:
+        """Hold `part` (conversation tokens from `start`) as recorded by `line` (`own`: the
+        line's model computed it, rather than a translator)."""
+        if not self.selection(line.name):
+            line.recorded = []  # records nothing, holds nothing
+            return
+        if line.recorded and start != line.recorded_from + line.recorded_tokens:
+            line.recorded = []  # spans are contiguous: a gap starts a new run
+        if not line.recorded:
+            line.recorded_from = start
+        line.recorded.append(part)
+        if own:
+            line.own_recorded[0] += capture_bytes(part)
+            line.own_recorded[1] += part.length
+
+    def keep_tail(self, line: CacheLine, rows, end: int, first_generated: int | None = None):
+        """Hold the final-norm `rows` of the tokens `line` read up to `end`."""
+        tail = gate.tail_of(rows, end, first_generated)
+        if tail is not None:
+            line.tail = tail if line.tail is None else line.tail.then(tail, self.tail_rows)
+
+    def snapshot(self, line: CacheLine) -> None:
+        """Keep `line`'s fixed-size state where it stands, and of the older snapshots only those
+        a translation could still stop at (the last one at least r tokens back, and later)."""
+        if not self.keeps_states(line.name) or line.cache is None:
+            return
+        line.states[line.seen] = fixed_slots(line.cache)
+        back = [p for p in line.states if p <= line.seen - self.gate_tokens]
+        floor = max(back, default=0)
+        line.states = {p: s for p, s in line.states.items() if floor <= p <= line.seen}
+
+    def _drop_received(self) -> None:
+        """Segment-wise transfer sends a span once: when every model a line has a translator to
+        has read a span, the line's recorded objects of it go (`naive` keeps everything). Whole
+        spans go: every model's `seen` is where some span ends."""
+        if self.strategy == "naive":
+            return
+        for name, line in self.lines.items():
+            receivers = self.receivers(name)
+            if not receivers:
+                line.recorded = []
+                continue
+            cut = min(self.lines[t].seen for t in receivers)
+            while line.recorded and line.recorded_from + line.recorded[0].length <= cut:
+                line.recorded_from += line.recorded.pop(0).length
+
+    def recorded_bytes(self) -> dict[str, int]:
+        """Per model: bytes of per-token objects held now."""
+        return {name: line.recorded_bytes() for name, line in self.lines.items()}
+
+    # -- the conversation ---------------------------------------------------------------------
+    def read(self, line: CacheLine, upto: int) -> None:
+        """Let `line`'s model read conversation tokens [seen, upto) (see `decode.read`)."""
+        decode.read(self, line, upto)
+
+    def _finish_turn(self) -> None:
+        """End a generation whose iterator is still open (as closing it would)."""
+        turn = self._turn() if self._turn is not None else None
+        if turn is not None:
+            turn.close()
+        self._turn = None
+
+    def add(self, token_ids: list[int]) -> None:
+        """Append tokens to the conversation (a user turn, a generation prompt)."""
+        self._finish_turn()
+        self.tokens.extend(int(t) for t in token_ids)
+
+    def generate(self, max_tokens: int = 256, temperature: float = 0.0,
+                 stop: set[int] | None = None, top_p: float = 1.0) -> Iterator[int]:
+        """The active model continues the conversation, token by token (appended as it goes).
+
+        mlx-lm's `generate_step` decodes (temperature > 0: mlx-lm's sampler, nucleus-filtered
+        when `top_p` < 1); a stop token ends the turn. The turn ends when the iterator is
+        exhausted or closed, or when the session is next used (add, generate, switch)."""
+        self._finish_turn()
+        line = self.lines[self.active]
+        if len(self.tokens) <= line.seen:
+            raise ValueError("nothing new to respond to: add tokens first")
+        turn = decode.decode(self, line, max_tokens, temperature, set(stop or ()), top_p)
+        self._turn = weakref.ref(turn)
+        return turn
+
+    def switch(self, target: str) -> SwitchStatus:
+        """Make `target` the active model, giving it what it has not seen (`hand_over`)."""
+        if target not in self.lines:
+            raise ValueError(f"unknown model {target!r}")
+        self._finish_turn()
+        status = hand_over(self, self.active, target)
+        self.active = target
+        self._drop_received()
+        status.recorded_bytes = sum(self.recorded_bytes().values())
+        self.switches.append(status)
+        return status
+
+    def refresh(self, name: str | None = None) -> None:
+        """Re-prefill a model's cache line from the conversation (on request)."""
+        self._finish_turn()
+        line = self.lines[name or self.active]
+        line.reset()
+        self.read(line, self.lines[self.active].seen if line.name != self.active
+                  else len(self.tokens))
+        self._drop_received()

@@ -1,0 +1,185 @@
+"""Reading and decoding: a model of a session reads the conversation, or continues it.
+
+While it reads, it records the per-token objects its outgoing translators read (capture points
+(1) and (2)), the final-norm rows of its last tokens (for the fidelity gate), and, when a
+translator from it reads its recurrent state, snapshots of its fixed-size caches every r
+positions (references to arrays, not copies).
+
+Decoding is mlx-lm's own `generate_step` (prefill in its chunks, then pipelined steps), with the
+recording taps installed once per turn. Convention: when a turn ends, the model has read every
+token of the conversation but the last one generated (the next turn reads it first).
+generate_step reads each token before yielding it, so a turn asks it for one token fewer and
+takes the last one from its sampler; a turn that ends early (a stop token, a closed iterator)
+takes back the model's last forward (trim the KV caches, restore the fixed-size ones).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Callable, Iterator
+
+import mlx.core as mx
+
+from ..capture import PREFILL_CHUNK, Capture, capture, tapped
+from ..instrument import hook_module, recording_final_rows
+from ..layouts import CapturePoint
+from ..layouts.linear_attention import RecurrentInputs
+from .line import CacheLine, fixed_slots
+
+if TYPE_CHECKING:
+    from .conversation import Session
+
+RECORD_POINTS = (CapturePoint.RAW, CapturePoint.NORMED)
+
+
+def read(session: Session, line: CacheLine, upto: int) -> None:
+    """Let `line`'s model read conversation tokens [seen, upto), keeping what it records, the
+    final-norm rows of the last of them and (when it keeps states) a snapshot r tokens before
+    the end."""
+    if upto <= line.seen:
+        return
+    from mlx_lm.models.cache import make_prompt_cache
+
+    if line.cache is None:
+        line.cache = make_prompt_cache(line.lm.model)
+    if session.keeps_states(line.name) and upto - line.seen > session.gate_tokens:
+        _read_part(session, line, upto - session.gate_tokens)
+    session.snapshot(line)
+    _read_part(session, line, upto)
+    session.snapshot(line)
+
+
+def _read_part(session: Session, line: CacheLine, upto: int) -> None:
+    start = line.seen
+    with contextlib.ExitStack() as stack:
+        rows = (stack.enter_context(recording_final_rows(line.lm.model, session.tail_rows))
+                if session.gate_tokens else None)
+        cap = capture(line.lm.model, session.tokens[start:upto], points=RECORD_POINTS,
+                      layout=line.layout, cache=line.cache,
+                      select=session.selection(line.name), chunk_size=PREFILL_CHUNK)
+    session.keep(line, start, cap, own=True)
+    line.seen = upto
+    if rows is not None:
+        session.keep_tail(line, rows.last(upto - start), upto)
+
+
+def decode(session: Session, line: CacheLine, max_tokens: int, temperature: float,
+           stop: set[int], top_p: float = 1.0) -> Iterator[int]:
+    """`line`'s model continues the conversation: up to `max_tokens` tokens, appended to
+    `session.tokens` as they are yielded (none: it only reads what it has not)."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.sample_utils import make_sampler
+
+    if max_tokens < 1:
+        read(session, line, len(session.tokens))
+        return
+    tokens, r = session.tokens, session.gate_tokens
+    model, start = line.lm.model, line.seen
+    if line.cache is None:
+        line.cache = make_prompt_cache(model)
+    sampler, drawn = make_sampler(temp=temperature, top_p=top_p), []
+
+    def sample(logprobs):
+        drawn[:] = [sampler(logprobs)]
+        return drawn[0]
+
+    select = session.selection(line.name)
+    read_upto = prompt_end = len(tokens)
+    # the prompt but its last r tokens is read first, so that the last r, read by
+    # generate_step, are a forward of their own: their final-norm rows cost a few rows of
+    # the last layer, and a state snapshot falls r tokens before the prompt's end
+    tail_from = prompt_end - r if r and prompt_end - start > r + 1 else start
+    broken = False
+    with contextlib.ExitStack() as stack:
+        rec = stack.enter_context(tapped(model, line.layout, set(RECORD_POINTS), select))
+        take_back = stack.enter_context(_taking_back(model, line.cache, rec))
+        if session.keeps_states(line.name):
+            stack.enter_context(_snapshots(line, tail_from, r))
+        for begin in range(start, tail_from, PREFILL_CHUNK):
+            model(mx.array([tokens[begin:min(begin + PREFILL_CHUNK, tail_from)]]),
+                  cache=line.cache)
+            mx.eval([c.state for c in line.cache], rec.pending())
+        rows = (stack.enter_context(recording_final_rows(model, session.tail_rows + 1))
+                if r else None)  # one more: the last forward may go back
+        # generate_step reads each token before yielding it: ask for one fewer, and take
+        # the last from the sampler (sampled after the last read, not read itself)
+        steps = generate_step(mx.array(tokens[tail_from:]), model, prompt_cache=line.cache,
+                              max_tokens=max_tokens - 1, sampler=sample)
+        try:
+            for token, _ in steps:
+                tokens.append(token)
+                read_upto = len(tokens)
+                yield token
+                if token in stop:
+                    return
+            tokens.append(int(drawn[0].item()))
+            yield tokens[-1]
+        except GeneratorExit:
+            raise  # closed at a yield: the cache is as `read_upto` says
+        except BaseException:
+            broken = True  # stopped inside a forward: the cache is unknown
+            raise
+        finally:
+            steps.close()
+            if broken:
+                line.reset()
+            else:
+                if read_upto == len(tokens) > prompt_end:
+                    take_back()  # the last token is read with the next turn
+                    if rows is not None:
+                        rows.drop_last()
+                    read_upto -= 1
+                objects = rec.joined()
+                mx.eval([v.arrays() if isinstance(v, RecurrentInputs) else v
+                         for layer in objects for v in layer.values()])
+                part = Capture(line.layout, mx.array([tokens[start:read_upto]]), objects,
+                               line.cache)
+                session.keep(line, start, part, own=True)
+                line.seen = read_upto
+                if rows is not None:
+                    session.keep_tail(line, rows.last(min(session.tail_rows,
+                                                          read_upto - tail_from)),
+                                      read_upto, first_generated=prompt_end)
+                session.snapshot(line)
+
+
+@contextlib.contextmanager
+def _taking_back(model, cache: list, rec) -> Iterator[Callable[[], None]]:
+    """Within the block, the function yielded takes back `model`'s last forward of one token:
+    trimmable caches lose that token, the others (ArraysCache, whose slots every forward
+    replaces and never writes into) get their slots back, and the recorder forgets what it
+    recorded during that forward."""
+    fixed = [c for c in cache if not c.is_trimmable()]
+    before: list[list] = []
+
+    def remember(module, args, kwargs):
+        before[:] = [list(c.cache) for c in fixed]
+
+    def take_back():
+        for c in cache:
+            if c.is_trimmable():
+                c.trim(1)
+        for c, slots in zip(fixed, before):
+            c.cache = slots
+        rec.drop_last()
+
+    with hook_module(model, before=remember):
+        yield take_back
+
+
+@contextlib.contextmanager
+def _snapshots(line: CacheLine, first: int, every: int) -> Iterator[None]:
+    """Within the block, `line` keeps a snapshot of its fixed-size caches before each forward
+    at `first` and then every `every` positions (the first forward starting at or past each
+    mark)."""
+    position, mark = [line.seen], [first]
+
+    def before(module, args, kwargs):
+        if position[0] >= mark[0]:
+            line.states[position[0]] = fixed_slots(line.cache)
+            mark[0] = position[0] + every
+        position[0] += args[0].shape[1]
+
+    with hook_module(line.lm.model, before=before):
+        yield

@@ -1,0 +1,171 @@
+"""The hand-over: a session's target model receives the span of the conversation it has not
+seen, translated from the source's recorded objects and installed after what its cache holds
+(segment-wise transfer, KV-Lingo section 4.7).
+
+Strategies: `segment` (the default), `naive` (re-translate the whole prefix at every switch),
+`refresh` (segment-wise, but re-prefill the target every N switches). A switch falls back to
+re-prefilling the unseen span, visibly, when there is no translator for the pair, when the
+translated tensors are not finite, or when the context is longer than the translator allows.
+
+The fidelity gate: the translation covers the span except its last r = `gate_tokens` tokens,
+which the target then reads itself, and its NLL on them is compared with the source's; over
+the translator's calibrated threshold, the target re-reads the span instead. The source's side
+comes from the final-norm rows every model keeps of the last tokens it read (`CacheLine.tail`).
+A translator that copies the source's recurrent state needs that state where the translation
+stops, so the translation stops at one of the source's state snapshots.
+
+`hand_over` is the one switch: `Session.switch`, the server (through it) and the switch
+benchmark's gated switch all run it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from .. import gate
+from ..capture import Capture
+from ..install import NotFinite, install
+from ..layouts import CapturePoint
+from .line import CacheLine, covers, fixed_slots
+from .status import Outcome, SwitchStatus, Verdict
+
+if TYPE_CHECKING:
+    from .conversation import Session
+
+
+def hand_over(session: Session, source: str, target: str) -> SwitchStatus:
+    """Give `target` what `source` has read and it has not: translated (and judged by the
+    gate), or re-read with the reason why. Only the target's line changes; the session's
+    active model, its dropped spans and its list of switches are the caller's."""
+    src, tgt = session.lines[source], session.lines[target]
+    n = src.seen
+    status = SwitchStatus(source, target, Outcome.APPLIED, strategy=session.strategy)
+    started = time.perf_counter()
+    translator = session.translators.get((source, target))
+    number = sum(1 for s in session.switches if s.target == target) + 1
+    refresh = session.strategy == "refresh" and number % session.refresh_every == 0
+    if source == target or n <= tgt.seen and session.strategy != "naive":
+        pass  # nothing to give
+    elif translator is None:
+        _fallback(session, tgt, n, status, "no translator for this pair")
+    elif refresh:
+        _fallback(session, tgt, n, status, f"refresh every {session.refresh_every} switches",
+                  full=True)
+    elif session.max_context is not None and n > session.max_context:
+        _fallback(session, tgt, n, status, f"context {n} tokens is longer than the translator "
+                                           f"allows ({session.max_context})")
+    else:
+        start = 0 if session.strategy == "naive" else tgt.seen
+        if start < src.recorded_from:
+            _fallback(session, tgt, n, status, "the source did not record the span the target "
+                                               "has not seen")
+        else:
+            _translate_and_gate(session, translator, src, tgt, start, n, status)
+    status.translate_seconds = time.perf_counter() - started
+    return status
+
+
+def handoff_point(translator, src: CacheLine, start: int, n: int, r: int) -> tuple[int, str]:
+    """(C, why the gate cannot run): the translation covers [start, C), the target reads
+    [C, n) itself. C = n - r; a translator that reads the source's state stops at a state
+    snapshot between n - 2r and n - 2; a span of r tokens or fewer is read, not translated."""
+    if r == 0:
+        return n, ""
+    if n - start <= r:
+        return start, "the target read the whole span itself"
+    if CapturePoint.ENGINE not in translator.source_points():
+        return n - r, ""
+    back = [p for p in src.states if start <= p <= n - r and n - p <= 2 * r]
+    ahead = [p for p in src.states if max(start, n - r) < p <= n - 2]
+    if back or ahead:
+        return (max(back) if back else min(ahead)), ""
+    return n, "the source kept no state a few tokens back (the translator reads its state)"
+
+
+def _translate_and_gate(session: Session, translator, src: CacheLine, tgt: CacheLine,
+                        start: int, n: int, status: SwitchStatus) -> None:
+    """Translate [start, C), let the target read [C, n), and let the gate judge: over its
+    threshold, the target re-reads [start, n) instead."""
+    r = session.gate_tokens
+    handoff, why = handoff_point(translator, src, start, n, r)
+    before = None if tgt.cache is None or start == 0 else fixed_slots(tgt.cache)
+    if handoff > start:
+        try:
+            _translate(session, translator, src, tgt, start, handoff, status)
+        except ValueError as e:  # the recorded span lacks what the translator reads
+            _fallback(session, tgt, n, status, f"cannot translate the source's cache: {e}")
+            return
+        except NotFinite:
+            _fallback(session, tgt, n, status, "translated tensors are not finite")
+            return
+        session.snapshot(tgt)
+    if r == 0:
+        status.gate = Verdict.OFF
+        return
+    if handoff == n:
+        status.gate, status.gate_note = Verdict.UNCHECKED, why
+        return
+    started = time.perf_counter()
+    session.read(tgt, n)
+    status.tokens_read = n - handoff
+    if handoff == start:
+        status.gate, status.gate_note = Verdict.UNCHECKED, why
+        status.gate_seconds = time.perf_counter() - started
+        return
+    reading = gate.compare(src.lm.model, src.tail, tgt.lm.model, tgt.tail, session.tokens,
+                           handoff, n)
+    status.gate_seconds = time.perf_counter() - started
+    if reading is None:
+        status.gate, status.gate_note = Verdict.UNCHECKED, ("the source holds no predictions "
+                                                            "of the span's last tokens")
+        return
+    threshold, why = gate.threshold(translator.info.get("gate"), r, reading.generated, n)
+    status.gate_gap, status.gate_tokens, status.gate_threshold = (
+        reading.gap, reading.tokens, threshold)
+    if threshold is None:
+        status.gate, status.gate_note = Verdict.UNCALIBRATED, why
+    elif reading.gap <= threshold:
+        status.gate = Verdict.PASSED
+    else:
+        status.gate = Verdict.FIRED
+        tgt.rewind(start, before)
+        status.tokens_translated = status.tokens_read = 0
+        _fallback(session, tgt, n, status, f"fidelity gate: the target's NLL on the last "
+                                           f"{reading.tokens} tokens is {reading.gap:+.2f} "
+                                           f"nats/token from the source's, over the "
+                                           f"translator's threshold {threshold:.2f}")
+
+
+def _translate(session: Session, translator, src: CacheLine, tgt: CacheLine, start: int,
+               stop: int, status: SwitchStatus) -> None:
+    """Translate the source's recorded [start, stop) and install it after what the target
+    holds (a fresh cache when it holds nothing, or under `naive`)."""
+    span = src.span(session.tokens, start, stop)
+    objects, points = translator.translate(span, tgt.lm.model, tgt.layout, span.tokens,
+                                           all_rows=True)
+    fresh = start == 0 or tgt.cache is None
+    cache = install(tgt.layout, objects, points, offset=start,
+                    cache=None if fresh else tgt.cache, finite=True)
+    if fresh:
+        tgt.recorded, tgt.tail, tgt.states = [], None, {}
+    # What the target now holds for the span, at the points the translator produced it and
+    # its own translators read: a later switch away translates it onwards, errors and all.
+    select = session.selection(tgt.name)
+    held = [{(name, points[i][name]): value for name, value in objs.items()
+             if (i, name, points[i][name]) in select and covers(value, stop - start)}
+            for i, objs in enumerate(objects)]
+    session.keep(tgt, start, Capture(tgt.layout, span.tokens, held, cache), own=False)
+    tgt.cache, tgt.seen = cache, stop
+    status.tokens_translated = stop - start
+
+
+def _fallback(session: Session, tgt: CacheLine, n: int, status: SwitchStatus, reason: str,
+              full: bool = False) -> None:
+    """Re-prefill: the target reads up to `n`, what it has not seen (everything, when
+    `full`)."""
+    status.status, status.reason = Outcome.FALLBACK_REPREFILL, reason
+    if full:
+        tgt.reset()
+    status.tokens_reprefilled = n - tgt.seen
+    session.read(tgt, n)

@@ -1,0 +1,182 @@
+"""The cache line: one model's view of a conversation (its cache, what it has read, and the
+per-token objects it recorded), and the arithmetic on recorded spans.
+
+A recorded span is a `Capture` of consecutive conversation tokens; a line holds contiguous
+spans, the first at `recorded_from`. Fixed-size caches (mlx-lm's `ArraysCache`) are replaced,
+never written into, by every forward: a list of their arrays is a snapshot of their state.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import mlx.core as mx
+
+from ..capture import Capture
+from ..gate import Tail
+from ..layouts import CapturePoint, layout_of
+from ..layouts.linear_attention import RecurrentInputs
+
+
+def covers(value, length: int) -> bool:
+    """Whether a translated object holds every token of the span (conv rows may hold K-1)."""
+    n = value.length if isinstance(value, RecurrentInputs) else value.shape[1]
+    return n == length
+
+
+def nbytes(value) -> int:
+    """Bytes of one recorded object (an array, or a state's per-token inputs)."""
+    return sum(x.nbytes for x in value.arrays()) if isinstance(value, RecurrentInputs) \
+        else value.nbytes
+
+
+def capture_bytes(part: Capture) -> int:
+    """Bytes of every object a recorded span holds."""
+    return sum(nbytes(v) for layer in part.objects for v in layer.values())
+
+
+def fixed_slots(cache: list) -> list[list]:
+    """The arrays of each fixed-size cache (ArraysCache) as they are now: every forward replaces
+    them, never writes into them, so holding the list holds this state."""
+    return [list(c.cache) for c in cache if not c.is_trimmable()]
+
+
+def with_slots(cache: list, slots: list[list]) -> list:
+    """`cache` with its fixed-size caches as `slots` had them (shallow copies; trimmable caches
+    as they are)."""
+    out, saved = [], iter(slots)
+    for c in cache:
+        if not c.is_trimmable():
+            c = copy.copy(c)
+            c.cache = list(next(saved))
+        out.append(c)
+    return out
+
+
+def head(part: Capture, n: int) -> Capture:
+    """The first `n` tokens of a recorded span."""
+    objects = [{key: value.slice(0, n) if isinstance(value, RecurrentInputs) else value[:, :n]
+                for key, value in layer.items()} for layer in part.objects]
+    return Capture(part.layout, part.tokens[:, :n], objects, part.engine)
+
+
+@dataclass
+class CacheLine:
+    """One model's view of the conversation: its cache and what it has read."""
+
+    name: str
+    lm: object  # LoadedModel
+    cache: list | None = None
+    seen: int = 0  # conversation tokens in `cache`
+    recorded: list[Capture] = field(default_factory=list)  # per-token objects, contiguous spans
+    recorded_from: int = 0  # conversation position of the first recorded token
+    own_recorded: list[int] = field(default_factory=lambda: [0, 0])  # bytes, tokens it computed
+    tail: Tail | None = None  # final-norm rows of the last tokens it read
+    states: dict[int, list] = field(default_factory=dict)  # position -> `fixed_slots` there
+
+    @cached_property
+    def layout(self):
+        return layout_of(self.lm.model)
+
+    def reset(self) -> None:
+        """Forget everything: no cache, nothing read."""
+        self.cache, self.seen, self.recorded, self.tail, self.states = None, 0, [], None, {}
+
+    def cut(self, stop: int) -> None:
+        """Forget what was recorded of conversation tokens from `stop` on (the cache itself is
+        the caller's to trim)."""
+        kept, offset = [], self.recorded_from
+        for part in self.recorded:
+            if offset + part.length <= stop:
+                kept.append(part)
+            elif offset < stop:
+                kept.append(head(part, stop - offset))
+            offset += part.length
+        self.recorded = kept
+        self.tail = self.tail.cut(stop) if self.tail is not None else None
+        self.states = {p: s for p, s in self.states.items() if p <= stop}
+
+    def rewind(self, start: int, fixed: list | None) -> None:
+        """Put the line back where it stood at `start`, before a switch wrote into it (`fixed`:
+        its fixed-size caches' slots then; None when it had nothing)."""
+        if fixed is None:
+            self.reset()
+            return
+        for c in self.cache:
+            if c.is_trimmable():
+                c.trim(self.seen - start)
+        for c, slots in zip((c for c in self.cache if not c.is_trimmable()), fixed):
+            c.cache = slots
+        self.cut(start)
+        self.seen = start
+
+    @property
+    def recorded_tokens(self) -> int:
+        return sum(part.length for part in self.recorded)
+
+    def recorded_bytes(self) -> int:
+        """Bytes of the per-token objects held now (its own spans and translated ones)."""
+        return sum(capture_bytes(part) for part in self.recorded)
+
+    @property
+    def bytes_per_token(self) -> float:
+        """Bytes recorded per token this model read itself (0 when it records nothing)."""
+        size, tokens = self.own_recorded
+        return size / tokens if tokens else 0.0
+
+    def span(self, tokens: list[int], start: int, stop: int) -> Capture:
+        """What the line recorded of conversation tokens [start, stop) (`tokens`: the
+        conversation), with its engine objects where the span ends: its fixed-size state there
+        (a snapshot, when the span stops before what it read), its per-token caches as they
+        are. A layer whose state there was not kept gives no engine objects."""
+        span = Capture(self.layout, mx.array([tokens[start:stop]]),
+                       join_recorded(self.recorded, start, stop, self.recorded_from), self.cache)
+        snapshot = self.states.get(stop) if stop < self.seen else None
+        engine = self.cache if snapshot is None else with_slots(self.cache, snapshot)
+        for found, layer, cache in zip(span.objects, self.layout.layers, engine):
+            if stop < self.seen and snapshot is None and not cache.is_trimmable():
+                continue  # no state there (a translator that reads it stops at a snapshot)
+            for name, value in layer.cache.read_engine(cache).items():
+                found[(name, CapturePoint.ENGINE)] = value
+        return span
+
+
+def join_recorded(parts: list[Capture], start: int, stop: int, base: int) -> list[dict]:
+    """Per layer, (name, point) -> objects of conversation tokens [start, stop), for the objects
+    every part recorded (a translated span holds what its translator produced); `base`: the
+    conversation position of the first part."""
+    layers = [{} for _ in parts[0].objects]
+    spanned = 0
+    for part, offset in zip(parts, offsets(parts, base)):
+        lo, hi = max(start, offset) - offset, min(stop, offset + part.tokens.shape[1]) - offset
+        if hi <= lo:
+            continue
+        spanned += 1
+        for layer, found in zip(layers, part.objects):
+            for key, value in found.items():
+                if key[1] == CapturePoint.ENGINE:
+                    continue
+                piece = value.slice(lo, hi) if isinstance(value, RecurrentInputs) \
+                    else value[:, lo:hi]
+                layer.setdefault(key, []).append(piece)
+    joined = []
+    for layer in layers:
+        out = {}
+        for key, pieces in layer.items():
+            if len(pieces) != spanned:
+                continue  # some part of the span lacks it
+            out[key] = (RecurrentInputs.concatenate(pieces) if isinstance(pieces[0], RecurrentInputs)
+                        else mx.concatenate(pieces, axis=1))
+        joined.append(out)
+    return joined
+
+
+def offsets(parts: list[Capture], base: int) -> list[int]:
+    """The conversation position of each recorded part's first token."""
+    out, offset = [], base
+    for part in parts:
+        out.append(offset)
+        offset += part.tokens.shape[1]
+    return out

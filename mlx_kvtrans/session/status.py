@@ -1,0 +1,47 @@
+"""What a switch reports: the record the chat, the benchmark, the server and the tests all read.
+
+The enums are `str`-valued: a status compares equal to its word and is written to JSON as it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class Outcome(StrEnum):
+    """How the target came to hold the span it had not seen."""
+
+    APPLIED = "applied"  # translated (or nothing to give)
+    FALLBACK_REPREFILL = "fallback_reprefill"  # the target re-read it; `reason` says why
+
+
+class Verdict(StrEnum):
+    """The fidelity gate's verdict on a translated span."""
+
+    NONE = ""  # nothing translated
+    PASSED = "passed"
+    FIRED = "fired"  # over the threshold: the target re-read the span instead
+    UNCALIBRATED = "uncalibrated"  # the translator has no threshold for this span
+    UNCHECKED = "unchecked"  # the gate could not judge (`gate_note` says why)
+    OFF = "off"  # gate_tokens 0
+
+
+@dataclass
+class SwitchStatus:
+    source: str
+    target: str
+    status: Outcome = Outcome.APPLIED
+    reason: str = ""
+    strategy: str = "segment"
+    tokens_translated: int = 0
+    tokens_reprefilled: int = 0
+    translate_seconds: float = 0.0  # the whole switch: translation, read tail, gate, fallback
+    recorded_bytes: int = 0  # per-token objects every model holds after the switch
+    tokens_read: int = 0  # the span's last tokens, read by the target on the translated cache
+    gate: Verdict = Verdict.NONE
+    gate_note: str = ""  # why the gate did not judge (uncalibrated, unchecked)
+    gate_gap: float | None = None  # nats/token: target's mean NLL on the tail - the source's
+    gate_threshold: float | None = None
+    gate_tokens: int = 0  # tokens the gap is taken over
+    gate_seconds: float = 0.0  # the read tail and the comparison

@@ -1,0 +1,152 @@
+"""A `kvtrans bench` result: one run of `bench_switch` with its setting, written as JSON and a
+PNG, and shown as a table.
+
+`switch_report` is the library call behind the command: it times a loaded pair (or a
+realistic one, with its fit record) and returns the result the command prints and writes.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import mlx.core as mx
+
+from ..blas import blas_report
+from ..models import LoadedModel, cast_parameters
+from ..translators.features import input_embedding
+from ..translators.translator import Translator
+from .switch import bench_switch
+
+
+def switch_report(translator: Translator, source: LoadedModel, target: LoadedModel,
+                  lengths: list[int], repeats: int = 3, dtype: str = "float32",
+                  label: str | None = None, vocab: int | None = None,
+                  fit_record: dict | None = None, progress=None) -> dict:
+    """Time `source` -> `target` cast to `dtype` at each prompt length: the result a `kvtrans
+    bench` run writes (`label`: the pair's name in it, default the models' names; `vocab`: the
+    token ids prompts draw from, default the source tokenizer's (its embedding's rows without
+    one); `fit_record`: a realistic
+    pair's fit, kept with its translator's features)."""
+    for lm in (source, target):
+        cast_parameters(lm.model, getattr(mx, dtype))
+    label = label or f"{Path(source.name).name}__{Path(target.name).name}"
+    vocab = vocab or (len(source.tokenizer.get_vocab()) if source.tokenizer is not None
+                      else input_embedding(source.model).weight.shape[0])
+    blas = blas_report(measure=False)  # the peak is measured beside each row, in `dtype`
+    rows = bench_switch(translator, source.model, target.model, lengths, repeats, vocab,
+                        dtype=getattr(mx, dtype), progress=progress)
+    result = {"pair": label, "source": source.name, "target": target.name, "dtype": dtype,
+              "device": str(mx.default_device()), "blas": blas.name,
+              "matmul_peak_gflops": round(statistics.median(r.matmul_peak_gflops for r in rows), 1),
+              "memory_bandwidth_gbs": round(statistics.median(r.bandwidth_gbs for r in rows), 1),
+              "repeats": repeats, "rows": [r.to_json() for r in rows]}
+    if fit_record is not None:
+        result["fit"] = {**fit_record, "features": translator.info["features"],
+                         "token_identity": translator.token_identity}
+    return result
+
+
+def write_report(result: dict, out_dir: Path) -> tuple[Path, Path | None]:
+    """The result's JSON and PNG (None when matplotlib is absent) in `out_dir`."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"bench-{result['pair']}-{result['dtype']}"
+    json_path = out_dir / f"{stem}.json"
+    json_path.write_text(json.dumps(result, indent=2) + "\n")
+    return json_path, plot_switch(result, out_dir / f"{stem}.png")
+
+
+def report_table(result: dict) -> tuple[str, list[str], list[list[str]], list[str]]:
+    """(title, columns, rows, notes) of a result, as `kvtrans bench` prints it."""
+    rows = result["rows"]
+    chunked = any(r["reprefill_chunked_s"] is not None for r in rows)
+    gated = any(r["gated_switch_s"] is not None for r in rows)
+    title = (f"TTFT after a switch · {result['pair']} · {result['dtype']} · {result['blas']} "
+             f"({result['matmul_peak_gflops']:.0f} GFLOP/s peak, "
+             f"{result['memory_bandwidth_gbs']:.0f} GB/s) · median of {result['repeats']}")
+    columns = ["tokens", "re-prefill", *(["re-prefill chunked"] if chunked else []),
+               "warm switch", "speed-up", "bound", "warm / bound",
+               *(["gated switch", "speed-up"] if gated else []), "cold switch", "speed-up",
+               "translate GFLOP/s", "extra peak MB switch / prefill"]
+
+    def ms(seconds):
+        return f"{seconds * 1000:.1f} ms" if seconds is not None else "-"
+
+    cells = []
+    for r in rows:
+        gated_cells = [ms(r["gated_switch_s"]), f"x{r['speedup_gated']:.1f}"
+                       if r["speedup_gated"] is not None else "-"]
+        cells.append([str(r["length"]), ms(r["reprefill_s"]),
+                      *([ms(r["reprefill_chunked_s"])] if chunked else []),
+                      ms(r["warm_switch_s"]), f"x{r['speedup_warm']:.1f}", ms(r["bound_s"]),
+                      f"x{r['warm_over_bound']:.1f}", *(gated_cells if gated else []),
+                      ms(r["cold_switch_s"]), f"x{r['speedup_cold']:.2f}",
+                      f"{r['translate_gflops']:.1f} "
+                      f"({100 * r['translate_gflops'] / r['matmul_peak_gflops']:.0f}%)",
+                      f"{r['peak_mb_switch']:.0f} / {r['peak_mb_reprefill']:.0f}"])
+    notes = ["bound = first decode step on the installed cache + translation FLOPs at the "
+             "matmul peak + installed bytes at the memory bandwidth, measured beside each row"]
+    if gated:
+        notes.append(f"gated switch = what a session does (the same hand-over): all but the last "
+                     f"{rows[0]['gate_tokens']} tokens translated, the target reads those itself "
+                     "and the fidelity gate compares its NLL on them with the source's, then the "
+                     "first token")
+    if "fit" in result:
+        notes.append(f"translator fitted in closed form here: {describe_fit(result['fit'])}")
+    return title, columns, cells, notes
+
+
+def describe_fit(f: dict) -> str:
+    """One line for a `realistic_fit` record: measured here, and projected to the full models."""
+    projected = f.get("projected_peak_memory_bytes")
+    line = (f"{f['fit_tokens']:,} tokens in {f['fit_seconds']:.1f} s, peak "
+            f"{f['fit_peak_memory_bytes'] / 2**30:.1f} GiB"
+            + (f" (projected {projected / 2**30:.1f} GiB)" if projected else "")
+            + f", moments {f['fit_moments_bytes'] / 2**20:.0f} MiB")
+    if "full" in f:
+        g = f["full"]
+        line += (f"; projected to the full checkpoints ({' -> '.join(g['models'])}, "
+                 f"{g['layers'][0]} -> {g['layers'][1]} layers): moments "
+                 f"{g['moments_bytes'] / 2**30:.2f} GiB, peak without weights "
+                 f"{g['fit_peak_bytes_without_weights'] / 2**30:.1f} GiB, "
+                 f"{g['fit_seconds_per_million_tokens'] / 3600:.1f} h per million fitting "
+                 f"tokens on this machine + {g['solve_seconds']:.0f} s solve, "
+                 f"{g['translation_flops_per_token'] / 1e6:.0f} MFLOP per translated token "
+                 "(the full configs' FFNs are dense)")
+    return line
+
+
+def plot_switch(result: dict, path: Path) -> Path | None:
+    """A PNG of a `kvtrans bench` result (None when matplotlib is absent)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    rows = result["rows"]
+    x = [r["length"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key, label in (("reprefill_s", "re-prefill"),
+                       ("reprefill_chunked_s", "re-prefill (chunked recurrence)"),
+                       ("cold_switch_s", "cold switch"),
+                       ("warm_switch_s", "warm switch (translate)"),
+                       ("gated_switch_s", "gated switch (translate, read the last r, gate)")):
+        if all(r.get(key) is not None for r in rows):
+            ax.plot(x, [r[key] * 1000 for r in rows], marker="o", label=label)
+    if all("bound_s" in r for r in rows):
+        ax.plot(x, [r["bound_s"] * 1000 for r in rows], linestyle="--", color="gray",
+                label="bound (step + FLOPs at peak + bytes at bandwidth)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("time to first token (ms)")
+    ax.set_title(f"{result['pair']} · {result['dtype']} · {result['blas']}")
+    ax.legend()
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,269 @@
+"""Time to first token after a switch: translation versus re-prefill, side by side in one run.
+
+For each prompt length, with medians over repeats:
+- warm switch: the source's cache exists (and its per-token objects were recorded while it read);
+  translate + install + the target's first decode step;
+- cold switch: the source's prefill (recording) + the warm switch. The source reads the prompt
+  with the fastest recurrence the device has (`fastest_recurrence`: mlx-lm's Metal kernel on a
+  Mac, the chunkwise-parallel form elsewhere), so the figure measures translation, not mlx-lm's
+  token loop off Metal;
+- gated switch: what a `Session` does, by the same code (`session.hand_over`): all but the last
+  r tokens translated and installed, the target reading those r itself, the fidelity gate's NLL
+  comparison, then the first decode step;
+- re-prefill: the target reads the whole prompt and produces its first token, in plain mlx-lm
+  (what a user of mlx-lm gets: the token loop off Metal). When the target has linear-attention
+  layers, `reprefill_chunked_s` is the same prefill under the chunkwise form, so both
+  comparisons are visible: cold switch vs re-prefill (what switching saves a user today) and
+  cold switch vs chunked re-prefill (same recurrence on both sides);
+- bound: the least a warm switch could cost here, measured beside it: (a) the target's first
+  decode step on the installed cache alone, (b) the translation's arithmetic at the matmul peak
+  measured in the bench's dtype, (c) the installed cache's bytes at the measured memory
+  bandwidth. `warm_over_bound` = warm switch / bound.
+Peak memory of each path, the translation's arithmetic rate, the BLAS in use and the dtype are
+recorded with the timings.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from ..blas import matmul_gflops, memory_bandwidth_gbs
+from ..capture import PREFILL_CHUNK, Capture, capture
+from ..gate import GATE_TOKENS
+from ..gated_delta import chunked_recurrence, fastest_recurrence
+from ..install import install
+from ..layouts import ObjectKind, layout_of
+from ..models import LoadedModel
+from ..session import Session, SwitchStatus, hand_over
+from ..translators.translator import Translator
+
+
+@dataclass
+class BenchRow:
+    length: int
+    warm_switch_s: float
+    cold_switch_s: float
+    reprefill_s: float
+    translate_s: float
+    translate_gflops: float
+    peak_mb_switch: float
+    peak_mb_reprefill: float
+    # the bound = first_step_s + flops_at_peak_s + bytes_at_bandwidth_s
+    first_step_s: float  # (a) the target's first decode step on the installed cache
+    flops_at_peak_s: float  # (b) translation flops / matmul peak
+    bytes_at_bandwidth_s: float  # (c) install bytes / memory bandwidth
+    install_bytes: int
+    matmul_peak_gflops: float  # measured in this row, in the bench's dtype
+    bandwidth_gbs: float  # measured in this row (bytes read + written)
+    reprefill_chunked_s: float | None = None  # target prefill, chunkwise recurrence
+    # the switch a Session makes: translate all but the last `gate_tokens`, the target reads
+    # those itself, the fidelity gate compares its NLL on them with the source's, first token
+    gated_switch_s: float | None = None
+    gate_tokens: int = 0
+
+    @property
+    def bound_s(self) -> float:
+        return self.first_step_s + self.flops_at_peak_s + self.bytes_at_bandwidth_s
+
+    @property
+    def warm_over_bound(self) -> float:
+        return self.warm_switch_s / self.bound_s
+
+    @property
+    def speedup_warm(self) -> float:
+        return self.reprefill_s / self.warm_switch_s
+
+    @property
+    def speedup_cold(self) -> float:
+        return self.reprefill_s / self.cold_switch_s
+
+    @property
+    def speedup_gated(self) -> float | None:
+        return self.reprefill_s / self.gated_switch_s if self.gated_switch_s else None
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "bound_s": self.bound_s, "warm_over_bound": self.warm_over_bound,
+                "speedup_warm": self.speedup_warm, "speedup_cold": self.speedup_cold,
+                "speedup_gated": self.speedup_gated}
+
+
+def translation_flops(translator: Translator, length: int, target_layout) -> float:
+    """Arithmetic (2 x multiply-adds) of the translator over a `length`-token prompt (a conv
+    history maps only the K-1 rows it keeps)."""
+    return translator.flops(length, target_layout)
+
+
+def cache_nbytes(cache: list) -> int:
+    """Bytes of every array an mlx-lm cache holds (each object's `state`: the valid rows)."""
+    return sum(x.nbytes for _, x in tree_flatten([c.state for c in cache])
+               if isinstance(x, mx.array))
+
+
+def source_prefill(translator: Translator, source, prompt: mx.array, source_layout=None,
+                   fast: bool = True) -> Capture:
+    """The source reads `prompt`, recording what `translator` reads (with `fast`, under
+    `fastest_recurrence`)."""
+    with fastest_recurrence() if fast else contextlib.nullcontext():
+        return capture(source, prompt, points=translator.source_points(),
+                       layout=source_layout or layout_of(source), chunk_size=PREFILL_CHUNK)
+
+
+def gated_session(translator: Translator, source, target, prompt: list[int],
+                  gate_tokens: int = GATE_TOKENS, fast: bool = True) -> Session:
+    """A `Session` over mlx-lm models `source` -> `target` whose source has read `prompt`, as a
+    conversation's source has when a switch comes (with `fast`, under `fastest_recurrence`)."""
+    session = Session({"source": LoadedModel("source", None, source, None, {}),
+                       "target": LoadedModel("target", None, target, None, {})},
+                      {("source", "target"): translator}, active="source",
+                      gate_tokens=gate_tokens)
+    session.add(prompt)
+    with fastest_recurrence() if fast else contextlib.nullcontext():
+        list(session.generate(0))
+    return session
+
+
+def gated_switch(session: Session, last: mx.array) -> tuple[SwitchStatus, mx.array]:
+    """The switch `session` makes (`hand_over` itself) into a target that holds nothing, then
+    the target's first token after `last`: (the switch's status, the token). The source's line
+    is left as it was, so the switch can be timed again."""
+    target = session.lines["target"]
+    target.reset()
+    status = hand_over(session, "source", "target")
+    return status, first_token(target.lm.model, last, target.cache)
+
+
+def switch_cache(translator: Translator, recorded: Capture, target, target_layout,
+                 prompt: mx.array) -> list:
+    """Translate the recorded source objects and install them: the target's cache, evaluated."""
+    objects, points = translator.translate(recorded, target, target_layout, prompt)
+    cache = install(target_layout, objects, points)
+    mx.eval([c.state for c in cache])
+    return cache
+
+
+def first_token(target, last: mx.array, cache: list) -> mx.array:
+    """The target's first decode step on `cache`: the greedy next token, evaluated."""
+    token = mx.argmax(target(last, cache=cache)[:, -1], axis=-1)
+    mx.eval(token)
+    return token
+
+
+def _median(fn, repeats: int, setup=None) -> tuple[float, float]:
+    """(median seconds, peak MB above what was resident before: the weights and any source
+    cache) of `fn` (of `setup()`'s result, built untimed, when given), each run evaluated."""
+    times, peaks = [], []
+    for _ in range(repeats):
+        args = (setup(),) if setup else ()
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        resident = mx.get_active_memory()
+        start = time.perf_counter()
+        fn(*args)
+        times.append(time.perf_counter() - start)
+        peaks.append((mx.get_peak_memory() - resident) / 2**20)
+    return statistics.median(times), max(peaks)
+
+
+def _main_dtype(model) -> mx.Dtype:
+    """The dtype holding most of `model`'s parameter bytes."""
+    sizes = Counter()
+    for _, p in tree_flatten(model.parameters()):
+        sizes[p.dtype] += p.nbytes
+    return sizes.most_common(1)[0][0]
+
+
+def bench_switch(translator: Translator, source, target, lengths: list[int], repeats: int = 3,
+                 vocab: int | None = None, seed: int = 0, dtype=None,
+                 progress=None, gate_tokens: int = GATE_TOKENS) -> list[BenchRow]:
+    """TTFT rows for mlx-lm models `source` -> `target` at each prompt length (`dtype`, for the
+    matmul peak: default the target's; `gate_tokens`: the gated switch's tail, 0 for none).
+    `progress(done, total, what)` follows each measurement."""
+    source_layout, target_layout = layout_of(source), layout_of(target)
+    target_is_hybrid = ObjectKind.RECURRENT_STATE in target_layout.kinds()
+    dtype = dtype or _main_dtype(target)
+    translator.prepare()
+    vocab = vocab or 256
+    rows = []
+    phases = (7 if target_is_hybrid else 6) + bool(gate_tokens)
+    done = 0
+
+    def step(what: str, length: int):
+        nonlocal done
+        if progress:
+            progress(done, phases * len(lengths), f"{what} at {length:,} tokens")
+        done += 1
+
+    for length in lengths:
+        step("source prefill", length)
+        tokens = mx.random.randint(0, vocab, (1, length), key=mx.random.key(seed + length))
+        prompt, last = tokens[:, :-1], tokens[:, -1:]
+        recorded = source_prefill(translator, source, prompt, source_layout)
+
+        def translate_only():
+            return switch_cache(translator, recorded, target, target_layout, prompt)
+
+        def warm():
+            first_token(target, last, translate_only())
+
+        def cold():
+            nonlocal recorded
+            recorded = source_prefill(translator, source, prompt, source_layout)
+            warm()
+
+        def reprefill():  # plain mlx-lm prefill, in the chunks its generation uses
+            from mlx_lm.models.cache import make_prompt_cache
+
+            cache = make_prompt_cache(target)
+            for start in range(0, prompt.shape[1], PREFILL_CHUNK):
+                target(prompt[:, start:start + PREFILL_CHUNK], cache=cache)
+                mx.eval([c.state for c in cache])
+            first_token(target, last, cache)
+
+        def reprefill_chunked():
+            with chunked_recurrence():
+                reprefill()
+
+        step("bound", length)
+        warm()  # compile and allocate once
+        install_bytes = cache_nbytes(translate_only())
+        peak = matmul_gflops(dtype=dtype)
+        bandwidth = memory_bandwidth_gbs()
+        t_translate, _ = _median(translate_only, repeats)
+        t_step, _ = _median(lambda cache: first_token(target, last, cache), repeats,
+                            setup=translate_only)
+        step("warm switch", length)
+        t_warm, peak_switch = _median(warm, repeats)
+        step("cold switch", length)
+        t_cold, _ = _median(cold, repeats)
+        tail = min(gate_tokens, prompt.shape[1] - 1)
+        t_gated = None
+        if tail:
+            step("gated switch", length)
+            session = gated_session(translator, source, target, prompt[0].tolist(), tail)
+            gated_switch(session, last)  # compile and allocate once
+            t_gated, _ = _median(lambda: gated_switch(session, last), repeats)
+        step("re-prefill", length)
+        t_full, peak_full = _median(reprefill, repeats)
+        if target_is_hybrid:
+            step("chunked re-prefill", length)
+        t_chunked = _median(reprefill_chunked, repeats)[0] if target_is_hybrid else None
+        flops = translation_flops(translator, length, target_layout)
+        rows.append(BenchRow(
+            length=length, warm_switch_s=t_warm, cold_switch_s=t_cold, reprefill_s=t_full,
+            translate_s=t_translate, translate_gflops=flops / t_translate / 1e9,
+            peak_mb_switch=peak_switch, peak_mb_reprefill=peak_full,
+            first_step_s=t_step, flops_at_peak_s=flops / (peak * 1e9),
+            bytes_at_bandwidth_s=install_bytes / (bandwidth * 1e9),
+            install_bytes=install_bytes, matmul_peak_gflops=peak, bandwidth_gbs=bandwidth,
+            reprefill_chunked_s=t_chunked, gated_switch_s=t_gated, gate_tokens=tail))
+        step("done", length)
+    if progress:
+        progress(done, done, "done")
+    return rows
