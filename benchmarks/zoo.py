@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 from mlx_kvtrans.models import weights_dir, zoo_aliases
+from mlx_kvtrans.zoo.curricula import recorded_curriculum
 
 OUT = Path(__file__).parent / "results" / "zoo.md"
 
@@ -39,8 +40,9 @@ def main():
             continue
         m = json.loads(manifest_file.read_text())
         recall = [f"{v:.2f}" for v in m["needle_recall"].values()]
-        steps = f"{m['recipe']['steps']:,}" + (f" (from {m['recipe']['init_from']})"
-                                               if m["recipe"].get("init_from") else "")
+        curriculum = recorded_curriculum(m)
+        steps = f"{curriculum['steps']:,}" + (f" (from {curriculum['init_from']})"
+                                              if curriculum.get("init_from") else "")
         lines.append(f"| {alias} | {m['model_type']} | {m['parameters'] / 1e6:.2f}M | "
                      f"{steps} | {m['longest_training_prompt']:,} | {m['tokens_seen']:,} | "
                      f"{m['training_minutes']} | "
@@ -60,7 +62,7 @@ def _corpora(manifest: dict, recorded: str) -> str:
         return "recorded" if m["corpus"] == recorded else "first build"
 
     own, earlier = name(manifest), set()
-    while parent := manifest["recipe"].get("init_from"):
+    while parent := recorded_curriculum(manifest).get("init_from"):
         manifest = json.loads((weights_dir() / parent / "manifest.json").read_text())
         earlier.add(name(manifest))
     return own + (f" (its seeds: {', '.join(sorted(earlier - {own}))})"

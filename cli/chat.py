@@ -12,7 +12,8 @@ from rich.markup import escape
 import mlx_kvtrans
 from mlx_kvtrans.errors import KvtransError
 
-from .common import _default_translator, app, in_range, out, print_error, user_errors
+from .common import (app, default_translator, in_range, out, print_error, refuse_existing,
+                     user_errors)
 
 LEAVE = ("/quit", "/exit")
 
@@ -28,7 +29,11 @@ def chat(source: str = typer.Option("kimi-linear", "--from", help="the model tha
          strategy: str = typer.Option("segment", help="segment, naive or refresh"),
          script: Path = typer.Option(None, help="run user turns and /commands from a file "
                                                 "(lines starting with # are comments)"),
-         transcript: Path = typer.Option(None, help="where the transcript goes (JSON)"),
+         transcript: Path = typer.Option(None, help="where the transcript goes (JSON; its "
+                                                    "directory must exist; default: a new file "
+                                                    "in ~/.kvtrans/chats)"),
+         force: bool = typer.Option(False, "--force", help="Replace the --transcript file if "
+                                                           "it already exists."),
          max_tokens: int = typer.Option(200, help="longest reply"),
          system: str = typer.Option(None, help="system prompt")):
     """Chat with one model and switch to the other mid-conversation without re-reading.
@@ -49,8 +54,12 @@ def chat(source: str = typer.Option("kimi-linear", "--from", help="the model tha
     script_lines = _read_script(script) if script is not None else None
     if transcript is None:
         transcript = Path.home() / ".kvtrans" / "chats" / time.strftime("%Y%m%d-%H%M%S.json")
+        transcript.parent.mkdir(parents=True, exist_ok=True, mode=0o700)  # ours to create
     if transcript.is_dir():
         raise KvtransError(f"--transcript {transcript} is a directory")
+    if not transcript.parent.is_dir():  # as /save: a mistyped directory is not created
+        raise KvtransError(f"--transcript {transcript}: no directory {transcript.parent}")
+    refuse_existing(transcript, force, "--transcript")
     for option, given in (("--translator", translator), ("--back", back)):
         if given is not None:  # its files, before any model loads; the pair once they have
             _named_translator(option, given, _read_manifest)
@@ -199,7 +208,7 @@ def _translators(models: dict, source: str, target: str, translator: str | None,
         if given is not None:
             path, tr = _named_translator(option, given, _load_translator, models[a], models[b])
         else:
-            shipped = _default_translator(a, b)
+            shipped = default_translator(a, b)
             if shipped is None:
                 banner.append((pair, "no translator shipped, so /switch that way re-reads the "
                                      "conversation (re-prefill)", True))
@@ -218,11 +227,15 @@ def _translators(models: dict, source: str, target: str, translator: str | None,
 
 
 def _named_translator(option: str, given: str, read, *models):
-    """`read(given, *models)`, its errors told as the option's."""
+    """`read(given, *models)`, its errors told as the option's, naming the translator once."""
     try:
         return read(given, *models)
     except KvtransError as e:
-        raise KvtransError(f"{option} {given}: {e}") from None
+        message = str(e)
+        for named in (f"translator {given}", str(given)):  # the library names it already
+            if message.startswith(named):
+                raise KvtransError(f"{option} {given}{message[len(named):]}") from None
+        raise KvtransError(f"{option} {given}: {message}") from None
 
 
 def _read_manifest(name) -> dict:

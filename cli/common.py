@@ -12,8 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import typer
+from rich import box
 from rich.console import Console
 from rich.markup import escape
+from rich.table import Table
 from typer.core import TyperGroup
 
 import mlx_kvtrans  # noqa: F401  (selects a fast BLAS before anything imports mlx.core)
@@ -23,8 +25,10 @@ from mlx_kvtrans.translators.fit import FitConfig
 
 FIT, DISTILL = FitConfig(), DistillConfig()  # every default of `fit` and `distill` comes from here
 
-# Piped output (CI logs, files) keeps the full table width instead of rich's 80 columns.
-out = Console(width=None if sys.stdout.isatty() else 160)
+# Piped output (CI logs, files) is as wide as COLUMNS says, else 160 columns rather than rich's
+# 80; at a terminal rich measures it (COLUMNS first).
+out = Console(width=None if sys.stdout.isatty() or os.environ.get("COLUMNS", "").isdigit()
+              else 160)
 err = Console(stderr=True)
 
 # Typer runs on its own copy of click (typer._click) in recent versions and on click itself in
@@ -70,13 +74,27 @@ class _Commands(TyperGroup):
         with _usage_errors_on_one_line():
             return super().invoke(ctx)
 
+    def format_commands(self, ctx, formatter) -> None:
+        """Each command with its whole first paragraph of help, wrapped, never cut with '...'."""
+        rows = []
+        for name in self.list_commands(ctx):
+            command = self.get_command(ctx, name)
+            if command is not None and not command.hidden:
+                text = command.short_help or (command.help or "").split("\n\n")[0]
+                rows.append((name, " ".join(text.split())))
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
+
 
 app = typer.Typer(cls=_Commands, add_completion=False, no_args_is_help=True,
                   pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Translate KV caches between language models on MLX.")
-zoo_app = typer.Typer(no_args_is_help=True, help="The shipped zoo of small models.")
+zoo_app = typer.Typer(cls=_Commands, no_args_is_help=True,
+                      help="The shipped zoo of small models.")
 app.add_typer(zoo_app, name="zoo")
-eval_app = typer.Typer(no_args_is_help=True, help="Measure models and translators.")
+eval_app = typer.Typer(cls=_Commands, no_args_is_help=True,
+                       help="Measure models and translators.")
 app.add_typer(eval_app, name="eval")
 
 
@@ -115,17 +133,32 @@ def refuse_existing(path: str | Path | None, force: bool, option: str = "--out")
 
 
 FORCE_HELP = "Replace the output if it already exists."
+JSON_HELP = "Print the result as JSON (for scripts) instead of a table."
 
 
-def _bytes(n: int) -> str:
+def format_bytes(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
         n /= 1024
 
 
-def _shape(shape) -> str:
+def format_shape(shape) -> str:
     return "(" + ",".join(str(s) for s in shape) + ")"
+
+
+class FitTable(Table):
+    """A table for 80 columns: rules only under the header, and a cell too wide wraps (folding
+    a long word) instead of being cut with '...'. Machines read `--json`, not this."""
+
+    def __init__(self, title: str | None = None, **options):
+        options = {"title_justify": "left", "box": box.SIMPLE_HEAD, "show_edge": False,
+                   "padding": (0, 1, 0, 0), "pad_edge": False, **options}
+        super().__init__(title=title, **options)
+
+    def add_column(self, header="", *, right: bool = False, **options) -> None:
+        options = {"overflow": "fold", "justify": "right" if right else "left", **options}
+        super().add_column(header, **options)
 
 
 # -- option checks, cheap enough to run before any model loads ---------------------------------
@@ -259,10 +292,6 @@ def token_ids(tokenizer, option: str, files: list[Path]) -> list[int]:
     return ids
 
 
-def _same_tokenizer(a, b) -> bool:
-    return a.tokenizer.get_vocab() == b.tokenizer.get_vocab()
-
-
 def key_values(option: str, items: list[str] | None, example: str) -> dict[str, str]:
     """`--recipe a=b --recipe c=d` -> {"a": "b", "c": "d"}."""
     out = {}
@@ -284,7 +313,7 @@ def translator_models(translator: Path, source: str | None = None,
     return source or manifest["source"]["name"], target or manifest["target"]["name"]
 
 
-def _load_translator_pair(translator: Path, source: str | None, target: str | None):
+def load_translator_pair(translator: Path, source: str | None, target: str | None):
     """The translator and its models: named in its manifest unless given, and checked."""
     from mlx_kvtrans.translators import artifact
 
@@ -293,7 +322,7 @@ def _load_translator_pair(translator: Path, source: str | None, target: str | No
     return artifact.load(translator, src, tgt), src, tgt
 
 
-def _default_translator(source: str, target: str) -> Path | None:
+def default_translator(source: str, target: str) -> Path | None:
     from mlx_kvtrans.translators.artifact import shipped
 
     return shipped(source, target)

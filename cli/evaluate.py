@@ -12,9 +12,9 @@ from rich.table import Table
 import mlx_kvtrans
 from mlx_kvtrans.errors import KvtransError
 
-from .common import (SEEDS, Limit, _default_translator, _load_translator_pair, eval_app,
-                     in_range, int_list, model_configs, out, position_limit, progress_bar,
-                     text_file, translator_models, user_errors)
+from .common import (JSON_HELP, SEEDS, FitTable, Limit, default_translator, eval_app,
+                     in_range, int_list, load_translator_pair, model_configs, out,
+                     position_limit, progress_bar, text_file, translator_models, user_errors)
 
 # Positions each window continues over past its prefix (KL, greedy agreement).
 FIDELITY_CONTINUATION = 64
@@ -31,7 +31,7 @@ def eval_needle(model: str = typer.Option(None, "--model", help="zoo alias, dire
                 lengths: str = typer.Option(None, help="comma-separated prompt lengths in tokens "
                                             "(default: 1x, 2x, 4x, 8x the training length)"),
                 samples: int = typer.Option(50, min=1, help="held-out needles per length"),
-                as_json: bool = typer.Option(False, "--json")):
+                as_json: bool = typer.Option(False, "--json", help=JSON_HELP)):
     """Exact six-digit needle recall of a model on held-out needles, per prompt length."""
     from mlx_kvtrans.evaluation.needles import needle_recall
 
@@ -45,7 +45,7 @@ def eval_needle(model: str = typer.Option(None, "--model", help="zoo alias, dire
     if translator_dir is not None:
         from mlx_kvtrans.translators.translator import translate_cache
 
-        translator, src, lm = _load_translator_pair(translator_dir, None, None)
+        translator, src, lm = load_translator_pair(translator_dir, None, None)
         model = f"{src.name} -> {lm.name}"
         translated = lambda ids: translate_cache(translator, src.model, lm.model, ids)
     else:
@@ -67,12 +67,11 @@ def eval_needle(model: str = typer.Option(None, "--model", help="zoo alias, dire
     if as_json:
         print(json.dumps(result, indent=2))
         return
-    table = Table(title=f"needle recall · {model} · {samples} held-out needles per length",
-                  title_justify="left")
-    table.add_column("prompt tokens", justify="right")
+    table = FitTable(f"needle recall · {model} · {samples} held-out needles per length")
+    table.add_column("prompt tokens", right=True)
     columns = [k for k in ("recall", "native_recall", "translated_recall") if k in result]
     for key in columns:
-        table.add_column(key.replace("_", " ").replace("recall", "exact recall"), justify="right")
+        table.add_column(key.replace("_", " ").replace("recall", "exact recall"), right=True)
     for length in sizes:
         table.add_row(str(length), *(f"{result[k][str(length)]:.2f}" for k in columns))
     out.print(table)
@@ -88,7 +87,7 @@ def eval_fidelity(translator_dir: Path = typer.Option(..., "--translator",
                   windows: int = typer.Option(8, min=1, help="held-out windows per length"),
                   source: str = typer.Option(None, "--from", help="override the manifest's"),
                   target: str = typer.Option(None, "--to", help="override the manifest's"),
-                  as_json: bool = typer.Option(False, "--json")):
+                  as_json: bool = typer.Option(False, "--json", help=JSON_HELP)):
     """KL and greedy agreement of the target continuing from translated caches, with the
     no-cache floor beside them."""
     from mlx_kvtrans.translators.fidelity import fidelity
@@ -97,7 +96,7 @@ def eval_fidelity(translator_dir: Path = typer.Option(..., "--translator",
     lengths = int_list("--prefix-lengths", prefix_lengths, 2, position_limit(
         model_configs(source, target), FIDELITY_CONTINUATION, "the continuation"))
     text = text_file("--text", text, "test")
-    translator, src, tgt = _load_translator_pair(translator_dir, source, target)
+    translator, src, tgt = load_translator_pair(translator_dir, source, target)
     ids = src.tokenizer.encode(text.read_text(errors="replace"))
     try:
         with progress_bar("fidelity") as progress:
@@ -108,9 +107,9 @@ def eval_fidelity(translator_dir: Path = typer.Option(..., "--translator",
     if as_json:
         print(json.dumps({"translator": str(translator_dir), "rows": rows}, indent=2))
         return
-    table = Table(title=f"fidelity · {translator_dir}", title_justify="left")
+    table = FitTable(f"fidelity · {translator_dir}")
     for col in ("prefix", "KL nats/token", "KL no cache", "greedy agreement", "agreement no cache"):
-        table.add_column(col, justify="right")
+        table.add_column(col, right=True)
     for r in rows:
         table.add_row(str(r["prefix_length"]), f"{r['kl']:.4f}", f"{r['kl_no_cache']:.4f}",
                       f"{r['greedy_agreement']:.3f}", f"{r['greedy_agreement_no_cache']:.3f}")
@@ -139,8 +138,9 @@ def eval_multiturn(translator_dir: Path = typer.Option(..., "--translator",
                                                       "name"),
                    back: Path = typer.Option(None, help="B -> A (default: shipped, else re-read)"),
                    dialogues: int = typer.Option(20, min=1, help="held-out dialogues"),
-                   turns: int = typer.Option(10, min=2),
-                   as_json: bool = typer.Option(False, "--json")):
+                   turns: int = typer.Option(10, min=2, help="turns per dialogue (the models "
+                                             "alternate every turn)"),
+                   as_json: bool = typer.Option(False, "--json", help=JSON_HELP)):
     """Per-turn answer accuracy of dialogues alternating models, for segment-wise, naive and
     refresh switching and for re-prefill."""
     from mlx_kvtrans.evaluation.multiturn import evaluate
@@ -151,13 +151,13 @@ def eval_multiturn(translator_dir: Path = typer.Option(..., "--translator",
         translator_models(back)  # verified now, loaded once the models are
     limit = position_limit(model_configs(*names))
     in_range("--turns", turns, 2, limit)  # a turn holds a token at least
-    forward, src, tgt = _load_translator_pair(translator_dir, None, None)
+    forward, src, tgt = load_translator_pair(translator_dir, None, None)
     longest = _longest_dialogue(src.tokenizer, dialogues, turns)
     if longest > limit.value:
         raise KvtransError(f"--turns {turns}: the longest dialogue would reach about "
                            f"{longest:,} positions, past {limit.value:,} ({limit.why})")
     translators = {(src.name, tgt.name): forward}
-    back_path = back or _default_translator(tgt.name, src.name)
+    back_path = back or default_translator(tgt.name, src.name)
     if back_path is not None:
         translators[(tgt.name, src.name)] = artifact.load(back_path, tgt, src)
     with progress_bar("dialogues") as progress:
@@ -168,17 +168,17 @@ def eval_multiturn(translator_dir: Path = typer.Option(..., "--translator",
                           "accuracy": table}, indent=2))
         return
     turn_keys = sorted({k for row in table.values() for k in row if k.isdigit()}, key=int)
-    view = Table(title=f"multi-turn accuracy · {src.name} <-> {tgt.name} · {dialogues} dialogues",
-                 title_justify="left")
-    view.add_column("strategy")
+    # a row per turn, a column per strategy: ten turns and more still fit 80 columns
+    view = FitTable(f"multi-turn accuracy · {src.name} <-> {tgt.name} · {dialogues} dialogues")
+    view.add_column("turn")
+    for strategy in table:
+        view.add_column(strategy, right=True)
     for k in turn_keys:
-        view.add_column(f"turn {int(k) + 1}", justify="right")
-    view.add_column("all", justify="right")
-    view.add_column("gate fired", justify="right")
-    for strategy, row in table.items():
-        fired = "-" if row["gate_fired"] is None else f"{row['gate_fired']:.2f}"
-        view.add_row(strategy, *(f"{row[k]:.2f}" if k in row else "-" for k in turn_keys),
-                     f"{row['all']:.2f}", fired)
+        view.add_row(str(int(k) + 1), *(f"{row[k]:.2f}" if k in row else "-"
+                                        for row in table.values()))
+    view.add_row("all", *(f"{row['all']:.2f}" for row in table.values()), style="bold")
+    view.add_row("gate fired", *("-" if row["gate_fired"] is None else f"{row['gate_fired']:.2f}"
+                                 for row in table.values()))
     out.print(view)
 
 
@@ -195,7 +195,7 @@ def eval_ablate(model: str = typer.Option(None, "--model", help="zoo alias, dire
                 needles: int = typer.Option(20, min=1, help="held-out needles per length"),
                 text: Path = typer.Option(None, help="held-out text (default: the zoo's test "
                                           "split)"),
-                as_json: bool = typer.Option(False, "--json")):
+                as_json: bool = typer.Option(False, "--json", help=JSON_HELP)):
     """What each cache object carries: per layer and object, the model continuing from its own
     cache with that object zeroed (and, with --translator, with only it, only its layer or
     everything translated): KL against native, greedy agreement and needle recall, beside the
@@ -210,7 +210,7 @@ def eval_ablate(model: str = typer.Option(None, "--model", help="zoo alias, dire
     text = text_file("--text", text, "test")
     translator = src = None
     if translator_dir is not None:
-        translator, src, lm = _load_translator_pair(translator_dir, None, None)
+        translator, src, lm = load_translator_pair(translator_dir, None, None)
         model, src = lm.name, src.model
     else:
         lm = mlx_kvtrans.load(model)
@@ -226,15 +226,17 @@ def eval_ablate(model: str = typer.Option(None, "--model", help="zoo alias, dire
         print(json.dumps({"model": model, "translator": str(translator_dir or ""),
                           "rows": rows}, indent=2))
         return
-    table = Table(title=f"ablation · {model} · {windows} windows, {needles} needles per length",
-                  title_justify="left")
+    # each prompt length heads its cases, so more lengths add rows, not columns
+    table = FitTable(f"ablation · {model} · {windows} windows, {needles} needles per length")
     table.add_column("case")
+    for col in ("KL", "greedy agreement", "needle recall"):
+        table.add_column(col, right=True)
     for n in sizes:
-        for col in ("KL", "agree", "recall"):
-            table.add_column(f"{col} @{n}", justify="right")
-    for r in rows:
-        table.add_row(r["label"], *(f"{r['lengths'][str(n)][k]:.{3 if k == 'kl' else 2}f}"
-                                    for n in sizes for k in ("kl", "agreement", "recall")))
+        table.add_row(f"{n:,} tokens", style="bold")
+        for r in rows:
+            table.add_row(r["label"], *(f"{r['lengths'][str(n)][k]:.{3 if k == 'kl' else 2}f}"
+                                        for k in ("kl", "agreement", "recall")),
+                          style="not bold")
     out.print(table)
 
 
@@ -255,7 +257,7 @@ def eval_behaviour(translator_dir: Path = typer.Option(..., "--translator",
                                              "split)"),
                    seed: int = typer.Option(0, **SEEDS, help="prose windows and bootstrap "
                                             "resamples"),
-                   as_json: bool = typer.Option(False, "--json")):
+                   as_json: bool = typer.Option(False, "--json", help=JSON_HELP)):
     """How the target's answers change when it continues from translated caches: first-token
     agreement, answer length, leading spaces, refusal and "I don't know" phrases, numbers copied
     from the prompt, repetition; translated minus native with 95% paired bootstrap intervals,
@@ -272,7 +274,7 @@ def eval_behaviour(translator_dir: Path = typer.Option(..., "--translator",
     if length is not None:
         in_range("--length", length, BEHAVIOUR_MIN_PROMPT, limit)
     text = text_file("--text", text, "test")
-    translator, src, tgt = _load_translator_pair(translator_dir, None, None)
+    translator, src, tgt = load_translator_pair(translator_dir, None, None)
     if length is None:
         manifest = tgt.path / "manifest.json"
         trained = json.loads(manifest.read_text())["longest_training_prompt"] \
@@ -296,12 +298,11 @@ def eval_behaviour(translator_dir: Path = typer.Option(..., "--translator",
                           "target": tgt.name, "prompts_per_kind": prompts, "length": length,
                           "max_tokens": max_tokens, "seed": seed, "rows": rows}, indent=2))
         return
-    table = Table(title=f"behaviour · {src.name} -> {tgt.name} · {prompts} prompts per kind "
-                  f"(dialogue, needle, prose) · answers of at most {max_tokens} tokens",
-                  title_justify="left")
+    table = FitTable(f"behaviour · {src.name} -> {tgt.name} · {prompts} prompts per kind "
+                     f"(dialogue, needle, prose) · answers of at most {max_tokens} tokens")
     table.add_column("metric")
     for col in ("prompts", "native", "translated", "difference", "95% interval", "flagged"):
-        table.add_column(col, justify="right")
+        table.add_column(col, right=True)
     for r in rows:
         if r["difference"] is None:
             table.add_row(r["label"], "0", "-", "-", "-", "-", "")
@@ -312,3 +313,95 @@ def eval_behaviour(translator_dir: Path = typer.Option(..., "--translator",
                       f"[{r['ci_low']:+.{digits}f}, {r['ci_high']:+.{digits}f}]",
                       "[bold red]yes[/]" if r["flagged"] else "")
     out.print(table)
+
+
+@eval_app.command("frontier")
+@user_errors
+def eval_frontier(translator_dir: Path = typer.Option(..., "--translator",
+                                                     help="a directory or a shipped name"),
+                  lengths: str = typer.Option(None, help="comma-separated prompt lengths in "
+                                              "tokens (default: 1x, 2x, 4x, 8x the fitting "
+                                              "length)"),
+                  rereads: str = typer.Option(None, help="comma-separated R: tokens the target "
+                                              "reads itself over the translated prefix (default: "
+                                              "0, 8, 32, 128, ... below each length)"),
+                  prompts: int = typer.Option(16, min=1, help="held-out prose windows per "
+                                              "length"),
+                  needles: int = typer.Option(16, min=0, help="held-out needles per length "
+                                              "(0: no recall)"),
+                  repeats: int = typer.Option(3, min=1, help="timed runs per setting (the "
+                                              "median is kept)"),
+                  text: Path = typer.Option(None, help="held-out text (default: zoo test "
+                                            "split)"),
+                  seed: int = typer.Option(0, **SEEDS, help="prose window starts"),
+                  record: bool = typer.Option(False, "--record", help="write frontier.json "
+                                              "into the translator's directory, where sessions "
+                                              "read it"),
+                  out_file: Path = typer.Option(None, "--out", help="write the frontier as "
+                                                "JSON to this file"),
+                  force: bool = typer.Option(False, "--force", help="replace an existing "
+                                             "--out or recorded frontier.json"),
+                  as_json: bool = typer.Option(False, "--json", help=JSON_HELP)):
+    """The fidelity frontier: per length and setting (R, the tokens the target re-reads itself),
+    teacher-forced agreement with native greedy continuations beside the last-16-tokens floor,
+    the history's worth recovered, greedy matches, KL, needle recall and the warm switch's
+    speed-up over re-prefill, on held-out text and needles."""
+    from mlx_kvtrans.evaluation import frontier as fr
+    from mlx_kvtrans.translators import artifact
+
+    from .common import refuse_existing
+
+    manifest = artifact.read_manifest(translator_dir)
+    names = manifest["source"]["name"], manifest["target"]["name"]
+    limit = position_limit(model_configs(*names), fr.GENERATED, "the continuation")
+    fit_length = fr.fitting_length(manifest)
+    sizes = int_list("--lengths", lengths, fr.FLOOR_TOKENS + 2, limit) if lengths else \
+        [n for n in (fit_length * m for m in fr.MULTIPLES) if n <= limit.value]
+    if not sizes:
+        raise KvtransError(f"{fit_length:,} tokens, the fitting length, is past {limit.value:,} "
+                           f"({limit.why}): give --lengths")
+    reads = int_list("--rereads", rereads, 0) if rereads else None
+    for n in sizes if reads is not None else ():
+        if not any(fr.Setting(r).applies(n) for r in reads):
+            raise KvtransError(f"--rereads {rereads}: at {n:,} tokens every R re-reads the "
+                               f"whole prompt (R must be below {n - 1:,})")
+    refuse_existing(out_file, force)
+    directory = artifact.resolve(translator_dir)
+    refuse_existing(directory / fr.FILE if record else None, force, "--record")
+    text = text_file("--text", text, "test")
+    src, tgt = mlx_kvtrans.load(names[0]), mlx_kvtrans.load(names[1])
+    translator = artifact.load(directory, src, tgt)
+    ids = tgt.tokenizer.encode(text.read_text(errors="replace"))
+    try:
+        with progress_bar("frontier") as progress:
+            frontier = fr.measure_translator(directory, src, tgt, translator, ids, sizes,
+                                             reads, prompts, needles, repeats, seed, progress)
+    except ValueError as e:
+        raise KvtransError(f"--text {text}: {e}")
+    frontier.settings["text"] = str(text)
+    written = [fr.save(frontier, path, force=True)
+               for path in (out_file, directory / fr.FILE if record else None) if path]
+    if as_json:
+        print(json.dumps(frontier.to_json(), indent=2))
+        return
+    table = Table(title=f"fidelity frontier · {frontier.source} -> {frontier.target} · "
+                  f"{prompts} windows, {needles} needles per length · fitting length "
+                  f"{fit_length:,}", title_justify="left")
+    for col in ("length", "R", "agreement", "last-16 floor", "history recovered",
+                f"greedy match /{fr.GENERATED}", f"all {fr.GENERATED}", "first token",
+                "KL nats/token", "recall native", "recall translated", "speed-up"):
+        table.add_column(col, justify="right")
+
+    def cell(value, spec):
+        return "-" if value is None else format(value, spec)
+
+    for r in frontier.rows:
+        table.add_row(f"{r.length:,} ({r.length / fit_length:g}x)", str(r.setting.reread),
+                      f"{r.agreement:.3f}", f"{r.agreement_last16:.3f}",
+                      cell(r.history_recovered, ".2f"), f"{r.greedy_match:.1f}",
+                      f"{r.greedy_exact:.2f}", f"{r.first_token:.2f}", f"{r.kl:.4f}",
+                      cell(r.recall_native, ".2f"), cell(r.recall_translated, ".2f"),
+                      f"{r.speedup:.2f}x")
+    out.print(table)
+    for path in written:
+        out.print(f"wrote {path}")

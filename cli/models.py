@@ -6,17 +6,17 @@ from __future__ import annotations
 import json
 
 import typer
-from rich.table import Table
 
 import mlx_kvtrans
 from mlx_kvtrans.audit import STORAGE_NOTE
 
-from .common import (_bytes, _shape, app, in_range, model_configs, out, position_limit,
-                     user_errors)
+from .common import (JSON_HELP, FitTable, app, format_bytes, format_shape, in_range,
+                     model_configs, out, position_limit, user_errors)
 
 
 def _size(obj) -> str:
-    return f"{_bytes(obj.bytes_per_token)}/token" if obj.per_token else _bytes(obj.fixed_bytes)
+    return (f"{format_bytes(obj.bytes_per_token)}/token" if obj.per_token
+            else format_bytes(obj.fixed_bytes))
 
 
 def _layer_runs(layout):
@@ -35,28 +35,34 @@ def _layer_runs(layout):
 @app.command()
 @user_errors
 def inspect(model: str = typer.Argument(..., help="zoo alias, model directory or HF id"),
-            as_json: bool = typer.Option(False, "--json", help="one JSON entry per layer and object")):
+            as_json: bool = typer.Option(False, "--json",
+                                         help="one JSON entry per layer and object")):
     """Show every cache object of every layer: kind, shape, rotation, capture points, bytes."""
     lm = mlx_kvtrans.load(model)
     layout = mlx_kvtrans.layout_of(lm.model)
     if as_json:
         print(json.dumps({"model": model, "path": str(lm.path), **layout.to_json()}, indent=2))
         return
-    table = Table(title=f"{model}  ·  {layout.model_type}  ·  {layout.family}", title_justify="left")
-    for col in ("layers", "mixer", "object", "kind", "shape (3)", "dtype", "rotation", "points",
-                "size"):
-        table.add_column(col, justify="right" if col == "size" else "left", no_wrap=True)
+    # Each run of identical layers heads its objects (layers, mixer), and a dtype the whole
+    # model shares goes in the title: 80 columns hold the rest.
+    dtypes = {o.dtype for layer in layout.layers for o in layer.objects}
+    shared = f"  ·  {dtypes.pop()}" if len(dtypes) == 1 else ""
+    table = FitTable(f"{model}  ·  {layout.model_type}  ·  {layout.family}{shared}")
+    for col in ("object", "kind", "shape (3)", *(() if shared else ("dtype",)), "rotation",
+                "points"):
+        table.add_column(col)
+    table.add_column("size", right=True)
     for first, last, layer in _layer_runs(layout):
-        span = str(first) if first == last else f"{first}-{last}"
-        for i, obj in enumerate(layer.objects):
-            table.add_row(span if i == 0 else "", layer.mixer if i == 0 else "", obj.name,
-                          obj.kind.value, _shape(obj.engine_shape), obj.dtype,
-                          obj.rotation.describe(), ",".join(map(str, obj.capture_points)),
-                          _size(obj))
-        table.add_section()
+        span = f"layer {first}" if first == last else f"layers {first}-{last}"
+        table.add_row(span, layer.mixer, style="bold")
+        for obj in layer.objects:
+            table.add_row(obj.name, obj.kind.value, format_shape(obj.engine_shape),
+                          *(() if shared else (obj.dtype,)), obj.rotation.describe(),
+                          ",".join(map(str, obj.capture_points)), _size(obj))
     out.print(table)
-    out.print(f"[bold]{len(layout.layers)} layers[/]  ·  {_bytes(layout.bytes_per_token)} per token"
-              f"  ·  {_bytes(layout.fixed_bytes)} fixed  ·  capture points: "
+    out.print(f"[bold]{len(layout.layers)} layers[/]  ·  "
+              f"{format_bytes(layout.bytes_per_token)} per token"
+              f"  ·  {format_bytes(layout.fixed_bytes)} fixed  ·  capture points: "
               + "; ".join(f"({k}) {v}" for k, v in mlx_kvtrans.CAPTURE_POINTS.items()))
     out.print(f"{STORAGE_NOTE}; `kvtrans audit {model}` measures how well")
 
@@ -66,7 +72,7 @@ def inspect(model: str = typer.Argument(..., help="zoo alias, model directory or
 def verify(model: str = typer.Argument(..., help="zoo alias, model directory or HF id"),
            prefix: int = typer.Option(None, min=2,
                                       help="prompt length (default: 64, or beyond index_topk)"),
-           as_json: bool = typer.Option(False, "--json")):
+           as_json: bool = typer.Option(False, "--json", help=JSON_HELP)):
     """Prove capture -> install, (1)/(2) -> (3) conversion and replay exact on this checkpoint."""
     from mlx_kvtrans.verify import CONTINUATION, checks_to_json, run_checks
 
@@ -79,9 +85,9 @@ def verify(model: str = typer.Argument(..., help="zoo alias, model directory or 
     if as_json:
         print(json.dumps({"model": model, **result}, indent=2))
     else:
-        table = Table(title=f"verify {model}", title_justify="left")
+        table = FitTable(f"verify {model}")
         for col in ("check", "max |diff|", "tolerance", "result"):
-            table.add_column(col, justify="left" if col == "check" else "right")
+            table.add_column(col, right=col != "check")
         for c in checks:
             table.add_row(c.name + (f"  [dim]{c.detail}[/]" if c.detail else ""),
                           f"{c.max_abs_diff:.2e}", f"{c.tolerance:.1e}",
@@ -95,7 +101,7 @@ def verify(model: str = typer.Argument(..., help="zoo alias, model directory or 
 
 @app.command()
 @user_errors
-def doctor(as_json: bool = typer.Option(False, "--json")):
+def doctor(as_json: bool = typer.Option(False, "--json", help=JSON_HELP)):
     """MLX version, device, Metal kernels, measured matmul throughput and the BLAS in use."""
     from mlx_kvtrans.doctor import diagnose
 
@@ -103,7 +109,9 @@ def doctor(as_json: bool = typer.Option(False, "--json")):
     if as_json:
         print(json.dumps(report, indent=2))
         return
-    table = Table(show_header=False)
+    table = FitTable(show_header=False)
+    table.add_column()
+    table.add_column()
     for key, value in report.items():
         if key != "fix":
             table.add_row(key, str(value))

@@ -6,12 +6,12 @@ import json
 from pathlib import Path
 
 import typer
-from rich.table import Table
 
 import mlx_kvtrans
 from mlx_kvtrans.errors import KvtransError
 
-from .common import SEEDS, err, out, output_dir, positive, user_errors, zoo_app
+from .common import (SEEDS, FitTable, err, out, output_dir, positive, refuse_existing,
+                     user_errors, zoo_app)
 
 
 @zoo_app.command("random")
@@ -20,7 +20,9 @@ def zoo_random(family: str = typer.Argument(..., metavar="FAMILY",
                                             help="an mlx-lm model_type, e.g. kimi_linear"),
                out_dir: Path = typer.Argument(..., metavar="OUT_DIR",
                                               help="directory to create"),
-               seed: int = typer.Option(0, **SEEDS)):
+               seed: int = typer.Option(0, **SEEDS, help="seed of the random weights"),
+               force: bool = typer.Option(False, "--force", help="Replace OUT_DIR if it is "
+                                          "already a model directory (holds a config.json).")):
     """Write a tiny random-weight model of FAMILY (real mlx-lm classes, byte tokenizer)."""
     from mlx_kvtrans.zoo.families import FAMILIES
     from mlx_kvtrans.zoo.random_model import write_random_model
@@ -28,6 +30,9 @@ def zoo_random(family: str = typer.Argument(..., metavar="FAMILY",
     if family not in FAMILIES:
         raise KvtransError(f"unknown family {family!r}; choose one of: {', '.join(FAMILIES)}")
     output_dir("OUT_DIR", out_dir)
+    refuse_existing(out_dir, force, "OUT_DIR")
+    if out_dir.exists():  # --force: the old model goes, not a directory that never held one
+        _remove_model_directory(out_dir)
     path = write_random_model(family, out_dir, seed=seed)
     out.print(f"wrote a random {family} model to {path}")
 
@@ -57,19 +62,21 @@ def zoo_corpus(workdir: Path = typer.Option(Path("runs"), help="where sources an
 
 @zoo_app.command("train")
 @user_errors
-def zoo_train(alias: str = typer.Argument(..., help="a zoo alias (see recipes)"),
+def zoo_train(alias: str = typer.Argument(..., help="a zoo alias (see `kvtrans zoo list`)"),
               workdir: Path = typer.Option(Path("runs"), help="checkpoints, logs and corpus"),
               max_minutes: float = typer.Option(None, callback=positive,
                                                 help="stop (resumable) after this long"),
-              eval_samples: int = typer.Option(50, min=1, help="held-out needles per length")):
-    """Train ALIAS from its recipe (seeded; resumes from its checkpoint) into weights/ALIAS."""
+              eval_samples: int = typer.Option(50, min=1, help="held-out needles per length"),
+              force: bool = typer.Option(False, "--force", help="Replace weights/ALIAS (the "
+                                         "shipped model) when training ends.")):
+    """Train ALIAS from its curriculum (seeded; resumes from its checkpoint) into
+    weights/ALIAS."""
     from mlx_kvtrans.models import weights_dir
-    from mlx_kvtrans.zoo.recipes import RECIPES
     from mlx_kvtrans.zoo.train import train
 
-    if alias not in RECIPES:
-        raise KvtransError(f"no recipe for {alias!r}; recipes: {', '.join(RECIPES)}")
+    _curriculum(alias)
     output_dir("--workdir", workdir)
+    _refuse_shipped(alias, force)
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                                TimeElapsedColumn, TimeRemainingColumn)
 
@@ -92,16 +99,16 @@ def zoo_train(alias: str = typer.Argument(..., help="a zoo alias (see recipes)")
 
 @zoo_app.command("ship")
 @user_errors
-def zoo_ship(alias: str = typer.Argument(..., help="a zoo alias (see recipes)"),
+def zoo_ship(alias: str = typer.Argument(..., help="a zoo alias (see `kvtrans zoo list`)"),
              workdir: Path = typer.Option(Path("runs"), help="where `zoo train` checkpointed"),
-             samples: int = typer.Option(50, min=1, help="held-out needles per length")):
+             samples: int = typer.Option(50, min=1, help="held-out needles per length"),
+             force: bool = typer.Option(False, "--force", help="Replace weights/ALIAS (the "
+                                        "shipped model).")):
     """Ship a trained zoo model again from its checkpoint, measure it, rewrite its manifest."""
     from mlx_kvtrans.models import weights_dir
-    from mlx_kvtrans.zoo.recipes import RECIPES
     from mlx_kvtrans.zoo.train import ship
 
-    if alias not in RECIPES:
-        raise KvtransError(f"no recipe for {alias!r}; recipes: {', '.join(RECIPES)}")
+    curriculum = _curriculum(alias)
     state = workdir / alias / "state.json"
     if not state.is_file():
         raise KvtransError(f"no checkpoint of {alias} in {workdir}: train it with "
@@ -110,16 +117,17 @@ def zoo_ship(alias: str = typer.Argument(..., help="a zoo alias (see recipes)"),
         step = json.loads(state.read_text())["step"]
     except (ValueError, KeyError, TypeError):
         raise KvtransError(f"{state} is not a training checkpoint") from None
-    if step < RECIPES[alias].steps:
-        raise KvtransError(f"{alias} has trained {step} of {RECIPES[alias].steps} steps: run "
+    if step < curriculum.steps:
+        raise KvtransError(f"{alias} has trained {step} of {curriculum.steps} steps: run "
                            f"`kvtrans zoo train {alias}` to finish it first")
+    _refuse_shipped(alias, force)
     manifest = ship(alias, workdir, weights_dir(), samples)
     out.print(json.dumps({k: v for k, v in manifest.items() if k != "files"}, indent=2))
 
 
 @zoo_app.command("list")
 @user_errors
-def zoo_list(as_json: bool = typer.Option(False, "--json")):
+def zoo_list(as_json: bool = typer.Option(False, "--json", help="one JSON entry per model")):
     """The shipped models: architecture, parameters, cache objects, native figures."""
     from mlx_kvtrans.models import zoo_aliases
 
@@ -141,15 +149,51 @@ def zoo_list(as_json: bool = typer.Option(False, "--json")):
     if as_json:
         print(json.dumps(rows, indent=2))
         return
-    table = Table(title="zoo", title_justify="left")
-    for col in ("alias", "architecture", "params", "cache objects", "ppl (unigram)",
-                "needle recall @256 / 512 / 1024 / 2048"):
-        table.add_column(col)
+    # two tables rather than one too wide for 80 columns: what each model is, how well it reads
+    shape = FitTable("zoo  ·  architecture")
+    for col in ("alias", "architecture", "params", "cache objects"):
+        shape.add_column(col, right=col == "params")
+    lengths = sorted({k for r in rows for k in r["needle_recall"]}, key=int)
+    figures = FitTable("zoo  ·  held-out perplexity, needle recall @ prompt tokens")
+    for col in ("alias", "ppl", "unigram ppl", *(f"@{k}" for k in lengths)):
+        figures.add_column(col, right=col != "alias")
     for r in rows:
-        recall = " / ".join(f"{v:.2f}" for v in r["needle_recall"].values()) or "-"
-        ppl = (f"{r['held_out_perplexity']} ({r['unigram_perplexity']})"
-               if r["held_out_perplexity"] else "-")
         params = f"{r['parameters'] / 1e6:.2f}M" if r["parameters"] else "-"
-        table.add_row(r["alias"], f"{r['model_type']} ({r['family']})", params,
-                      ", ".join(r["cache_objects"]), ppl, recall)
-    out.print(table)
+        shape.add_row(r["alias"], f"{r['model_type']} ({r['family']})", params,
+                      ", ".join(r["cache_objects"]))
+        figures.add_row(r["alias"], str(r["held_out_perplexity"] or "-"),
+                        str(r["unigram_perplexity"] or "-"),
+                        *(f"{r['needle_recall'][k]:.2f}" if k in r["needle_recall"] else "-"
+                          for k in lengths))
+    out.print(shape)
+    out.print()
+    out.print(figures)
+
+
+def _curriculum(alias: str):
+    from mlx_kvtrans.zoo.curricula import CURRICULA
+
+    if alias not in CURRICULA:
+        raise KvtransError(f"no curriculum for {alias!r}; the zoo trains: {', '.join(CURRICULA)}")
+    return CURRICULA[alias]
+
+
+def _refuse_shipped(alias: str, force: bool) -> None:
+    """Training or shipping ends by rewriting weights/ALIAS: refused before any work unless
+    --force, so the shipped model is never replaced by surprise."""
+    from mlx_kvtrans.models import weights_dir
+
+    if (weights_dir() / alias).exists() and not force:
+        raise KvtransError(f"weights/{alias} already holds the shipped {alias} (pass --force to "
+                           "replace it when this ends)")
+
+
+def _remove_model_directory(path: Path) -> None:
+    """Remove a model directory `--force` replaces: one with a config.json, or empty (anything
+    else is not ours to delete)."""
+    import shutil
+
+    if not (path / "config.json").is_file() and any(path.iterdir()):
+        raise KvtransError(f"OUT_DIR {path}: not a model directory (no config.json), so --force "
+                           "does not replace it; give a new directory")
+    shutil.rmtree(path)

@@ -29,7 +29,8 @@ COMMANDS = {
     "/switch": "move the conversation to the other model (or /switch NAME)",
     "/who": "which model is answering, what each has read and what it records per token",
     "/strategy": "switching strategy: segment, naive or refresh (/strategy NAME)",
-    "/save": "save the conversation as the active model's mlx-lm prompt-cache file (/save PATH)",
+    "/save": "save the conversation as the active model's mlx-lm prompt-cache file (/save PATH; "
+             "/save --force PATH replaces a file)",
     "/help": "this list (or /help COMMAND)",
     "/quit": "leave (the transcript is already saved)",
 }
@@ -73,8 +74,8 @@ class Transcript:
         self.save()
 
     def save(self) -> None:
-        """Write atomically and readable by its owner only (it is the conversation)."""
-        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        """Write atomically and readable by its owner only (it is the conversation). Its
+        directory must exist: as for /save, a mistyped one is not created."""
         write_private(self.path, json.dumps({"models": self.models,
                                              "translators": self.translators,
                                              "events": self.events}, indent=2))
@@ -233,8 +234,9 @@ class Chat:
         self.session.strategy = name
         self.transcript.add("strategy", strategy=name)
 
-    def save(self, path: str | Path) -> Saved:
-        """The whole conversation, read by the active model, as an mlx-lm prompt-cache file."""
+    def save(self, path: str | Path, force: bool = False) -> Saved:
+        """The whole conversation, read by the active model, as an mlx-lm prompt-cache file
+        (an existing file only with `force`)."""
         from .prompt_cache import write_prompt_cache
 
         given = path
@@ -245,6 +247,9 @@ class Chat:
             raise KvtransError(f"/save {given}: {path} is a directory")
         if not path.parent.is_dir():
             raise KvtransError(f"/save {given}: no directory {path.parent}")
+        if path.exists() and not force:
+            raise KvtransError(f"/save {given}: {path} already exists (/save --force {given} "
+                               "replaces it)")
         if not self.session.tokens:
             raise KvtransError("nothing to save yet: the conversation is empty")
         line = self.session.lines[self.session.active]
@@ -301,11 +306,13 @@ class Chat:
             self.set_strategy(arg)
             return f"strategy: {arg}"
         if word == "/save":
+            force = arg == "--force" or arg.startswith("--force ")
+            arg = arg.removeprefix("--force").strip() if force else arg
             if not arg:
-                raise KvtransError("usage: /save PATH (an mlx-lm prompt-cache file)")
+                raise KvtransError("usage: /save [--force] PATH (an mlx-lm prompt-cache file)")
             import shlex
 
-            saved = self.save(arg)
+            saved = self.save(arg, force)
             return (f"saved {saved.model}'s cache of the whole conversation ({saved.tokens} "
                     f"tokens) to {saved.path}\ncontinue it in mlx-lm (put your text for "
                     f"{PLACEHOLDER}):\n  {shlex.join(saved.command)}")

@@ -303,6 +303,18 @@ CASES = {
                                         "steps"),
     "zoo ship: zero samples": (["zoo", "ship", "kimi-vl", "--samples", "0"], "--samples"),
     "zoo list: unknown option": (["zoo", "list", "--bogus"], "--bogus"),
+    # nothing already there is replaced without --force
+    "zoo random: directory exists": (["zoo", "random", "qwen3", "{dir}"], "--force"),
+    "zoo random: --force on a directory not a model's": (["zoo", "random", "qwen3",
+                                                          "{truncated}", "--force"],
+                                                         "not a model directory"),
+    "zoo train: the shipped model": (["zoo", "train", "kimi-vl", "--workdir", "{dir}"],
+                                     "--force"),
+    "chat: transcript exists": (["chat", "--transcript", "{text}"], "--force"),
+    "chat: transcript in a missing directory": (["chat", "--transcript", "{nowhere}/t.json"],
+                                                "no directory"),
+    "plan: a fit of years": (["plan", "--from", "kimi-linear", "--to", "kimi-vl", "--tokens",
+                              str(10**15)], "years"),
     # chat: the options that fail before the conversation starts
     "chat: unknown strategy": (["chat", "--strategy", "bogus"], "--strategy"),
     "chat: script missing": (["chat", "--script", "{nowhere}"], "--script"),
@@ -375,3 +387,17 @@ def test_console_script_refuses_bad_input_on_one_line(tmp_path):
         assert len(proc.stderr.strip().splitlines()) == 1, (args, proc.stderr)
         assert "Traceback" not in proc.stderr + proc.stdout
         assert "Usage:" not in proc.stderr
+
+
+def test_refused_zoo_random_leaves_the_directory_as_it_was(tmp_path):
+    """The issue's case: `zoo random` into a model directory replaced it and exited 0."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "kimi_vl"}')
+    result = CliRunner().invoke(app, ["zoo", "random", "qwen3", str(model)])
+    assert result.exit_code == 2 and "--force" in result.stderr
+    assert [p.name for p in model.iterdir()] == ["config.json"]
+    assert json.loads((model / "config.json").read_text()) == {"model_type": "kimi_vl"}
+    result = CliRunner().invoke(app, ["zoo", "random", "qwen3", str(model), "--force"])
+    assert result.exit_code == 0, result.output
+    assert json.loads((model / "config.json").read_text())["model_type"] == "qwen3"

@@ -71,7 +71,7 @@ def test_bad_commands_print_one_line_each_and_the_chat_goes_on(tmp_path):
     assert "unknown model 'nosuch'" in lines[0] and "kimi-vl" in lines[0]
     assert "unknown strategy 'bogus'" in lines[1]
     assert all(name in lines[1] for name in ("segment", "naive", "refresh"))
-    assert "unknown command /frobnicate" in lines[2] and "usage: /save PATH" in lines[3]
+    assert "unknown command /frobnicate" in lines[2] and "usage: /save" in lines[3]
     assert "Traceback" not in result.output and "internal error" not in result.output
     assert [e["text"] for e in events(tmp_path / "chat.json", "user")] == [FACT]
     assert len(events(tmp_path / "chat.json", "reply")) == 1
@@ -119,8 +119,8 @@ def test_banner_names_each_directions_translator_or_why_it_re_reads(model_dirs, 
     assert header["kimi-vl -> kimi-linear"].endswith("(stage 2)")
     # models with no shipped translator: a visible note and re-reading, not an error
     a, b = model_dirs("kimi_linear"), model_dirs("kimi_vl")
-    result = kvtrans_chat(tmp_path, "--from", a, "--to", b, "--max-tokens", 2,
-                          script=[FACT, "/switch"])
+    result = kvtrans_chat(tmp_path, "--from", a, "--to", b, "--max-tokens", 2, "--force",
+                          script=[FACT, "/switch"])  # --force: the transcript above goes
     assert result.exit_code == 0, result.output
     assert result.stdout.count("no translator shipped, so /switch that way re-reads") == 2
     assert events(tmp_path / "chat.json", "switch")[0]["status"] == "fallback_reprefill"
@@ -276,6 +276,13 @@ def test_save_refuses_what_it_cannot_write(zoo, tmp_path):
     (tmp_path / "d.safetensors").mkdir()
     with pytest.raises(KvtransError, match="is a directory"):
         chat.command(f"/save {tmp_path / 'd'}")
+    saved = tmp_path / "e.safetensors"
+    saved.write_bytes(b"kept")
+    with pytest.raises(KvtransError, match="already exists"):  # as --transcript: no surprise
+        chat.command(f"/save {tmp_path / 'e'}")
+    assert saved.read_bytes() == b"kept"
+    assert "saved" in chat.command(f"/save --force {tmp_path / 'e'}")
+    assert saved.stat().st_size > 4
 
 
 def test_save_records_an_absolute_model_path(model_dirs, tmp_path, monkeypatch):
@@ -303,3 +310,97 @@ def test_the_printed_mlx_lm_command_continues_the_conversation(zoo, tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert reply.text and reply.text in proc.stdout
+
+
+# -- a chat over the tiny kimi pair (conftest's `kimi_pair`: uncalibrated, so switches apply) --
+def tiny_session(kimi_pair, both=True) -> Session:
+    a, b, paths = kimi_pair
+    return Session({a.name: a, b.name: b}, {key: artifact.load(p) for key, p in paths.items()
+                                            if both or key == (a.name, b.name)}, active=a.name)
+
+
+def test_saved_session_cache_continues_in_mlx_lm(kimi_pair, tmp_path):
+    from mlx_kvtrans.verify import max_abs_diff
+
+    a, b, _ = kimi_pair
+    s = tiny_session(kimi_pair)
+    s.add(list(range(30, 60)))
+    list(s.generate(3))
+    s.switch(b.name)
+    chat = Chat(s, Transcript(tmp_path / "t.json", {}))
+    message = chat.command(f"/save {tmp_path / 'c.safetensors'}")
+    assert "saved" in message
+    x = mx.array([[9, 8, 7]])
+    reloaded = load_prompt_cache(str(tmp_path / "c.safetensors"))
+    assert max_abs_diff(b.model(x, cache=reloaded), b.model(x, cache=s.lines[b.name].cache)) \
+        <= 1e-5
+
+
+def test_chat_shows_what_each_model_records(kimi_pair, tmp_path):
+    a, b, _ = kimi_pair
+    s = tiny_session(kimi_pair, both=False)
+    s.add(list(range(30, 50)))
+    list(s.generate(3))
+    shown = Chat(s, Transcript(tmp_path / "t.json", {})).command("/who").splitlines()
+    assert f"records {s.lines[a.name].bytes_per_token:,.0f} bytes a token" in shown[0]
+    assert "records 0 bytes a token, holds 0.0 KiB" in shown[1]
+
+
+def chat_script(tmp_path, lines) -> Path:
+    path = tmp_path / "script.txt"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.mark.slow  # spawns subprocesses
+def test_scripted_chat_with_two_switches(kimi_pair, tmp_path):
+    a, b, paths = kimi_pair
+    script = chat_script(tmp_path, ["hello there", "/switch", "and you?", "/switch", "bye"])
+    transcript = tmp_path / "chat.json"
+    cmd = [sys.executable, "-m", "mlx_kvtrans.cli.main", "chat", "--from", a.name, "--to", b.name,
+           "--translator", str(paths[(a.name, b.name)]), "--back", str(paths[(b.name, a.name)]),
+           "--script", str(script), "--transcript", str(transcript), "--max-tokens", "6"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    chat_events = json.loads(transcript.read_text())["events"]
+    switches = [e for e in chat_events if e["kind"] == "switch"]
+    assert [e["status"] for e in switches] == ["applied", "applied"]
+    replies = [e["model"] for e in chat_events if e["kind"] == "reply"]
+    assert replies == [a.name, b.name, a.name]
+
+
+@pytest.mark.slow  # spawns subprocesses
+def test_killed_chat_keeps_its_transcript(kimi_pair, tmp_path):
+    import time
+
+    a, b, paths = kimi_pair
+    script = chat_script(tmp_path, ["turn one"] + ["another turn"] * 200)
+    transcript = tmp_path / "chat.json"
+    cmd = [sys.executable, "-m", "mlx_kvtrans.cli.main", "chat", "--from", a.name, "--to", b.name,
+           "--translator", str(paths[(a.name, b.name)]), "--script", str(script),
+           "--transcript", str(transcript), "--max-tokens", "20"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if transcript.exists() and '"reply"' in transcript.read_text():
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    chat_events = json.loads(transcript.read_text())["events"]  # complete, valid JSON
+    assert chat_events[0] == {**chat_events[0], "kind": "user", "text": "turn one"}
+    assert any(e["kind"] == "reply" for e in chat_events)
+    # Ctrl-C: exit 130, transcript saved
+    transcript = tmp_path / "chat2.json"
+    cmd[cmd.index("--transcript") + 1] = str(transcript)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (transcript.exists() and
+                                          '"reply"' in transcript.read_text()):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    code = proc.wait(timeout=60)
+    stderr = proc.stderr.read()
+    assert code == 130, stderr[-2000:]
+    assert "Traceback" not in stderr
+    assert any(e["kind"] == "reply" for e in json.loads(transcript.read_text())["events"])

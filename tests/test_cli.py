@@ -183,13 +183,71 @@ def test_verify_fails_an_install_off_by_one_percent(loaded, monkeypatch, family)
 
 
 def test_shipped_distilled_translator_is_preferred(tmp_path, monkeypatch):
-    from mlx_kvtrans.cli.common import _default_translator
+    from mlx_kvtrans.cli.common import default_translator
 
     monkeypatch.setenv("KVTRANS_WEIGHTS", str(tmp_path))
-    assert _default_translator("a", "b") is None
+    assert default_translator("a", "b") is None
     for name in ("a__b", "a__b-distilled"):
         (tmp_path / "translators" / name).mkdir(parents=True)
     (tmp_path / "translators" / "a__b" / "manifest.json").write_text("{}")
-    assert _default_translator("a", "b").name == "a__b"
+    assert default_translator("a", "b").name == "a__b"
     (tmp_path / "translators" / "a__b-distilled" / "manifest.json").write_text("{}")
-    assert _default_translator("a", "b").name == "a__b-distilled"
+    assert default_translator("a", "b").name == "a__b-distilled"
+
+
+# -- help and tables a person reads ---------------------------------------------------------------
+def _commands(command, path=("kvtrans",)):
+    import typer.main
+
+    command = typer.main.get_command(command) if not hasattr(command, "params") else command
+    for name, sub in (getattr(command, "commands", None) or {}).items():
+        yield from _commands(sub, (*path, name))
+    if not getattr(command, "commands", None):
+        yield " ".join(path), command
+
+
+def test_every_option_and_argument_of_every_command_has_help():
+    missing = [f"{path} {'/'.join(p.opts)}" for path, command in _commands(app)
+               for p in command.params if not (getattr(p, "help", None) or "").strip()]
+    assert len(list(_commands(app))) > 15
+    assert not missing, missing
+
+
+def _kvtrans_at(columns: int, *args) -> str:
+    """`kvtrans ARGS` piped (stdout not a terminal), as a person's COLUMNS sets it."""
+    script = Path(sys.executable).parent / "kvtrans"
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "mlx_kvtrans.cli.main"]
+    proc = subprocess.run([*cmd, *map(str, args)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "COLUMNS": str(columns)})
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_inspect_fits_80_columns_and_cuts_no_cell(model_dirs, family):
+    shown = _kvtrans_at(80, "inspect", model_dirs(family))
+    assert "…" not in shown and "..." not in shown
+    assert max(map(len, shown.splitlines())) <= 80
+    layout = kv_load(str(model_dirs(family))).model
+    from mlx_kvtrans import layout_of
+
+    for layer in layout_of(layout).layers:  # every object's name and kind, whole
+        for obj in layer.objects:
+            assert obj.name in shown.split() and obj.kind.value in shown.split()
+
+
+def test_piped_tables_follow_columns(model_dirs):
+    for columns in (60, 120):
+        shown = _kvtrans_at(columns, "inspect", model_dirs("kimi_linear"))
+        assert max(map(len, shown.splitlines())) <= columns
+        assert "…" not in shown
+
+
+def test_help_lists_every_command_with_its_whole_summary():
+    shown = _kvtrans_at(80, "--help")
+    commands = shown[shown.index("Commands:"):]
+    assert "…" not in commands and "..." not in commands
+    assert max(map(len, shown.splitlines())) <= 80
+    # a summary sentence ends on its full stop, however it wraps
+    assert "Show every cache object of every layer: kind, shape, rotation,\n" \
+           "             capture points, bytes." in shown

@@ -87,3 +87,33 @@ def test_a_fit_that_would_not_fit_is_refused_before_any_work(monkeypatch, tmp_pa
                                       str(tmp_path / "nothing.txt")])
     assert result.exit_code == 2 and "would need about" in result.output
     assert not (tmp_path / "tr").exists()
+
+
+def test_durations_read_in_human_units():
+    from mlx_kvtrans.translators.cost import format_duration
+
+    assert [format_duration(x) for x in (7.5, 100, 3 * 3600, 10 * 86400, 1.5e12)] == \
+        ["8 s", "1.7 min", "3.0 h", "10 days", "47,565 years"]
+
+
+def test_projected_fit_time_is_within_2x_of_the_fit(model_dirs, tmp_path):
+    """The issue's case: the matmul rate projected a fit at 7.5 s that took 44-100 s. The
+    projection times both models briefly; here it is checked against a whole small fit, gate
+    calibration included, run right after it."""
+    import time
+
+    from mlx_kvtrans.fit_time import fit_time
+    from mlx_kvtrans.workflows import fit_translator, plan_and_cost
+
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(f"word{i % 97} and {i % 13}." for i in range(6000)))
+    config = FitConfig(windows=16, length=64)
+    src, tgt = load_config_only(str(model_dirs("kimi_linear"))), \
+        load_config_only(str(model_dirs("kimi_vl")))
+    _, cost_ = plan_and_cost(src, tgt, config)
+    projected = fit_time(src, tgt, cost_, config, gate_windows=4)
+    start = time.perf_counter()
+    fit_translator(str(model_dirs("kimi_linear")), str(model_dirs("kimi_vl")), [text], config,
+                   validation=text, gate_windows=4)
+    took = time.perf_counter() - start
+    assert projected.measured and 0.5 < projected.seconds / took < 2.0, (projected, took)

@@ -96,17 +96,18 @@ ALIASES = sorted(a for a in zoo_aliases() if (weights_dir() / a / "manifest.json
 
 
 @pytest.mark.parametrize("alias", ALIASES)
-def test_each_shipped_model_is_its_recipe_and_its_seed_ships(alias):
-    """`kvtrans zoo train ALIAS` on a fresh clone runs the recipe that made the shipped model,
-    from weights that ship."""
-    from mlx_kvtrans.zoo.recipes import RECIPES
+def test_each_shipped_model_is_its_curriculum_and_its_seed_ships(alias):
+    """`kvtrans zoo train ALIAS` on a fresh clone runs the curriculum that made the shipped
+    model, from weights that ship."""
+    from mlx_kvtrans.zoo.curricula import CURRICULA, recorded_curriculum
 
-    recorded = json.loads((weights_dir() / alias / "manifest.json").read_text())["recipe"]
-    recipe = RECIPES[alias].to_json()
-    newer = {k: v for k, v in recipe.items() if k not in recorded}  # fields added since, unset
+    recorded = recorded_curriculum(json.loads((weights_dir() / alias / "manifest.json")
+                                              .read_text()))
+    curriculum = CURRICULA[alias].to_json()
+    newer = {k: v for k, v in curriculum.items() if k not in recorded}  # fields added since
     assert all(v in ([], None) for v in newer.values()), newer
-    assert recorded == {k: v for k, v in recipe.items() if k in recorded}
-    if seed := RECIPES[alias].init_from:
+    assert recorded == {k: v for k, v in curriculum.items() if k in recorded}
+    if seed := CURRICULA[alias].init_from:
         assert (weights_dir() / seed / "model.safetensors").is_file()
 
 
@@ -234,12 +235,12 @@ def test_reference_gate_init_gives_decays_near_one():
 def test_a_restart_keeps_the_first_stage_and_restarts_the_rate():
     from dataclasses import replace
 
-    from mlx_kvtrans.zoo.recipes import Recipe
+    from mlx_kvtrans.zoo.curricula import Curriculum
     from mlx_kvtrans.zoo.train import _schedule
 
-    staged = Recipe("r", "qwen3", "", {}, seed=0, steps=900, batch=2, length=1024,
-                    decay_share=0.0, restart=(600, 3e-4), length_schedule=((200, 16), (1 << 30, 4)),
-                    long_steps=((600, 8, 1),))
+    staged = Curriculum("r", "qwen3", "", {}, seed=0, steps=900, batch=2, length=1024,
+                        decay_share=0.0, restart=(600, 3e-4),
+                        length_schedule=((200, 16), (1 << 30, 4)), long_steps=((600, 8, 1),))
     at, rate = staged.restart
     one_stage = replace(staged, steps=at, restart=None)
     first, whole = _schedule(one_stage), _schedule(staged)
@@ -253,13 +254,13 @@ def test_a_restart_keeps_the_first_stage_and_restarts_the_rate():
 
 
 def test_long_rows_come_now_and_then_at_the_same_tokens_a_step():
-    from mlx_kvtrans.zoo.recipes import Recipe
+    from mlx_kvtrans.zoo.curricula import Curriculum
 
-    recipe = Recipe("r", "qwen3", "", {}, seed=0, steps=100, batch=2, length=1024,
-                    length_schedule=((1 << 30, 4),), long_steps=((40, 8, 1), (40, 4, 2)))
-    shapes = [recipe.shape_at(s) for s in range(100)]
+    curriculum = Curriculum("r", "qwen3", "", {}, seed=0, steps=100, batch=2, length=1024,
+                            length_schedule=((1 << 30, 4),), long_steps=((40, 8, 1), (40, 4, 2)))
+    shapes = [curriculum.shape_at(s) for s in range(100)]
     assert set(shapes[:40]) == {(8, 256)}
     assert [shapes[s] for s in range(40, 56)] == [
         (2, 1024), (8, 256), (8, 256), (8, 256), (4, 512), (8, 256), (8, 256), (8, 256)] * 2
     assert {b * n for b, n in shapes} == {2048}
-    assert recipe.to_json()["long_steps"] == [[40, 8, 1], [40, 4, 2]]
+    assert curriculum.to_json()["long_steps"] == [[40, 8, 1], [40, 4, 2]]

@@ -228,3 +228,14 @@ ALTERNATIVES = ({"features": "nearest", "nu": 2}, {"features": "nearest", "nu": 
 
 def gib(n: float) -> str:
     return f"{n / 2**30:.1f} GiB"
+
+
+def format_duration(seconds: float) -> str:
+    """A duration as a person reads it: 45 s, 12 min, 3.5 h, 12 days, 3 years."""
+    for unit, size, limit in (("s", 1, 90), ("min", 60, 90 * 60), ("h", 3600, 48 * 3600),
+                              ("days", 86400, 2 * 365 * 86400)):
+        if seconds < limit:
+            value = seconds / size
+            return f"{value:.0f} {unit}" if value >= 10 or unit == "s" else f"{value:.1f} {unit}"
+    return f"{seconds / (365 * 86400):,.0f} years"
+

@@ -1,4 +1,4 @@
-"""Train a zoo model from its recipe, with checkpoints that resume where they stopped.
+"""Train a zoo model from its curriculum, with checkpoints that resume where they stopped.
 
 Float32 on the CPU (bf16 is ~8x slower there). Linear-attention families train with the
 chunkwise-parallel recurrence (`mlx_kvtrans.gated_delta`); the saved models are plain mlx-lm
@@ -29,7 +29,7 @@ from ..layouts.indexer import indexer_keys, indexer_scores
 from .corpus import HELD_OUT, build_corpus, check_against
 from .data import SampleMaker, TokenStream, make_batch, needle_filler
 from .gates import reference_gate_init
-from .recipes import RECIPES, VOCAB, Recipe
+from .curricula import CURRICULA, VOCAB, Curriculum
 from .tokenizer import save_tokenizer, special_token_ids, train_bpe
 
 RECURRENT = ("qwen3_5", "qwen3_next", "kimi_linear")
@@ -116,10 +116,10 @@ PROBE_LONG_EVERY = 500
 PROBE_SEED = HELD_OUT_SEED + 500_000
 
 
-def build_config(recipe: Recipe, tok, weights: Path) -> dict:
-    if recipe.init_from and not recipe.config:  # the same architecture, trained on
-        return json.loads((weights / recipe.init_from / "config.json").read_text())
-    config = json.loads(json.dumps(recipe.config))
+def build_config(curriculum: Curriculum, tok, weights: Path) -> dict:
+    if curriculum.init_from and not curriculum.config:  # the same architecture, trained on
+        return json.loads((weights / curriculum.init_from / "config.json").read_text())
+    config = json.loads(json.dumps(curriculum.config))
     target = config.get("text_config", config)
     target["vocab_size"] = tok.get_vocab_size()
     target.update(special_token_ids(tok))
@@ -149,30 +149,30 @@ def load_initial_weights(model, directory: Path, log=print) -> None:
         log(f"initialised from {directory.name}; fresh: {len(fresh)} indexer tensors")
 
 
-def _schedule(recipe: Recipe):
+def _schedule(c: Curriculum):
     """Warm-up, then the full rate, then (the last `decay_share` of steps) cosine to a tenth.
 
     Recall can take thousands of steps to appear (full MLA: suddenly, after ~2,400), so the rate
     is held rather than decayed from the start."""
-    warm = optim.linear_schedule(1e-7, recipe.lr, recipe.warmup)
-    if recipe.restart:
-        if recipe.decay_share:
-            raise ValueError(f"{recipe.alias}: a restart follows a cosine stage (decay_share 0)")
-        at, rate = recipe.restart
-        first = optim.cosine_decay(recipe.lr, max(1, at - recipe.warmup), recipe.lr * 0.1)
-        ramp = optim.linear_schedule(recipe.lr * 0.1, rate, recipe.warmup)
-        second = optim.cosine_decay(rate, max(1, recipe.steps - at - recipe.warmup), rate * 0.1)
+    warm = optim.linear_schedule(1e-7, c.lr, c.warmup)
+    if c.restart:
+        if c.decay_share:
+            raise ValueError(f"{c.alias}: a restart follows a cosine stage (decay_share 0)")
+        at, rate = c.restart
+        first = optim.cosine_decay(c.lr, max(1, at - c.warmup), c.lr * 0.1)
+        ramp = optim.linear_schedule(c.lr * 0.1, rate, c.warmup)
+        second = optim.cosine_decay(rate, max(1, c.steps - at - c.warmup), rate * 0.1)
         return optim.join_schedules([warm, first, ramp, second],
-                                    [recipe.warmup, at, at + recipe.warmup])
-    if not recipe.decay_share:
-        decay = optim.cosine_decay(recipe.lr, max(1, recipe.steps - recipe.warmup),
-                                   recipe.lr * 0.1)
-        return optim.join_schedules([warm, decay], [recipe.warmup])
-    decay_steps = max(1, int(recipe.decay_share * recipe.steps))
-    hold = max(recipe.warmup + 1, recipe.steps - decay_steps)
+                                    [c.warmup, at, at + c.warmup])
+    if not c.decay_share:
+        decay = optim.cosine_decay(c.lr, max(1, c.steps - c.warmup),
+                                   c.lr * 0.1)
+        return optim.join_schedules([warm, decay], [c.warmup])
+    decay_steps = max(1, int(c.decay_share * c.steps))
+    hold = max(c.warmup + 1, c.steps - decay_steps)
     return optim.join_schedules(
-        [warm, lambda _: recipe.lr, optim.cosine_decay(recipe.lr, decay_steps, recipe.lr * 0.1)],
-        [recipe.warmup, hold])
+        [warm, lambda _: c.lr, optim.cosine_decay(c.lr, decay_steps, c.lr * 0.1)],
+        [c.warmup, hold])
 
 
 def train(alias: str, workdir: Path, weights: Path, log=print, eval_samples: int = 50,
@@ -184,24 +184,24 @@ def train(alias: str, workdir: Path, weights: Path, log=print, eval_samples: int
     """
     from mlx_lm.utils import _get_classes
 
-    recipe = RECIPES[alias]
-    mx.random.seed(recipe.seed)
+    curriculum = CURRICULA[alias]
+    mx.random.seed(curriculum.seed)
     corpus = ensure_corpus(workdir, progress=log)
     tok = ensure_tokenizer(weights, corpus)
     stream = TokenStream(corpus, "train", tok)
     maker = SampleMaker(tok, needle_filler(corpus))
-    config = build_config(recipe, tok, weights)
+    config = build_config(curriculum, tok, weights)
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
-    if recipe.init_from:
-        load_initial_weights(model, weights / recipe.init_from, log)
-    elif recipe.gate_init == "reference":
-        reference_gate_init(model, mx.random.key(recipe.seed))
+    if curriculum.init_from:
+        load_initial_weights(model, weights / curriculum.init_from, log)
+    elif curriculum.gate_init == "reference":
+        reference_gate_init(model, mx.random.key(curriculum.seed))
     model.train()
 
     run = workdir / alias
     run.mkdir(parents=True, exist_ok=True)
-    optimizer = optim.AdamW(learning_rate=_schedule(recipe), weight_decay=0.01)
+    optimizer = optim.AdamW(learning_rate=_schedule(curriculum), weight_decay=0.01)
     state = {"step": 0, "seconds": 0.0, "tokens": 0}
     if (run / "state.json").exists():
         state = json.loads((run / "state.json").read_text())
@@ -215,7 +215,7 @@ def train(alias: str, workdir: Path, weights: Path, log=print, eval_samples: int
     def encode(text):
         return tok.encode(text).ids
 
-    dsa = recipe.family in ("deepseek_v32", "glm_moe_dsa")
+    dsa = curriculum.family in ("deepseek_v32", "glm_moe_dsa")
     top_k = [layer.self_attn.indexer.index_topk for layer in model.layers] if dsa else []
 
     def loss_fn(model, tokens, weights_):
@@ -230,7 +230,8 @@ def train(alias: str, workdir: Path, weights: Path, log=print, eval_samples: int
             return loss, (ce.mean(), mx.array(0.0))
 
     step_fn = nn.value_and_grad(model, loss_fn)
-    recurrence = chunked_recurrence() if recipe.family in RECURRENT else contextlib.nullcontext()
+    recurrence = (chunked_recurrence() if curriculum.family in RECURRENT
+                  else contextlib.nullcontext())
     started = time.perf_counter() - state["seconds"]
     last_save = time.perf_counter()
 
@@ -242,15 +243,15 @@ def train(alias: str, workdir: Path, weights: Path, log=print, eval_samples: int
         (run / "state.json").write_text(json.dumps(state))
 
     with recurrence, open(run / "log.jsonl", "a") as logf:
-        while state["step"] < recipe.steps:
+        while state["step"] < curriculum.steps:
             step = state["step"]
             if dsa:  # dense attention while the indexer learns, then sparse
-                dense = step < recipe.dense_warmup * recipe.steps
+                dense = step < curriculum.dense_warmup * curriculum.steps
                 for layer, k in zip(model.layers, top_k):
                     layer.self_attn.indexer.index_topk = 1 << 30 if dense else k
-            batch, length = recipe.shape_at(step)
-            tokens, weights_ = make_batch(step, recipe.seed, batch, length, stream, maker,
-                                          recipe.mix)
+            batch, length = curriculum.shape_at(step)
+            tokens, weights_ = make_batch(step, curriculum.seed, batch, length, stream, maker,
+                                          curriculum.mix)
             (loss, (ce, aux)), grads = step_fn(model, mx.array(tokens), mx.array(weights_))
             optimizer.update(model, grads)
             mx.eval(model.parameters(), optimizer.state, loss)
@@ -261,27 +262,27 @@ def train(alias: str, workdir: Path, weights: Path, log=print, eval_samples: int
             if state["step"] % PROBE_EVERY == 0:  # copying shows in the digit loss first
                 record["probe"] = {}
                 lengths = list(NEEDLE_LENGTHS[:2])
-                if state["step"] % PROBE_LONG_EVERY == 0 and recipe.length not in lengths:
-                    lengths.append(recipe.length)
+                if state["step"] % PROBE_LONG_EVERY == 0 and curriculum.length not in lengths:
+                    lengths.append(curriculum.length)
                 for n in lengths:
                     recall, digit_nll = needle_scores(model, encode, n, samples=16,
                                                       filler=probe_filler, seed=PROBE_SEED)
                     record["probe"][str(n)] = {"recall": recall, "digit_nll": digit_nll}
             logf.write(json.dumps(record) + "\n")
             if on_step:
-                on_step(state["step"], recipe.steps, record)
-            if state["step"] % 25 == 0 or state["step"] == recipe.steps:
+                on_step(state["step"], curriculum.steps, record)
+            if state["step"] % 25 == 0 or state["step"] == curriculum.steps:
                 logf.flush()
                 probe = "".join(f" needle@{n} {p['recall']:.2f} ({p['digit_nll']:.2f})"
                                 for n, p in record.get("probe", {}).items())
-                log(f"{alias} step {state['step']}/{recipe.steps} loss {record['loss']:.3f} "
+                log(f"{alias} step {state['step']}/{curriculum.steps} loss {record['loss']:.3f} "
                     f"ce {record['ce']:.3f} kl {record['indexer_kl']:.3f}{probe} "
                     f"{record['seconds'] / 60:.1f} min")
-            if time.perf_counter() - last_save > 120 or state["step"] == recipe.steps:
+            if time.perf_counter() - last_save > 120 or state["step"] == curriculum.steps:
                 save_checkpoint()
                 last_save = time.perf_counter()
             if max_minutes and time.perf_counter() - started > max_minutes * 60 \
-                    and state["step"] < recipe.steps:
+                    and state["step"] < curriculum.steps:
                 save_checkpoint()
                 return None
     return ship(alias, workdir, weights, eval_samples)
@@ -297,14 +298,14 @@ def ship(alias: str, workdir: Path, weights: Path, samples: int = 50) -> dict:
 
     from ..models import cast_parameters, load
 
-    recipe = RECIPES[alias]
+    curriculum = CURRICULA[alias]
     run = workdir / alias
     state = json.loads((run / "state.json").read_text())
-    if state["step"] < recipe.steps:
-        raise RuntimeError(f"{alias} has trained {state['step']} of {recipe.steps} steps")
+    if state["step"] < curriculum.steps:
+        raise RuntimeError(f"{alias} has trained {state['step']} of {curriculum.steps} steps")
     corpus = ensure_corpus(workdir)
     tok = ensure_tokenizer(weights, corpus)
-    config = build_config(recipe, tok, weights)
+    config = build_config(curriculum, tok, weights)
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
     model.load_weights(str(run / "model.safetensors"))
@@ -328,27 +329,27 @@ def ship(alias: str, workdir: Path, weights: Path, samples: int = 50) -> dict:
 
 
 def evaluate_and_describe(alias, model, tok, corpus, stream, state, samples) -> dict:
-    recipe = RECIPES[alias]
+    curriculum = CURRICULA[alias]
     val = TokenStream(corpus, "validation", tok)
-    ppl = perplexity(model, val.ids, recipe.length)
+    ppl = perplexity(model, val.ids, curriculum.length)
     uni = unigram_perplexity(stream.ids, val.ids, tok.get_vocab_size())
     recall = needle_recall(model, lambda s: tok.encode(s).ids, NEEDLE_LENGTHS, samples=samples)
     return {
         "alias": alias,
-        "model_type": recipe.family,
-        "role": recipe.role,
+        "model_type": curriculum.family,
+        "role": curriculum.role,
         "parameters": sum(v.size for _, v in tree_flatten(model.parameters())),
-        "recipe": recipe.to_json(),
+        "curriculum": curriculum.to_json(),
         "tokens_seen": state["tokens"],
         "training_minutes": round(state["seconds"] / 60, 1),
         "held_out_perplexity": round(ppl, 2),
         "unigram_perplexity": round(uni, 2),
         "needle_recall": {str(k): v for k, v in recall.items()},
         "needle_samples": samples,
-        "longest_training_prompt": recipe.length,
+        "longest_training_prompt": curriculum.length,
         "corpus": json.loads((corpus / "corpus.json").read_text())["splits"]["train"]["sha256"],
         **({"state_ablation": state_ablation(model, tok, val.ids)}
-           if recipe.family in RECURRENT else {}),
+           if curriculum.family in RECURRENT else {}),
     }
 
 

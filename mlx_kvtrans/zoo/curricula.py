@@ -1,6 +1,7 @@
-"""The recipe of every zoo model: architecture, seed, data mix and schedule.
+"""The curriculum of every zoo model: architecture, seed, data mix and schedule.
 
-`kvtrans zoo train ALIAS` reproduces a model from its recipe. Sizes follow what trains in under
+(A "recipe" is how a translator builds a target object; a zoo model is trained from a
+"curriculum".) `kvtrans zoo train ALIAS` reproduces a model from its curriculum. Sizes follow what trains in under
 an hour on a 2-core CPU (float32): hidden 128-192, 4-6 layers, tied embeddings, 4K vocabulary.
 """
 
@@ -18,7 +19,7 @@ _MLA = dict(num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=64, q_lor
 
 
 @dataclass
-class Recipe:
+class Curriculum:
     alias: str
     family: str  # mlx-lm model_type
     role: str
@@ -82,7 +83,7 @@ def _base(hidden, layers, **extra):
 
 # q and k are RMS-normed per head in qwen3 / qwen3_5 attention, so a head's sharpest attention
 # grows with sqrt(head_dim): 64 rather than 32 lets a copying head single out one token of 256.
-RECIPES = {r.alias: r for r in [
+CURRICULA = {c.alias: c for c in [
     # The first model (32 rows of 64 tokens, then 16 x 128, then 8 x 256; 2,500 steps, 37 min on
     # the corpus's first build) recalled 0.94 / 0.48 at 256 / 512. Rows of 512 and 1,024 for its
     # last 500 steps undid copying (0.60 / 0.52 / 0.30 at 256 / 512 / 1,024), and its rows on the
@@ -90,9 +91,9 @@ RECIPES = {r.alias: r for r in [
     # (recall 0.46 / 0.32 after 2,500 steps, 43.7 min). So, as kimi-vl, zoo v2's qwen3-small
     # continues the first model with long rows mixed in: 500 steps of rows of 256 with one step
     # in eight of 1,024 and one in four of 512 recalled 0.98 / 0.82 (8.1 min; shipped as
-    # weights/seeds/qwen3-small-2, its manifest holding that recipe), and 500 more from it with
+    # weights/seeds/qwen3-small-2, its manifest holding that curriculum), and 500 more from it with
     # every second step of 512 reach the bar.
-    Recipe("qwen3-small", "qwen3", "GQA pair, smaller (KV-Lingo's Qwen3-4B side)", {},
+    Curriculum("qwen3-small", "qwen3", "GQA pair, smaller (KV-Lingo's Qwen3-4B side)", {},
            seed=11, steps=500, batch=2, length=1024, lr=3e-4, warmup=50, decay_share=0.0,
            init_from="seeds/qwen3-small-2", length_schedule=((1 << 30, 4),),
            long_steps=((0, 8, 1), (0, 2, 2))),
@@ -103,7 +104,7 @@ RECIPES = {r.alias: r for r in [
     # after 3,200 steps (56.9 min, lr 1e-3 held to step 2,560, on the corpus's first build;
     # shipped as weights/seeds/qwen3-large-1). Zoo v2's continues it on the recorded corpus as
     # qwen3-small's second continuation.
-    Recipe("qwen3-large", "qwen3", "GQA pair, larger (KV-Lingo's Qwen3-8B side)", {},
+    Curriculum("qwen3-large", "qwen3", "GQA pair, larger (KV-Lingo's Qwen3-8B side)", {},
            seed=12, steps=500, batch=2, length=1024, lr=3e-4, warmup=50, decay_share=0.0,
            init_from="seeds/qwen3-large-1", length_schedule=((1 << 30, 4),),
            long_steps=((0, 8, 1), (0, 2, 2))),
@@ -115,14 +116,14 @@ RECIPES = {r.alias: r for r in [
     # recall 0.12 at 256; 0.12 / 0.12 after 500 more steps with long rows, 50 min). So zoo v2's
     # kimi-vl continues the first model (shipped as weights/seeds/kimi-vl-1) on the recorded
     # corpus: rows of 256 with one step in eight of 1,024 tokens and one in eight of 512.
-    Recipe("kimi-vl", "kimi_vl", "full MLA with RoPE'd rope key (Pair A)", {},
+    Curriculum("kimi-vl", "kimi_vl", "full MLA with RoPE'd rope key (Pair A)", {},
            seed=13, steps=500, batch=2, length=1024, lr=3e-4, warmup=50, decay_share=0.0,
            init_from="seeds/kimi-vl-1", length_schedule=((1 << 30, 4),),
            long_steps=((0, 8, 1), (0, 4, 2))),
     # The reference gates (the first model, trained from mlx-lm's, kept a KDA state that
     # zeroing cost 0.003 nats/token): 30.1 min, recall 1.00 / 0.96 / 0.62 / 0.34 at 1x-8x, and
     # zeroing its states costs 61% of the no-cache KL at 1,024 (recall 0.40 -> 0.00).
-    Recipe("kimi-linear", "kimi_linear", "MLA without RoPE + KDA (Pair A)",
+    Curriculum("kimi-linear", "kimi_linear", "MLA without RoPE + KDA (Pair A)",
            dict(model_type="kimi_linear", **_base(128, 6), num_attention_heads=4,
                 num_key_value_heads=4, head_dim=32, kv_lora_rank=64, qk_nope_head_dim=32,
                 qk_rope_head_dim=16, v_head_dim=32, mla_use_nope=True, rope_theta=10000.0,
@@ -130,7 +131,7 @@ RECIPES = {r.alias: r for r in [
                 linear_attn_config={"kda_layers": [1, 2, 4, 5], "full_attn_layers": [3, 6],
                                     "num_heads": 4, "head_dim": 32, "short_conv_kernel_size": 4}),
            seed=14, steps=1200, length_schedule=((540, 4), (900, 2)), gate_init="reference"),
-    Recipe("qwen3.5-a", "qwen3_5", "GQA + Gated DeltaNet hybrid (Pair B, Pair C source)",
+    Curriculum("qwen3.5-a", "qwen3_5", "GQA + Gated DeltaNet hybrid (Pair B, Pair C source)",
            dict(model_type="qwen3_5", **_base(128, 4), num_attention_heads=4,
                 num_key_value_heads=2, head_dim=64, linear_num_value_heads=4,
                 linear_num_key_heads=2, linear_key_head_dim=32, linear_value_head_dim=32,
@@ -138,16 +139,22 @@ RECIPES = {r.alias: r for r in [
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                  "partial_rotary_factor": 0.25}),
            seed=15, steps=1300, length_schedule=((600, 4), (1000, 2)), gate_init="reference"),
-    Recipe("qwen3.5-b", "qwen3_5", "same geometry, next generation: qwen3.5-a trained on (Pair B)",
+    Curriculum("qwen3.5-b", "qwen3_5", "same geometry, next generation: qwen3.5-a trained on (Pair B)",
            {}, seed=16, steps=600, lr=5e-4, warmup=50, init_from="qwen3.5-a",
            mix=Mix(text=0.35, needle=0.3, kv=0.1, dialogue=0.2, copy=0.05, digits=0.05)),
     # Full MLA learns recall late (kimi-vl: after ~2,400 steps); trained from scratch with a
     # sparse phase, 3,200 steps (56 min) reached recall 0.18. So, as DeepSeek-V3.2 was continued
     # from V3.1, dsa continues kimi-vl (same MLA geometry) with an indexer that starts fresh.
-    Recipe("dsa", "deepseek_v32", "MLA + sparse indexer (Pair C target), continued from kimi-vl",
+    Curriculum("dsa", "deepseek_v32", "MLA + sparse indexer (Pair C target), continued from kimi-vl",
            dict(model_type="deepseek_v32", **_base(128, 4), **_MLA, first_k_dense_replace=4,
                 index_head_dim=32, index_n_heads=2, index_topk=64),
            seed=17, steps=800, batch=2, length=1024, lr=5e-4, warmup=50, init_from="kimi-vl",
            dense_warmup=0.25, length_schedule=((1 << 30, 4),),
            long_steps=((0, 8, 1), (0, 4, 2))),
 ]}
+
+
+def recorded_curriculum(manifest: dict) -> dict:
+    """The curriculum a zoo model's manifest records. Manifests written before the rename keep
+    it under "recipe"; the shipped ones are hashed, so they are read as they are."""
+    return manifest["curriculum"] if "curriculum" in manifest else manifest["recipe"]
