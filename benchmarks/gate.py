@@ -1,7 +1,7 @@
 """The fidelity gate: how often it fires on faulty translations (catch rate) and on good ones
 (false alarms), per shipped pair.
 
-Every window is a `Session` switch (`gate.window_switch`): the source reads a prefix (kind
+Every window is a `Session` switch (`calibrate.window_switch`): the source reads a prefix (kind
 "read") or reads it and writes a reply (kind "generated"), then hands over. Beside each verdict,
 what the fault really cost: the damage, the target's NLL on the tail from the translated cache
 minus its NLL reading the whole window itself (nats/token).
@@ -34,14 +34,14 @@ import mlx_kvtrans as kv  # first: fast BLAS
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from mlx_kvtrans import gate
+from mlx_kvtrans import calibrate, gate
 from mlx_kvtrans.layouts.linear_attention import RecurrentInputs
 from mlx_kvtrans.models import weights_dir, zoo_aliases
 from mlx_kvtrans.translators import artifact
 
 OUT = Path(__file__).resolve().parent / "results"
 NOISE = (0.1, 0.3, 1.0, 3.0, 10.0)
-PREFIX = (gate.BANDS[0][0], gate.BANDS[-1][1])  # the calibrated prefixes
+PREFIX = (calibrate.BANDS[0][0], calibrate.BANDS[-1][1])  # the calibrated prefixes
 LONG = (768, 1024)  # past them
 
 
@@ -119,7 +119,7 @@ def run_case(translator, src, tgt, token_ids, windows: int, prefix, seed: int) -
             length = rng.randint(*prefix)
             begin = rng.randrange(0, len(token_ids) - length - gate.GATE_TOKENS - 2)
             window = token_ids[begin:begin + length + gate.GATE_TOKENS + 2]
-            session = gate.window_switch(translator, src, tgt, window, length, kind)
+            session = calibrate.window_switch(translator, src, tgt, window, length, kind)
             status = session.switches[-1]
             rows.append({"gate": status.gate, "gap": status.gate_gap,
                          "threshold": status.gate_threshold, "status": status.status,
@@ -236,7 +236,7 @@ def markdown(result: dict) -> str:
         "## False alarms on held-out text (test split)",
         "",
         "| translator | thresholds read / generated, per band of prefixes "
-        f"({', '.join(f'{lo}-{hi}' for lo, hi in gate.BANDS)}) | "
+        f"({', '.join(f'{lo}-{hi}' for lo, hi in calibrate.BANDS)}) | "
         f"prefixes {PREFIX[0]}-{PREFIX[1]} | "
         f"prefixes {LONG[0]}-{LONG[1]} | gate ms (median) |",
         "|---|---|---|---|---|",

@@ -29,9 +29,8 @@ import mlx_kvtrans as kv  # first: fast BLAS
 import mlx.core as mx
 
 from mlx_kvtrans.blas import blas_report
-from mlx_kvtrans.evaluation.needles import (held_out_filler, needle_prompt_tokens, needle_recall,
-                                            needle_rows)
-from mlx_kvtrans.gate import calibrate
+from mlx_kvtrans.calibrate import calibrate
+from mlx_kvtrans.evaluation.needles import held_out_filler, needle_prompt_tokens, needle_recall
 from mlx_kvtrans.models import weights_dir
 from mlx_kvtrans.translators import artifact
 from mlx_kvtrans.translators.distill import DistillConfig, Distiller, start_fingerprint
@@ -39,7 +38,8 @@ from mlx_kvtrans.translators.fidelity import fidelity, indexer_selection
 from mlx_kvtrans.translators.fit import FitConfig, fit, token_windows
 from mlx_kvtrans.translators.token_identity import codebook_of
 from mlx_kvtrans.translators.translator import translate_cache
-from mlx_kvtrans.zoo.corpus import read_split, sentences
+from mlx_kvtrans.workflows import training_needles as needles_from
+from mlx_kvtrans.zoo.corpus import read_split
 
 ROOT = Path(__file__).resolve().parent
 OUT_JSON, OUT_MD = ROOT / "results" / "translators.json", ROOT / "results" / "translators.md"
@@ -109,8 +109,7 @@ def codebook_for(src, token_identity):
 
 
 def training_needles(src, length: int) -> list[list[int]]:
-    filler = sentences(read_split("runs/corpus", "train"), limit=20_000)
-    return needle_rows(src.tokenizer.encode, filler, length)
+    return needles_from(src.tokenizer.encode, read_split("runs/corpus", "train"), length)
 
 
 def fit_variant(src, tgt, plan_options, fit_options, train_ids, codebook):

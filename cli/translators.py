@@ -1,23 +1,37 @@
-"""`kvtrans plan`, `fit`, `distill`: what a translator costs, stage 1 in closed form, stage 2 by
-KL distillation."""
+"""`kvtrans plan`, `fit`, `calibrate`, `distill`: what a translator costs, stage 1 in closed
+form, its fidelity gate, stage 2 by KL distillation. Each parses its options, makes one call
+into `mlx_kvtrans.workflows` (or `calibrate`) and prints what came back."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
 import typer
 from rich.table import Table
 
-import mlx_kvtrans
+from mlx_kvtrans.calibrate import WINDOWS
 from mlx_kvtrans.errors import KvtransError
-from mlx_kvtrans.gate import WINDOWS
 from mlx_kvtrans.translators.fit import FitConfig
 
-from .common import (DISTILL, FIT, SEEDS, DistillConfig, Limit, _load_translator_pair,
-                     _same_tokenizer, app, finite, in_range, key_values, model_configs, out,
-                     output_dir, position_limit, positive, read_texts, text_file, text_files,
-                     token_ids, translator_models, user_errors)
+from .common import (DISTILL, FIT, FORCE_HELP, SEEDS, DistillConfig, Limit, app, err, finite,
+                     in_range, key_values, model_configs, out, output_dir, position_limit,
+                     positive, refuse_existing, text_file, text_files, translator_models,
+                     user_errors)
+
+# help shared by `plan` and `fit`
+CAPTURE_HELP = ("capture point of the source features and target objects: 1 raw (pre-norm, "
+                "un-rotated), 2 post-norm, 3 the engine's cache")
+NU_HELP = "source layers each target layer's maps read"
+FEATURES_HELP = ("what the maps read: attention (the source's attention objects; a hybrid's "
+                 "every attention layer), nearest or all (conv rows too)")
+WIDTH_HELP = "features all: compress linear-attention rows to this many principal directions"
+RECIPE_HELP = "OBJECT=RECIPE, e.g. recurrent_state=bilinear (repeatable)"
+IDENTITY_HELP = "which token each position holds: codebook, ids or off"
+JSON_HELP = "print the result as JSON"
+GATE_WINDOWS_HELP = ("held-out windows of each kind (the source's text, its own reply) and band "
+                     "of prefix lengths the fidelity gate is calibrated on")
 
 
 def _fit_config(capture_point: int, nu: int, features: str, width: int, recipe: list[str],
@@ -35,46 +49,31 @@ def _fit_config(capture_point: int, nu: int, features: str, width: int, recipe: 
                      token_identity=token_identity, **more)
 
 
-def _plan_and_cost(src, tgt, config):
-    """The recipes `config` plans for the pair, and what they cost on this machine."""
-    from mlx_kvtrans.blas import matmul_gflops, memory_bandwidth_gbs
-    from mlx_kvtrans.translators.cost import plan_cost
-    from mlx_kvtrans.translators.features import input_embedding
+@contextlib.contextmanager
+def _stages():
+    """A bar per stage of a workflow (reading, fitting, calibrating, distilling) on stderr, so
+    that stdout stays clean for --json; yields the workflow's `progress` callback."""
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                               TimeElapsedColumn)
 
-    try:
-        recipes = config.plan(mlx_kvtrans.layout_of(src.model), mlx_kvtrans.layout_of(tgt.model))
-    except ValueError as e:
-        raise KvtransError(str(e))
-    identity = input_embedding(tgt.model).weight.shape[-1] if config.token_identity != "off" \
-        else 0
-    return recipes, plan_cost(src, tgt, recipes, config.point, identity, matmul_gflops(),
-                              memory_bandwidth_gbs())
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("{task.fields[what]}"), TimeElapsedColumn(), console=err,
+                  disable=not err.is_terminal) as bars:
+        tasks: dict[str, int] = {}
+
+        def update(stage: str, done: int, total: int | None = None, what: str = "") -> None:
+            if stage not in tasks:
+                tasks[stage] = bars.add_task(stage, total=total, what="")
+            bars.update(tasks[stage], completed=done, total=total, what=what)
+
+        yield update
 
 
-def _refuse_unless_it_fits(src, tgt, config, cost) -> None:
-    """A fit whose projected peak passes this machine's memory is refused before any work, with
-    the features that would fit."""
-    from dataclasses import replace
-
-    from mlx_kvtrans.translators.cost import ALTERNATIVES, fits, gib
-
-    if fits(cost):
-        return
-    hint = "no smaller feature design fits either"
-    if not fits(replace(cost, fit_peak_bytes=cost.weights_bytes)):
-        hint = "the two models' weights alone do not fit: fit on a machine with more memory"
-    for change in ALTERNATIVES if hint.startswith("no") else ():
-        _, other = _plan_and_cost(src, tgt, replace(config, **change))
-        if fits(other):
-            hint = ("it would fit with " + " ".join(f"--{k.replace('_', '-')} {v}"
-                                                    for k, v in change.items())
-                    + f" (projected {gib(other.fit_peak_bytes)})")
-            break
-    raise KvtransError(f"this plan's fit would need about {gib(cost.fit_peak_bytes)} "
-                       f"(moments {gib(cost.moments_bytes)}, weights "
-                       f"{gib(cost.weights_bytes)}) of this machine's "
-                       f"{gib(cost.machine_bytes)}; {hint}")
-
+def _gate_line(calibration: dict) -> str:
+    bands = ", ".join(f"{b['threshold']['read']:+.2f} / {b['threshold']['generated']:+.2f} at "
+                      f"{b['prefix'][0]}-{b['prefix'][1]} tokens" for b in calibration["bands"])
+    return (f"fidelity gate (last {calibration['tail']} tokens) fires over {bands} (nats/token, "
+            f"on text the source read / on its own reply)")
 
 
 @app.command("plan")
@@ -82,58 +81,66 @@ def _refuse_unless_it_fits(src, tgt, config, cost) -> None:
 def plan_command(source: str = typer.Option(..., "--from", help="source: zoo alias, directory, "
                                             "HF id or config.json"),
                  target: str = typer.Option(..., "--to", help="target: same forms"),
-                 capture_point: int = typer.Option(int(FIT.point), "--capture", min=1, max=3),
-                 nu: int = typer.Option(FIT.nu, "--nu", min=1),
-                 features: str = typer.Option(FIT.features, help="attention, nearest or all"),
-                 width: int = typer.Option(FIT.width, min=0, help="features all: compress "
-                                           "linear-attention rows to this many directions"),
-                 recipe: list[str] = typer.Option(None, help="OBJECT=RECIPE"),
-                 token_identity: str = typer.Option(FIT.token_identity,
-                                                    help="codebook, ids or off"),
+                 capture_point: int = typer.Option(int(FIT.point), "--capture", min=1, max=3,
+                                                   help=CAPTURE_HELP),
+                 nu: int = typer.Option(FIT.nu, "--nu", min=1, help=NU_HELP),
+                 features: str = typer.Option(FIT.features, help=FEATURES_HELP),
+                 width: int = typer.Option(FIT.width, min=0, help=WIDTH_HELP),
+                 recipe: list[str] = typer.Option(None, help=RECIPE_HELP),
+                 token_identity: str = typer.Option(FIT.token_identity, help=IDENTITY_HELP),
                  tokens: int = typer.Option(FIT.windows * FIT.length, min=1,
                                             help="fitting tokens to project the time for"),
-                 as_json: bool = typer.Option(False, "--json")):
+                 as_json: bool = typer.Option(False, "--json", help=JSON_HELP)):
     """What fitting and using a translator would cost, from the two configs alone: per shared
     feature set its moment matrices, per map its parameters, the projected fit time and memory
     on this machine, and per switch the translation FLOPs and bytes."""
+    from mlx_kvtrans.fit_time import fit_time, refuse_a_fit_too_long
     from mlx_kvtrans.models import load_config_only
-    from mlx_kvtrans.translators.cost import fits, gib
+    from mlx_kvtrans.translators.cost import fits
+    from mlx_kvtrans.workflows import plan_and_cost, refuse_unless_it_fits
 
     config = _fit_config(capture_point, nu, features, width, recipe, token_identity)
     src, tgt = load_config_only(source), load_config_only(target)
-    recipes, cost = _plan_and_cost(src, tgt, config)
-    fit_seconds = cost.fit_seconds_per_million_tokens * tokens / 1e6 + cost.solve_seconds
+    _, cost = plan_and_cost(src, tgt, config)
+    timed = fit_time(src, tgt, cost, config, tokens)  # a few seconds: both models, briefly
+    refuse_a_fit_too_long(timed, tokens)
+    fit_seconds = timed.seconds
     if as_json:
         print(json.dumps({"source": source, "target": target, "config": config.to_json(),
                           "fit_tokens": tokens, "fit_seconds": fit_seconds,
+                          "fit_time": timed.to_json(),
                           "fits": fits(cost), **cost.to_json()}, indent=2, default=str))
     else:
-        table = Table(title=f"{source} -> {target} · features {features}"
-                            + (f", width {width}" if width else "")
-                            + f" · token identity {token_identity}", title_justify="left")
-        for col in ("source layers read", "features", "outputs", "maps", "moments"):
-            table.add_column(col, justify="right")
-        for f in cost.feature_sets:
-            table.add_row(",".join(map(str, f.sources)), f"{f.inputs:,}", f"{f.outputs:,}",
-                          str(f.maps), gib(f.moments_bytes))
-        out.print(table)
-        by_recipe: dict[str, list] = {}
-        for m in cost.maps:
-            by_recipe.setdefault(m.recipe, []).append(m)
-        for name, maps in by_recipe.items():
-            out.print(f"{name}: {len(maps)} objects, {sum(m.parameters for m in maps):,} "
-                      "parameters")
-        out.print(f"fit ({tokens:,} tokens at {cost.gflops:.0f} GFLOP/s): about "
-                  f"{fit_seconds / 60:.1f} min, peak about {gib(cost.fit_peak_bytes)} "
-                  f"(moments {gib(cost.moments_bytes)}, weights {gib(cost.weights_bytes)}) of "
-                  f"{gib(cost.machine_bytes)}")
-        for n, row in cost.lengths.items():
-            out.print(f"switch at {n:,} tokens: {row['flops'] / 1e9:.1f} GFLOP, "
-                      f"{row['bytes'] / 2**20:.0f} MiB installed; translation + install at "
-                      f"this machine's peak: {row['seconds_at_peak'] * 1000:.0f} ms (the target's "
-                      "first decode step adds to it)")
-    if not fits(cost):
-        _refuse_unless_it_fits(src, tgt, config, cost)
+        _print_plan(f"{source} -> {target} · features {features}"
+                    + (f", width {width}" if width else "")
+                    + f" · token identity {token_identity}", cost, tokens, fit_seconds)
+    refuse_unless_it_fits(src, tgt, config, cost)  # exit 2, naming a design that fits
+
+
+def _print_plan(title: str, cost, tokens: int, fit_seconds: float) -> None:
+    from mlx_kvtrans.translators.cost import format_duration, gib
+
+    table = Table(title=title, title_justify="left")
+    for col in ("source layers read", "features", "outputs", "maps", "moments"):
+        table.add_column(col, justify="right")
+    for f in cost.feature_sets:
+        table.add_row(",".join(map(str, f.sources)), f"{f.inputs:,}", f"{f.outputs:,}",
+                      str(f.maps), gib(f.moments_bytes))
+    out.print(table)
+    by_recipe: dict[str, list] = {}
+    for m in cost.maps:
+        by_recipe.setdefault(m.recipe, []).append(m)
+    for name, maps in by_recipe.items():
+        out.print(f"{name}: {len(maps)} objects, {sum(m.parameters for m in maps):,} parameters")
+    out.print(f"fit ({tokens:,} tokens and the gate's calibration, timed here): about "
+              f"{format_duration(fit_seconds)}, peak about {gib(cost.fit_peak_bytes)} "
+              f"(moments {gib(cost.moments_bytes)}, weights {gib(cost.weights_bytes)}) of "
+              f"{gib(cost.machine_bytes)}")
+    for n, row in cost.lengths.items():
+        out.print(f"switch at {n:,} tokens: {row['flops'] / 1e9:.1f} GFLOP, "
+                  f"{row['bytes'] / 2**20:.0f} MiB installed; translation + install at "
+                  f"this machine's peak: {row['seconds_at_peak'] * 1000:.0f} ms (the target's "
+                  "first decode step adds to it)")
 
 
 @app.command()
@@ -141,20 +148,19 @@ def plan_command(source: str = typer.Option(..., "--from", help="source: zoo ali
 def fit(source: str = typer.Option(..., "--from", help="source model"),
         target: str = typer.Option(..., "--to", help="target model"),
         out_dir: Path = typer.Option(..., "--out", help="translator directory to write"),
+        force: bool = typer.Option(False, "--force", help=FORCE_HELP),
         data: Path = typer.Option(None, help="text file or directory (default: the zoo corpus)"),
         validation: Path = typer.Option(None, help="held-out text the fidelity gate is "
                                         "calibrated on (default: the zoo corpus's validation "
                                         "split)"),
+        gate_windows: int = typer.Option(WINDOWS, min=1, help=GATE_WINDOWS_HELP),
         capture_point: int = typer.Option(int(FIT.point), "--capture", min=1, max=3,
-                                          help="capture point of source and target objects"),
-        nu: int = typer.Option(FIT.nu, "--nu", min=1, help="source layers per target layer"),
-        features: str = typer.Option(FIT.features, help="what the maps read: attention (the "
-                                     "source's attention objects; a hybrid's every attention "
-                                     "layer), nearest or all (conv rows too)"),
-        width: int = typer.Option(FIT.width, min=0, help="features all: compress "
-                                  "linear-attention rows to this many principal directions"),
-        recipe: list[str] = typer.Option(None, help="OBJECT=RECIPE, e.g. recurrent_state=bilinear"),
-        token_identity: str = typer.Option(FIT.token_identity, help="codebook, ids or off"),
+                                          help=CAPTURE_HELP),
+        nu: int = typer.Option(FIT.nu, "--nu", min=1, help=NU_HELP),
+        features: str = typer.Option(FIT.features, help=FEATURES_HELP),
+        width: int = typer.Option(FIT.width, min=0, help=WIDTH_HELP),
+        recipe: list[str] = typer.Option(None, help=RECIPE_HELP),
+        token_identity: str = typer.Option(FIT.token_identity, help=IDENTITY_HELP),
         point: list[str] = typer.Option(None, help="OBJECT=P: capture point of one object kind "
                                         "or name, e.g. rope_key=3"),
         split_kv: bool = typer.Option(FIT.split_kv, help="keys from source keys, values from "
@@ -180,15 +186,14 @@ def fit(source: str = typer.Option(..., "--from", help="source model"),
         length: int = typer.Option(FIT.length, min=2, help="tokens per window"),
         ridge: float = typer.Option(FIT.ridge, min=0.0, callback=finite,
                                     help="ridge strength, relative to the data scale"),
-        as_json: bool = typer.Option(False, "--json")):
-    """Fit a translator from SOURCE's cache to TARGET's in closed form (stage 1)."""
-    from mlx_kvtrans.translators import artifact
-    from mlx_kvtrans.translators.fit import fit as fit_translator
-    from mlx_kvtrans.translators.fit import token_windows
-    from mlx_kvtrans.translators.token_identity import codebook_of
+        as_json: bool = typer.Option(False, "--json", help=JSON_HELP)):
+    """Fit a translator from SOURCE's cache to TARGET's in closed form (stage 1), and calibrate
+    its fidelity gate on held-out text."""
+    from mlx_kvtrans.workflows import ASSIGNMENTS, fit_translator
 
-    if assign not in ("relative", "best"):
-        raise KvtransError(f"--assign must be relative or best, not {assign!r}")
+    refuse_existing(output_dir("--out", out_dir), force)  # first: nothing is touched
+    if assign not in ASSIGNMENTS:
+        raise KvtransError(f"--assign must be {' or '.join(ASSIGNMENTS)}, not {assign!r}")
     points = key_values("--point", point, "rope_key=3")
     if any(p not in ("1", "2", "3") for p in points.values()):
         raise KvtransError(f"--point takes OBJECT=1|2|3, not {' '.join(point)}")
@@ -197,60 +202,24 @@ def fit(source: str = typer.Option(..., "--from", help="source model"),
                          headwise=headwise, ridge=ridge, attention_weighted=attention_weighted,
                          identity_tables=identity_tables, residual=residual,
                          windows=windows, length=length)
-    output_dir("--out", out_dir)
     in_range("--length", length, 2, position_limit(model_configs(source, target)))
     in_range("--attention-weighted", attention_weighted, 0,
              Limit(length - 1, f"a window of --length {length} keeps a token before its last C"))
-    src, tgt = mlx_kvtrans.load(source), mlx_kvtrans.load(target)
-    if not _same_tokenizer(src, tgt):
-        raise KvtransError(f"{source} and {target} do not share a tokenizer; translation "
-                           "between tokenizers is not supported yet")
-    recipes, cost = _plan_and_cost(src, tgt, config)
-    _refuse_unless_it_fits(src, tgt, config, cost)  # a fit too big is refused before --data
     files = text_files("--data", data, "train")
     held_out = text_file("--validation", validation, "validation")
-    codebook = None
-    if token_identity == "codebook":
-        try:
-            codebook = codebook_of(src)
-        except ValueError as e:
-            raise KvtransError(str(e))
-    ids = token_ids(src.tokenizer, "--data", files)
-    needles = None
-    if needle_share:
-        from mlx_kvtrans.evaluation.needles import needle_rows
-        from mlx_kvtrans.zoo.corpus import sentences
-
-        needles = needle_rows(src.tokenizer.encode, sentences(read_texts(files), limit=20_000),
-                              length, count=max(1, round(windows * needle_share)))
-    try:
-        batches = list(token_windows(ids, length, windows, batch=4, needles=needles,
-                                     needle_share=needle_share))
-    except ValueError as e:
-        raise KvtransError(str(e))
-    if assign == "best":
-        from mlx_kvtrans.translators.recipes import assign_best_single
-
-        recipes, _ = assign_best_single(src.model, tgt.model,
-                                        batches[: max(1, len(batches) // 4)], recipes,
-                                        capture_point)
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-
-    with Progress(TextColumn("fitting"), BarColumn(), MofNCompleteColumn(),
-                  TextColumn("{task.fields[tokens]} tokens"), console=out,
-                  disable=not out.is_terminal) as progress:
-        task = progress.add_task("fit", total=len(batches), tokens=0)
-        translator = fit_translator(
-            src.model, tgt.model, batches, recipes, config, codebook=codebook,
-            progress=lambda i, n: progress.update(task, completed=i, tokens=f"{n:,}"),
-            held_out=src.tokenizer.encode(held_out.read_text(errors="replace")))
-    artifact.save(translator, out_dir, src, tgt)
-    summary = {"out": str(out_dir), **translator.info}
+    with _stages() as progress:
+        translator = fit_translator(source, target, files, config, validation=held_out,
+                                    out=out_dir, assign=assign, needle_share=needle_share,
+                                    gate_windows=gate_windows, progress=progress)
     if as_json:
-        print(json.dumps(summary, indent=2))
+        print(json.dumps({"out": str(out_dir), **translator.info}, indent=2))
         return
-    table = Table(title=f"{source} -> {target} (stage 1, capture ({capture_point}), nu={nu})",
-                  title_justify="left")
+    _print_fit(translator, f"{source} -> {target} (stage 1, capture ({capture_point}), nu={nu})",
+               out_dir)
+
+
+def _print_fit(translator, title: str, out_dir: Path) -> None:
+    table = Table(title=title, title_justify="left")
     for col in ("target layer", "object", "recipe", "source layers", "R^2"):
         table.add_column(col)
     for r in translator.recipes:
@@ -268,29 +237,25 @@ def fit(source: str = typer.Option(..., "--from", help="source model"),
     out.print(_gate_line(translator.info["gate"]))
 
 
-def _gate_line(calibration: dict) -> str:
-    bands = ", ".join(f"{b['threshold']['read']:+.2f} / {b['threshold']['generated']:+.2f} at "
-                      f"{b['prefix'][0]}-{b['prefix'][1]} tokens" for b in calibration["bands"])
-    return (f"fidelity gate (last {calibration['tail']} tokens) fires over {bands} (nats/token, "
-            f"on text the source read / on its own reply)")
-
-
 @app.command()
 @user_errors
 def calibrate(translator_dir: Path = typer.Option(..., "--translator", help="a translator "
                                                   "directory or a shipped name"),
               validation: Path = typer.Option(None, help="held-out text (default: the zoo "
                                               "corpus's validation split)"),
-              windows: int = typer.Option(WINDOWS, min=1, help="held-out windows of each "
-                                          "kind (the source's text, its own reply) and band "
-                                          "of prefix lengths"),
-              as_json: bool = typer.Option(False, "--json")):
+              windows: int = typer.Option(WINDOWS, min=1, help=GATE_WINDOWS_HELP),
+              force: bool = typer.Option(False, "--force", help="replace the calibration the "
+                                         "translator already holds"),
+              as_json: bool = typer.Option(False, "--json", help=JSON_HELP)):
     """Calibrate a translator's fidelity gate on held-out text and write it into its manifest
     (its weights are not touched)."""
-    from mlx_kvtrans.gate import calibrate_directory
+    from mlx_kvtrans.calibrate import calibrate_directory
     from mlx_kvtrans.translators import artifact
 
     path = artifact.resolve(translator_dir)
+    if "gate" in artifact.read_manifest(path) and not force:
+        raise KvtransError(f"--translator {translator_dir}: already holds a gate calibration "
+                           "(pass --force to replace it)")
     held_out = text_file("--validation", validation, "validation")
     record = calibrate_directory(path, held_out, windows=windows)
     if as_json:
@@ -305,18 +270,24 @@ def distill(translator_dir: Path = typer.Option(..., "--translator", help="stage
                                                 "a directory or a shipped name"),
             out_dir: Path = typer.Option(None, "--out", help="distilled translator to write "
                                          "(default: DIR-distilled)"),
+            force: bool = typer.Option(False, "--force", help=FORCE_HELP),
             data: Path = typer.Option(None, help="text file or directory (default: the zoo "
                                       "corpus's train split)"),
             validation: Path = typer.Option(None, help="held-out text (default: the zoo corpus's "
                                             "validation split)"),
-            steps: int = typer.Option(DISTILL.steps, min=1),
+            gate_windows: int = typer.Option(WINDOWS, min=1, help=GATE_WINDOWS_HELP),
+            steps: int = typer.Option(DISTILL.steps, min=1, help="optimiser steps"),
             batch: int = typer.Option(DISTILL.batch, min=1,
                                       help="windows per step, over all processes"),
             lr: float = typer.Option(DISTILL.lr, min=0.0, callback=finite,
                                      help="Adam learning rate after warm-up"),
-            warmup: int = typer.Option(DISTILL.warmup, min=0),
-            min_prefix: int = typer.Option(DISTILL.min_prefix, min=2),
-            max_prefix: int = typer.Option(DISTILL.max_prefix, min=2),
+            warmup: int = typer.Option(DISTILL.warmup, min=0,
+                                       help="steps the learning rate rises over"),
+            min_prefix: int = typer.Option(DISTILL.min_prefix, min=2,
+                                           help="shortest prefix a step translates"),
+            max_prefix: int = typer.Option(DISTILL.max_prefix, min=2,
+                                           help="longest prefix a step translates (and the "
+                                           "held-out windows' prefix)"),
             continuation: int = typer.Option(DISTILL.continuation, min=1,
                                              help="positions the KL is taken over"),
             indexer_weight: float = typer.Option(DISTILL.indexer_weight, min=0.0, callback=finite,
@@ -328,22 +299,19 @@ def distill(translator_dir: Path = typer.Option(..., "--translator", help="stage
             needle_share: float = typer.Option(DISTILL.needle_share, min=0.0, max=1.0,
                                                callback=finite, help="share of each batch that "
                                                "is synthetic needles, question and answer last"),
-            validate_every: int = typer.Option(DISTILL.validate_every, min=1),
-            validation_windows: int = typer.Option(DISTILL.validation_windows, min=1),
-            seed: int = typer.Option(DISTILL.seed, **SEEDS),
+            validate_every: int = typer.Option(DISTILL.validate_every, min=1,
+                                               help="steps between held-out KL measurements"),
+            validation_windows: int = typer.Option(DISTILL.validation_windows, min=1,
+                                                   help="held-out windows the KL is taken on"),
+            seed: int = typer.Option(DISTILL.seed, **SEEDS, help="seed of every step's batch"),
             workdir: Path = typer.Option(None, help="checkpoints (default: runs/distill/NAME)"),
             resume: bool = typer.Option(False, help="continue from the checkpoint in --workdir"),
             max_minutes: float = typer.Option(None, callback=positive,
                                               help="stop (resumable) after this long"),
-            as_json: bool = typer.Option(False, "--json")):
+            as_json: bool = typer.Option(False, "--json", help=JSON_HELP)):
     """Distil a translator end to end: KL of the target reading the translated cache against
     it reading its own (stage 2). Under `mlx.launch` the batch is shared among processes."""
-    import hashlib
-
-    import mlx.core as mx
-
-    from mlx_kvtrans.translators import artifact
-    from mlx_kvtrans.translators.distill import Distiller
+    from mlx_kvtrans.workflows import check_workdir, distill_paths, distill_translator
 
     if min_prefix > max_prefix:
         raise KvtransError("--min-prefix must not exceed --max-prefix")
@@ -351,67 +319,31 @@ def distill(translator_dir: Path = typer.Option(..., "--translator", help="stage
              position_limit(model_configs(*translator_models(translator_dir)), continuation,
                             "--continuation"))
     files = text_files("--data", data, "train")
-    validation = text_file("--validation", validation, "validation")
-    name = translator_dir.resolve().name
-    workdir = output_dir("--workdir", workdir or Path("runs") / "distill" / name)
-    if (workdir / "state.json").exists() and not resume:
-        raise KvtransError(f"{workdir} holds a checkpoint: pass --resume to continue it, or "
-                           "another --workdir")
-    out_dir = output_dir("--out", out_dir or translator_dir.with_name(translator_dir.name
-                                                                      + "-distilled"))
-    translator, src, tgt = _load_translator_pair(translator_dir, None, None)
-    if translator.info.get("stage") == 2:
-        out.print(f"{translator_dir} is already distilled; distilling it further")
-    texts = read_texts(files)
-    train_ids = token_ids(src.tokenizer, "--data", files)
-    validation_ids = src.tokenizer.encode(validation.read_text(errors="replace"))
+    held_out = text_file("--validation", validation, "validation")
+    default_out, default_workdir = distill_paths(translator_dir)
+    workdir = output_dir("--workdir", workdir or default_workdir)
+    check_workdir(workdir, resume)  # a checkpoint there is named before --out is refused
+    out_dir = out_dir or default_out
+    refuse_existing(output_dir("--out", out_dir), force)
     config = DistillConfig(steps=steps, lr=lr, warmup=warmup, batch=batch, min_prefix=min_prefix,
                            max_prefix=max_prefix, continuation=continuation,
                            indexer_weight=indexer_weight, attention_weight=attention_weight,
-                           needle_share=needle_share,
-                           validate_every=validate_every,
+                           needle_share=needle_share, validate_every=validate_every,
                            validation_windows=validation_windows, seed=seed)
-    needles = None
-    if needle_share:
-        from mlx_kvtrans.evaluation.needles import needle_rows
-        from mlx_kvtrans.zoo.corpus import sentences
-
-        needles = needle_rows(src.tokenizer.encode, sentences(texts, limit=20_000),
-                              max_prefix + continuation)
-    group = mx.distributed.init()
-    distiller = Distiller(translator, src.model, tgt.model, train_ids, validation_ids, config,
-                          workdir, group if group.size() > 1 else None, needles)
-    if resume and distiller.resume():
-        out.print(f"resuming at step {distiller.state['step']} of {steps}")
-    main_process = distiller.rank == 0
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-
-    with Progress(TextColumn(f"distilling {name}"), BarColumn(), MofNCompleteColumn(),
-                  TextColumn("KL {task.fields[kl]}  held-out {task.fields[val]}"), console=out,
-                  disable=not (out.is_terminal and main_process)) as progress:
-        task = progress.add_task("distill", total=steps, completed=distiller.state["step"],
-                                 kl="...", val="...")
-
-        def on_step(record):
-            fields = {"kl": f"{record['kl']:.4f}"}
-            if "validation_kl" in record:
-                fields["val"] = f"{record['validation_kl']:.4f}"
-            progress.update(task, completed=record["step"], **fields)
-
-        summary = distiller.run(on_step=on_step, max_minutes=max_minutes)
-    if distiller.state["step"] < steps:
-        out.print(f"stopped at step {distiller.state['step']} of {steps}; checkpoint in "
+    with _stages() as progress:
+        run = distill_translator(translator_dir, files, held_out, config, out=out_dir,
+                                 workdir=workdir, resume=resume, max_minutes=max_minutes,
+                                 gate_windows=gate_windows, progress=progress, note=err.print)
+    if not run.finished:
+        out.print(f"stopped at step {run.summary['steps']} of {steps}; checkpoint in "
                   f"{workdir} (continue with --resume)")
-        raise typer.Exit(0)
-    if not main_process:
         return
-    summary["data_sha256"] = hashlib.sha256(
-        "".join(f"{len(t)}:{t}" for t in texts).encode()).hexdigest()
-    distilled = distiller.distilled()
-    distilled.info["stage"] = 2
-    distilled.info["distill"] = summary
-    distilled.info["gate"] = distiller.calibrated_gate(distilled)
-    artifact.save(distilled, out_dir, src, tgt)
+    if run.translator is not None:  # the first process writes and prints
+        _print_distill(run, out_dir, as_json)
+
+
+def _print_distill(run, out_dir: Path, as_json: bool) -> None:
+    summary = run.summary
     if as_json:
         print(json.dumps({"out": str(out_dir), **{k: v for k, v in summary.items()
                                                   if k != "curve"}}, indent=2))
@@ -420,4 +352,4 @@ def distill(translator_dir: Path = typer.Option(..., "--translator", help="stage
               f"{summary['validation_kl_after']:.4f} nats/token after {summary['steps']} steps "
               f"({summary['minutes']:.1f} min, peak memory "
               f"{summary['peak_memory_bytes'] / 2**20:.0f} MiB) · wrote {out_dir}")
-    out.print(_gate_line(distilled.info["gate"]))
+    out.print(_gate_line(run.translator.info["gate"]))

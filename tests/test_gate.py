@@ -17,7 +17,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
 import mlx_kvtrans as kv
-from mlx_kvtrans import gate
+from mlx_kvtrans import calibrate, gate
 from mlx_kvtrans.capture import capture
 from mlx_kvtrans.install import install
 from mlx_kvtrans.instrument import output_head, recording_final_rows
@@ -99,10 +99,10 @@ def test_every_shipped_translator_carries_its_calibration():
     for name in SHIPPED:
         calibration = artifact.read_manifest(name)["gate"]
         assert calibration["tail"] == gate.GATE_TOKENS, name
-        assert [tuple(b["prefix"]) for b in calibration["bands"]] == list(gate.BANDS)
+        assert [tuple(b["prefix"]) for b in calibration["bands"]] == list(calibrate.BANDS)
         for band in calibration["bands"]:
             for kind in gate.KINDS:  # a high quantile of the held-out gaps, plus the margin
-                assert band["gap"][kind]["windows"] == gate.WINDOWS
+                assert band["gap"][kind]["windows"] == calibrate.WINDOWS
                 assert band["threshold"][kind] == pytest.approx(
                     band["gap"][kind]["q99"] + calibration["margin"], abs=1e-3)
 
@@ -113,7 +113,7 @@ def test_gate_passes_every_shipped_translator_on_held_out_text(name, zoo):
     for seed, (kind, prefix) in enumerate([("read", 64), ("read", 400), ("generated", 96),
                                            ("generated", 480)]):  # both bands of lengths
         window = held_out(src.tokenizer, prefix + gate.GATE_TOKENS + 2, seed)
-        status = gate.window_switch(tr, src, tgt, window, prefix, kind).switches[-1]
+        status = calibrate.window_switch(tr, src, tgt, window, prefix, kind).switches[-1]
         assert (status.status, status.gate) == ("applied", "passed"), (kind, prefix, status)
         assert status.gate_gap <= status.gate_threshold
         assert status.gate_tokens == status.tokens_read >= gate.GATE_TOKENS
@@ -123,7 +123,7 @@ def test_gate_passes_every_shipped_translator_on_held_out_text(name, zoo):
 def test_gate_fires_on_a_translator_whose_weights_are_noise(name, scale, zoo):
     tr, src, tgt = shipped(name, zoo)
     window = held_out(src.tokenizer, 160, 7)
-    session = gate.window_switch(noise(tr, scale), src, tgt, window, 150, "read")
+    session = calibrate.window_switch(noise(tr, scale), src, tgt, window, 150, "read")
     status = session.switches[-1]
     assert (status.status, status.gate) == ("fallback_reprefill", "fired"), status
     assert status.reason.startswith("fidelity gate: ") and status.gate_gap > status.gate_threshold
@@ -135,7 +135,7 @@ def test_uncalibrated_translator_reports_its_gap_and_never_fires(zoo):
     tr, src, tgt = shipped(used("qwen3-small", "qwen3-large"), zoo)
     bare = noise(replace(tr, info={k: v for k, v in tr.info.items() if k != "gate"}))
     window = held_out(src.tokenizer, 160, 7)
-    status = gate.window_switch(bare, src, tgt, window, 150, "read").switches[-1]
+    status = calibrate.window_switch(bare, src, tgt, window, 150, "read").switches[-1]
     assert (status.status, status.gate) == ("applied", "uncalibrated")
     assert "calibration" in status.gate_note and status.gate_threshold is None
     threshold, _ = gate.threshold(tr.info["gate"], gate.GATE_TOKENS, 0.0, 150)
@@ -177,7 +177,7 @@ def test_a_fired_gate_rereads_and_the_conversation_continues_as_native(a_to_b, b
 def test_gate_gap_is_the_two_models_nll_on_the_tail(zoo):
     tr, src, tgt = shipped(used("qwen3-small", "qwen3-large"), zoo)
     window = held_out(src.tokenizer, 140, 5)
-    status = gate.window_switch(tr, src, tgt, window, 128, "read").switches[-1]
+    status = calibrate.window_switch(tr, src, tgt, window, 128, "read").switches[-1]
     n, r = 128, status.tokens_read
     ids = mx.array([window[:n + 1]])
     targets = ids[0, n - r + 1:n + 1]
@@ -250,7 +250,7 @@ def test_calibration_is_stored_and_read_back(zoo, tmp_path):
     shutil.copytree(artifact.shipped("qwen3-small", "qwen3-large"), copy)
     weights = hashlib.sha256((copy / "weights.safetensors").read_bytes()).hexdigest()
     before = artifact.read_manifest(copy)
-    record = gate.calibrate_directory(copy, windows=3)
+    record = calibrate.calibrate_directory(copy, windows=3)
     assert hashlib.sha256((copy / "weights.safetensors").read_bytes()).hexdigest() == weights
     after = artifact.read_manifest(copy)  # its sums check out
     assert after["format_version"] == before["format_version"]
@@ -266,7 +266,7 @@ def test_calibration_is_stored_and_read_back(zoo, tmp_path):
 
 
 def test_bench_times_the_gated_switch(loaded):
-    from mlx_kvtrans.bench import bench_switch
+    from mlx_kvtrans.timing import bench_switch
     from mlx_kvtrans.translators.fit import fit
     from mlx_kvtrans.translators.plan import plan
 

@@ -179,7 +179,8 @@ def test_cli_fit_then_fidelity_and_refusals(model_dirs, tmp_path):
     out = tmp_path / "tr"
     src, tgt = str(model_dirs("kimi_linear")), str(model_dirs("kimi_vl"))
     result = runner.invoke(app, ["fit", "--from", src, "--to", tgt, "--data", str(text),
-                                 "--out", str(out), "--windows", "8", "--length", "48", "--json"])
+                                 "--out", str(out), "--windows", "8", "--length", "48", "--json",
+                                 "--gate-windows", "1"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["fit"]["tokens"] == 8 * 48
     # the recall options: needle windows weighted by their answers, tables, a residual
@@ -187,7 +188,7 @@ def test_cli_fit_then_fidelity_and_refusals(model_dirs, tmp_path):
                                  "--out", str(tmp_path / "recall"), "--windows", "8", "--length",
                                  "48", "--token-identity", "ids", "--needle-share", "0.5",
                                  "--attention-weighted", "4", "--identity-tables", "4",
-                                 "--residual", "4", "--json"])
+                                 "--residual", "4", "--gate-windows", "1", "--json"])
     assert recall.exit_code == 0, recall.output
     manifest = json.loads((tmp_path / "recall" / "manifest.json").read_text())
     assert all(o["tables"] == 4 and o["residual"] == 4 for o in manifest["objects"]
@@ -344,7 +345,7 @@ def test_capture_3_reads_only_layers_with_per_token_objects(loaded):
     ("kimi_vl", "qwen3_5", {}), ("qwen3_5", "deepseek_v32", {})])
 def test_shaped_translator_has_the_fitted_shapes(loaded, source, target, recipes):
     """The bench's timing translator (random weights) is shaped exactly as a fitted one."""
-    from mlx_kvtrans.bench import shaped_translator
+    from mlx_kvtrans.timing import shaped_translator
 
     S, T = loaded(source).model, loaded(target).model
     specs = plan(kv.layout_of(S), kv.layout_of(T), point=1, nu=2, recipes=recipes)
@@ -361,7 +362,7 @@ def test_shaped_translator_has_the_fitted_shapes(loaded, source, target, recipes
 def test_translation_flops_equal_a_hand_count(loaded):
     """2 x multiply-adds: each map over every token (a conv history over its K-1 rows), each
     replay input map over every token, each bilinear correction once per head."""
-    from mlx_kvtrans.bench import translation_flops
+    from mlx_kvtrans.timing import translation_flops
 
     S, T = loaded("kimi_linear").model, loaded("qwen3_5").model
     layout = kv.layout_of(T)

@@ -164,6 +164,11 @@ def draw_windows(ids, step: int, config: DistillConfig, needles=None) -> tuple[m
     return mx.array(rows), prefix
 
 
+# what a checkpoint directory holds: nothing else is ever written there
+CHECKPOINT_FILES = ("params.safetensors", "optimizer.safetensors", "state.json",
+                    "state.json.tmp")
+
+
 class Distiller:
     """The stage-2 loop: Adam with warm-up and cosine decay, validation KL, checkpoints."""
 
@@ -172,7 +177,7 @@ class Distiller:
                  needles: list[list[int]] | None = None):
         self.translator, self.source, self.target = translator, source, target
         if config.needle_share and not needles:
-            raise KvtransError("needle_share needs needle rows (evaluation.needles.needle_rows)")
+            raise KvtransError("needle_share needs needle rows (workflows.training_needles)")
         if needles and min(len(r) for r in needles) < config.max_prefix + config.continuation:
             raise KvtransError("needle rows must be at least max_prefix + continuation tokens")
         self.needles = needles
@@ -314,18 +319,11 @@ class Distiller:
 
     def distilled(self) -> Translator:
         """The translator with the distilled parameters (in the closed-form dtype); the stage-1
-        gate calibration does not carry over (`calibrated_gate` measures it anew)."""
+        gate calibration does not carry over (`calibrate.calibrate` measures one anew)."""
         trained = dict(tree_flatten(self.params))
         params = {k: trained[k].astype(v.dtype) for k, v in self.translator.params.items()}
         info = {k: v for k, v in self.translator.info.items() if k != "gate"}
         return replace(self.translator, params=params, info=info)
-
-    def calibrated_gate(self, translator: Translator) -> dict:
-        """The fidelity gate's calibration of `translator` on the validation text
-        (`gate.calibrate`)."""
-        from ..gate import calibrate
-
-        return calibrate(translator, self.source, self.target, self.validation_ids)
 
 
 def distill(translator: Translator, source, target, train_ids, validation_ids,
@@ -333,7 +331,9 @@ def distill(translator: Translator, source, target, train_ids, validation_ids,
             resume: bool = False, needles: list[list[int]] | None = None, on_step=None
             ) -> Translator:
     """Stage 2 in one call: distil `translator` (mlx-lm models `source` -> `target`) on token ids
-    and return the distilled translator, its manifest recording the run."""
+    and return the distilled translator, its manifest recording the run. It has no gate
+    calibration (`calibrate.calibrate` adds one; `workflows.distill_translator` does what
+    `kvtrans distill` does, calibration included)."""
     import tempfile
 
     with contextlib.ExitStack() as stack:
@@ -347,5 +347,4 @@ def distill(translator: Translator, source, target, train_ids, validation_ids,
         distilled = run.distilled()
     distilled.info["stage"] = 2
     distilled.info["distill"] = summary
-    distilled.info["gate"] = run.calibrated_gate(distilled)
     return distilled

@@ -80,16 +80,16 @@ def compressed_layers(source_layout, recipes: list[Recipe], config: FitConfig) -
 
 def fit(source_model, target_model, batches: Iterable[mx.array],
         recipes: list[Recipe] | None = None, config: FitConfig = FitConfig(),
-        codebook: mx.array | None = None, progress=None,
-        held_out: list[int] | None = None) -> Translator:
+        codebook: mx.array | None = None, progress=None) -> Translator:
     """Fit `recipes` (default: `config`'s plan) on token `batches` ((B, T) id arrays).
 
-    `codebook`: the source's codebook, for `token_identity="codebook"`. With `held_out` token
-    ids, the fidelity gate is calibrated on them (`gate.calibrate`, in `info["gate"]`). With
-    `config.attention_weighted` = c > 0 the last c tokens of each window act as a continuation
-    whose attention (in the target) weights the prefix tokens' errors; maps of attention layers
-    are then fitted on the prefix only. Compressed features take a first pass over the batches
-    for their principal directions. Peak memory, moment bytes and tokens/s go in `info["fit"]`.
+    `codebook`: the source's codebook, for `token_identity="codebook"`. The translator has no
+    fidelity-gate calibration (`calibrate.calibrate` adds one; `workflows.fit_translator` does
+    what `kvtrans fit` does, calibration included). With `config.attention_weighted` = c > 0
+    the last c tokens of each window act as a continuation whose attention (in the target)
+    weights the prefix tokens' errors; maps of attention layers are then fitted on the prefix
+    only. Compressed features take a first pass over the batches for their principal
+    directions. Peak memory, moment bytes and tokens/s go in `info["fit"]`.
     """
     started = time.perf_counter()
     mx.clear_cache()
@@ -154,10 +154,6 @@ def fit(source_model, target_model, batches: Iterable[mx.array],
     shell.info["metrics"] = metrics
     if config.token_identity == "codebook":
         shell.info["fit"]["codebook_decode_accuracy"] = round(decoded_right / tokens_seen, 5)
-    if held_out is not None:
-        from ..gate import calibrate
-
-        shell.info["gate"] = calibrate(shell, source_model, target_model, held_out)
     return shell
 
 

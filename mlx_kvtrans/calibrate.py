@@ -1,0 +1,136 @@
+"""Calibrating the fidelity gate: the threshold a translator's gap stays under on held-out text.
+
+Calibration runs whole switches: a `Session` reads a held-out window with the source and hands
+over to the target, and the gate's gap (`gate.compare`) is recorded. So it lives above the
+session, and above both fitting stages: `fit` and `distill` return translators without a gate,
+and `workflows` (the commands' library calls) or a caller adds one with `calibrate`.
+
+Per band of prefix lengths and per kind of tail (text the source read, its own reply), the
+threshold is a high quantile of the gaps over `windows` held-out windows plus a margin; the
+record is what a manifest keeps under "gate" and what `gate.threshold` reads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from .errors import KvtransError
+from .gate import GATE_TOKENS, KINDS
+
+QUANTILE = 0.99
+MARGIN = 0.5  # nats/token above the quantile: the held-out windows are few
+WINDOWS = 64  # held-out windows of each kind and band a calibration reads
+# prefix lengths calibrated apart: the gap of good translations grows where the models read past
+# their training length (256 tokens in the zoo); a longer switch takes the last band's threshold
+BANDS = ((32, 256), (257, 512))
+
+
+def as_loaded(name: str, model):
+    """`model` as the LoadedModel a Session holds (a bare mlx-lm model gets a stand-in)."""
+    from .models import LoadedModel
+
+    return model if isinstance(model, LoadedModel) else LoadedModel(name, None, model, None, {})
+
+
+def window_switch(translator, source, target, tokens: list[int], prefix: int, kind: str,
+                  tail: int = GATE_TOKENS):
+    """One held-out window through a `Session`, as a conversation meets the gate: the source
+    reads `prefix` tokens (kind "read": the tail is text it read, and the next token is known)
+    or reads them and writes `tail` + 1 more greedily (kind "generated"); then the switch.
+    Returns the session: its switch (the gap in `gate_gap`) is `session.switches[-1]`."""
+    from .session import Session
+
+    session = Session({"source": as_loaded("source", source),
+                       "target": as_loaded("target", target)},
+                      {("source", "target"): translator}, active="source", gate_tokens=tail)
+    session.add(tokens[:prefix])
+    if kind == "read":
+        list(session.generate(0))
+        session.add(tokens[prefix:prefix + 1])
+    else:
+        list(session.generate(tail + 1))
+    session.switch("target")
+    return session
+
+
+def gap_summary(gaps: list[float]) -> dict:
+    """The spread of a band's gaps, as the manifest records it."""
+    a = np.asarray(gaps)
+    return {"windows": len(gaps), "mean": round(float(a.mean()), 4),
+            "std": round(float(a.std()), 4),
+            **{f"q{int(q * 100)}": round(float(np.quantile(a, q)), 4) for q in (0.5, 0.9, 0.99)},
+            "max": round(float(a.max()), 4)}
+
+
+def calibrate(translator, source, target, token_ids: list[int], windows: int = WINDOWS,
+              tail: int = GATE_TOKENS, bands=BANDS, seed: int = 0, quantile: float = QUANTILE,
+              margin: float = MARGIN, progress=None) -> dict:
+    """The gate's calibration of `translator` (source -> target: mlx-lm models or LoadedModels)
+    on held-out `token_ids`: per band of prefix lengths, the gap over `windows` windows of each
+    kind and per kind the threshold quantile + margin. The record a manifest keeps under
+    "gate". `progress(done, total)` follows the windows. A text too short for a band cuts it
+    short or leaves it out."""
+    started = time.perf_counter()
+    # measured without a threshold, so that no window falls back before its gap is read
+    bare = replace(translator, info={k: v for k, v in translator.info.items() if k != "gate"})
+    rng = random.Random(seed)
+    longest = len(token_ids) - tail - 3  # a prefix, its tail and the next token fit
+    shortest = max(min(lo for lo, _ in bands), 2 * tail + 1)
+    if longest < shortest:
+        raise KvtransError(f"held-out text has {len(token_ids)} tokens, too few to calibrate "
+                           f"the gate on (at least {shortest + tail + 3})")
+    bands = [(max(lo, 2 * tail + 1), min(hi, longest)) for lo, hi in bands if lo <= longest]
+    digest = hashlib.sha256()
+    record = {"tail": tail, "quantile": quantile, "margin": margin, "bands": []}
+    total, done = windows * len(KINDS) * len(bands), 0
+    for lo, hi in bands:
+        gaps: dict[str, list[float]] = {kind: [] for kind in KINDS}
+        for i in range(windows * len(KINDS)):
+            kind = KINDS[i % len(KINDS)]
+            length = rng.randint(lo, hi)
+            begin = rng.randrange(0, len(token_ids) - length - tail - 1)
+            window = token_ids[begin:begin + length + tail + 2]
+            digest.update(np.asarray(window, dtype=np.int32).tobytes())
+            status = window_switch(bare, source, target, window, length, kind, tail).switches[-1]
+            if status.gate_gap is not None:
+                gaps[kind].append(status.gate_gap)
+            done += 1
+            if progress:
+                progress(done, total)
+        if not all(gaps.values()):
+            raise KvtransError("no window could be compared: the gate needs a translator a "
+                               "session can hand over with")
+        record["bands"].append({
+            "prefix": [lo, hi],
+            "threshold": {k: round(float(np.quantile(g, quantile)) + margin, 4)
+                          for k, g in gaps.items()},
+            "gap": {k: gap_summary(g) for k, g in gaps.items()}})
+    record.update(seed=seed, data_sha256=digest.hexdigest(),
+                  seconds=round(time.perf_counter() - started, 2))
+    return record
+
+
+def calibrate_directory(directory: str | Path, text: str | Path | None = None,
+                        **options) -> dict:
+    """Calibrate the gate of a translator directory (or shipped name) on held-out text
+    (default: the zoo corpus's validation split) and write it into its manifest, replacing any
+    calibration there; its weights are not touched. Returns the calibration."""
+    from .models import held_out_split, load
+    from .translators import artifact
+
+    manifest = artifact.read_manifest(directory)
+    source, target = load(manifest["source"]["name"]), load(manifest["target"]["name"])
+    translator = artifact.load(directory, source, target)
+    path = Path(text) if text is not None else held_out_split("validation")
+    if path is None:
+        raise KvtransError("no held-out text to calibrate on: give one, or build the zoo corpus")
+    ids = source.tokenizer.encode(path.read_text(errors="replace"))
+    record = calibrate(translator, source, target, ids, **options)
+    artifact.update_manifest(directory, gate=record)
+    return record

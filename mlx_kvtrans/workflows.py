@@ -1,0 +1,285 @@
+"""Workflows: what `kvtrans fit` and `kvtrans distill` do, as one library call each.
+
+The stages take token arrays and return translators: `translators.fit` (stage 1, closed form)
+and `translators.distill` (stage 2, KL through the target). A workflow takes what a user names
+(models, text files, a translator directory) and does the whole job around a stage:
+
+    fit_translator      load the pair, plan and refuse a plan too big for this machine, read
+                        the text, draw windows (needles among them), assign layers, fit,
+                        calibrate the fidelity gate on held-out text, save
+    distill_translator  load a saved translator and its pair, read the text, distil (resumable,
+                        shared among `mlx.launch` processes), calibrate the gate anew, save
+
+Calibration (`calibrate.py`) runs whole `Session` switches, so it is added here, above the
+session and both stages. `progress(stage, done, total, what)` follows every long step; a
+command draws its bars from it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable, Sequence
+
+from .calibrate import WINDOWS, calibrate
+from .errors import KvtransError
+from .models import LoadedModel, load
+from .translators import artifact
+from .translators.distill import CHECKPOINT_FILES, DistillConfig, Distiller
+from .translators.fit import FitConfig, fit, token_windows
+from .translators.translator import Translator
+
+Progress = Callable[[str, int, "int | None", str], None]  # (stage, done, total, what)
+ASSIGNMENTS = ("relative", "best")  # layer assignment: by relative depth, or best single fit
+FIT_BATCH = 4  # fitting windows per prefill
+
+
+def loaded(model: str | Path | LoadedModel) -> LoadedModel:
+    """A model as the workflows hold it: a zoo alias, directory or HF id is loaded."""
+    return model if isinstance(model, LoadedModel) else load(str(model))
+
+
+def same_tokenizer(a: LoadedModel, b: LoadedModel) -> bool:
+    return a.tokenizer.get_vocab() == b.tokenizer.get_vocab()
+
+
+def read_ids(tokenizer, files: Sequence[str | Path], progress: Progress | None = None
+             ) -> list[int]:
+    """The token ids of text files (cached by `tokens`), refused when there are none."""
+    from .tokens import encode_files
+
+    def step(done, total=None, what=""):
+        if progress:
+            progress("reading", done, total, what)
+
+    ids = encode_files(tokenizer, [Path(f) for f in files], step)
+    if not ids:
+        raise KvtransError(f"no text in {', '.join(map(str, files))}")
+    return ids
+
+
+def training_needles(encode, texts: Sequence[str], length: int, count: int = 2000
+                     ) -> list[list[int]]:
+    """Synthetic needles (training seeds) of at least `length` tokens, their filler sentences
+    drawn from the training `texts`: the rows `needle_share` mixes into fitting windows and
+    distillation batches, question and answer last."""
+    from .evaluation.needles import needle_rows
+    from .zoo.corpus import sentences
+
+    return needle_rows(encode, sentences(list(texts), limit=20_000), length, count=count)
+
+
+# -- stage 1 ----------------------------------------------------------------------------------
+def plan_and_cost(src: LoadedModel, tgt: LoadedModel, config: FitConfig):
+    """(the recipes `config` plans for the pair, what they cost on this machine). The models
+    may be config-only (`models.load_config_only`): nothing is computed on weights."""
+    from .blas import matmul_gflops, memory_bandwidth_gbs
+    from .layouts import layout_of
+    from .translators.cost import plan_cost
+    from .translators.features import input_embedding
+
+    try:
+        recipes = config.plan(layout_of(src.model), layout_of(tgt.model))
+    except ValueError as e:
+        raise KvtransError(str(e))
+    identity = input_embedding(tgt.model).weight.shape[-1] \
+        if config.token_identity != "off" else 0
+    return recipes, plan_cost(src, tgt, recipes, config.point, identity, matmul_gflops(),
+                              memory_bandwidth_gbs())
+
+
+def refuse_unless_it_fits(src: LoadedModel, tgt: LoadedModel, config: FitConfig, cost) -> None:
+    """A fit whose projected peak passes this machine's memory is refused before any work,
+    naming the smaller feature design that would fit."""
+    from .translators.cost import ALTERNATIVES, fits, gib
+
+    if fits(cost):
+        return
+    hint = "no smaller feature design fits either"
+    if not fits(replace(cost, fit_peak_bytes=cost.weights_bytes)):
+        hint = "the two models' weights alone do not fit: fit on a machine with more memory"
+    for change in ALTERNATIVES if hint.startswith("no") else ():
+        _, other = plan_and_cost(src, tgt, replace(config, **change))
+        if fits(other):
+            hint = ("it would fit with " + " ".join(f"--{k.replace('_', '-')} {v}"
+                                                    for k, v in change.items())
+                    + f" (projected {gib(other.fit_peak_bytes)})")
+            break
+    raise KvtransError(f"this plan's fit would need about {gib(cost.fit_peak_bytes)} "
+                       f"(moments {gib(cost.moments_bytes)}, weights "
+                       f"{gib(cost.weights_bytes)}) of this machine's "
+                       f"{gib(cost.machine_bytes)}; {hint}")
+
+
+def fit_translator(source: str | Path | LoadedModel, target: str | Path | LoadedModel,
+                   data: Sequence[str | Path], config: FitConfig = FitConfig(), *,
+                   validation: str | Path | None = None, out: str | Path | None = None,
+                   assign: str = "relative", needle_share: float = 0.0,
+                   gate_windows: int = WINDOWS, progress: Progress | None = None) -> Translator:
+    """Stage 1 as `kvtrans fit` runs it: `config.windows` windows of `config.length` tokens of
+    the `data` text files (with `needle_share`, about that share of them synthetic needles),
+    fitted in closed form. With `validation` (a held-out text file) the fidelity gate is
+    calibrated on it over `gate_windows` windows per kind and band; with `out` the translator
+    is saved there (replacing what is there: a command refuses first). Bad input raises
+    KvtransError before any heavy work it can precede."""
+    if assign not in ASSIGNMENTS:
+        raise KvtransError(f"--assign must be {' or '.join(ASSIGNMENTS)}, not {assign!r}")
+    src, tgt = loaded(source), loaded(target)
+    if not same_tokenizer(src, tgt):
+        raise KvtransError(f"{src.name} and {tgt.name} do not share a tokenizer; translation "
+                           "between tokenizers is not supported yet")
+    recipes, cost = plan_and_cost(src, tgt, config)
+    refuse_unless_it_fits(src, tgt, config, cost)  # before the text is even read
+    codebook = None
+    if config.token_identity == "codebook":
+        from .translators.token_identity import codebook_of
+
+        try:
+            codebook = codebook_of(src)
+        except ValueError as e:
+            raise KvtransError(str(e))
+    ids = read_ids(src.tokenizer, data, progress)
+    needles = None
+    if needle_share:
+        texts = [Path(f).read_text(errors="replace") for f in data]
+        needles = training_needles(src.tokenizer.encode, texts, config.length,
+                                   count=max(1, round(config.windows * needle_share)))
+    try:
+        batches = list(token_windows(ids, config.length, config.windows, batch=FIT_BATCH,
+                                     needles=needles, needle_share=needle_share))
+    except ValueError as e:
+        raise KvtransError(str(e))
+    if assign == "best":  # a quarter of the windows choose each target layer's source layer
+        from .translators.recipes import assign_best_single
+
+        recipes, _ = assign_best_single(src.model, tgt.model,
+                                        batches[: max(1, len(batches) // 4)], recipes,
+                                        config.point)
+
+    def fitted(done: int, tokens: int) -> None:
+        if progress:
+            progress("fitting", done, len(batches), f"{tokens:,} tokens")
+
+    translator = fit(src.model, tgt.model, batches, recipes, config, codebook=codebook,
+                     progress=fitted)
+    if validation is not None:
+        held_out = src.tokenizer.encode(Path(validation).read_text(errors="replace"))
+        translator.info["gate"] = gate_of(translator, src, tgt, held_out, gate_windows, progress)
+    if out is not None:
+        artifact.save(translator, out, src, tgt)
+    return translator
+
+
+def gate_of(translator: Translator, src: LoadedModel, tgt: LoadedModel, held_out: list[int],
+            windows: int = WINDOWS, progress: Progress | None = None) -> dict:
+    """The fidelity gate's calibration on held-out token ids, its windows followed."""
+    def step(done: int, total: int) -> None:
+        if progress:
+            progress("calibrating", done, total, "held-out switches")
+
+    return calibrate(translator, src, tgt, held_out, windows=windows, progress=step)
+
+
+# -- stage 2 ----------------------------------------------------------------------------------
+@dataclass
+class Distillation:
+    """What `distill_translator` did: `translator` is the distilled one (saved to `out` when
+    given), None when the run stopped early (resumable from `workdir`) or on a process other
+    than the first."""
+
+    translator: Translator | None
+    summary: dict  # the run: steps, held-out KL before and after, curve, minutes, peak memory
+    workdir: Path  # its checkpoints
+    out: Path | None
+    resumed_at: int | None  # the checkpoint's step it continued from
+    main_process: bool = True
+
+    @property
+    def finished(self) -> bool:
+        return self.summary["steps"] >= self.summary["config"]["steps"]
+
+
+def distill_paths(translator: str | Path) -> tuple[Path, Path]:
+    """(the distilled translator's default directory, NAME-distilled beside it; the default
+    checkpoint directory, runs/distill/NAME)."""
+    path = Path(translator)
+    return path.with_name(path.name + "-distilled"), Path("runs") / "distill" / path.resolve().name
+
+
+def check_workdir(workdir: Path, resume: bool) -> None:
+    """Refuse a checkpoint directory distillation may not write into: one holding a checkpoint
+    unless resuming it, or one holding other files (a translator, say)."""
+    if (workdir / "state.json").exists() and not resume:
+        raise KvtransError(f"{workdir} holds a checkpoint: pass --resume to continue it, or "
+                           "another --workdir")
+    others = sorted(p.name for p in workdir.iterdir() if p.name not in CHECKPOINT_FILES) \
+        if workdir.is_dir() else []
+    if others:
+        raise KvtransError(f"--workdir {workdir} holds other files ({', '.join(others[:3])}): "
+                           "give a new or empty directory for the checkpoints")
+
+
+def load_pair(translator: str | Path) -> tuple[Translator, LoadedModel, LoadedModel]:
+    """A saved translator and the models its manifest names, checked against it."""
+    manifest = artifact.read_manifest(translator)
+    src, tgt = load(manifest["source"]["name"]), load(manifest["target"]["name"])
+    return artifact.load(translator, src, tgt), src, tgt
+
+
+def distill_translator(translator: str | Path, data: Sequence[str | Path], validation: str | Path,
+                       config: DistillConfig = DistillConfig(), *, out: str | Path | None = None,
+                       workdir: str | Path | None = None, resume: bool = False,
+                       max_minutes: float | None = None, gate_windows: int = WINDOWS,
+                       progress: Progress | None = None,
+                       note: Callable[[str], None] | None = None) -> Distillation:
+    """Stage 2 as `kvtrans distill` runs it: the saved `translator` (a directory or shipped
+    name) distilled on the `data` text files against the held-out `validation` file, with
+    checkpoints in `workdir` (default `distill_paths`; one there is continued only with
+    `resume`). Under `mlx.launch` the batch is shared among the processes. When the run
+    finishes, the gate is calibrated anew on `validation` and the translator saved to `out`
+    (replacing what is there: a command refuses first). `note(text)` hears what a user
+    should know on the way (a translator distilled again, a resumed run)."""
+    import mlx.core as mx
+
+    workdir = Path(workdir) if workdir is not None else distill_paths(translator)[1]
+    check_workdir(workdir, resume)
+    trained, src, tgt = load_pair(translator)
+    if trained.info.get("stage") == 2 and note:
+        note(f"{translator} is already distilled; distilling it further")
+    texts = [Path(f).read_text(errors="replace") for f in data]
+    train_ids = read_ids(src.tokenizer, data, progress)
+    validation_ids = src.tokenizer.encode(Path(validation).read_text(errors="replace"))
+    needles = (training_needles(src.tokenizer.encode, texts,
+                                config.max_prefix + config.continuation)
+               if config.needle_share else None)
+    group = mx.distributed.init()
+    run = Distiller(trained, src.model, tgt.model, train_ids, validation_ids, config, workdir,
+                    group if group.size() > 1 else None, needles)
+    main_process = run.rank == 0
+    report = progress if main_process else None  # one process draws the bars
+    resumed_at = run.state["step"] if resume and run.resume() else None
+    if resumed_at is not None and note:
+        note(f"resuming at step {resumed_at} of {config.steps}")
+
+    def on_step(record: dict) -> None:
+        if report:
+            held_out = record.get("validation_kl")
+            report("distilling", record["step"], config.steps, f"KL {record['kl']:.4f}"
+                   + (f"  held-out {held_out:.4f}" if held_out is not None else ""))
+
+    summary = run.run(on_step=on_step, max_minutes=max_minutes)
+    result = Distillation(None, summary, workdir, Path(out) if out is not None else None,
+                          resumed_at, main_process)
+    if not (result.finished and main_process):
+        return result
+    summary["data_sha256"] = hashlib.sha256(
+        "".join(f"{len(t)}:{t}" for t in texts).encode()).hexdigest()
+    distilled = run.distilled()
+    distilled.info["stage"] = 2
+    distilled.info["distill"] = summary
+    distilled.info["gate"] = gate_of(distilled, src, tgt, validation_ids, gate_windows, report)
+    if out is not None:
+        artifact.save(distilled, out, src, tgt)
+    result.translator = distilled
+    return result
