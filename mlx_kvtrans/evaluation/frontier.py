@@ -42,13 +42,13 @@ from ..errors import KvtransError
 from ..files import sha256_file
 from ..install import install
 from ..layouts import CapturePoint, layout_of
+from ..translators.artifact import FRONTIER_FILE as FILE
 from ..translators.fidelity import greedy, kl_per_token
 from .needles import HELD_OUT_SEED, held_out_filler, needle_report
 
 GENERATED = 32  # continuation tokens compared
 FLOOR_TOKENS = 16  # the floor reads only this many prompt tokens
 MULTIPLES = (1, 2, 4, 8)  # lengths measured: these multiples of the fitting length
-FILE = "frontier.json"
 FORMAT = "mlx-kvtrans-frontier"
 
 

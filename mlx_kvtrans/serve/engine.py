@@ -17,12 +17,12 @@ import queue
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from enum import StrEnum
 from typing import Callable
 
 import mlx.core as mx
 
 from ..session import Outcome, Session, SwitchStatus, Verdict
+from ..session.status import Word
 from .config import ServeConfig, context_length, find_translators, load_models, tokenizer_groups
 from .metrics import Metrics
 from .protocol import RequestError
@@ -30,7 +30,7 @@ from .store import ConversationStore, Entry, Match, trimmable
 
 
 # -- what a response reports ------------------------------------------------------------------
-class HandoffStatus(StrEnum):
+class HandoffStatus(Word):
     """What happened to a request's history."""
 
     APPLIED = Outcome.APPLIED.value  # another model's cache, translated

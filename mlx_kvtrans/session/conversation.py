@@ -16,7 +16,7 @@ from typing import Iterator
 from .. import gate
 from ..capture import Capture
 from ..layouts import CapturePoint
-from . import decode
+from . import decode, dial
 from .handover import hand_over
 from .line import CacheLine, capture_bytes, fixed_slots
 from .status import SwitchStatus
@@ -29,22 +29,33 @@ class Session:
 
     `models`: name -> LoadedModel; `translators`: (source, target) -> Translator;
     `gate_tokens`: r, the span's last tokens the target reads itself at a switch and the gate
-    compares (0: translate everything, no gate).
+    compares (0: no gate). The fidelity dial (`dial`): `reread` R, the span's last tokens the
+    target reads itself at every switch (at least r), or `fidelity`, a held-out agreement
+    each switch meets with the cheapest setting its translator's frontier measured; neither:
+    each translator's default setting.
     """
 
     def __init__(self, models: dict, translators: dict | None = None, active: str | None = None,
                  strategy: str = "segment", refresh_every: int = 4, max_context: int | None = None,
-                 gate_tokens: int = gate.GATE_TOKENS):
+                 gate_tokens: int = gate.GATE_TOKENS, reread: int | None = None,
+                 fidelity: float | None = None):
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}")
         if gate_tokens < 0:
             raise ValueError("gate_tokens must be 0 (no gate) or more")
+        if reread is not None and fidelity is not None:
+            raise ValueError("give reread or fidelity, not both")
+        if reread is not None and reread < 0:
+            raise ValueError("reread must be 0 or more")
+        if fidelity is not None and not 0.0 < fidelity <= 1.0:
+            raise ValueError("fidelity is an agreement in (0, 1]")
         self.lines = {name: CacheLine(name, lm) for name, lm in models.items()}
         self.translators = {pair: tr.prepare() for pair, tr in (translators or {}).items()}
         self.active = active or next(iter(models))
         self.strategy, self.refresh_every = strategy, refresh_every
         self.max_context = max_context
         self.gate_tokens = gate_tokens
+        self.reread, self.fidelity = reread, fidelity
         self.tokens: list[int] = []
         self.switches: list[SwitchStatus] = []
         self._turn = None  # weak reference to a generation not yet finished
@@ -61,10 +72,26 @@ class Session:
         return set().union(*(self.translators[(name, t)].reads(layout)
                              for t in self.receivers(name)))
 
+    def handoff_marks(self, name: str) -> list[int]:
+        """How many tokens before a span's end a translation from `name` may stop (largest
+        first): r and each R its translators may switch with (`dial`)."""
+        marks = {self.gate_tokens}
+        for t in self.receivers(name):
+            translator = self.translators[(name, t)]
+            frontier = getattr(translator, "frontier", None)
+            if self.reread is not None:
+                rereads = {self.reread}
+            elif self.fidelity is not None and frontier is not None:
+                rereads = {r.setting.reread for r in frontier.rows}
+            else:
+                rereads = {dial.default_reread(translator)[0]}
+            marks |= {max(r, self.gate_tokens) for r in rereads}
+        return sorted((m for m in marks if m > 0), reverse=True)
+
     def keeps_states(self, name: str) -> bool:
         """Whether `name` keeps snapshots of its fixed-size caches: a translator from it reads
-        its state, which the gate needs where the translation stops, r tokens back."""
-        return self.gate_tokens > 0 and any(
+        its state, which it needs where the translation stops, a few tokens back."""
+        return bool(self.handoff_marks(name)) and any(
             CapturePoint.ENGINE in self.translators[(name, t)].source_points()
             for t in self.receivers(name))
 
@@ -97,11 +124,12 @@ class Session:
 
     def snapshot(self, line: CacheLine) -> None:
         """Keep `line`'s fixed-size state where it stands, and of the older snapshots only those
-        a translation could still stop at (the last one at least r tokens back, and later)."""
+        a translation could still stop at (the last one at least the largest mark back, and
+        later)."""
         if not self.keeps_states(line.name) or line.cache is None:
             return
         line.states[line.seen] = fixed_slots(line.cache)
-        back = [p for p in line.states if p <= line.seen - self.gate_tokens]
+        back = [p for p in line.states if p <= line.seen - self.handoff_marks(line.name)[0]]
         floor = max(back, default=0)
         line.states = {p: s for p, s in line.states.items() if floor <= p <= line.seen}
 

@@ -34,16 +34,20 @@ RECORD_POINTS = (CapturePoint.RAW, CapturePoint.NORMED)
 
 def read(session: Session, line: CacheLine, upto: int) -> None:
     """Let `line`'s model read conversation tokens [seen, upto), keeping what it records, the
-    final-norm rows of the last of them and (when it keeps states) a snapshot r tokens before
-    the end."""
+    final-norm rows of the last of them and (when it keeps states) a snapshot at each of its
+    handoff marks before the end."""
     if upto <= line.seen:
         return
     from mlx_lm.models.cache import make_prompt_cache
 
     if line.cache is None:
         line.cache = make_prompt_cache(line.lm.model)
-    if session.keeps_states(line.name) and upto - line.seen > session.gate_tokens:
-        _read_part(session, line, upto - session.gate_tokens)
+    if session.keeps_states(line.name):
+        # a snapshot at each place a translation from this line may stop (`handoff_marks`)
+        for mark in session.handoff_marks(line.name):
+            if upto - line.seen > mark:
+                _read_part(session, line, upto - mark)
+                session.snapshot(line)
     session.snapshot(line)
     _read_part(session, line, upto)
     session.snapshot(line)
@@ -94,12 +98,16 @@ def decode(session: Session, line: CacheLine, max_tokens: int, temperature: floa
     with contextlib.ExitStack() as stack:
         rec = stack.enter_context(tapped(model, line.layout, set(RECORD_POINTS), select))
         take_back = stack.enter_context(_taking_back(model, line.cache, rec))
+        cuts = [start]
         if session.keeps_states(line.name):
-            stack.enter_context(_snapshots(line, tail_from, r))
-        for begin in range(start, tail_from, PREFILL_CHUNK):
-            model(mx.array([tokens[begin:min(begin + PREFILL_CHUNK, tail_from)]]),
-                  cache=line.cache)
-            mx.eval([c.state for c in line.cache], rec.pending())
+            marks = [prompt_end - m for m in session.handoff_marks(line.name)]
+            cuts += sorted(p for p in marks if start < p < tail_from)
+            stack.enter_context(_snapshots(line, cuts[1] if len(cuts) > 1 else tail_from,
+                                           r or PREFILL_CHUNK))
+        for begin, end in zip(cuts, cuts[1:] + [tail_from]):  # a forward starts at each mark
+            for at in range(begin, end, PREFILL_CHUNK):
+                model(mx.array([tokens[at:min(at + PREFILL_CHUNK, end)]]), cache=line.cache)
+                mx.eval([c.state for c in line.cache], rec.pending())
         rows = (stack.enter_context(recording_final_rows(model, session.tail_rows + 1))
                 if r else None)  # one more: the last forward may go back
         # generate_step reads each token before yielding it: ask for one fewer, and take

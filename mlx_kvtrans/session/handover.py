@@ -27,6 +27,7 @@ from .. import gate
 from ..capture import Capture
 from ..install import NotFinite, install
 from ..layouts import CapturePoint
+from . import dial
 from .line import CacheLine, covers, fixed_slots
 from .status import Outcome, SwitchStatus, Verdict
 
@@ -61,15 +62,24 @@ def hand_over(session: Session, source: str, target: str) -> SwitchStatus:
             _fallback(session, tgt, n, status, "the source did not record the span the target "
                                                "has not seen")
         else:
-            _translate_and_gate(session, translator, src, tgt, start, n, status)
+            choice, why = dial.choose(translator, n, session.reread, session.fidelity)
+            if choice is None:
+                _fallback(session, tgt, n, status, why)
+            else:
+                status.reread, status.setting_note = choice.reread, choice.note
+                status.expected_agreement = choice.expected_agreement
+                status.expected_speedup = choice.expected_speedup
+                _translate_and_gate(session, translator, src, tgt, start, n, status,
+                                    choice.reread)
     status.translate_seconds = time.perf_counter() - started
     return status
 
 
 def handoff_point(translator, src: CacheLine, start: int, n: int, r: int) -> tuple[int, str]:
     """(C, why the gate cannot run): the translation covers [start, C), the target reads
-    [C, n) itself. C = n - r; a translator that reads the source's state stops at a state
-    snapshot between n - 2r and n - 2; a span of r tokens or fewer is read, not translated."""
+    [C, n) itself. C = n - r (r: the larger of the gate's tokens and the dial's R); a
+    translator that reads the source's state stops at a state snapshot between n - 2r and
+    n - 2; a span of r tokens or fewer is read, not translated."""
     if r == 0:
         return n, ""
     if n - start <= r:
@@ -84,11 +94,11 @@ def handoff_point(translator, src: CacheLine, start: int, n: int, r: int) -> tup
 
 
 def _translate_and_gate(session: Session, translator, src: CacheLine, tgt: CacheLine,
-                        start: int, n: int, status: SwitchStatus) -> None:
-    """Translate [start, C), let the target read [C, n), and let the gate judge: over its
-    threshold, the target re-reads [start, n) instead."""
+                        start: int, n: int, status: SwitchStatus, reread: int = 0) -> None:
+    """Translate [start, C), let the target read [C, n), and let the gate judge its last
+    tokens: over its threshold, the target re-reads [start, n) instead."""
     r = session.gate_tokens
-    handoff, why = handoff_point(translator, src, start, n, r)
+    handoff, why = handoff_point(translator, src, start, n, max(r, reread))
     before = None if tgt.cache is None or start == 0 else fixed_slots(tgt.cache)
     if handoff > start:
         try:
@@ -101,6 +111,8 @@ def _translate_and_gate(session: Session, translator, src: CacheLine, tgt: Cache
             return
         session.snapshot(tgt)
     if r == 0:
+        session.read(tgt, n)  # the dial's R, if any
+        status.tokens_read = n - handoff
         status.gate = Verdict.OFF
         return
     if handoff == n:
@@ -113,8 +125,9 @@ def _translate_and_gate(session: Session, translator, src: CacheLine, tgt: Cache
         status.gate, status.gate_note = Verdict.UNCHECKED, why
         status.gate_seconds = time.perf_counter() - started
         return
+    # the gate judges the last tokens only, as it was calibrated (the rows both lines keep)
     reading = gate.compare(src.lm.model, src.tail, tgt.lm.model, tgt.tail, session.tokens,
-                           handoff, n)
+                           max(handoff, n - session.tail_rows), n)
     status.gate_seconds = time.perf_counter() - started
     if reading is None:
         status.gate, status.gate_note = Verdict.UNCHECKED, ("the source holds no predictions "

@@ -6,17 +6,27 @@ The enums are `str`-valued: a status compares equal to its word and is written t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import StrEnum
+from enum import Enum
 
 
-class Outcome(StrEnum):
+class Word(str, Enum):
+    """A str-valued enum (Python 3.10's stand-in for 3.11's StrEnum): equal to its word,
+    printed and written to JSON as it."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = str.__format__
+
+
+class Outcome(Word):
     """How the target came to hold the span it had not seen."""
 
     APPLIED = "applied"  # translated (or nothing to give)
     FALLBACK_REPREFILL = "fallback_reprefill"  # the target re-read it; `reason` says why
 
 
-class Verdict(StrEnum):
+class Verdict(Word):
     """The fidelity gate's verdict on a translated span."""
 
     NONE = ""  # nothing translated
@@ -45,3 +55,7 @@ class SwitchStatus:
     gate_threshold: float | None = None
     gate_tokens: int = 0  # tokens the gap is taken over
     gate_seconds: float = 0.0  # the read tail and the comparison
+    reread: int = 0  # the fidelity dial's R: the span's last tokens the target read itself
+    expected_agreement: float | None = None  # R's held-out agreement, from the frontier
+    expected_speedup: float | None = None  # R's measured speed-up over re-prefill
+    setting_note: str = ""  # how R was chosen

@@ -30,6 +30,7 @@ from .translator import Translator
 FORMAT = "mlx-kvtrans-translator"
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
+FRONTIER_FILE = "frontier.json"  # evaluation/frontier.py: measured fidelity per setting
 INFO_FIELDS = ("fit", "metrics", "source", "target", "stage", "distill", "features", "gate")
 FILES = ("weights.safetensors", "manifest.json")
 
@@ -39,6 +40,8 @@ def save(translator: Translator, directory: str | Path, source, target) -> Path:
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    # a frontier measured of the weights replaced here no longer says anything
+    (directory / FRONTIER_FILE).unlink(missing_ok=True)
     mx.save_safetensors(str(directory / "weights.safetensors"), translator.params)
     manifest = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "library_version": __version__,
@@ -185,7 +188,12 @@ def load(directory: str | Path, source=None, target=None) -> Translator:
     if source is not None:
         identity.bind(source)
     info = {k: manifest[k] for k in INFO_FIELDS if k in manifest}
-    return Translator(point, identity, recipes, params, info)
+    translator = Translator(point, identity, recipes, params, info)
+    if (directory / FRONTIER_FILE).is_file():  # what the fidelity dial chooses from
+        from ..evaluation import frontier
+
+        translator.frontier = frontier.load(directory)
+    return translator
 
 
 def shipped(source: str, target: str) -> Path | None:

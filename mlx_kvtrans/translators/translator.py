@@ -30,6 +30,8 @@ class Translator:
     recipes: list[Recipe]
     params: dict[str, mx.array]  # flat: "layer<L>.<object>.<name>"
     info: dict[str, Any] = field(default_factory=dict)  # manifest fields (pair, fit, metrics)
+    # its measured fidelity per setting (frontier.json beside its weights), for the dial
+    frontier: Any = field(default=None, compare=False, repr=False)
     # fused group -> (the arrays it was built from, weight.T, bias), built on first use: a
     # switch then reads the weights once instead of concatenating them first
     _fused: dict = field(default_factory=dict, init=False, repr=False, compare=False)

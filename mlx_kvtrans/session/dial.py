@@ -1,0 +1,84 @@
+"""The fidelity dial: how many of a span's last tokens the target re-reads itself at a switch.
+
+The target reads the last R tokens of what it receives over the translated prefix (R = 0: the
+translation covers everything, the gate's r tokens aside). More R costs time and buys fidelity;
+each translator's frontier (`evaluation/frontier.py`, frontier.json beside its weights) says how
+much of both, per length, on held-out data. A session asks for one of:
+
+- `reread=R`: that R at every switch;
+- `fidelity=a`: the cheapest measured R whose held-out teacher-forced agreement is at least `a`
+  at the switch's length (none: the target re-reads the span, with the reason);
+- neither: the translator's default, the cheapest R that meets `DEFAULT_AGREEMENT` at twice its
+  fitting length (none meets it: the most faithful R measured there); R = 0 without a frontier.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..evaluation.frontier import cheapest_row, fitting_length
+
+DEFAULT_AGREEMENT = 0.9  # the default setting meets this agreement at 2x the fitting length
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The setting a switch runs with, and what its translator's frontier expects of it."""
+    reread: int
+    expected_agreement: float | None = None  # held-out teacher-forced agreement
+    expected_speedup: float | None = None  # warm switch over re-prefill, as measured
+    note: str = ""
+
+
+def _row_at(frontier, reread: int, length: int):
+    """The frontier's row of `reread` at the shortest measured length at or past `length`."""
+    rows = [r for r in frontier.rows if r.setting.reread == reread and r.length >= length]
+    return min(rows, key=lambda r: r.length, default=None)
+
+
+def _expecting(frontier, reread: int, length: int, note: str) -> Choice:
+    row = None if frontier is None else _row_at(frontier, reread, length)
+    if row is None:
+        return Choice(reread, note=note)
+    return Choice(reread, row.agreement, row.speedup, note)
+
+
+def default_reread(translator) -> tuple[int, str]:
+    """(R, how it was chosen) for a translator's switches when the session names none."""
+    frontier = getattr(translator, "frontier", None)
+    if frontier is None:
+        return 0, "no frontier measured"
+    at = 2 * fitting_length(translator.info)
+    row = cheapest_row(frontier, DEFAULT_AGREEMENT, at)
+    if row is not None:
+        return row.setting.reread, f"default: agreement >= {DEFAULT_AGREEMENT} at {at} tokens"
+    measured = [r for r in frontier.rows if r.length == min(
+        (r.length for r in frontier.rows if r.length >= at), default=None)]
+    if not measured:
+        return 0, f"default: no frontier row at {at} tokens"
+    best = max(measured, key=lambda r: (r.agreement, -r.setting.reread))
+    return best.setting.reread, (f"default: no setting reaches {DEFAULT_AGREEMENT} at {at} "
+                                 "tokens; the most faithful measured")
+
+
+def choose(translator, length: int, reread: int | None, fidelity: float | None
+           ) -> tuple[Choice | None, str]:
+    """The setting for a switch of `length` tokens, or (None, why) when the target should
+    re-read instead (`fidelity` asked and no measured setting reaches it)."""
+    frontier = getattr(translator, "frontier", None)
+    if fidelity is not None:
+        if frontier is None:
+            return None, (f"fidelity {fidelity:g} asked, and the translator has no measured "
+                          "frontier (kvtrans eval frontier --record)")
+        row = cheapest_row(frontier, fidelity, length)
+        if row is None:
+            longest = max(r.length for r in frontier.rows)
+            why = (f"measured only up to {longest} tokens" if length > longest else
+                   "no measured setting reaches it faster than re-prefill")
+            return None, f"fidelity {fidelity:g} at {length} tokens: {why}"
+        return Choice(row.setting.reread, row.agreement, row.speedup,
+                      f"fidelity {fidelity:g}"), ""
+    if reread is not None:
+        return _expecting(frontier, reread, length, "reread asked"), ""
+    r, how = default_reread(translator)
+    return _expecting(frontier, r, length, how), ""
