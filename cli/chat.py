@@ -12,8 +12,8 @@ from rich.markup import escape
 import mlx_kvtrans
 from mlx_kvtrans.errors import KvtransError
 
-from .common import (app, default_translator, in_range, out, print_error, refuse_existing,
-                     user_errors)
+from .common import (FIDELITY_HELP, REREAD_HELP, app, default_translator, dial_options,
+                     in_range, out, print_error, refuse_existing, user_errors)
 
 LEAVE = ("/quit", "/exit")
 
@@ -34,6 +34,8 @@ def chat(source: str = typer.Option("kimi-linear", "--from", help="the model tha
                                                     "in ~/.kvtrans/chats)"),
          force: bool = typer.Option(False, "--force", help="Replace the --transcript file if "
                                                            "it already exists."),
+         reread: int = typer.Option(None, help=REREAD_HELP),
+         fidelity: float = typer.Option(None, help=FIDELITY_HELP),
          max_tokens: int = typer.Option(200, help="longest reply"),
          system: str = typer.Option(None, help="system prompt")):
     """Chat with one model and switch to the other mid-conversation without re-reading.
@@ -49,6 +51,7 @@ def chat(source: str = typer.Option("kimi-linear", "--from", help="the model tha
     if strategy not in STRATEGIES:
         raise KvtransError(f"--strategy must be one of {', '.join(STRATEGIES)}")
     in_range("--max-tokens", max_tokens, 1)
+    dial = dial_options(reread, fidelity)
     if source == target:
         raise KvtransError("--from and --to name the same model")
     script_lines = _read_script(script) if script is not None else None
@@ -71,7 +74,7 @@ def chat(source: str = typer.Option("kimi-linear", "--from", help="the model tha
         log.save()  # before anything is typed: a transcript that cannot be written is bad input
     except OSError as e:
         raise KvtransError(f"--transcript {transcript}: cannot write it ({e.strerror})") from None
-    session = Session(models, translators, active=source, strategy=strategy)
+    session = Session(models, translators, active=source, strategy=strategy, **dial)
     conversation = Chat(session, log, max_tokens=max_tokens, system=system)
     for pair, text, fallback in banner:
         out.print(f"{pair}: {text}", style="yellow" if fallback else None, markup=False,

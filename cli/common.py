@@ -126,6 +126,23 @@ def user_errors(command):
 
 
 
+REREAD_HELP = ("tokens of a switched span the target re-reads itself over the translation "
+               "(the fidelity dial; default: each translator's measured default)")
+FIDELITY_HELP = ("held-out agreement each switch must meet: the cheapest re-read setting its "
+                 "translator's frontier measured that meets it, else re-prefill")
+
+
+def dial_options(reread: int | None, fidelity: float | None) -> dict:
+    """--reread / --fidelity as Session options (one of them at most)."""
+    if reread is not None and fidelity is not None:
+        raise KvtransError("give --reread or --fidelity, not both")
+    if reread is not None and reread < 0:
+        raise KvtransError(f"--reread {reread}: must be 0 or more")
+    if fidelity is not None and not (0.0 < fidelity <= 1.0):
+        raise KvtransError(f"--fidelity {fidelity}: an agreement in (0, 1]")
+    return {"reread": reread, "fidelity": fidelity}
+
+
 def refuse_existing(path: str | Path | None, force: bool, option: str = "--out") -> None:
     """No command replaces what exists unless told: exit 2 with one line, nothing touched."""
     if path is not None and Path(path).exists() and not force:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import typer
 from rich.markup import escape
 
-from .common import app, err, format_bytes, out, user_errors
+from .common import (FIDELITY_HELP, REREAD_HELP, app, dial_options, err, format_bytes, out,
+                     user_errors)
 
 
 @app.command()
@@ -25,6 +26,8 @@ def serve(model: list[str] = typer.Option(
           translate: bool = typer.Option(
               True, "--translate/--no-translate",
               help="hand conversations over by translation (off: the target re-reads)"),
+          reread: int = typer.Option(None, help=REREAD_HELP),
+          fidelity: float = typer.Option(None, help=FIDELITY_HELP),
           max_tokens: int = typer.Option(512, help="reply length when a request gives none"),
           max_body_bytes: str = typer.Option("8M", metavar="BYTES",
                                              help="largest request body accepted")):
@@ -34,7 +37,8 @@ def serve(model: list[str] = typer.Option(
     config = ServeConfig(models=list(model or ServeConfig().models),
                          translators=list(translator or []), host=host, port=port,
                          cache_bytes=parse_bytes(cache_bytes), translate=translate,
-                         default_max_tokens=max_tokens, max_body_bytes=parse_bytes(max_body_bytes))
+                         default_max_tokens=max_tokens, max_body_bytes=parse_bytes(max_body_bytes),
+                         **dial_options(reread, fidelity))
     config.check()
     sock = listen(host, port)
     engine = Engine.from_config(config)

@@ -100,6 +100,19 @@ class Saved:
     command: list[str]
 
 
+def dial_summary(s: SwitchStatus) -> str:
+    """The fidelity dial's setting of an applied switch and what its frontier expects."""
+    if s.status != "applied" or not (s.tokens_translated or s.tokens_read):
+        return ""
+    expect = []
+    if s.expected_agreement is not None:
+        expect.append(f"held-out agreement {s.expected_agreement:.2f}")
+    if s.expected_speedup is not None:
+        expect.append(f"x{s.expected_speedup:.1f} over re-prefill")
+    how = "; ".join(x for x in (s.setting_note, ", ".join(expect)) if x)
+    return f"; R={s.reread}" + (f" ({how})" if how else "")
+
+
 def gate_summary(s: SwitchStatus) -> str:
     """The fidelity gate's verdict on a switch, for a person (empty when it had none)."""
     if not s.gate:
@@ -291,7 +304,8 @@ class Chat:
             read = f", the last {s.tokens_read} read by {s.target}" if s.tokens_read else ""
             return (f"switched {s.source} -> {s.target}: {s.status}{detail}; "
                     f"{s.tokens_translated} tokens translated{read}, {s.tokens_reprefilled} "
-                    f"re-read, {s.translate_seconds * 1000:.1f} ms{gate_summary(s)}")
+                    f"re-read, {s.translate_seconds * 1000:.1f} ms{dial_summary(s)}"
+                    f"{gate_summary(s)}")
         if word == "/who":
             if arg:
                 raise KvtransError("/who takes no argument")

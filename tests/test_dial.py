@@ -132,3 +132,19 @@ def test_a_translator_loads_its_frontier_and_a_refit_drops_it(kimi_pair, tmp_pat
     assert [r.to_json() for r in loaded.frontier.rows] == [r.to_json() for r in FRONTIER.rows]
     artifact.save(loaded, directory, a, b)  # new weights: the old measurements go
     assert not (directory / "frontier.json").exists()
+
+
+@pytest.mark.parametrize("command", [["chat", "--script", "/dev/null"], ["serve"]])
+@pytest.mark.parametrize("options, message", [
+    (["--reread", "8", "--fidelity", "0.9"], "not both"),
+    (["--reread", "-1"], "--reread -1"),
+    (["--fidelity", "1.5"], "--fidelity 1.5"),
+    (["--fidelity", "0"], "--fidelity 0.0")])
+def test_chat_and_serve_refuse_a_bad_dial_in_one_line(command, options, message):
+    from typer.testing import CliRunner
+
+    from mlx_kvtrans.cli.main import app
+
+    result = CliRunner().invoke(app, command + options)
+    assert result.exit_code == 2 and message in result.output
+    assert "Traceback" not in result.output

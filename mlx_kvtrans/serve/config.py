@@ -25,6 +25,8 @@ class ServeConfig:
     translate: bool = True
     default_max_tokens: int = 512  # a chat reply's length when the request gives none
     max_body_bytes: int = 8 << 20
+    reread: int | None = None  # the fidelity dial (session/dial.py): a fixed R, or
+    fidelity: float | None = None  # an agreement each switch meets
 
     def check(self) -> None:
         if not self.models:

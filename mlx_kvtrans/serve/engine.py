@@ -228,7 +228,8 @@ class Engine:
         names = [n for n in self.models if self.groups[n] == group]
         used = {pair: tr for pair, tr in self.translators.items()
                 if pair[0] in names and pair[1] in names} if self.config.translate else {}
-        return Session({n: self.models[n] for n in names}, used, active=model)
+        return Session({n: self.models[n] for n in names}, used, active=model,
+                       reread=self.config.reread, fidelity=self.config.fidelity)
 
     def close(self) -> None:
         """Finish the queued requests, then stop the worker."""
