@@ -19,7 +19,7 @@ from pathlib import Path
 
 import mlx_kvtrans as kv  # first: fast BLAS
 
-from mlx_kvtrans.audit import STORAGE_NOTE, audit, held_out_tokens, load_model
+from mlx_kvtrans.tools.audit import STORAGE_NOTE, audit, held_out_tokens, load_model
 from mlx_kvtrans.blas import blas_report
 
 OUT = Path(__file__).resolve().parent / "results"

@@ -34,14 +34,14 @@ import mlx_kvtrans as kv  # first: fast BLAS
 import mlx.core as mx
 
 from mlx_kvtrans.blas import blas_report
-from mlx_kvtrans.evaluation.needles import needle_report, needle_rows
+from mlx_kvtrans.evaluation.needles import filler_sentences, needle_report, needle_rows
 from mlx_kvtrans.models import weights_fingerprint
 from mlx_kvtrans.translators import artifact
 from mlx_kvtrans.translators.distill import DistillConfig, Distiller, start_fingerprint
 from mlx_kvtrans.translators.fidelity import fidelity
 from mlx_kvtrans.translators.fit import FitConfig, fit, token_windows
 from mlx_kvtrans.translators.translator import translate_cache
-from mlx_kvtrans.zoo.corpus import read_split, sentences
+from mlx_kvtrans.zoo.corpus import read_split
 
 ROOT = Path(__file__).resolve().parent
 OUT = ROOT / "results" / "exact_recall"
@@ -144,7 +144,7 @@ def main():
         validation_ids = corpus_ids(src.tokenizer, "validation")
         test_ids = corpus_ids(src.tokenizer, "test")
         needles = needle_rows(src.tokenizer.encode,
-                              sentences(read_split("runs/corpus", "train"), limit=20_000),
+                              filler_sentences(read_split("runs/corpus", "train"), limit=20_000),
                               FIT_LENGTH + DistillConfig.continuation)
         if args.note:
             entry["note"] = args.note

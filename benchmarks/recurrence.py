@@ -17,7 +17,8 @@ import mlx.nn as nn
 from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
 
 from mlx_kvtrans.blas import blas_report, median_seconds
-from mlx_kvtrans.gated_delta import chunked_recurrence, gated_delta_update_chunked
+from mlx_kvtrans.capture.instrument import chunked_recurrence
+from mlx_kvtrans.layouts.gated_delta import gated_delta_update_chunked
 from mlx_kvtrans.zoo.families import tiny_config
 from mlx_kvtrans.zoo.random_model import build_model
 

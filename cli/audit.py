@@ -23,7 +23,8 @@ def audit(model: str = typer.Argument(..., help="zoo alias, model directory, HF 
                                        help="one JSON entry per layer and object")):
     """Per layer and cache object: top-1 token-identity accuracy of a linear read-out of the
     cached rows (and of codebook decoding for an MLA layer 0)."""
-    from mlx_kvtrans.audit import STORAGE_NOTE, audit as run_audit, held_out_tokens, load_model
+    from mlx_kvtrans.tools.audit import STORAGE_NOTE, held_out_tokens, load_model
+    from mlx_kvtrans.tools.audit import audit as run_audit
 
     in_range("--tokens", tokens, 2)
     lm = load_model(model)

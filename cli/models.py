@@ -8,7 +8,7 @@ import json
 import typer
 
 import mlx_kvtrans
-from mlx_kvtrans.audit import STORAGE_NOTE
+from mlx_kvtrans.tools.audit import STORAGE_NOTE
 
 from .common import (JSON_HELP, FitTable, app, format_bytes, format_shape, in_range,
                      model_configs, out, position_limit, user_errors)
@@ -63,7 +63,7 @@ def inspect(model: str = typer.Argument(..., help="zoo alias, model directory or
     out.print(f"[bold]{len(layout.layers)} layers[/]  ·  "
               f"{format_bytes(layout.bytes_per_token)} per token"
               f"  ·  {format_bytes(layout.fixed_bytes)} fixed  ·  capture points: "
-              + "; ".join(f"({k}) {v}" for k, v in mlx_kvtrans.CAPTURE_POINTS.items()))
+              + "; ".join(f"({k}) {v}" for k, v in mlx_kvtrans.layouts.CAPTURE_POINTS.items()))
     out.print(f"{STORAGE_NOTE}; `kvtrans audit {model}` measures how well")
 
 
@@ -74,7 +74,7 @@ def verify(model: str = typer.Argument(..., help="zoo alias, model directory or 
                                       help="prompt length (default: 64, or beyond index_topk)"),
            as_json: bool = typer.Option(False, "--json", help=JSON_HELP)):
     """Prove capture -> install, (1)/(2) -> (3) conversion and replay exact on this checkpoint."""
-    from mlx_kvtrans.verify import CONTINUATION, checks_to_json, run_checks
+    from mlx_kvtrans.tools.verify import CONTINUATION, checks_to_json, run_checks
 
     if prefix is not None:
         in_range("--prefix", prefix, 2, position_limit(model_configs(model), CONTINUATION,
@@ -103,7 +103,7 @@ def verify(model: str = typer.Argument(..., help="zoo alias, model directory or 
 @user_errors
 def doctor(as_json: bool = typer.Option(False, "--json", help=JSON_HELP)):
     """MLX version, device, Metal kernels, measured matmul throughput and the BLAS in use."""
-    from mlx_kvtrans.doctor import diagnose
+    from mlx_kvtrans.tools.doctor import diagnose
 
     report = diagnose()
     if as_json:

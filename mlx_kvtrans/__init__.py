@@ -7,22 +7,31 @@ Public API (everything takes mlx-lm models and returns mlx-lm caches):
     cap = kvtrans.capture(src.model, tokens)    # objects at capture points (1), (2), (3)
     cache = kvtrans.install(src.model, cap.at(1), point=1)   # -> KVCache / ArraysCache / CacheList
     outputs, state = kvtrans.replay(layout.layers[0].cache, cap.layer(0, 2)["state"])
+    kvtrans.write_prompt_cache("p.safetensors", cache, "kimi-linear")  # read_prompt_cache reads
 
     recipes = kvtrans.plan(kvtrans.layout_of(src.model), layout)      # a recipe per target object
     tr = kvtrans.fit(src.model, tgt.model, batches, recipes, kvtrans.FitConfig())   # stage 1
     tr = kvtrans.distill(tr, src.model, tgt.model, train_ids, held_out_ids)        # stage 2
+    kvtrans.save_translator(tr, "out/", src, tgt)
     tr = kvtrans.load_translator("kimi-linear__kimi-vl-distilled", src, tgt)  # or a directory
     cache = kvtrans.translate_cache(tr, src.model, tgt.model, tokens)   # the target continues
     session = kvtrans.Session({"a": src, "b": tgt}, {("a", "b"): tr})   # switch mid-conversation
+    status = session.switch("b")                # a SwitchStatus: applied or not, why, timings
+
+Every error a user can act on is a `KvtransError`. The layout vocabulary (`CapturePoint`,
+`ObjectKind`, `CacheObject`, `LayerLayout`, `ModelLayout`, `Rotation`, `RecurrentInputs`,
+`CAPTURE_POINTS`, `SUPPORTED_FAMILIES`) lives in `mlx_kvtrans.layouts`; the pipeline's other
+stages in their folders (`capture`, `translators`, `session`, ...).
 """
 
 from . import blas  # noqa: F401  (first: selects a fast BLAS before mlx.core loads)
-from .capture import Capture, capture
-from .errors import KvtransError, ModelNotFoundError, UnsupportedModelError
-from .install import install, to_engine
-from .layouts import (CAPTURE_POINTS, SUPPORTED_FAMILIES, CacheObject, CapturePoint, LayerLayout,
-                      ModelLayout, ObjectKind, RecurrentInputs, Rotation, layout_of)
-from .models import LoadedModel, load, resolve
+from . import layouts
+from ._version import __version__
+from .capture import capture
+from .errors import KvtransError
+from .install import install
+from .layouts import layout_of
+from .models import load
 from .prompt_cache import read_prompt_cache, write_prompt_cache
 from .session import Session, SwitchStatus
 from .translators.artifact import load as load_translator
@@ -30,13 +39,11 @@ from .translators.artifact import save as save_translator
 from .translators.distill import DistillConfig, distill
 from .translators.fit import FitConfig, fit
 from .translators.plan import plan
-from .translators.translator import Translator, translate_cache
-
-__version__ = "0.2.0"
+from .translators.translator import translate_cache
 
 
-def replay(layer_cache, inputs: RecurrentInputs, state=None, chunk_size=None, use_kernel=True,
-           parallel=False):
+def replay(layer_cache, inputs: layouts.RecurrentInputs, state=None, chunk_size=None,
+           use_kernel=True, parallel=False):
     """Run a linear-attention layer's own recurrence over per-token (2) `inputs` from `state`.
 
     `layer_cache`: `layout.layers[i].cache` of a GDN or KDA layer. Returns (outputs, state).
@@ -48,10 +55,7 @@ def replay(layer_cache, inputs: RecurrentInputs, state=None, chunk_size=None, us
                               parallel=parallel)
 
 
-__all__ = ["CAPTURE_POINTS", "Capture", "CacheObject", "CapturePoint", "DistillConfig",
-           "FitConfig", "KvtransError", "LayerLayout", "LoadedModel", "ModelLayout",
-           "ModelNotFoundError", "ObjectKind", "RecurrentInputs", "Rotation",
-           "SUPPORTED_FAMILIES", "Session", "SwitchStatus", "Translator", "UnsupportedModelError",
-           "capture", "distill", "fit", "install", "layout_of", "load", "load_translator", "plan",
-           "read_prompt_cache", "replay", "resolve", "save_translator", "to_engine",
-           "translate_cache", "write_prompt_cache"]
+__all__ = ["DistillConfig", "FitConfig", "KvtransError", "Session", "SwitchStatus", "capture",
+           "distill", "fit", "install", "layout_of", "load", "load_translator", "plan",
+           "read_prompt_cache", "replay", "save_translator", "translate_cache",
+           "write_prompt_cache"]

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .instrument import output_head
+from .capture.instrument import output_head
 
 GATE_TOKENS = 8  # r: the span's last tokens the target reads itself
 KINDS = ("read", "generated")  # a tail the source read, or one it wrote: thresholds per kind

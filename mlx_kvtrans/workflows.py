@@ -64,10 +64,9 @@ def training_needles(encode, texts: Sequence[str], length: int, count: int = 200
     """Synthetic needles (training seeds) of at least `length` tokens, their filler sentences
     drawn from the training `texts`: the rows `needle_share` mixes into fitting windows and
     distillation batches, question and answer last."""
-    from .evaluation.needles import needle_rows
-    from .zoo.corpus import sentences
+    from .evaluation.needles import filler_sentences, needle_rows
 
-    return needle_rows(encode, sentences(list(texts), limit=20_000), length, count=count)
+    return needle_rows(encode, filler_sentences(list(texts), limit=20_000), length, count=count)
 
 
 # -- stage 1 ----------------------------------------------------------------------------------

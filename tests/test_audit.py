@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import mlx_kvtrans as kv
-from mlx_kvtrans.audit import LinearReadout, audit, held_out_tokens
+from mlx_kvtrans.tools.audit import LinearReadout, audit, held_out_tokens
 from mlx_kvtrans.files import write_private
 
 
@@ -112,7 +112,7 @@ def test_gguf_checkpoint_reproduces_its_model_logits(tmp_path):
     from mlx_lm.models import llama
     from tokenizers import pre_tokenizers
 
-    from mlx_kvtrans.gguf import load_gguf
+    from mlx_kvtrans.tools.gguf import load_gguf
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     tokens = alphabet + ["Ġt", "<|endoftext|>"]

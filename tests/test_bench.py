@@ -11,11 +11,11 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache
 
 import mlx_kvtrans as kv
-from mlx_kvtrans import gated_delta
+from mlx_kvtrans.layouts import gated_delta
+from mlx_kvtrans.layouts.gated_delta import metal_recurrence_available
 from mlx_kvtrans.session import Session
 from mlx_kvtrans.timing.switch import (bench_switch, cache_nbytes, first_token, gated_session,
                                        gated_switch, source_prefill, switch_cache)
-from mlx_kvtrans.layouts.linear_attention import metal_recurrence_available
 from mlx_kvtrans.translators.fit import FitConfig, fit
 from mlx_kvtrans.translators.plan import plan
 
@@ -96,7 +96,7 @@ def test_cold_switch_under_chunked_recurrence_gives_the_same_first_token(loaded,
 
 
 def test_doctor_reports_memory_bandwidth():
-    from mlx_kvtrans.doctor import diagnose
+    from mlx_kvtrans.tools.doctor import diagnose
 
     assert diagnose()["memory_bandwidth_gbs"] > 0
 

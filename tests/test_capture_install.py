@@ -5,8 +5,8 @@ import pytest
 from mlx_lm.models.cache import load_prompt_cache
 
 import mlx_kvtrans as kv
-from mlx_kvtrans.install import NotFinite
-from mlx_kvtrans.verify import max_abs_diff
+from mlx_kvtrans.install import NotFinite, to_engine
+from mlx_kvtrans.tools.verify import max_abs_diff
 from mlx_kvtrans.zoo.families import FAMILIES
 
 from conftest import HYBRID_RECURRENT
@@ -35,7 +35,7 @@ def test_install_reproduces_logits(loaded, family):
 def test_raw_and_postnorm_convert_to_engine_cache(loaded, family, point):
     model = loaded(family).model
     cap = kv.capture(model, tokens()[:, :PREFIX])
-    converted = kv.to_engine(model, cap.at(point), point)
+    converted = to_engine(model, cap.at(point), point)
     for layer, native in zip(converted, cap.at(3)):
         assert layer.keys() == native.keys()
         for name in native:
@@ -53,10 +53,10 @@ def test_capture_points_match_layout(loaded, family):
                 if point == 3:
                     shape = tuple(PREFIX if s == "T" else s for s in obj.engine_shape)
                     assert value.shape == shape
-                elif obj.per_token or obj.kind == kv.ObjectKind.CONV_HISTORY:
+                elif obj.per_token or obj.kind == kv.layouts.ObjectKind.CONV_HISTORY:
                     assert value.shape == (1, PREFIX, obj.token_dim)
                 else:
-                    assert isinstance(value, kv.RecurrentInputs)
+                    assert isinstance(value, kv.layouts.RecurrentInputs)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -66,8 +66,8 @@ def test_chunked_capture_equals_whole(loaded, family):
     whole, chunked = kv.capture(model, toks), kv.capture(model, toks, chunk_size=13)
     for a, b in zip(whole.objects, chunked.objects):
         for key in a:
-            xs = a[key].arrays() if isinstance(a[key], kv.RecurrentInputs) else [a[key]]
-            ys = b[key].arrays() if isinstance(b[key], kv.RecurrentInputs) else [b[key]]
+            xs = a[key].arrays() if isinstance(a[key], kv.layouts.RecurrentInputs) else [a[key]]
+            ys = b[key].arrays() if isinstance(b[key], kv.layouts.RecurrentInputs) else [b[key]]
             for x, y in zip(xs, ys):
                 assert max_abs_diff(x, y) <= 1e-5, key
 
@@ -101,7 +101,7 @@ def test_conv_history_is_last_raw_rows(loaded, family):
         cap = kv.capture(model, toks)
         for layer in cap.layout.layers:
             for obj in layer.objects:
-                if obj.kind == kv.ObjectKind.CONV_HISTORY:
+                if obj.kind == kv.layouts.ObjectKind.CONV_HISTORY:
                     rows = cap.objects[layer.index][(obj.name, 1)]
                     history = cap.objects[layer.index][(obj.name, 3)]
                     k1 = history.shape[1]
@@ -150,7 +150,7 @@ def test_install_rejects_wrong_layer_count(loaded):
 @pytest.mark.parametrize("family", ["qwen3_5", "kimi_linear", "deepseek_v32"])
 def test_checks_hold_in_bfloat16(model_dirs, family):
     """Real checkpoints run in bf16 on a Mac: the same identities hold there."""
-    from mlx_kvtrans.verify import run_checks
+    from mlx_kvtrans.tools.verify import run_checks
 
     lm = kv.load(str(model_dirs(family)))
     lm.model.set_dtype(mx.bfloat16)
@@ -162,7 +162,7 @@ def test_checks_hold_in_bfloat16(model_dirs, family):
 def test_checks_hold_on_a_quantized_model(model_dirs):
     import mlx.nn as nn
 
-    from mlx_kvtrans.verify import run_checks
+    from mlx_kvtrans.tools.verify import run_checks
 
     lm = kv.load(str(model_dirs("qwen3")))
     nn.quantize(lm.model, group_size=32, bits=8)
@@ -186,7 +186,7 @@ def test_capture_continues_a_cache_and_append_grows_one(loaded, family):
         for obj in layer.objects:  # per-token objects of the half equal the whole's slice
             got = second.objects[layer.index].get((obj.name, 1))
             want = whole.objects[layer.index].get((obj.name, 1))
-            if got is not None and not isinstance(got, kv.RecurrentInputs):
+            if got is not None and not isinstance(got, kv.layouts.RecurrentInputs):
                 assert max_abs_diff(got, want[:, 24:]) <= 1e-5
     expected = model(toks[:, PREFIX:], cache=whole.engine)
     assert max_abs_diff(model(toks[:, PREFIX:], cache=cache), expected) <= 1e-5
@@ -203,7 +203,7 @@ def test_extending_a_cache_equals_installing_the_concatenation(loaded, family):
     layout = kv.layout_of(model)
 
     def span(lo, hi):
-        return [{k: v.slice(lo, hi) if isinstance(v, kv.RecurrentInputs) else v[:, lo:hi]
+        return [{k: v.slice(lo, hi) if isinstance(v, kv.layouts.RecurrentInputs) else v[:, lo:hi]
                  for k, v in layer.items()} for layer in objects]
 
     whole = kv.install(model, objects, 1)
@@ -212,7 +212,7 @@ def test_extending_a_cache_equals_installing_the_concatenation(loaded, family):
     for layer, a, b in zip(layout.layers, whole, extended):
         mine, theirs = layer.cache.read_engine(a), layer.cache.read_engine(b)
         for name in mine:
-            if layer.cache.object(name).kind == kv.ObjectKind.RECURRENT_STATE:
+            if layer.cache.object(name).kind == kv.layouts.ObjectKind.RECURRENT_STATE:
                 assert max_abs_diff(mine[name], theirs[name]) <= 1e-6, (layer.index, name)
             else:
                 assert mx.array_equal(mine[name], theirs[name]).item(), (layer.index, name)

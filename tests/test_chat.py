@@ -320,7 +320,7 @@ def tiny_session(kimi_pair, both=True) -> Session:
 
 
 def test_saved_session_cache_continues_in_mlx_lm(kimi_pair, tmp_path):
-    from mlx_kvtrans.verify import max_abs_diff
+    from mlx_kvtrans.tools.verify import max_abs_diff
 
     a, b, _ = kimi_pair
     s = tiny_session(kimi_pair)

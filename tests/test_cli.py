@@ -134,7 +134,7 @@ def test_malformed_config_is_a_user_error(tmp_path, model_dirs):
 
 
 def test_failed_verification_exits_1_without_internal_error(model_dirs, monkeypatch):
-    from mlx_kvtrans import verify
+    from mlx_kvtrans.tools import verify
 
     real = verify.run_checks
 
@@ -153,7 +153,7 @@ def test_failed_verification_exits_1_without_internal_error(model_dirs, monkeypa
 def test_verify_passes_correct_models_on_any_seed(tmp_path, family):
     """The full-forward check allows the forward's own float32 reassociation error: a correct
     checkpoint passes whatever its random weights."""
-    from mlx_kvtrans.verify import run_checks
+    from mlx_kvtrans.tools.verify import run_checks
     from mlx_kvtrans.zoo.random_model import write_random_model
 
     for seed in range(4):
@@ -166,7 +166,7 @@ def test_verify_passes_correct_models_on_any_seed(tmp_path, family):
 def test_verify_fails_an_install_off_by_one_percent(loaded, monkeypatch, family):
     import mlx.core as mx
 
-    from mlx_kvtrans import verify
+    from mlx_kvtrans.tools import verify
 
     real = verify.install
 

@@ -11,7 +11,7 @@ from mlx_kvtrans.evaluation.frontier import Frontier, Row, Setting
 from mlx_kvtrans.install import install
 from mlx_kvtrans.session import Session, dial
 from mlx_kvtrans.translators import artifact
-from mlx_kvtrans.verify import max_abs_diff
+from mlx_kvtrans.tools.verify import max_abs_diff
 
 
 def row(length, reread, agreement, speedup):
@@ -102,7 +102,7 @@ def test_a_state_reading_translator_stops_at_or_before_r_tokens_back(zoo):
     R = 32 the target still reads at least 32 tokens itself, and the gate judges its last."""
     src, tgt = zoo("qwen3.5-a"), zoo("qwen3.5-b")
     tr = artifact.load(artifact.shipped("qwen3.5-a", "qwen3.5-b"), src, tgt)
-    assert kv.CapturePoint.ENGINE in tr.source_points()
+    assert kv.layouts.CapturePoint.ENGINE in tr.source_points()
     s = Session({"a": src, "b": tgt}, {("a", "b"): tr}, active="a", reread=32)
     s.add(src.tokenizer.encode("The ship sailed at dawn, and the crew " * 12))
     list(s.generate(12))

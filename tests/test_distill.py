@@ -14,7 +14,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 import mlx_kvtrans as kv
-from mlx_kvtrans.gated_delta import chunked_recurrence
+from mlx_kvtrans.capture.instrument import chunked_recurrence
 from mlx_kvtrans.translators import artifact
 from mlx_kvtrans.translators.distill import DistillConfig, Distiller, Problem
 from mlx_kvtrans.translators.fit import FitConfig, fit
@@ -74,7 +74,7 @@ def test_recorded_attention_is_the_attention_the_model_computes(loaded, family):
     """Recomputed from what `scaled_dot_product_attention` is given (GQA, MLA's additive rope
     scores, the causal mask of queries reading a cache), the probabilities times the values are
     its output."""
-    from mlx_kvtrans.instrument import attention_module_name, observe_function
+    from mlx_kvtrans.capture.instrument import attention_module_name, observe_function
     from mlx_kvtrans.translators.attention_weights import attention_probabilities
     from mlx_lm.models.base import scaled_dot_product_attention as sdpa
     from mlx_lm.models.cache import make_prompt_cache

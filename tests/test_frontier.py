@@ -178,3 +178,21 @@ def test_cli_refuses_an_existing_out_file_before_measuring(tmp_path):
                                       str(existing)])
     assert result.exit_code == 2 and "--force" in result.output
     assert existing.read_text() == "{}"
+
+
+def test_a_session_switch_builds_the_cache_the_plain_switch_does(kimi_pair):
+    """The frontier measures through a `Session` (as users switch); without the gate it holds
+    what translating all but R tokens and reading those does."""
+    from mlx_kvtrans.evaluation.frontier import SessionSwitch, Setting, Switch
+    from mlx_kvtrans.translators import artifact
+    from mlx_kvtrans.tools.verify import max_abs_diff
+
+    a, b, paths = kimi_pair
+    tr = artifact.load(paths[(a.name, b.name)])
+    plain, via = Switch(tr, a.model, b.model), SessionSwitch(tr, a, b, gate_tokens=0)
+    prefix = list(range(60, 110))
+    x = mx.array([[5, 6, 7]])
+    for r in (0, 8, 24):
+        assert max_abs_diff(b.model(x, cache=plain.cache(Setting(r), prefix)),
+                            b.model(x, cache=via.cache(Setting(r), prefix))) <= 1e-4
+        assert [st.tokens_read for st in via.statuses[Setting(r)]] == [r]

@@ -20,11 +20,11 @@ import mlx_kvtrans as kv
 from mlx_kvtrans import calibrate, gate
 from mlx_kvtrans.capture import capture
 from mlx_kvtrans.install import install
-from mlx_kvtrans.instrument import output_head, recording_final_rows
+from mlx_kvtrans.capture.instrument import output_head, recording_final_rows
 from mlx_kvtrans.models import weights_dir
 from mlx_kvtrans.session import Session
 from mlx_kvtrans.translators import artifact
-from mlx_kvtrans.verify import max_abs_diff
+from mlx_kvtrans.tools.verify import max_abs_diff
 from mlx_kvtrans.zoo.families import FAMILIES
 
 SHIPPED = artifact.shipped_names()
@@ -197,7 +197,7 @@ def test_a_translator_that_reads_the_source_state_stops_at_a_snapshot(zoo):
     """The bilinear state recipe reads the source's recurrent state: the gated switch hands
     over the state as it was where the translation stops, not at the end of the span."""
     tr, src, tgt = shipped(used("qwen3.5-a", "qwen3.5-b"), zoo)
-    assert kv.CapturePoint.ENGINE in tr.source_points()
+    assert kv.layouts.CapturePoint.ENGINE in tr.source_points()
     s = Session({"a": src, "b": tgt}, {("a", "b"): tr}, active="a")
     s.add(held_out(src.tokenizer, 50, 8))
     list(s.generate(21))

@@ -5,8 +5,9 @@ import pytest
 from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
 
 import mlx_kvtrans as kv
-from mlx_kvtrans.gated_delta import chunked_recurrence, gated_delta_update_chunked
-from mlx_kvtrans.verify import max_abs_diff
+from mlx_kvtrans.capture.instrument import chunked_recurrence
+from mlx_kvtrans.layouts.gated_delta import gated_delta_update_chunked, metal_recurrence_available
+from mlx_kvtrans.tools.verify import max_abs_diff
 
 
 def inputs(T, per_channel, Hk=2, Hv=4, Dk=32, Dv=16, weak_decay=False, seed=0):
@@ -67,7 +68,7 @@ def test_models_run_the_chunked_recurrence_unchanged(loaded, family):
     assert max_abs_diff(state, cap.layer(0, 3)["state"]) <= 1e-5
 
 
-@pytest.mark.skipif(not kv.layouts.linear_attention.metal_recurrence_available(),
+@pytest.mark.skipif(not metal_recurrence_available(),
                     reason="mlx-lm's Metal recurrence kernel runs only on a Mac GPU")
 @pytest.mark.parametrize("family", ["kimi_linear", "qwen3_5"])
 def test_metal_kernel_replay_equals_the_pure_mlx_twins(loaded, family):

@@ -10,9 +10,9 @@ import pytest
 
 import mlx_kvtrans as kv
 from mlx_kvtrans.capture import capture, tapped
-from mlx_kvtrans.gated_delta import chunked_recurrence
-from mlx_kvtrans.instrument import hook_module, observe_function, recording_indexer_scores
-from mlx_kvtrans.verify import max_abs_diff
+from mlx_kvtrans.capture.instrument import (chunked_recurrence, hook_module, observe_function,
+                                            recording_indexer_scores)
+from mlx_kvtrans.tools.verify import max_abs_diff
 
 from conftest import HYBRID_RECURRENT
 
@@ -22,8 +22,8 @@ def tokens(n=40):
 
 
 def recorded_inputs(cap):
-    return [found[("state", kv.CapturePoint.NORMED)] for found in cap.objects
-            if ("state", kv.CapturePoint.NORMED) in found]
+    return [found[("state", kv.layouts.CapturePoint.NORMED)] for found in cap.objects
+            if ("state", kv.layouts.CapturePoint.NORMED) in found]
 
 
 @pytest.mark.parametrize("family", HYBRID_RECURRENT)
@@ -35,13 +35,13 @@ def test_capture_records_recurrence_inputs_nested_with_the_chunked_recurrence(lo
     assert reference
     layout = kv.layout_of(model)
     if order == "capture inside recurrence":
-        with chunked_recurrence(), tapped(model, layout, {kv.CapturePoint.NORMED}) as rec:
+        with chunked_recurrence(), tapped(model, layout, {kv.layouts.CapturePoint.NORMED}) as rec:
             mx.eval(model(tokens()))
     else:
-        with tapped(model, layout, {kv.CapturePoint.NORMED}) as rec, chunked_recurrence():
+        with tapped(model, layout, {kv.layouts.CapturePoint.NORMED}) as rec, chunked_recurrence():
             mx.eval(model(tokens()))
-    nested = [found[("state", kv.CapturePoint.NORMED)] for found in rec.joined()
-              if ("state", kv.CapturePoint.NORMED) in found]
+    nested = [found[("state", kv.layouts.CapturePoint.NORMED)] for found in rec.joined()
+              if ("state", kv.layouts.CapturePoint.NORMED) in found]
     assert len(nested) == len(reference)
     for a, b in zip(reference, nested):
         for x, y in zip(a.arrays(), b.arrays()):

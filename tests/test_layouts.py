@@ -8,7 +8,7 @@ import mlx_kvtrans as kv
 from mlx_kvtrans.errors import UnsupportedModelError
 from mlx_kvtrans.zoo.families import FAMILIES
 
-K = kv.ObjectKind
+K = kv.layouts.ObjectKind
 EXPECTED_KINDS = {
     "qwen3": {K.TOKEN_KEY, K.TOKEN_VALUE},
     "llama": {K.TOKEN_KEY, K.TOKEN_VALUE},
@@ -140,5 +140,5 @@ def test_unsupported_model_type_lists_families(loaded):
             kv.layout_of(model)
     finally:
         model.model_type = "qwen3"
-    for family in kv.SUPPORTED_FAMILIES:
+    for family in kv.layouts.SUPPORTED_FAMILIES:
         assert family in str(err.value)

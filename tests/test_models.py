@@ -5,6 +5,7 @@ import pytest
 
 import mlx_kvtrans as kv
 from mlx_kvtrans.errors import ModelNotFoundError
+from mlx_kvtrans.models import resolve
 from mlx_kvtrans.zoo.families import FAMILIES
 
 
@@ -40,12 +41,12 @@ def test_resolver_errors(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("KVTRANS_WEIGHTS", str(tmp_path / "no-zoo"))
     with pytest.raises(ModelNotFoundError):
-        kv.resolve("not-a-model")
+        resolve("not-a-model")
     with pytest.raises(ModelNotFoundError):
-        kv.resolve("some-org/some-model-that-is-not-cached")
+        resolve("some-org/some-model-that-is-not-cached")
     (tmp_path / "file.txt").write_text("x")
     with pytest.raises(ModelNotFoundError):
-        kv.resolve(str(tmp_path / "file.txt"))
+        resolve(str(tmp_path / "file.txt"))
 
 
 def test_zoo_alias_resolves_to_weights_dir(model_dirs, tmp_path, monkeypatch):
@@ -53,5 +54,5 @@ def test_zoo_alias_resolves_to_weights_dir(model_dirs, tmp_path, monkeypatch):
 
     shutil.copytree(model_dirs("qwen3"), tmp_path / "tiny-qwen3")
     monkeypatch.setenv("KVTRANS_WEIGHTS", str(tmp_path))
-    assert kv.resolve("tiny-qwen3") == tmp_path / "tiny-qwen3"
+    assert resolve("tiny-qwen3") == tmp_path / "tiny-qwen3"
     assert kv.load("tiny-qwen3").model_type == "qwen3"

@@ -82,9 +82,10 @@ def test_plan_command_runs_from_zoo_aliases():
 
 def test_a_fit_that_would_not_fit_is_refused_before_any_work(monkeypatch, tmp_path):
     monkeypatch.setattr(cost, "machine_memory", lambda: 2**20)  # a 1 MiB machine
+    (tmp_path / "text.txt").write_text("a few words " * 10)
     result = CliRunner().invoke(app, ["fit", "--from", "kimi-linear", "--to", "kimi-vl",
                                       "--out", str(tmp_path / "tr"), "--data",
-                                      str(tmp_path / "nothing.txt")])
+                                      str(tmp_path / "text.txt")])
     assert result.exit_code == 2 and "would need about" in result.output
     assert not (tmp_path / "tr").exists()
 

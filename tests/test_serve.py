@@ -22,7 +22,7 @@ import pytest
 from typer.testing import CliRunner
 
 from mlx_kvtrans.cli.main import app as cli
-from mlx_kvtrans.instrument import hook_module
+from mlx_kvtrans.capture.instrument import hook_module
 from mlx_kvtrans.serve import Engine, ServeConfig, listen, server
 from mlx_kvtrans.serve.config import find_translators, load_models
 from mlx_kvtrans.session import Session

@@ -13,7 +13,7 @@ from mlx_kvtrans.session import Session
 from mlx_kvtrans.translators import artifact
 from mlx_kvtrans.translators.fit import FitConfig, fit
 from mlx_kvtrans.translators.plan import plan
-from mlx_kvtrans.verify import max_abs_diff
+from mlx_kvtrans.tools.verify import max_abs_diff
 
 
 def translator_entries(translators: dict) -> dict:

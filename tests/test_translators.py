@@ -17,7 +17,7 @@ from mlx_kvtrans.translators.plan import plan, relative_depth
 from mlx_kvtrans.translators.recipes.state import bilinear_r2, fit_bilinear
 from mlx_kvtrans.translators.token_identity import build_codebook, decode_ids
 from mlx_kvtrans.translators.translator import translate_cache
-from mlx_kvtrans.verify import max_abs_diff
+from mlx_kvtrans.tools.verify import max_abs_diff
 
 
 def batches(n=6, length=48, seed=0):
@@ -375,7 +375,7 @@ def test_translation_flops_equal_a_hand_count(loaded):
             layer, obj, *rest = name.split(".")
             target = layout.layers[int(layer.removeprefix("layer"))].cache.object(obj)
             if rest == ["weight"]:
-                rows = (target.engine_shape[1] if target.kind == kv.ObjectKind.CONV_HISTORY
+                rows = (target.engine_shape[1] if target.kind == kv.layouts.ObjectKind.CONV_HISTORY
                         else length)
                 by_hand += 2 * w.shape[0] * w.shape[1] * rows
             elif rest[-1] == "weight":  # replay: k, v, a, b input maps

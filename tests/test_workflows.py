@@ -17,7 +17,7 @@ from mlx_kvtrans.translators import artifact
 from mlx_kvtrans.translators.distill import DistillConfig
 from mlx_kvtrans.translators.fit import FitConfig, fit, token_windows
 from mlx_kvtrans.translators.translator import translate_cache
-from mlx_kvtrans.verify import max_abs_diff
+from mlx_kvtrans.tools.verify import max_abs_diff
 
 TEXT = Path(__file__).parent / "data" / "corpus_sample.txt"
 PAIR = ("qwen3", "llama")  # attention only: the cheapest switches to calibrate on

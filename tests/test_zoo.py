@@ -10,7 +10,7 @@ import pytest
 
 import mlx_kvtrans as kv
 from mlx_kvtrans.models import weights_dir, zoo_aliases
-from mlx_kvtrans.verify import run_checks
+from mlx_kvtrans.tools.verify import run_checks
 from mlx_kvtrans.zoo import corpus
 from mlx_kvtrans.zoo.data import Mix, SampleMaker, make_batch, render_chat
 from mlx_kvtrans.zoo.tokenizer import CHAT_TEMPLATE, train_bpe

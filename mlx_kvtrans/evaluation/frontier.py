@@ -144,12 +144,49 @@ class Switch:
         return cache
 
 
+class SessionSwitch(Switch):
+    """The switch a user's session makes: the source reads the prefix in a `Session`, which
+    hands it over to the target at the setting's R with the fidelity gate judging (a fired
+    gate: the target re-reads). `statuses` keeps every switch's status."""
+
+    def __init__(self, translator, source, target, gate_tokens: int | None = None):
+        super().__init__(translator, source.model, target.model)
+        self.lms, self.gate_tokens = (source, target), gate_tokens
+        self.statuses: dict[Setting, list] = {}
+        self._last = None  # (setting, prefix) -> its evaluated cache: one session per window
+
+    def read(self, setting: Setting, prefix: list[int]):
+        return None  # the session's source records what it reads
+
+    def cache(self, setting: Setting, prefix: list[int], recorded=None) -> list:
+        import copy
+
+        from ..session import Session
+
+        key = (setting, tuple(prefix))
+        if self._last is None or self._last[0] != key:
+            options = {} if self.gate_tokens is None else {"gate_tokens": self.gate_tokens}
+            session = Session({"source": self.lms[0], "target": self.lms[1]},
+                              {("source", "target"): self.translator}, active="source",
+                              reread=setting.reread, **options)
+            session.add(prefix)
+            list(session.generate(0))  # the source reads the prefix
+            self.statuses.setdefault(setting, []).append(session.switch("target"))
+            cache = session.lines["target"].cache
+            mx.eval([c.state for c in cache])
+            self._last = (key, cache)
+        return copy.deepcopy(self._last[1])  # the caller's forward must not grow ours
+
+
 def time_switch(switch: Switch, setting: Setting, tokens: list[int],
                 repeats: int = 3) -> tuple[float, float]:
     """(re-prefill seconds, switch seconds) to the first token of the `tokens` prompt: the
     target reading every token, beside the warm switch (translate, install, the target reads
     the rest); each ends with the first token's argmax evaluated. The two alternate, so both
     see the same load; medians of `repeats` after one untimed run each."""
+    # the compute of the switch itself, without a session's bookkeeping or its gate
+    switch = Switch(switch.translator, switch.source, switch.target, switch.source_layout,
+                    switch.target_layout)
     target, prefix = switch.target, tokens[:-1]
     n = setting.translated(len(prefix))
 
@@ -191,6 +228,7 @@ class Row:
     recall_translated: float | None
     reprefill_s: float
     switch_s: float
+    applied: float | None = None  # through a session: the share of switches the gate let stand
 
     @property
     def speedup(self) -> float:
@@ -267,6 +305,8 @@ def measure(switch: Switch, encode, text_ids: list[int], plan: dict[int, list[Se
                                    cache_for=lambda ids, s=s: switch.cache(s, ids))["recall"] \
                 if needles else None
             got, floor_mean = scores[s], _mean(floor)
+            made = getattr(switch, "statuses", {}).pop(s, None)  # a session's switches
+            applied = _mean([st.status == "applied" for st in made]) if made else None
             reprefill_s, switch_s = time_switch(switch, s, list(text_ids[starts[0]:starts[0]
                                                                          + length]), repeats)
             rows.append(Row(
@@ -276,7 +316,7 @@ def measure(switch: Switch, encode, text_ids: list[int], plan: dict[int, list[Se
                 greedy_match=_mean(got["match"]), greedy_exact=_mean(got["exact"]),
                 first_token=_mean(got["first"]), kl=_mean(got["kl"]), needles=needles,
                 recall_native=native_recall, recall_translated=recall,
-                reprefill_s=reprefill_s, switch_s=switch_s))
+                reprefill_s=reprefill_s, switch_s=switch_s, applied=applied))
     if progress:
         progress(total, total, "")
     return rows
@@ -323,7 +363,7 @@ def measure_translator(directory, source, target, translator, text_ids: list[int
     for n, settings in plan.items():
         if not settings:
             raise ValueError(f"no setting of R in {wanted} translates anything at {n} tokens")
-    switch = Switch(translator.prepare(), source.model, target.model)
+    switch = SessionSwitch(translator.prepare(), source, target)
     rows = measure(switch, target.tokenizer.encode, text_ids, plan, prompts, needles, repeats,
                    seed, progress)
     weights = directory / "weights.safetensors"

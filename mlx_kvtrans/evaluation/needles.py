@@ -1,5 +1,5 @@
 """Needle recall: held-out needles, their exact recall and answer-digit loss, and the
-distillation needle rows.
+distillation needle rows with the prose filler they are drawn from.
 
 Needle recall is exact: all six digits right under greedy decoding. With the answer fed in
 (teacher forcing), greedy decoding reproduces it exactly when every answer position's argmax is the
@@ -8,6 +8,8 @@ answer token, so one forward pass per needle decides it.
 
 from __future__ import annotations
 
+import random
+import re
 from pathlib import Path
 
 import mlx.core as mx
@@ -23,6 +25,18 @@ def held_out_filler() -> list[str]:
     """Filler sentences from the corpus's validation split (never trained on), shipped with
     the package so that every model is measured on the same needles."""
     return FILLER_FILE.read_text().splitlines()
+
+
+def filler_sentences(docs: list[str], limit: int = 50_000, seed: int = 0) -> list[str]:
+    """Sentences of plain prose (no digits, 30-240 characters) from `docs`, shuffled: needle
+    filler."""
+    out = []
+    for d in docs:
+        for s in re.split(r"(?<=[.!?])\s+", d.replace("\n\n", " ")):
+            if 30 <= len(s) <= 240 and not re.search(r"\d", s):
+                out.append(s)
+    random.Random(seed).shuffle(out)
+    return out[:limit]
 
 
 def needle_prompt_tokens(encode, seed: int, n_tokens: int, filler: list[str]):

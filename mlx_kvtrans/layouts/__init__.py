@@ -1,7 +1,11 @@
 """Cache layouts: what every layer of a loaded mlx-lm model caches, derived from its modules.
 
 One module per cache-object family: `gqa` (token keys/values), `mla` (latents, rope keys),
-`indexer` (sparse-attention indexer keys), `linear_attention` (conv histories, recurrent states).
+`indexer` (sparse-attention indexer keys), `linear_attention` (conv histories, recurrent states)
+with `gated_delta` (its recurrence in chunkwise-parallel form). `objects` names the capture points
+and object kinds. The layout vocabulary (`CapturePoint`, `ObjectKind`, `CacheObject`, `Rotation`,
+`LayerLayout`, `ModelLayout`, `RecurrentInputs`, `CAPTURE_POINTS`, `SUPPORTED_FAMILIES`) is
+reached here, as `mlx_kvtrans.layouts.X`.
 """
 
 from __future__ import annotations

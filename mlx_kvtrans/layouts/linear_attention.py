@@ -19,6 +19,7 @@ from dataclasses import dataclass, fields
 import mlx.core as mx
 
 from .base import LayerCache
+from .gated_delta import gated_delta_update_chunked, metal_recurrence_available
 from .objects import CapturePoint, ObjectKind, activation_dtype, fixed_object
 
 
@@ -81,8 +82,6 @@ class DeltaRuleLayer(LayerCache):
         elsewhere or when False. `parallel`: the chunkwise-parallel pure-MLX form instead
         (differentiable everywhere). `chunk_size` splits the tokens; the state carries across.
         """
-        from ..gated_delta import gated_delta_update_chunked
-
         A_log, dt_bias = self.recurrence_constants()
         update = gated_delta_update_chunked if parallel else _recurrence(self.mixer_module)
         step = chunk_size or max(inputs.length, 1)
@@ -187,8 +186,3 @@ class KimiDeltaAttention(DeltaRuleLayer):
     def recurrence_constants(self):
         m = self.mixer_module
         return m.A_log.reshape(m.num_heads, 1), m.dt_bias.reshape(m.num_heads, m.head_dim)
-
-
-def metal_recurrence_available() -> bool:
-    """Whether mlx-lm's `gated_delta_update` would use its Metal kernel here (a Mac GPU)."""
-    return bool(mx.metal.is_available() and mx.default_device() == mx.gpu)

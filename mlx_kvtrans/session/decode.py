@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 import mlx.core as mx
 
 from ..capture import PREFILL_CHUNK, Capture, capture, tapped
-from ..instrument import hook_module, recording_final_rows
+from ..capture.instrument import hook_module, recording_final_rows
 from ..layouts import CapturePoint
 from ..layouts.linear_attention import RecurrentInputs
 from .line import CacheLine, fixed_slots

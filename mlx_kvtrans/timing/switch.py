@@ -37,7 +37,7 @@ from mlx.utils import tree_flatten
 from ..blas import matmul_gflops, memory_bandwidth_gbs
 from ..capture import PREFILL_CHUNK, Capture, capture
 from ..gate import GATE_TOKENS
-from ..gated_delta import chunked_recurrence, fastest_recurrence
+from ..capture.instrument import chunked_recurrence, fastest_recurrence
 from ..install import install
 from ..layouts import ObjectKind, layout_of
 from ..models import LoadedModel

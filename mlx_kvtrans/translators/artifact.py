@@ -19,6 +19,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from .._version import __version__
 from ..errors import KvtransError
 from ..files import sha256_file
 from ..layouts import CapturePoint
@@ -36,8 +37,6 @@ FILES = ("weights.safetensors", "manifest.json")
 
 
 def save(translator: Translator, directory: str | Path, source, target) -> Path:
-    from .. import __version__
-
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     # a frontier measured of the weights replaced here no longer says anything

@@ -14,7 +14,7 @@ import contextlib
 
 import mlx.core as mx
 
-from ..instrument import attention_module_name, observe_function, running_layer
+from ..capture.instrument import attention_module_name, observe_function, running_layer
 from ..layouts import ModelLayout
 
 

@@ -137,7 +137,7 @@ def forward_bytes_per_token(lm) -> float:
     against random models of real per-layer sizes (benchmarks/results/switch.md): the FFN's
     intermediate rows, the logits, a few hidden-wide rows, and for linear-attention layers the
     chunkwise form's per-chunk products (KDA's per-channel decays: heads x chunk x key dim)."""
-    from ..gated_delta import default_chunk_size
+    from ..layouts.gated_delta import default_chunk_size
     from ..layouts import layout_of
     from ..layouts.linear_attention import DeltaRuleLayer, KimiDeltaAttention
 

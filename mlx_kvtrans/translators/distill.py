@@ -43,9 +43,8 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from ..capture import capture
 from ..errors import KvtransError
-from ..gated_delta import chunked_recurrence
 from ..install import install
-from ..instrument import recording_indexer_scores
+from ..capture.instrument import chunked_recurrence, recording_indexer_scores
 from ..layouts import CapturePoint, layout_of
 from .attention_weights import recording_attention_probabilities
 from .fidelity import kl_per_token

@@ -14,7 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..capture import capture
-from ..instrument import recording_indexer_scores
+from ..capture.instrument import recording_indexer_scores
 from ..layouts import CapturePoint, layout_of
 from .translator import Translator, translate_cache
 

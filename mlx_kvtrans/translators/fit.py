@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..capture import capture
-from ..gated_delta import fastest_recurrence
+from ..capture.instrument import fastest_recurrence
 from ..layouts import CapturePoint, ObjectKind, layout_of
 from .attention_weights import recording_attention
 from .features import input_embedding, layer_features, projection_name

@@ -255,15 +255,3 @@ def check_against(summary: dict, record: dict) -> None:
 def read_split(corpus_dir: str | Path, name: str) -> list[str]:
     text = (Path(corpus_dir) / f"{name}.txt").read_text()
     return [d for d in text.split(DOC_SEPARATOR) if d.strip()]
-
-
-def sentences(docs: list[str], limit: int = 50_000, seed: int = 0) -> list[str]:
-    """Sentences of plain prose, for needle filler."""
-    out = []
-    for d in docs:
-        for s in re.split(r"(?<=[.!?])\s+", d.replace("\n\n", " ")):
-            if 30 <= len(s) <= 240 and not re.search(r"\d", s):
-                out.append(s)
-    random.Random(seed).shuffle(out)
-    return out[:limit]
-

@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from ..evaluation import tasks
-from .corpus import read_split, sentences
+from ..evaluation.needles import filler_sentences
+from .corpus import read_split
 
 
 def render_chat(messages: list[dict]) -> str:
@@ -158,4 +159,4 @@ def make_batch(step: int, seed: int, batch: int, length: int, stream: TokenStrea
 
 
 def needle_filler(corpus_dir: Path) -> list[str]:
-    return sentences(read_split(corpus_dir, "train"), limit=20_000, seed=1)
+    return filler_sentences(read_split(corpus_dir, "train"), limit=20_000, seed=1)

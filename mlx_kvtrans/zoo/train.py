@@ -1,8 +1,8 @@
 """Train a zoo model from its curriculum, with checkpoints that resume where they stopped.
 
 Float32 on the CPU (bf16 is ~8x slower there). Linear-attention families train with the
-chunkwise-parallel recurrence (`mlx_kvtrans.gated_delta`); the saved models are plain mlx-lm
-checkpoints. The DSA model's indexer gets its own loss (the LM loss gives it no gradient: the
+chunkwise-parallel recurrence (`mlx_kvtrans.layouts.gated_delta`); the saved models are plain
+mlx-lm checkpoints. The DSA model's indexer gets its own loss (the LM loss gives it no gradient: the
 top-k selection is not differentiable): KL from the layer's attention distribution to the
 indexer's score distribution, with dense attention for the first steps while it learns.
 """
@@ -23,8 +23,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from ..evaluation.needles import HELD_OUT_SEED, held_out_filler, needle_recall, needle_scores
 from ..evaluation.perplexity import perplexity, unigram_perplexity
 from ..files import sha256_file
-from ..gated_delta import chunked_recurrence
-from ..instrument import hook_module, observe_function
+from ..capture.instrument import chunked_recurrence, hook_module, observe_function
 from ..layouts.indexer import indexer_keys, indexer_scores
 from .corpus import HELD_OUT, build_corpus, check_against
 from .data import SampleMaker, TokenStream, make_batch, needle_filler

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .errors import KvtransError
-from .models import LoadedModel
+from ..errors import KvtransError
+from ..models import LoadedModel
 
 GGML_GROUP = 32  # every ggml block format mlx reads (Q4_0, Q4_1, Q8_0) has 32 weights a block
 CONTROL_TOKEN = 3  # tokenizer.ggml.token_type of special tokens

@@ -23,11 +23,11 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 
-from .capture import capture
-from .errors import KvtransError
-from .layouts import CapturePoint, layout_of
-from .translators.recipes.token_map import per_token_rows
-from .translators.token_identity import build_codebook, decode_ids, first_mla_layer
+from ..capture import capture
+from ..errors import KvtransError
+from ..layouts import CapturePoint, layout_of
+from ..translators.recipes.token_map import per_token_rows
+from ..translators.token_identity import build_codebook, decode_ids, first_mla_layer
 
 STORAGE_NOTE = ("caches identify the tokens they hold: store them as you would the conversation "
                 "text (prompt-cache files and transcripts are written 0600)")
@@ -230,8 +230,8 @@ def held_out_tokens(tokenizer, count: int, fit_text: Path | None = None,
                     score_text: Path | None = None) -> tuple[list[int], list[int]]:
     """The first `count` tokens of each split: fit on the zoo corpus's validation text, score
     on its test text, unless other files are given."""
-    from .models import held_out_split
-    from .tokens import encode_file
+    from ..models import held_out_split
+    from ..tokens import encode_file
 
     splits = []
     for given, name in ((fit_text, "validation"), (score_text, "test")):
@@ -251,6 +251,6 @@ def load_model(name: str):
         from .gguf import load_gguf
 
         return load_gguf(name)
-    from .models import load
+    from ..models import load
 
     return load(name)

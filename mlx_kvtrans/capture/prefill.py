@@ -1,4 +1,4 @@
-"""Capture: prefill tokens through an mlx-lm model and read every cache object at (1), (2), (3).
+"""Prefill tokens through an mlx-lm model and read every cache object at (1), (2), (3).
 
 Nothing of the model is copied: submodules are tapped and the recurrence `gated_delta_update` is
 observed through `instrument` (safe to nest with the chunkwise recurrence or any other hook);
@@ -14,9 +14,9 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..layouts import CapturePoint, ModelLayout, layout_of
+from ..layouts.linear_attention import RecurrentInputs
 from .instrument import hook_module, observe_function, running_layer
-from .layouts import CapturePoint, ModelLayout, layout_of
-from .layouts.linear_attention import RecurrentInputs
 
 
 @dataclass

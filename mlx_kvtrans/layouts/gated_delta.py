@@ -19,12 +19,9 @@ strong the decay.
 
 from __future__ import annotations
 
-import contextlib
-
 import mlx.core as mx
 import mlx.nn as nn
-
-from .instrument import original_function, replace_function
+from mlx_lm.models.gated_delta import gated_delta_update as reference_update  # mlx-lm's own
 
 
 def log_decay(A_log: mx.array, a: mx.array, dt_bias: mx.array) -> mx.array:
@@ -146,10 +143,9 @@ def gated_delta_update_chunked(q, k, v, a, b, A_log, dt_bias, state=None, mask=N
                                chunk_size: int | None = None):
     """Drop-in for mlx-lm's `gated_delta_update` (same arguments), computed chunkwise."""
     if mask is not None or lower_bound is not None:
-        gated_delta_update = original_function("mlx_lm.models.gated_delta", "gated_delta_update")
-        return gated_delta_update(q, k, v, a, b, A_log, dt_bias, state, mask,
-                                  use_kernel=use_kernel, lower_bound=lower_bound,
-                                  allow_neg_eigval=allow_neg_eigval)
+        return reference_update(q, k, v, a, b, A_log, dt_bias, state, mask,
+                                use_kernel=use_kernel, lower_bound=lower_bound,
+                                allow_neg_eigval=allow_neg_eigval)
     beta = mx.sigmoid(b.astype(mx.float32))
     if allow_neg_eigval:
         beta = beta * 2.0
@@ -158,27 +154,6 @@ def gated_delta_update_chunked(q, k, v, a, b, A_log, dt_bias, state=None, mask=N
     return y, state
 
 
-RECURRENT_MODULES = ("mlx_lm.models.qwen3_next", "mlx_lm.models.qwen3_5",
-                     "mlx_lm.models.kimi_linear")
-
-
-@contextlib.contextmanager
-def chunked_recurrence(chunk_size: int | None = None):
-    """Within the block, mlx-lm's linear-attention layers run the chunkwise form (for training:
-    3-10x faster than the token loop on a CPU, and differentiable on every device). Capture taps
-    entered before or after keep recording the recurrence's inputs."""
-    def update(*args, **kwargs):
-        return gated_delta_update_chunked(*args, chunk_size=chunk_size, **kwargs)
-
-    with contextlib.ExitStack() as stack:
-        for name in RECURRENT_MODULES:
-            stack.enter_context(replace_function(name, "gated_delta_update", update))
-        yield
-
-
-def fastest_recurrence():
-    """Context in which linear-attention layers run the fastest recurrence here: mlx-lm's own
-    Metal kernel on a Mac (nothing to change), the chunkwise-parallel form elsewhere."""
-    from .layouts.linear_attention import metal_recurrence_available
-
-    return contextlib.nullcontext() if metal_recurrence_available() else chunked_recurrence()
+def metal_recurrence_available() -> bool:
+    """Whether mlx-lm's `gated_delta_update` would use its Metal kernel here (a Mac GPU)."""
+    return bool(mx.metal.is_available() and mx.default_device() == mx.gpu)

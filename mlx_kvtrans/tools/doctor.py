@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import platform
 
-from .blas import blas_report, matmul_gflops, memory_bandwidth_gbs
+from ..blas import blas_report, matmul_gflops, memory_bandwidth_gbs
 
 
 def diagnose() -> dict:
     import mlx.core as mx
     import mlx_lm
 
-    from .layouts.linear_attention import metal_recurrence_available
+    from ..layouts.gated_delta import metal_recurrence_available
 
     report = blas_report()
     return {

@@ -10,7 +10,8 @@ once and each one leaves exactly as it came:
   (`gated_delta_update`, `scaled_dot_product_attention`): `observe_function` sees the arguments
   of every call, `replace_function` substitutes the implementation (the latest one entered wins).
   Observers always run, whichever implementation is active, so a capture that records the
-  recurrence inputs keeps recording while the chunkwise recurrence replaces the token loop.
+  recurrence inputs keeps recording while the chunkwise recurrence replaces the token loop
+  (`chunked_recurrence`, the one patch that replaces an implementation).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from typing import Any, Callable, Iterator
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+
+from ..layouts import gated_delta
 
 # before(module, args, kwargs); after(module, args, kwargs, output)
 Before = Callable[[nn.Module, tuple, dict], None]
@@ -126,10 +129,31 @@ def replace_function(module_name: str, name: str, implementation: Callable):
     return _function_hook(module_name, name, "implementations", implementation)
 
 
-def original_function(module_name: str, name: str) -> Callable:
-    """The function mlx-lm defines under `name`, whatever hooks are active."""
-    hook = _function_hooks.get((module_name, name))
-    return hook.original if hook else getattr(importlib.import_module(module_name), name)
+RECURRENT_MODULES = ("mlx_lm.models.qwen3_next", "mlx_lm.models.qwen3_5",
+                     "mlx_lm.models.kimi_linear")
+
+
+@contextlib.contextmanager
+def chunked_recurrence(chunk_size: int | None = None):
+    """Within the block, mlx-lm's linear-attention layers run the chunkwise form
+    (`layouts.gated_delta`; for training: 3-10x faster than the token loop on a CPU, and
+    differentiable on every device). Capture taps entered before or after keep recording the
+    recurrence's inputs."""
+    def update(*args, **kwargs):
+        return gated_delta.gated_delta_update_chunked(*args, chunk_size=chunk_size, **kwargs)
+
+    with contextlib.ExitStack() as stack:
+        for name in RECURRENT_MODULES:
+            stack.enter_context(replace_function(name, "gated_delta_update", update))
+        yield
+
+
+def fastest_recurrence():
+    """Context in which linear-attention layers run the fastest recurrence here: mlx-lm's own
+    Metal kernel on a Mac (nothing to change), the chunkwise-parallel form elsewhere."""
+    if gated_delta.metal_recurrence_available():
+        return contextlib.nullcontext()
+    return chunked_recurrence()
 
 
 def attention_module_name(layer: nn.Module) -> str | None:
@@ -159,7 +183,7 @@ def running_layer(model: nn.Module) -> Iterator[dict]:
 def recording_indexer_scores(model: nn.Module) -> Iterator[list]:
     """Within the block, every sparse-attention indexer that reads a cache appends its pre-top-k
     scores against all cached keys, (B, queries, keys), to the list yielded."""
-    from .layouts.indexer import indexer_scores
+    from ..layouts.indexer import indexer_scores
 
     records: list = []
 

@@ -1,0 +1,193 @@
+"""The shape of the code, checked from the source alone (`ast`, nothing imported): small modules,
+no import cycles, no private names reached across modules, a core that never imports the zoo,
+and a short public API."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "mlx_kvtrans"
+CLI = ROOT / "cli"  # installs as mlx_kvtrans.cli
+MAX_LINES = 500
+MAX_PUBLIC_NAMES = 20
+
+
+def _modules() -> dict[str, Path]:
+    """Dotted name -> file, for every module of mlx_kvtrans/ and cli/."""
+    found = {}
+    for base, name in ((PACKAGE, "mlx_kvtrans"), (CLI, "mlx_kvtrans.cli")):
+        for path in sorted(base.rglob("*.py")):
+            parts = list(path.relative_to(base).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join([name, *parts])] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _package_of(module: str) -> str:
+    return module if MODULES[module].name == "__init__.py" else module.rsplit(".", 1)[0]
+
+
+def _absolute(module: str, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    base = _package_of(module).split(".")
+    base = base[:len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _module_level_imports(tree: ast.Module):
+    """Import statements that run when the module is imported: not inside a function or class
+    body, not under `if TYPE_CHECKING:`."""
+    todo = list(tree.body)
+    while todo:
+        node = todo.pop(0)
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        elif isinstance(node, ast.If):
+            todo.extend(node.orelse if _is_type_checking(node.test) else node.body + node.orelse)
+        elif isinstance(node, ast.Try):
+            todo.extend(node.body + node.orelse + node.finalbody
+                        + [n for h in node.handlers for n in h.body])
+        elif isinstance(node, ast.With):
+            todo.extend(node.body)
+
+
+def _all_imports(tree: ast.Module):
+    return (n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)))
+
+
+def _targets(module: str, node) -> list[tuple[str, str | None]]:
+    """(project module imported, name taken from it or None) for one import statement."""
+    out = []
+    if isinstance(node, ast.Import):
+        out = [(alias.name, None) for alias in node.names]
+    else:
+        source = _absolute(module, node)
+        for alias in node.names:
+            sub = f"{source}.{alias.name}"
+            out.append((sub, None) if sub in MODULES else (source, alias.name))
+    return [(m, name) for m, name in out if m in MODULES]
+
+
+def _trees():
+    return {m: ast.parse(p.read_text(), filename=str(p)) for m, p in MODULES.items()}
+
+
+TREES = _trees()
+
+
+def _graph() -> dict[str, set[str]]:
+    return {m: {target for node in _module_level_imports(tree) for target, _ in _targets(m, node)
+                if target != m}
+            for m, tree in TREES.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_module_over_500_lines():
+    long = {str(p.relative_to(ROOT)): n for p in MODULES.values()
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+def test_no_import_cycles():
+    assert not _cycles(_graph())
+
+
+def test_cycle_check_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_private_name_imported_across_modules():
+    found = []
+    for m, tree in TREES.items():
+        for node in _all_imports(tree):
+            for target, name in _targets(m, node):
+                if name and name.startswith("_") and not name.startswith("__"):
+                    found.append(f"{m}: from {target} import {name}")
+        # module._name where `module` is bound to another project module
+        bound = {}
+        for node in _all_imports(tree):
+            for alias in node.names:
+                if isinstance(node, ast.Import):
+                    if alias.asname and alias.name in MODULES:
+                        bound[alias.asname] = alias.name
+                else:
+                    sub = f"{_absolute(m, node)}.{alias.name}"
+                    if sub in MODULES:
+                        bound[alias.asname or alias.name] = sub
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id in bound and node.attr.startswith("_")
+                    and not node.attr.startswith("__")):
+                found.append(f"{m}: {bound[node.value.id]}.{node.attr}")
+    assert not found, found
+
+
+def test_core_never_imports_the_zoo():
+    found = [f"{m} imports {target}" for m, tree in TREES.items()
+             if not (m.startswith("mlx_kvtrans.zoo") or m.startswith("mlx_kvtrans.cli"))
+             for node in _all_imports(tree) for target, _ in _targets(m, node)
+             if target == "mlx_kvtrans.zoo" or target.startswith("mlx_kvtrans.zoo.")]
+    assert not found, found
+
+
+def test_public_api_is_short():
+    names = None
+    for node in TREES["mlx_kvtrans"].body:
+        if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            names = ast.literal_eval(node.value)
+    assert names is not None, "mlx_kvtrans/__init__.py defines no __all__"
+    assert len(names) <= MAX_PUBLIC_NAMES, f"{len(names)} names: {names}"
+    assert len(set(names)) == len(names)
+
+
+def test_every_subpackage_is_installed():
+    """pyproject.toml lists every package of mlx_kvtrans/ (a non-editable install needs each)."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+                 ["packages"])
+    packages = {m for m, p in MODULES.items() if p.name == "__init__.py"}
+    assert packages <= listed, sorted(packages - listed)
