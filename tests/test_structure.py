@@ -46,23 +46,6 @@ def _is_type_checking(test: ast.expr) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _module_level_imports(tree: ast.Module):
-    """Import statements that run when the module is imported: not inside a function or class
-    body, not under `if TYPE_CHECKING:`."""
-    todo = list(tree.body)
-    while todo:
-        node = todo.pop(0)
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            yield node
-        elif isinstance(node, ast.If):
-            todo.extend(node.orelse if _is_type_checking(node.test) else node.body + node.orelse)
-        elif isinstance(node, ast.Try):
-            todo.extend(node.body + node.orelse + node.finalbody
-                        + [n for h in node.handlers for n in h.body])
-        elif isinstance(node, ast.With):
-            todo.extend(node.body)
-
-
 def _all_imports(tree: ast.Module):
     return (n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)))
 
@@ -87,8 +70,17 @@ def _trees():
 TREES = _trees()
 
 
-def _graph() -> dict[str, set[str]]:
-    return {m: {target for node in _module_level_imports(tree) for target, _ in _targets(m, node)
+def _imports_that_run(tree: ast.Module):
+    """Every import statement that can run, at module level or inside a function: all but
+    those under `if TYPE_CHECKING:`."""
+    typing_only = {id(n) for node in ast.walk(tree)
+                   if isinstance(node, ast.If) and _is_type_checking(node.test)
+                   for part in node.body for n in ast.walk(part)}
+    return (n for n in _all_imports(tree) if id(n) not in typing_only)
+
+
+def _graph(imports=_imports_that_run) -> dict[str, set[str]]:
+    return {m: {target for node in imports(tree) for target, _ in _targets(m, node)
                 if target != m}
             for m, tree in TREES.items()}
 

@@ -2,7 +2,7 @@
 
 The target reads the last R tokens of what it receives over the translated prefix (R = 0: the
 translation covers everything, the gate's r tokens aside). More R costs time and buys fidelity;
-each translator's frontier (`evaluation/frontier.py`, frontier.json beside its weights) says how
+each translator's frontier (`translators/frontier.py`, frontier.json beside its weights) says how
 much of both, per length, on held-out data. A session asks for one of:
 
 - `reread=R`: that R at every switch;
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..evaluation.frontier import cheapest_row, fitting_length
+from ..translators.frontier import cheapest_row, fitting_length
 
 DEFAULT_AGREEMENT = 0.9  # the default setting meets this agreement at 2x the fitting length
 

@@ -24,6 +24,7 @@ from ..errors import KvtransError
 from ..files import sha256_file
 from ..layouts import CapturePoint
 from ..models import model_identity
+from . import frontier
 from .recipes import recipe_from_json
 from .token_identity import TokenIdentity
 from .translator import Translator
@@ -31,7 +32,6 @@ from .translator import Translator
 FORMAT = "mlx-kvtrans-translator"
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
-FRONTIER_FILE = "frontier.json"  # evaluation/frontier.py: measured fidelity per setting
 INFO_FIELDS = ("fit", "metrics", "source", "target", "stage", "distill", "features", "gate")
 FILES = ("weights.safetensors", "manifest.json")
 
@@ -40,7 +40,7 @@ def save(translator: Translator, directory: str | Path, source, target) -> Path:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     # a frontier measured of the weights replaced here no longer says anything
-    (directory / FRONTIER_FILE).unlink(missing_ok=True)
+    (directory / frontier.FILE).unlink(missing_ok=True)
     mx.save_safetensors(str(directory / "weights.safetensors"), translator.params)
     manifest = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "library_version": __version__,
@@ -188,9 +188,7 @@ def load(directory: str | Path, source=None, target=None) -> Translator:
         identity.bind(source)
     info = {k: manifest[k] for k in INFO_FIELDS if k in manifest}
     translator = Translator(point, identity, recipes, params, info)
-    if (directory / FRONTIER_FILE).is_file():  # what the fidelity dial chooses from
-        from ..evaluation import frontier
-
+    if (directory / frontier.FILE).is_file():  # what the fidelity dial chooses from
         translator.frontier = frontier.load(directory)
     return translator
 
