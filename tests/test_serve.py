@@ -487,3 +487,22 @@ def test_sigterm_finishes_the_request_in_flight_and_exits_0():
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_the_fidelity_dial_reaches_every_switch_and_its_report(zoo):
+    """`kvtrans serve --reread R`: the target reads the span's last R tokens itself (the dial),
+    and the reply says so in its body and headers."""
+    models, translators = zoo
+    engine = Engine(models, translators, ServeConfig(models=list(models), reread=24))
+    with running(engine) as url:
+        c = client(url)
+        messages = [{"role": "user", "content": "Remember: copper is 552190. " * 4}]
+        first = ask(c, HYBRID, messages, max_tokens=6)
+        messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": "What is copper?"}]
+        raw = c.chat.completions.with_raw_response.create(
+            model=FULL, messages=messages, max_tokens=6, temperature=0)
+        fields = report(raw.parse())
+    assert fields["status"] == "applied", fields
+    assert fields["reread"] == 24 and fields["tokens_reread"] == 24
+    assert raw.headers["x-kvtrans-reread"] == "24"

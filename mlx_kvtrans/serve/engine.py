@@ -54,6 +54,8 @@ class Handoff:
     gate: Verdict = Verdict.NONE  # the fidelity gate's verdict
     gate_gap: float | None = None  # nats/token over the tail the target read itself
     gate_threshold: float | None = None
+    reread: int = 0  # the fidelity dial's R (session/dial.py) and what its frontier expects
+    expected_agreement: float | None = None
     queue_ms: float = 0.0
     ttft_ms: float = 0.0  # from the request's arrival to its first token
     conversation: str = ""
@@ -78,6 +80,10 @@ class Handoff:
                "x-kvtrans-conversation": self.conversation}
         if self.source_model:
             out["x-kvtrans-source-model"] = self.source_model
+        if self.status == HandoffStatus.APPLIED:
+            out["x-kvtrans-reread"] = str(self.reread)
+        if self.expected_agreement is not None:
+            out["x-kvtrans-expected-agreement"] = f"{self.expected_agreement:.3f}"
         if self.gate:
             out["x-kvtrans-gate"] = self.gate.value
         if self.gate_gap is not None:
@@ -366,6 +372,7 @@ class Engine:
         handoff.translate_ms = status.translate_seconds * 1000
         handoff.gate, handoff.gate_gap = status.gate, status.gate_gap
         handoff.gate_threshold = status.gate_threshold
+        handoff.reread, handoff.expected_agreement = status.reread, status.expected_agreement
 
     def _reread(self, entry: Entry, model: str, reason: str) -> SwitchStatus:
         started = time.perf_counter()
