@@ -140,7 +140,7 @@ def bars(results: dict) -> list[str]:
              "| translator | L | R (how chosen) | recovered | first | match | applied | recall |",
              "|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
-        reread, how = default_setting(name, r["rows"])
+        reread, how = r["default"]["reread"], r["default"]["how"]
         for row in r["rows"]:
             if row["length"] not in BAR_LENGTHS or row["setting"]["reread"] != reread:
                 continue
@@ -231,6 +231,9 @@ def main():
     results = {k: v for k, v in results.items() if k in shipped}
     results.update(measured)
     results = dict(sorted(results.items()))
+    for name, r in results.items():  # the setting sessions switch with, as it is now
+        reread, how = default_setting(name, r["rows"])
+        r["default"] = {"reread": reread, "how": how}
     report = blas_report()
     blas = f"{report.name}, float32 matmul {report.gflops:.0f} GFLOP/s"
     args.results.mkdir(parents=True, exist_ok=True)

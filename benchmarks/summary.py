@@ -3,8 +3,9 @@
 One row per shipped translator direction, read from what the benchmarks wrote:
 `translators.json` (`python benchmarks/translators.py`: held-out KL and exact needle recall),
 `behaviour.json` (`python benchmarks/behaviour.py`: first-token agreement with native answers)
-and `bench-SOURCE__TARGET-float32.json` (`python benchmarks/switch.py`: the warm switch's time to
-first token against the target re-reading the history).
+`bench-SOURCE__TARGET-float32.json` (`python benchmarks/switch.py`: the warm switch's time to
+first token against the target re-reading the history) and `frontier.json`
+(`python benchmarks/frontier.py`: the default re-read setting and what it keeps).
 
     python benchmarks/summary.py           # rewrite README's block between the markers
     python benchmarks/summary.py --check   # exit 1 if README's block is not what the files give
@@ -28,6 +29,7 @@ BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 LENGTH = 256  # the translators' fitting length: where KL and recall are read
 LONG = 1024  # 4x it
 SWITCH_LENGTHS = (1024, 2048)
+FRONTIER_LENGTHS = (256, 512)
 
 
 def _load(path: Path) -> dict:
@@ -78,16 +80,33 @@ def _switch(results: Path, source: str, target: str) -> str:
     return " / ".join(cells)
 
 
+def _frontier(frontier: dict, name: str) -> tuple[str, str, str]:
+    """(default R, history recovered @256 / @512, applied @256 / @512) at the default R."""
+    entry = frontier.get("translators", {}).get(name)
+    if not entry or "default" not in entry:
+        return "-", "-", "-"
+    reread = entry["default"]["reread"]
+    rows = {r["length"]: r for r in entry["rows"] if r["setting"]["reread"] == reread}
+    pick = [rows.get(n) for n in FRONTIER_LENGTHS]
+
+    def cells(key):
+        return " / ".join("-" if r is None or r.get(key) is None else f"{r[key]:.2f}"
+                          for r in pick)
+    return str(reread), cells("history_recovered"), cells("applied")
+
+
 def render(results: Path = RESULTS) -> str:
     """The markdown block (markers included) that README holds."""
     translators = _load(results / "translators.json")
     behaviour = _load(results / "behaviour.json")
+    frontier = _load(results / "frontier.json")
     lengths = " / ".join(f"{n // 1024}K" for n in SWITCH_LENGTHS)
+    at = " / ".join(str(n) for n in FRONTIER_LENGTHS)
     lines = [BEGIN,
              f"| translator (shipped) | stage | KL @{LENGTH} (no cache) | recall @{LENGTH} "
              f"(native) | recall @{LONG} (native) | first-token agreement | switch speed-up "
-             f"@{lengths} |",
-             "|---|---|---|---|---|---|---|"]
+             f"@{lengths} | default R | history recovered @{at} | applied @{at} |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for pair in translators.get("pairs", []):
         source, target = pair["source"], pair["target"]
         variant = shipped_variant(pair)
@@ -97,7 +116,8 @@ def render(results: Path = RESULTS) -> str:
         kl = f"{fid['kl']:.4f} ({fid['kl_no_cache']:.2f})" if fid else "-"
         lines.append(f"| `{name}` | {stage} | {kl} | {_recall(pair, variant, LENGTH)} | "
                      f"{_recall(pair, variant, LONG)} | {_first_token(behaviour, name)} | "
-                     f"{_switch(results, source, target)} |")
+                     f"{_switch(results, source, target)} | "
+                     + " | ".join(_frontier(frontier, name)) + " |")
     lines += ["",
               f"KL: nats/token on held-out continuations after {LENGTH} tokens, the target "
               "reading the translated cache against its own (the no-cache floor in brackets). "
@@ -106,8 +126,12 @@ def render(results: Path = RESULTS) -> str:
               "cache against native answers. Switch: time to first token re-reading the "
               "history over that of a warm switch (translate, install, first decode), float32, "
               "on the machine and BLAS each file records (- where a direction is not timed). "
+              "Default R: the tokens a session's target re-reads itself at a switch by default "
+              "(docs/fidelity.md); history recovered: the share of what the history is worth "
+              "to the target's next tokens that the switch keeps, above the last-16-tokens "
+              "floor; applied: the share of switches the fidelity gate let stand. "
               "Rendered by `python benchmarks/summary.py` from "
-              "`benchmarks/results/translators.json`, `behaviour.json` and "
+              "`benchmarks/results/translators.json`, `behaviour.json`, `frontier.json` and "
               "`bench-*-float32.json`; [docs/results.md](docs/results.md) names the command "
               "that writes each.",
               END]

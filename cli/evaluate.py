@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import typer
-from rich.table import Table
 
 import mlx_kvtrans
 from mlx_kvtrans.errors import KvtransError
@@ -384,24 +383,33 @@ def eval_frontier(translator_dir: Path = typer.Option(..., "--translator",
     if as_json:
         print(json.dumps(frontier.to_json(), indent=2))
         return
-    table = Table(title=f"fidelity frontier · {frontier.source} -> {frontier.target} · "
-                  f"{prompts} windows, {needles} needles per length · fitting length "
-                  f"{fit_length:,}", title_justify="left")
-    for col in ("length", "R", "agreement", "last-16 floor", "history recovered",
-                f"greedy match /{fr.GENERATED}", f"all {fr.GENERATED}", "first token",
-                "KL nats/token", "recall native", "recall translated", "speed-up"):
-        table.add_column(col, justify="right")
+    out.print(_frontier_table(frontier, prompts, needles))
+    for path in written:
+        out.print(f"wrote {path}")
+
+
+def _frontier_table(frontier, prompts: int, needles: int) -> FitTable:
+    """The frontier in 80 columns: short headers, their legend in the caption."""
+    from mlx_kvtrans.evaluation import frontier as fr
 
     def cell(value, spec):
         return "-" if value is None else format(value, spec)
 
+    table = FitTable(f"fidelity frontier · {frontier.source} -> {frontier.target} · {prompts} "
+                     f"windows, {needles} needles per length", caption=(
+                         f"agree: teacher-forced agreement with native's {fr.GENERATED} greedy "
+                         f"tokens; floor: the target reading the last {fr.FLOOR_TOKENS} tokens "
+                         "only; kept: history recovered; match: greedy tokens equal to native's; "
+                         "1st: first token; KL: nats/token; recall: native/switched; applied: "
+                         "switches the gate let stand; x: speed-up over re-prefill"),
+                     caption_justify="left")
+    for col in ("L", "R", "agree", "floor", "kept", "match", "1st", "KL", "recall", "applied",
+                "x"):
+        table.add_column(col, right=True)
     for r in frontier.rows:
-        table.add_row(f"{r.length:,} ({r.length / fit_length:g}x)", str(r.setting.reread),
-                      f"{r.agreement:.3f}", f"{r.agreement_last16:.3f}",
-                      cell(r.history_recovered, ".2f"), f"{r.greedy_match:.1f}",
-                      f"{r.greedy_exact:.2f}", f"{r.first_token:.2f}", f"{r.kl:.4f}",
-                      cell(r.recall_native, ".2f"), cell(r.recall_translated, ".2f"),
-                      f"{r.speedup:.2f}x")
-    out.print(table)
-    for path in written:
-        out.print(f"wrote {path}")
+        table.add_row(f"{r.length:,}", str(r.setting.reread), f"{r.agreement:.3f}",
+                      f"{r.agreement_last16:.3f}", cell(r.history_recovered, ".2f"),
+                      f"{r.greedy_match:.1f}", f"{r.first_token:.2f}", f"{r.kl:.4f}",
+                      f"{cell(r.recall_native, '.2f')}/{cell(r.recall_translated, '.2f')}",
+                      cell(r.applied, ".2f"), f"{r.speedup:.1f}")
+    return table

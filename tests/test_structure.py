@@ -183,3 +183,12 @@ def test_every_subpackage_is_installed():
                  ["packages"])
     packages = {m for m, p in MODULES.items() if p.name == "__init__.py"}
     assert packages <= listed, sorted(packages - listed)
+
+
+def test_every_command_is_parse_call_print():
+    """A CLI function parses, calls the library and prints: none over 80 lines."""
+    long = {f"{path.name}:{node.name}": node.end_lineno - node.lineno + 1
+            for path in sorted((ROOT / "cli").glob("*.py"))
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.FunctionDef) and node.end_lineno - node.lineno + 1 > 80}
+    assert not long, f"CLI functions over 80 lines: {long}"
