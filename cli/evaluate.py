@@ -332,7 +332,9 @@ def eval_frontier(translator_dir: Path = typer.Option(..., "--translator",
                                               "median is kept)"),
                   text: Path = typer.Option(None, help="held-out text (default: zoo test "
                                             "split)"),
-                  seed: int = typer.Option(0, **SEEDS, help="prose window starts"),
+                  seed: int = typer.Option(0, **SEEDS, help="prose window starts and "
+                                           "needles (0: the held-out needles every benchmark "
+                                           "reads; record a frontier with another)"),
                   record: bool = typer.Option(False, "--record", help="write frontier.json "
                                               "into the translator's directory, where sessions "
                                               "read it"),

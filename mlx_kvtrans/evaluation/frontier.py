@@ -47,6 +47,8 @@ from ..translators.frontier import (FILE, FLOOR_TOKENS, GENERATED, Frontier, Row
                                    history_recovered, load, save)
 from .needles import HELD_OUT_SEED, held_out_filler, needle_report
 
+NEEDLE_DRAW = 1_000_000  # needle seeds per frontier seed: another seed, other needles
+
 MULTIPLES = (1, 2, 4, 8)  # lengths measured: these multiples of the fitting length
 
 
@@ -180,6 +182,7 @@ def measure(switch: Switch, encode, text_ids: list[int], plan: dict[int, list[Se
             progress=None) -> list[Row]:
     """One row per (length, setting) of `plan` (prompt length -> settings), over `prompts`
     held-out windows of `text_ids` (starts drawn from `seed` and the length) and `needles`
+    (seed 0: the held-out needles every benchmark reads; another seed, another draw of them)
     held-out needles (0: no recall). `encode`: the target tokenizer's.
     `progress(done, total, what)` follows the windows."""
     target, rows = switch.target, []
@@ -218,13 +221,14 @@ def measure(switch: Switch, encode, text_ids: list[int], plan: dict[int, list[Se
                 got["match"].append(sum(same))
                 got["exact"].append(float(all(same)))
                 got["first"].append(float(same[0]))
-        native_recall = needle_report(target, encode, length, needles, filler)["recall"] \
-            if needles else None
+        needle_seed = HELD_OUT_SEED + seed * NEEDLE_DRAW  # seed 0: the held-out needles
+        native_recall = needle_report(target, encode, length, needles, filler,
+                                      needle_seed)["recall"] if needles else None
         for s in settings:
             if progress:
                 progress(done, total, f"{length:,} tokens, needles and timing, {s.label()}")
             done += 2
-            recall = needle_report(target, encode, length, needles, filler, HELD_OUT_SEED,
+            recall = needle_report(target, encode, length, needles, filler, needle_seed,
                                    cache_for=lambda ids, s=s: switch.cache(s, ids))["recall"] \
                 if needles else None
             got, floor_mean = scores[s], _mean(floor)
