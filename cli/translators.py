@@ -16,7 +16,7 @@ from mlx_kvtrans.errors import KvtransError
 from mlx_kvtrans.translators.fit import FitConfig
 
 from .common import (DISTILL, FIT, FORCE_HELP, SEEDS, DistillConfig, Limit, app, err, finite,
-                     in_range, key_values, model_configs, out, output_dir, position_limit,
+                     in_range, int_list, key_values, model_configs, out, output_dir, position_limit,
                      positive, refuse_existing, text_file, text_files, translator_models,
                      user_errors)
 
@@ -184,6 +184,9 @@ def fit(source: str = typer.Option(..., "--from", help="source model"),
                                            "--attention-weighted, their queries weight the fit)"),
         windows: int = typer.Option(FIT.windows, min=1, help="fitting windows"),
         length: int = typer.Option(FIT.length, min=2, help="tokens per window"),
+        mix_lengths: str = typer.Option(None, help="e.g. 256,512,1024,2048: windows of these "
+                                        "lengths instead, the same tokens (windows x length) "
+                                        "split evenly among them"),
         ridge: float = typer.Option(FIT.ridge, min=0.0, callback=finite,
                                     help="ridge strength, relative to the data scale"),
         as_json: bool = typer.Option(False, "--json", help=JSON_HELP)):
@@ -201,8 +204,11 @@ def fit(source: str = typer.Option(..., "--from", help="source model"),
                          points={k: int(v) for k, v in points.items()}, split_kv=split_kv,
                          headwise=headwise, ridge=ridge, attention_weighted=attention_weighted,
                          identity_tables=identity_tables, residual=residual,
-                         windows=windows, length=length)
-    in_range("--length", length, 2, position_limit(model_configs(source, target)))
+                         windows=windows, length=length, mix=tuple(
+                             int_list("--mix-lengths", mix_lengths, 2) if mix_lengths else ()))
+    for n in (length, *config.mix):
+        in_range("--length" if n == length else "--mix-lengths", n, 2,
+                 position_limit(model_configs(source, target)))
     in_range("--attention-weighted", attention_weighted, 0,
              Limit(length - 1, f"a window of --length {length} keeps a token before its last C"))
     files = text_files("--data", data, "train")

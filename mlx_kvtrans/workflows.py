@@ -27,7 +27,7 @@ from .errors import KvtransError
 from .models import LoadedModel, load
 from .translators import artifact
 from .translators.distill import CHECKPOINT_FILES, DistillConfig, Distiller
-from .translators.fit import FitConfig, fit, token_windows
+from .translators.fit import FitConfig, fit, mixed_windows, token_windows
 from .translators.translator import Translator
 
 Progress = Callable[[str, int, "int | None", str], None]  # (stage, done, total, what)
@@ -139,14 +139,21 @@ def fit_translator(source: str | Path | LoadedModel, target: str | Path | Loaded
         except ValueError as e:
             raise KvtransError(str(e))
     ids = read_ids(src.tokenizer, data, progress)
-    needles = None
-    if needle_share:
-        texts = [Path(f).read_text(errors="replace") for f in data]
-        needles = training_needles(src.tokenizer.encode, texts, config.length,
-                                   count=max(1, round(config.windows * needle_share)))
+    texts = [Path(f).read_text(errors="replace") for f in data] if needle_share else []
+
+    def needles_of(length: int, windows: int) -> list[list[int]] | None:
+        return training_needles(src.tokenizer.encode, texts, length,
+                                count=max(1, round(windows * needle_share))) if texts else None
     try:
-        batches = list(token_windows(ids, config.length, config.windows, batch=FIT_BATCH,
-                                     needles=needles, needle_share=needle_share))
+        if config.mix:  # the lengths served: the same tokens, spread over every length
+            tokens = config.windows * config.length
+            batches = mixed_windows(
+                ids, config.mix, tokens, FIT_BATCH * min(config.mix),
+                lambda n: needles_of(n, tokens // len(config.mix) // n), needle_share)
+        else:
+            batches = list(token_windows(ids, config.length, config.windows, batch=FIT_BATCH,
+                                         needles=needles_of(config.length, config.windows),
+                                         needle_share=needle_share))
     except ValueError as e:
         raise KvtransError(str(e))
     if assign == "best":  # a quarter of the windows choose each target layer's source layer

@@ -15,7 +15,7 @@ from mlx_kvtrans import gate, workflows
 from mlx_kvtrans.calibrate import calibrate_directory, window_switch
 from mlx_kvtrans.translators import artifact
 from mlx_kvtrans.translators.distill import DistillConfig
-from mlx_kvtrans.translators.fit import FitConfig, fit, token_windows
+from mlx_kvtrans.translators.fit import FitConfig, fit, mixed_windows, token_windows
 from mlx_kvtrans.translators.translator import translate_cache
 from mlx_kvtrans.tools.verify import max_abs_diff
 
@@ -82,6 +82,28 @@ def test_needle_windows_come_from_the_training_needles(loaded):
     for k, v in alone.params.items():
         assert mx.array_equal(v, with_needles.params[k]), k
     assert "gate" not in with_needles.info  # no held-out text: no calibration
+
+
+def test_mixed_windows_spread_the_tokens_over_every_length_in_turn():
+    ids = list(range(5000))
+    batches = mixed_windows(ids, (32, 64, 128), 3 * 768, batch_tokens=128)
+    widths = [b.shape[1] for b in batches]
+    assert widths[:3] == [32, 64, 128]  # interleaved: every length from the start
+    assert {n: sum(b.size for b in batches if b.shape[1] == n) for n in (32, 64, 128)} == \
+        {32: 768, 64: 768, 128: 768}
+    assert all(b.shape[1] * b.shape[0] <= 128 for b in batches)
+
+
+def test_fit_translator_on_mixed_lengths_fits_those_windows(loaded):
+    src, tgt = (loaded(f) for f in PAIR)
+    config = FitConfig(point=1, windows=4, length=40, mix=(20, 40))
+    mixed = workflows.fit_translator(src, tgt, [TEXT], config)
+    ids = src.tokenizer.encode(TEXT.read_text())
+    alone = fit(src.model, tgt.model, mixed_windows(ids, (20, 40), 160,
+                                                    workflows.FIT_BATCH * 20), None, config)
+    assert mixed.info["fit"]["tokens"] == alone.info["fit"]["tokens"] == 160
+    for k, v in alone.params.items():
+        assert mx.array_equal(v, mixed.params[k]), k
 
 
 def test_calibrate_directory_writes_a_gate_the_session_reads(loaded, tmp_path):

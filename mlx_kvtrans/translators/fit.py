@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Iterable
@@ -49,6 +50,7 @@ class FitConfig:
     share_moments: bool = True  # maps reading the same features share one moment matrix
     windows: int = 256  # fitting windows (the command line's data)
     length: int = 256  # tokens per window
+    mix: tuple[int, ...] = ()  # windows of these lengths instead, windows x length tokens in all
 
     def plan(self, source_layout, target_layout) -> list[Recipe]:
         recipes = plan(source_layout, target_layout, self.point, self.nu, self.recipes,
@@ -199,3 +201,20 @@ def token_windows(token_ids: list[int], length: int, count: int, batch: int, see
                 for i, row in enumerate(rows)]
     for i in range(0, len(rows), batch):
         yield mx.array(rows[i:i + batch])
+
+
+def mixed_windows(token_ids: list[int], lengths: tuple[int, ...], tokens: int,
+                  batch_tokens: int, needles_for=None, needle_share: float = 0.0) -> list:
+    """Batches of windows of every length in `lengths` (one length per batch, about
+    `batch_tokens` tokens each), `tokens` in all split evenly among the lengths, interleaved so
+    that the streamed moments see every length throughout; `needles_for(length)`: needle rows
+    of that length, for `needle_share`."""
+    parts = []
+    for length in lengths:
+        needles = needles_for(length) if needles_for and needle_share else None
+        parts.append(list(token_windows(token_ids, length,
+                                        max(1, tokens // len(lengths) // length),
+                                        batch=max(1, batch_tokens // length), needles=needles,
+                                        needle_share=needle_share)))
+    return [batch for group in itertools.zip_longest(*parts) for batch in group
+            if batch is not None]
