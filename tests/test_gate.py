@@ -224,7 +224,8 @@ def test_a_span_within_the_tail_is_read_not_translated(zoo):
     status = s.switch("b")
     assert (status.status, status.tokens_translated, status.tokens_read) == ("applied", 0, 7)
     assert status.gate == "unchecked" and "whole span" in status.gate_note
-    off = Session({"a": src, "b": tgt}, {("a", "b"): tr}, active="a", gate_tokens=0)
+    off = Session({"a": src, "b": tgt}, {("a", "b"): tr}, active="a", gate_tokens=0,
+                  reread=0)  # the dial at 0 too: the translator reads everything
     off.add(held_out(src.tokenizer, 40, 9))
     list(off.generate(2))
     status = off.switch("b")

@@ -7,9 +7,10 @@ Strategies: `segment` (the default), `naive` (re-translate the whole prefix at e
 re-prefilling the unseen span, visibly, when there is no translator for the pair, when the
 translated tensors are not finite, or when the context is longer than the translator allows.
 
-The fidelity gate: the translation covers the span except its last r = `gate_tokens` tokens,
-which the target then reads itself, and its NLL on them is compared with the source's; over
-the translator's calibrated threshold, the target re-reads the span instead. The source's side
+The fidelity dial (`dial`) and the gate: the translation covers the span except its last
+max(R, r) tokens (R: the dial's setting, r = `gate_tokens`), which the target then reads itself;
+its NLL on the last of them is compared with the source's, and over the translator's
+calibrated threshold the target re-reads the span instead. The source's side
 comes from the final-norm rows every model keeps of the last tokens it read (`CacheLine.tail`).
 A translator that copies the source's recurrent state needs that state where the translation
 stops, so the translation stops at one of the source's state snapshots.
