@@ -133,13 +133,11 @@ FIDELITY_HELP = ("held-out agreement each switch must meet: the cheapest re-read
 
 
 def dial_options(reread: int | None, fidelity: float | None) -> dict:
-    """--reread / --fidelity as Session options (one of them at most)."""
-    if reread is not None and fidelity is not None:
-        raise KvtransError("give --reread or --fidelity, not both")
-    if reread is not None and reread < 0:
-        raise KvtransError(f"--reread {reread}: must be 0 or more")
-    if fidelity is not None and not (0.0 < fidelity <= 1.0):
-        raise KvtransError(f"--fidelity {fidelity}: an agreement in (0, 1]")
+    """--reread / --fidelity as Session options (one of them at most), checked as the server
+    checks its own."""
+    from mlx_kvtrans.serve.config import ServeConfig
+
+    ServeConfig(reread=reread, fidelity=fidelity).check()
     return {"reread": reread, "fidelity": fidelity}
 
 

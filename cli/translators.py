@@ -209,8 +209,10 @@ def fit(source: str = typer.Option(..., "--from", help="source model"),
     for n in (length, *config.mix):
         in_range("--length" if n == length else "--mix-lengths", n, 2,
                  position_limit(model_configs(source, target)))
+    shortest = min((length, *config.mix))
     in_range("--attention-weighted", attention_weighted, 0,
-             Limit(length - 1, f"a window of --length {length} keeps a token before its last C"))
+             Limit(shortest - 1, f"a window of {shortest} tokens keeps a token before its last "
+                                 "C"))
     files = text_files("--data", data, "train")
     held_out = text_file("--validation", validation, "validation")
     with _stages() as progress:

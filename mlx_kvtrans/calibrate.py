@@ -48,7 +48,8 @@ def window_switch(translator, source, target, tokens: list[int], prefix: int, ki
 
     session = Session({"source": as_loaded("source", source),
                        "target": as_loaded("target", target)},
-                      {("source", "target"): translator}, active="source", gate_tokens=tail)
+                      {("source", "target"): translator}, active="source", gate_tokens=tail,
+                      reread=0)  # the gate's own tail, whatever the dial's default
     session.add(tokens[:prefix])
     if kind == "read":
         list(session.generate(0))

@@ -148,3 +148,16 @@ def test_chat_and_serve_refuse_a_bad_dial_in_one_line(command, options, message)
     result = CliRunner().invoke(app, command + options)
     assert result.exit_code == 2 and message in result.output
     assert "Traceback" not in result.output
+
+
+def test_without_the_gate_a_state_reading_translator_still_keeps_r(zoo):
+    """Gate off, R = 32: the source keeps a state snapshot R tokens back, so the target still
+    reads at least R tokens itself."""
+    src, tgt = zoo("qwen3.5-a"), zoo("qwen3.5-b")
+    tr = artifact.load(artifact.shipped("qwen3.5-a", "qwen3.5-b"), src, tgt)
+    s = Session({"a": src, "b": tgt}, {("a", "b"): tr}, active="a", reread=32, gate_tokens=0)
+    s.add(src.tokenizer.encode("The ship sailed at dawn, and the crew " * 12))
+    list(s.generate(12))
+    status = s.switch("b")
+    assert status.status == "applied" and 32 <= status.tokens_read <= 64, status
+    assert status.tokens_translated == s.lines["a"].seen - status.tokens_read

@@ -136,15 +136,17 @@ def test_a_frontier_of_other_weights_is_refused(tmp_path):
 def test_cli_records_a_frontier_in_the_translator_and_refuses_to_replace_it(tmp_path):
     directory = tmp_path / "pair"
     shutil.copytree(artifact.shipped("qwen3-large", "qwen3-small"), directory)
+    (directory / fr.FILE).unlink(missing_ok=True)  # the shipped one's own
     args = ["eval", "frontier", "--translator", str(directory), "--lengths", "64",
             "--rereads", "0,8,100", "--prompts", "2", "--needles", "1", "--repeats", "1",
             "--record"]
     result = CliRunner().invoke(app, args + ["--json"])
     assert result.exit_code == 0, result.output
     printed = json.loads(result.stdout)
-    assert [r["setting"]["reread"] for r in printed["rows"]] == [0, 8]  # 100 re-reads it all
+    # 0 is the gate's 8 in a session; 100 re-reads it all
+    assert [r["setting"]["reread"] for r in printed["rows"]] == [8]
     recorded = fr.load(directory)
-    assert recorded.fit_length == 256 and recorded.rows[1].setting == fr.Setting(8)
+    assert recorded.fit_length == 256 and recorded.rows[0].setting == fr.Setting(8)
     assert all(0.0 <= r.agreement <= 1.0 and r.speedup > 0 for r in recorded.rows)
     artifact.read_manifest(directory)  # the translator still verifies
     again = CliRunner().invoke(app, args)

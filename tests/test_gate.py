@@ -152,7 +152,8 @@ def test_a_fired_gate_rereads_and_the_conversation_continues_as_native(a_to_b, b
     ab, a, b = shipped(a_to_b, zoo)
     ba, _, _ = shipped(b_to_a, zoo)
     s = Session({"a": a, "b": b}, {("a", "b"): always_firing(ab),
-                                   ("b", "a"): always_firing(ba)}, active="a")
+                                   ("b", "a"): always_firing(ba)}, active="a",
+                reread=0)  # the gate alone: the dial's default R aside
     s.add(held_out(a.tokenizer, 60, 3))
     list(s.generate(12))
     first = s.switch("b")
@@ -198,7 +199,7 @@ def test_a_translator_that_reads_the_source_state_stops_at_a_snapshot(zoo):
     over the state as it was where the translation stops, not at the end of the span."""
     tr, src, tgt = shipped(used("qwen3.5-a", "qwen3.5-b"), zoo)
     assert kv.layouts.CapturePoint.ENGINE in tr.source_points()
-    s = Session({"a": src, "b": tgt}, {("a", "b"): tr}, active="a")
+    s = Session({"a": src, "b": tgt}, {("a", "b"): tr}, active="a", reread=0)
     s.add(held_out(src.tokenizer, 50, 8))
     list(s.generate(21))
     assert len(s.lines["a"].states) <= 3  # a few snapshots, not one per token
@@ -218,7 +219,7 @@ def test_a_translator_that_reads_the_source_state_stops_at_a_snapshot(zoo):
 
 def test_a_span_within_the_tail_is_read_not_translated(zoo):
     tr, src, tgt = shipped(used("kimi-linear", "kimi-vl"), zoo)
-    s = Session({"a": src, "b": tgt}, {("a", "b"): tr}, active="a")
+    s = Session({"a": src, "b": tgt}, {("a", "b"): tr}, active="a", reread=0)
     s.add(held_out(src.tokenizer, 6, 9))
     list(s.generate(2))  # a reads the 6 and its first reply token
     status = s.switch("b")

@@ -27,6 +27,7 @@ a frontier as frontier.json in a translator directory.
 
 from __future__ import annotations
 
+import copy
 import random
 import statistics
 import time
@@ -38,6 +39,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from ..capture import capture
 from ..files import sha256_file
+from ..gate import GATE_TOKENS
 from ..install import install
 from ..layouts import CapturePoint, layout_of
 from ..translators.fidelity import greedy, kl_per_token
@@ -123,8 +125,6 @@ class SessionSwitch(Switch):
         return None  # the session's source records what it reads
 
     def cache(self, setting: Setting, prefix: list[int], recorded=None) -> list:
-        import copy
-
         from ..session import Session
 
         key = (setting, tuple(prefix))
@@ -255,13 +255,18 @@ def measure_translator(directory, source, target, translator, text_ids: list[int
                        progress=None) -> Frontier:
     """The frontier of a loaded translator (`source`, `target`: LoadedModels) from the
     translator directory `directory`: at `lengths` (default 1x-8x its fitting length) and
-    R in `rereads` (default `default_rereads`); settings that translate nothing are left out."""
+    R in `rereads` (default `default_rereads`); settings that translate nothing are left out.
+    A session's switch reads the gate's r tokens whatever R asks, so R below r is measured,
+    timed and recorded as r."""
     directory = Path(directory)
     fit_length = fitting_length(translator.info)
     lengths = lengths or [fit_length * m for m in MULTIPLES]
-    wanted = sorted({r for n in lengths for r in (rereads or default_rereads(n))})
-    plan = {n: [Setting(r) for r in wanted if Setting(r).applies(n)
-                and (rereads is not None or r in default_rereads(n))] for n in lengths}
+
+    def asked(n: int) -> set[int]:
+        return {max(r, GATE_TOKENS) for r in (rereads or default_rereads(n))}
+    wanted = sorted(set().union(*(asked(n) for n in lengths)))
+    plan = {n: [Setting(r) for r in wanted if Setting(r).applies(n) and r in asked(n)]
+            for n in lengths}
     for n, settings in plan.items():
         if not settings:
             raise ValueError(f"no setting of R in {wanted} translates anything at {n} tokens")

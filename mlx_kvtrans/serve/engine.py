@@ -372,7 +372,9 @@ class Engine:
         handoff.translate_ms = status.translate_seconds * 1000
         handoff.gate, handoff.gate_gap = status.gate, status.gate_gap
         handoff.gate_threshold = status.gate_threshold
-        handoff.reread, handoff.expected_agreement = status.reread, status.expected_agreement
+        if status.status == Outcome.APPLIED:  # a re-read span has no dial setting
+            handoff.reread, handoff.expected_agreement = (status.reread,
+                                                          status.expected_agreement)
 
     def _reread(self, entry: Entry, model: str, reason: str) -> SwitchStatus:
         started = time.perf_counter()

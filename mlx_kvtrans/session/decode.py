@@ -93,17 +93,18 @@ def decode(session: Session, line: CacheLine, max_tokens: int, temperature: floa
     # the prompt but its last r tokens is read first, so that the last r, read by
     # generate_step, are a forward of their own: their final-norm rows cost a few rows of
     # the last layer, and a state snapshot falls r tokens before the prompt's end
-    tail_from = prompt_end - r if r and prompt_end - start > r + 1 else start
+    marks = session.handoff_marks(line.name) if session.keeps_states(line.name) else []
+    tail = r or min(marks, default=0)  # without a gate, the dial's smallest R
+    tail_from = prompt_end - tail if tail and prompt_end - start > tail + 1 else start
     broken = False
     with contextlib.ExitStack() as stack:
         rec = stack.enter_context(tapped(model, line.layout, set(RECORD_POINTS), select))
         take_back = stack.enter_context(_taking_back(model, line.cache, rec))
         cuts = [start]
-        if session.keeps_states(line.name):
-            marks = [prompt_end - m for m in session.handoff_marks(line.name)]
-            cuts += sorted(p for p in marks if start < p < tail_from)
+        if marks:
+            cuts += sorted(prompt_end - m for m in marks if start < prompt_end - m < tail_from)
             stack.enter_context(_snapshots(line, cuts[1] if len(cuts) > 1 else tail_from,
-                                           r or PREFILL_CHUNK))
+                                           tail))
         for begin, end in zip(cuts, cuts[1:] + [tail_from]):  # a forward starts at each mark
             for at in range(begin, end, PREFILL_CHUNK):
                 model(mx.array([tokens[at:min(at + PREFILL_CHUNK, end)]]), cache=line.cache)

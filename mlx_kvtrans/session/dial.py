@@ -47,13 +47,13 @@ def default_reread(translator) -> tuple[int, str]:
     """(R, how it was chosen) for a translator's switches when the session names none."""
     frontier = getattr(translator, "frontier", None)
     if frontier is None:
-        return 0, "no frontier measured"
+        return 0, translator.info.get("frontier_problem") or "no frontier measured"
     at = 2 * fitting_length(translator.info)
     row = cheapest_row(frontier, DEFAULT_AGREEMENT, at)
     if row is not None:
         return row.setting.reread, f"default: agreement >= {DEFAULT_AGREEMENT} at {at} tokens"
-    measured = [r for r in frontier.rows if r.length == min(
-        (r.length for r in frontier.rows if r.length >= at), default=None)]
+    shortest = min((r.length for r in frontier.rows if r.length >= at), default=None)
+    measured = [r for r in frontier.rows if r.length == shortest]
     if not measured:
         return 0, f"default: no frontier row at {at} tokens"
     best = max(measured, key=lambda r: (r.agreement, -r.setting.reread))
@@ -69,7 +69,8 @@ def choose(translator, length: int, reread: int | None, fidelity: float | None
     if fidelity is not None:
         if frontier is None:
             return None, (f"fidelity {fidelity:g} asked, and the translator has no measured "
-                          "frontier (kvtrans eval frontier --record)")
+                          "frontier: " + (translator.info.get("frontier_problem") or
+                                          "kvtrans eval frontier --record"))
         row = cheapest_row(frontier, fidelity, length)
         if row is None:
             longest = max(r.length for r in frontier.rows)

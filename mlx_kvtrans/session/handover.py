@@ -63,7 +63,8 @@ def hand_over(session: Session, source: str, target: str) -> SwitchStatus:
             _fallback(session, tgt, n, status, "the source did not record the span the target "
                                                "has not seen")
         else:
-            choice, why = dial.choose(translator, n, session.reread, session.fidelity)
+            # the frontier's L counts the token the target reads next: n + 1
+            choice, why = dial.choose(translator, n + 1, session.reread, session.fidelity)
             if choice is None:
                 _fallback(session, tgt, n, status, why)
             else:
@@ -76,10 +77,12 @@ def hand_over(session: Session, source: str, target: str) -> SwitchStatus:
     return status
 
 
-def handoff_point(translator, src: CacheLine, start: int, n: int, r: int) -> tuple[int, str]:
+def handoff_point(translator, src: CacheLine, start: int, n: int, r: int,
+                  at_least: int = 0) -> tuple[int, str]:
     """(C, why the gate cannot run): the translation covers [start, C), the target reads
     [C, n) itself. C = n - r (r: the larger of the gate's tokens and the dial's R); a
     translator that reads the source's state stops at a state snapshot between n - 2r and
+    n - r, or, when the target must read no more than `at_least` tokens (the dial's R), up to
     n - 2; a span of r tokens or fewer is read, not translated."""
     if r == 0:
         return n, ""
@@ -88,7 +91,7 @@ def handoff_point(translator, src: CacheLine, start: int, n: int, r: int) -> tup
     if CapturePoint.ENGINE not in translator.source_points():
         return n - r, ""
     back = [p for p in src.states if start <= p <= n - r and n - p <= 2 * r]
-    ahead = [p for p in src.states if max(start, n - r) < p <= n - 2]
+    ahead = [p for p in src.states if max(start, n - r) < p <= n - 2 and n - p >= at_least]
     if back or ahead:
         return (max(back) if back else min(ahead)), ""
     return n, "the source kept no state a few tokens back (the translator reads its state)"
@@ -99,7 +102,9 @@ def _translate_and_gate(session: Session, translator, src: CacheLine, tgt: Cache
     """Translate [start, C), let the target read [C, n), and let the gate judge its last
     tokens: over its threshold, the target re-reads [start, n) instead."""
     r = session.gate_tokens
-    handoff, why = handoff_point(translator, src, start, n, max(r, reread))
+    handoff, why = handoff_point(translator, src, start, n, max(r, reread), reread)
+    if why and reread:
+        status.setting_note += f"; R not kept: {why}"
     before = None if tgt.cache is None or start == 0 else fixed_slots(tgt.cache)
     if handoff > start:
         try:
@@ -126,7 +131,9 @@ def _translate_and_gate(session: Session, translator, src: CacheLine, tgt: Cache
         status.gate, status.gate_note = Verdict.UNCHECKED, why
         status.gate_seconds = time.perf_counter() - started
         return
-    # the gate judges the last tokens only, as it was calibrated (the rows both lines keep)
+    # the gate judges the last tokens only (the rows both lines keep); after a re-read of R
+    # over 2r tokens these follow more native context than calibration saw, so the threshold
+    # errs towards letting the translation stand
     reading = gate.compare(src.lm.model, src.tail, tgt.lm.model, tgt.tail, session.tokens,
                            max(handoff, n - session.tail_rows), n)
     status.gate_seconds = time.perf_counter() - started

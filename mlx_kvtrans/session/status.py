@@ -55,7 +55,7 @@ class SwitchStatus:
     gate_threshold: float | None = None
     gate_tokens: int = 0  # tokens the gap is taken over
     gate_seconds: float = 0.0  # the read tail and the comparison
-    reread: int = 0  # the fidelity dial's R: the span's last tokens the target read itself
+    reread: int = 0  # the fidelity dial's setting R (`tokens_read` is what was read)
     expected_agreement: float | None = None  # R's held-out agreement, from the frontier
     expected_speedup: float | None = None  # R's measured speed-up over re-prefill
     setting_note: str = ""  # how R was chosen

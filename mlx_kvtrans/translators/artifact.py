@@ -189,7 +189,10 @@ def load(directory: str | Path, source=None, target=None) -> Translator:
     info = {k: manifest[k] for k in INFO_FIELDS if k in manifest}
     translator = Translator(point, identity, recipes, params, info)
     if (directory / frontier.FILE).is_file():  # what the fidelity dial chooses from
-        translator.frontier = frontier.load(directory)
+        try:
+            translator.frontier = frontier.load(directory)
+        except KvtransError as e:  # the translator still works; its dial falls back to R = 0
+            translator.info["frontier_problem"] = str(e)
     return translator
 
 

@@ -148,6 +148,7 @@ def fit(source_model, target_model, batches: Iterable[mx.array],
     seconds = time.perf_counter() - started
     shell.recipes, shell.params = fitted, params
     shell.info["fit"] = {"stage": 1, "tokens": tokens_seen, "ridge": config.ridge,
+                         "length": config.length, "mix": list(config.mix),
                          "attention_weighted": config.attention_weighted,
                          "data_sha256": data_hash.hexdigest(), "seconds": round(seconds, 2),
                          "tokens_per_second": round(tokens_seen / max(seconds, 1e-9), 1),

@@ -50,6 +50,8 @@ class Setting:
 def fitting_length(info: dict) -> int:
     """The longest prompt a translator was fitted (or distilled) on, from its manifest."""
     fit = info.get("fit") or {}
+    if fit.get("mix"):
+        return max(fit["mix"])
     distill = (info.get("distill") or {}).get("config") or {}
     return int(fit.get("length") or distill.get("max_prefix") or FitConfig().length)
 
@@ -172,6 +174,13 @@ def load(path) -> Frontier:
         if data.get("format") != FORMAT:
             raise ValueError(f"not an {FORMAT} file")
         frontier = Frontier.from_json(data)
+        if not frontier.rows:
+            raise ValueError("no rows")
+        for row in frontier.rows:  # what a switch will compare and divide
+            if not all(isinstance(v, (int, float)) for v in
+                       (row.length, row.agreement, row.reprefill_s, row.switch_s)) \
+                    or row.switch_s <= 0 or row.setting.reread < 0:
+                raise ValueError(f"a row is not measured figures: {row.to_json()}")
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise KvtransError(f"{file}: not a readable frontier ({type(e).__name__}: {e})")
     weights = file.parent / "weights.safetensors"
