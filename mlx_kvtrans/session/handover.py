@@ -103,7 +103,7 @@ def _translate_and_gate(session: Session, translator, src: CacheLine, tgt: Cache
     tokens: over its threshold, the target re-reads [start, n) instead."""
     r = session.gate_tokens
     handoff, why = handoff_point(translator, src, start, n, max(r, reread), reread)
-    if why and reread:
+    if handoff == n and reread and why:  # no state to stop at: everything translated
         status.setting_note += f"; R not kept: {why}"
     before = None if tgt.cache is None or start == 0 else fixed_slots(tgt.cache)
     if handoff > start:
