@@ -45,10 +45,10 @@ def _expecting(frontier, reread: int, length: int, note: str) -> Choice:
 
 def default_reread(translator) -> tuple[int, str]:
     """(R, how it was chosen) for a translator's switches when the session names none."""
-    frontier = getattr(translator, "frontier", None)
+    frontier, info = getattr(translator, "frontier", None), getattr(translator, "info", {})
     if frontier is None:
-        return 0, translator.info.get("frontier_problem") or "no frontier measured"
-    at = 2 * fitting_length(translator.info)
+        return 0, info.get("frontier_problem") or "no frontier measured"
+    at = 2 * fitting_length(info)
     row = cheapest_row(frontier, DEFAULT_AGREEMENT, at)
     if row is not None:
         return row.setting.reread, f"default: agreement >= {DEFAULT_AGREEMENT} at {at} tokens"
@@ -69,8 +69,8 @@ def choose(translator, length: int, reread: int | None, fidelity: float | None
     if fidelity is not None:
         if frontier is None:
             return None, (f"fidelity {fidelity:g} asked, and the translator has no measured "
-                          "frontier: " + (translator.info.get("frontier_problem") or
-                                          "kvtrans eval frontier --record"))
+                          "frontier: " + (getattr(translator, "info", {}).get(
+                              "frontier_problem") or "kvtrans eval frontier --record"))
         row = cheapest_row(frontier, fidelity, length)
         if row is None:
             longest = max(r.length for r in frontier.rows)
