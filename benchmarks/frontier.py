@@ -235,7 +235,8 @@ def main():
     for name in names:
         measured[name] = measure(name, models, args)
         print(f"{name}: {measured[name]['minutes']} min", flush=True)
-    results_file = args.results / "frontier.json"  # read as it is now: other runs may have added to it
+    # read as it is now: other runs may have added to it
+    results_file = args.results / "frontier.json"
     previous = json.loads(results_file.read_text()) if results_file.exists() else {}
     results = previous.get("translators", {}) if previous.get("settings") == settings else {}
     shipped = set(artifact.shipped_names())  # rows of translators no longer shipped go

@@ -44,9 +44,9 @@ from ..install import install
 from ..layouts import CapturePoint, layout_of
 from ..translators.fidelity import greedy, kl_per_token
 # the record this module measures: re-exported, so one import serves a frontier's users
-from ..translators.frontier import (FILE, FLOOR_TOKENS, GENERATED, Frontier, Row, Setting,  # noqa: F401
-                                   cheapest, cheapest_row, fitting_length,
-                                   history_recovered, load, save)
+from ..translators.frontier import (  # noqa: F401
+    FILE, FLOOR_TOKENS, GENERATED, Frontier, Row, Setting, cheapest, cheapest_row,
+    fitting_length, history_recovered, load, save)
 from .needles import HELD_OUT_SEED, held_out_filler, needle_report
 
 NEEDLE_DRAW = 1_000_000  # needle seeds per frontier seed: another seed, other needles
