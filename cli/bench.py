@@ -29,8 +29,8 @@ def bench(source: str = typer.Option(None, "--from", help="default: the translat
                                              "translator's token identity, ids or off"),
           lengths: str = typer.Option("1024,2048,4096", help="prompt lengths (comma-separated)"),
           repeats: int = typer.Option(3, min=1, help="timed runs per measurement (the median)"),
-          dtype: str = typer.Option("float32", help="float32 or bfloat16 (bf16 is ~8x slower on "
-                                    "a CPU; Macs run it)"),
+          dtype: str = typer.Option("float32", help="float32 or bfloat16 (bf16 is far slower on a "
+                                    "CPU; Macs run it)"),
           out_dir: Path = typer.Option(None, help="write the JSON and PNG here"),
           as_json: bool = typer.Option(False, "--json", help="print the result as JSON")):
     """Time to first token after a switch (warm, cold, gated) versus re-prefill on the target,

@@ -14,7 +14,8 @@ HYBRID_RECURRENT = ("kimi_linear", "qwen3_next", "qwen3_5")
 
 
 def pytest_configure(config):
-    # Tests must not silently run on the wheel's reference BLAS (~50x slower).
+    # Tests must not silently run on the wheel's reference BLAS (far slower; `kvtrans doctor`
+    # measures it).
     if blas.BLAS_NAME == "reference" and not os.environ.get("KVTRANS_ALLOW_REFERENCE_BLAS"):
         pytest.exit(f"MLX would run on the slow reference BLAS. Fix: {blas.FIX} "
                     "(or set KVTRANS_ALLOW_REFERENCE_BLAS=1 to run anyway)", returncode=3)
