@@ -161,3 +161,19 @@ def test_without_the_gate_a_state_reading_translator_still_keeps_r(zoo):
     status = s.switch("b")
     assert status.status == "applied" and 32 <= status.tokens_read <= 64, status
     assert status.tokens_translated == s.lines["a"].seen - status.tokens_read
+
+
+def test_snapshots_stay_few_and_every_r_still_finds_one(zoo):
+    """With the dial free to pick R = 8, 32 or 128, the source keeps a handful of state
+    snapshots, not one every 8 tokens, and a switch at R = 128 still stops 128-256 back."""
+    src, tgt = zoo("qwen3.5-a"), zoo("qwen3.5-b")
+    tr = artifact.load(artifact.shipped("qwen3.5-a", "qwen3.5-b"), src, tgt)
+    tr.frontier = Frontier("t", "a", "b", 256, [row(4096, r, 0.99 if r == 128 else 0.5, 2.0)
+                                                for r in (8, 32, 128)])
+    s = Session({"a": src, "b": tgt}, {("a", "b"): tr}, active="a", fidelity=0.95)
+    s.add(src.tokenizer.encode("The ship sailed at dawn, and the crew " * 20))
+    list(s.generate(120))
+    assert len(s.lines["a"].states) <= 10
+    status = s.switch("b")
+    assert status.status == "applied" and status.reread == 128, status
+    assert 128 <= status.tokens_read <= 256

@@ -124,14 +124,23 @@ class Session:
 
     def snapshot(self, line: CacheLine) -> None:
         """Keep `line`'s fixed-size state where it stands, and of the older snapshots only those
-        a translation could still stop at (the last one at least the largest mark back, and
-        later)."""
+        a translation could still stop at: the last one at least the largest mark back and the
+        later ones, thinned so that a snapshot of age a lies within the smallest mark m >= a / 2
+        of the next one kept (a switch with mark m stops between 2m and m tokens back)."""
         if not self.keeps_states(line.name) or line.cache is None:
             return
         line.states[line.seen] = fixed_slots(line.cache)
-        back = [p for p in line.states if p <= line.seen - self.handoff_marks(line.name)[0]]
+        marks = sorted(self.handoff_marks(line.name))
+        back = [p for p in line.states if p <= line.seen - marks[-1]]
         floor = max(back, default=0)
-        line.states = {p: s for p, s in line.states.items() if floor <= p <= line.seen}
+        newest_first = sorted((p for p in line.states if floor <= p <= line.seen), reverse=True)
+        kept = [newest_first[0]]
+        for p, older in zip(newest_first[1:], newest_first[2:] + [None]):
+            age = line.seen - p
+            spacing = next((m for m in marks if 2 * m >= age), marks[-1])
+            if age < 2 * marks[0] or older is None or kept[-1] - older > spacing:
+                kept.append(p)  # near the end, the floor, or a gap it alone bridges
+        line.states = {p: line.states[p] for p in kept}
 
     def _drop_received(self) -> None:
         """Segment-wise transfer sends a span once: when every model a line has a translator to
