@@ -133,11 +133,11 @@ FIDELITY_HELP = ("held-out agreement each switch must meet: the cheapest re-read
 
 
 def dial_options(reread: int | None, fidelity: float | None) -> dict:
-    """--reread / --fidelity as Session options (one of them at most), checked as the server
-    checks its own."""
-    from mlx_kvtrans.serve.config import ServeConfig
+    """--reread / --fidelity as Session options (one of them at most)."""
+    from mlx_kvtrans.session import dial
 
-    ServeConfig(reread=reread, fidelity=fidelity).check()
+    if dial.problem(reread, fidelity):
+        raise KvtransError(dial.problem(reread, fidelity, "--"))
     return {"reread": reread, "fidelity": fidelity}
 
 

@@ -3,13 +3,13 @@ projected from peak rates.
 
 A fit is a capture pass (each batch prefilled through both models, its moments accumulated),
 a solve, and the fidelity gate's calibration (whole held-out window switches, `calibrate`). The
-matmul rate alone projected the zoo's default fit at 7.5 s where it took 44-100 s: small
-models are bound by per-layer overheads, not FLOPs. So `fit_time` runs the real thing briefly:
-`fit` on one batch of random ids (capture, accumulate, solve) and the calibration's
-`window_switch` of each kind with the translator it returns, and scales those by the fit's
-batches and windows. A config-only model (`models.load_config_only`) times as its checkpoint
-would, since time does not depend on the weights' values. Models past TIMED_PARAMETERS are not
-run (building their weights alone takes long): they are projected at the matmul rate.
+matmul rate alone misleads: small models are bound by per-layer overheads, not FLOPs. So
+`fit_time` runs the real thing briefly: `fit` on one batch of random ids (capture, accumulate,
+solve) and the calibration's `window_switch` of each kind with the translator it returns, and
+scales those by the fit's batches and windows. A config-only model
+(`models.load_config_only`) times as its checkpoint would, since time does not depend on the
+weights' values. Models past TIMED_PARAMETERS are not run (building their weights alone takes
+long): they are projected at the matmul rate.
 
 It sits beside `calibrate`, above both stages, since it runs a session's switch.
 """
@@ -27,11 +27,10 @@ from .errors import KvtransError
 from .gate import GATE_TOKENS, KINDS
 from .translators.cost import PlanCost, format_duration, parameter_count
 from .translators.features import input_embedding
-from .translators.fit import FitConfig, fit
+from .translators.fit import FIT_BATCH, FitConfig, fit
 
 TIMED_PARAMETERS = 200_000_000
 LONGEST_FIT = 365 * 86400.0  # a plan projecting more is refused: no one means to wait that long
-FIT_BATCH = 4  # windows per prefill, as `workflows.fit_translator` reads them
 
 
 @dataclass
@@ -74,7 +73,8 @@ def fit_time(source_lm, target_lm, cost: PlanCost, config: FitConfig,
     if all(parameter_count(lm.model) <= TIMED_PARAMETERS for lm in (source_lm, target_lm)):
         source, target = source_lm.model, target_lm.model
         vocab = input_embedding(source).weight.shape[0]
-        ids = mx.random.randint(0, vocab, (FIT_BATCH, max(config.length, prefix + 2 * GATE_TOKENS)))
+        width = max(config.length, prefix + 2 * GATE_TOKENS)
+        ids = mx.random.randint(0, vocab, (FIT_BATCH, width))
         batch = ids[:, :config.length]
         fit(source, target, [batch[:, :16]], config=config)  # warm-up: weights, kernels
         translator = None

@@ -27,12 +27,11 @@ from .errors import KvtransError
 from .models import LoadedModel, load
 from .translators import artifact
 from .translators.distill import CHECKPOINT_FILES, DistillConfig, Distiller
-from .translators.fit import FitConfig, fit, mixed_windows, token_windows
+from .translators.fit import FIT_BATCH, FitConfig, fit, mixed_windows, token_windows
 from .translators.translator import Translator
 
 Progress = Callable[[str, int, "int | None", str], None]  # (stage, done, total, what)
 ASSIGNMENTS = ("relative", "best")  # layer assignment: by relative depth, or best single fit
-FIT_BATCH = 4  # fitting windows per prefill
 
 
 def loaded(model: str | Path | LoadedModel) -> LoadedModel:

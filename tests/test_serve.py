@@ -317,18 +317,26 @@ def test_a_failed_translation_falls_back_to_rereading_visibly(served, monkeypatc
     assert fields["tokens_reread"] > 0 and fields["source_model"] == HYBRID
 
 
-def test_without_translation_a_switch_rereads_and_says_why(zoo):
+def switched_reply(zoo, config: ServeConfig, first_text: str, second_text: str):
+    """A server of `config`: the hybrid answers `first_text`, then the full-MLA model answers
+    `second_text` after it (a switch). Returns (the first reply, the second's raw response)."""
     models, translators = zoo
-    engine = Engine(models, translators, ServeConfig(models=list(models), translate=False))
-    with running(engine) as url:
+    with running(Engine(models, translators, config)) as url:
         c = client(url)
-        messages = [{"role": "user", "content": "No translation here."}]
+        messages = [{"role": "user", "content": first_text}]
         first = ask(c, HYBRID, messages, max_tokens=6)
         messages += [{"role": "assistant", "content": first.choices[0].message.content},
-                     {"role": "user", "content": "Next."}]
+                     {"role": "user", "content": second_text}]
         raw = c.chat.completions.with_raw_response.create(
             model=FULL, messages=messages, max_tokens=6, temperature=0)
-        fields = report(raw.parse())
+        raw.parse()  # read while the server runs
+    return first, raw
+
+
+def test_without_translation_a_switch_rereads_and_says_why(zoo):
+    first, raw = switched_reply(zoo, ServeConfig(models=list(zoo[0]), translate=False),
+                                "No translation here.", "Next.")
+    fields = report(raw.parse())
     assert fields["status"] == "fallback_reprefill"
     assert fields["reason"] == "translation is off (--no-translate)"
     assert fields["tokens_reread"] == first.usage.prompt_tokens + first.usage.completion_tokens - 1
@@ -493,17 +501,9 @@ def test_sigterm_finishes_the_request_in_flight_and_exits_0():
 def test_the_fidelity_dial_reaches_every_switch_and_its_report(zoo):
     """`kvtrans serve --reread R`: the target reads the span's last R tokens itself (the dial),
     and the reply says so in its body and headers."""
-    models, translators = zoo
-    engine = Engine(models, translators, ServeConfig(models=list(models), reread=24))
-    with running(engine) as url:
-        c = client(url)
-        messages = [{"role": "user", "content": "Remember: copper is 552190. " * 4}]
-        first = ask(c, HYBRID, messages, max_tokens=6)
-        messages += [{"role": "assistant", "content": first.choices[0].message.content},
-                     {"role": "user", "content": "What is copper?"}]
-        raw = c.chat.completions.with_raw_response.create(
-            model=FULL, messages=messages, max_tokens=6, temperature=0)
-        fields = report(raw.parse())
+    _, raw = switched_reply(zoo, ServeConfig(models=list(zoo[0]), reread=24),
+                            "Remember: copper is 552190. " * 4, "What is copper?")
+    fields = report(raw.parse())
     assert fields["status"] == "applied", fields
     assert fields["reread"] == 24 and fields["tokens_reread"] == 24
     assert raw.headers["x-kvtrans-reread"] == "24"

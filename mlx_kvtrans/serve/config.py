@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..errors import KvtransError
+from ..session import dial
 
 DEFAULT_MODELS = ("kimi-linear", "kimi-vl")
 DEFAULT_CONTEXT = 32768  # for a config that does not say how long its context is
@@ -41,12 +42,8 @@ class ServeConfig:
             raise KvtransError(f"--max-tokens {self.default_max_tokens}: must be at least 1")
         if self.max_body_bytes < 1:
             raise KvtransError(f"--max-body-bytes {self.max_body_bytes}: must be at least 1")
-        if self.reread is not None and self.fidelity is not None:
-            raise KvtransError("give --reread or --fidelity, not both")
-        if self.reread is not None and self.reread < 0:
-            raise KvtransError(f"--reread {self.reread}: must be 0 or more")
-        if self.fidelity is not None and not 0.0 < self.fidelity <= 1.0:
-            raise KvtransError(f"--fidelity {self.fidelity}: an agreement in (0, 1]")
+        if dial.problem(self.reread, self.fidelity):
+            raise KvtransError(dial.problem(self.reread, self.fidelity, "--"))
 
 
 def parse_bytes(text: str) -> int:

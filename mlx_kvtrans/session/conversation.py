@@ -43,12 +43,8 @@ class Session:
             raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}")
         if gate_tokens < 0:
             raise ValueError("gate_tokens must be 0 (no gate) or more")
-        if reread is not None and fidelity is not None:
-            raise ValueError("give reread or fidelity, not both")
-        if reread is not None and reread < 0:
-            raise ValueError("reread must be 0 or more")
-        if fidelity is not None and not 0.0 < fidelity <= 1.0:
-            raise ValueError("fidelity is an agreement in (0, 1]")
+        if dial.problem(reread, fidelity):
+            raise ValueError(dial.problem(reread, fidelity))
         self.lines = {name: CacheLine(name, lm) for name, lm in models.items()}
         self.translators = {pair: tr.prepare() for pair, tr in (translators or {}).items()}
         self.active = active or next(iter(models))

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..translators.frontier import cheapest_row, fitting_length
+from ..translators.frontier import cheapest_row, fitting_length, rows_at
 
 DEFAULT_AGREEMENT = 0.9  # the default setting meets this agreement at 2x the fitting length
 
@@ -30,14 +30,21 @@ class Choice:
     note: str = ""
 
 
-def _row_at(frontier, reread: int, length: int):
-    """The frontier's row of `reread` at the shortest measured length at or past `length`."""
-    rows = [r for r in frontier.rows if r.setting.reread == reread and r.length >= length]
-    return min(rows, key=lambda r: r.length, default=None)
+def problem(reread: int | None, fidelity: float | None, prefix: str = "") -> str:
+    """What is wrong with asking for `reread` and `fidelity` ("" if nothing); `prefix` names
+    them as options ("--")."""
+    if reread is not None and fidelity is not None:
+        return f"give {prefix}reread or {prefix}fidelity, not both"
+    if reread is not None and reread < 0:
+        return f"{prefix}reread {reread}: must be 0 or more"
+    if fidelity is not None and not 0.0 < fidelity <= 1.0:
+        return f"{prefix}fidelity {fidelity}: an agreement in (0, 1]"
+    return ""
 
 
 def _expecting(frontier, reread: int, length: int, note: str) -> Choice:
-    row = None if frontier is None else _row_at(frontier, reread, length)
+    row = None if frontier is None else next(
+        (r for r in rows_at(frontier, length) if r.setting.reread == reread), None)
     if row is None:
         return Choice(reread, note=note)
     return Choice(reread, row.agreement, row.speedup, note)
@@ -52,8 +59,7 @@ def default_reread(translator) -> tuple[int, str]:
     row = cheapest_row(frontier, DEFAULT_AGREEMENT, at)
     if row is not None:
         return row.setting.reread, f"default: agreement >= {DEFAULT_AGREEMENT} at {at} tokens"
-    shortest = min((r.length for r in frontier.rows if r.length >= at), default=None)
-    measured = [r for r in frontier.rows if r.length == shortest]
+    measured = rows_at(frontier, at)
     if not measured:
         return 0, f"default: no frontier row at {at} tokens"
     best = max(measured, key=lambda r: (r.agreement, -r.setting.reread))

@@ -185,6 +185,9 @@ def moments_bytes(stats: dict) -> int:
     return total
 
 
+FIT_BATCH = 4  # fitting windows per prefill, as `kvtrans fit` reads them
+
+
 def token_windows(token_ids: list[int], length: int, count: int, batch: int, seed: int = 0,
                   needles: list[list[int]] | None = None, needle_share: float = 0.0):
     """`count` windows of `length` tokens, evenly spread over `token_ids`, in batches; with

@@ -95,7 +95,6 @@ def history_recovered(agreement: float, floor: float) -> float | None:
     return None if floor >= 1.0 else (agreement - floor) / (1.0 - floor)
 
 
-
 @dataclass
 class Frontier:
     """The rows measured of one translator, and how they were measured."""
@@ -122,20 +121,23 @@ class Frontier:
 
 
 # -- choosing a setting --------------------------------------------------------------------------
+def rows_at(frontier, length: int) -> list[Row]:
+    """The rows measured at the shortest length at or past `length` (agreement falls with
+    length, so a longer one is the cautious reading); none past every measured length."""
+    rows = frontier.rows if isinstance(frontier, Frontier) else list(frontier)
+    shortest = min((r.length for r in rows if r.length >= length), default=None)
+    return [r for r in rows if r.length == shortest]
+
+
 def cheapest_row(frontier, agreement: float, length: int, min_speedup: float = 1.0
                  ) -> Row | None:
     """The row of the fastest setting whose held-out agreement is at least `agreement` at a
     switch of `length` tokens; None if none is, or none beats re-prefill (`min_speedup`).
 
-    The rows read are those measured at the shortest length at or past `length` (agreement
-    falls with length, so a longer one is the cautious reading); past every measured length
-    nothing is known and None is returned."""
-    rows = frontier.rows if isinstance(frontier, Frontier) else list(frontier)
-    measured = sorted({r.length for r in rows if r.length >= length})
-    if not measured:
-        return None
-    meeting = [r for r in rows if r.length == measured[0] and r.agreement >= agreement
-               and r.speedup > min_speedup]
+    The rows read are `rows_at(frontier, length)`; past every measured length nothing is
+    known and None is returned."""
+    meeting = [r for r in rows_at(frontier, length)
+               if r.agreement >= agreement and r.speedup > min_speedup]
     return max(meeting, key=lambda r: r.speedup, default=None)
 
 
