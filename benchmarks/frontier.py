@@ -37,13 +37,19 @@ def shipped_directions() -> list[str]:
     return sorted(artifact.shipped(*pair).name for pair in pairs)
 
 
-def measure(name: str, models: dict, args) -> dict:
+def loaded(name, models: dict):
+    """(translator, source, target) of a translator name or directory; `models` keeps the
+    models loaded by alias."""
     manifest = artifact.read_manifest(name)
     source, target = manifest["source"]["name"], manifest["target"]["name"]
     for alias in (source, target):
         models.setdefault(alias, kv.load(alias))
     src, tgt = models[source], models[target]
-    translator = artifact.load(name, src, tgt)
+    return artifact.load(name, src, tgt), src, tgt
+
+
+def measure(name: str, models: dict, args) -> dict:
+    translator, src, tgt = loaded(name, models)
     ids = tgt.tokenizer.encode(held_out_split("test").read_text())
     start = time.perf_counter()
     frontier = fr.measure_translator(artifact.resolve(name), src, tgt, translator, ids,

@@ -14,10 +14,19 @@ minus its NLL reading the whole window itself (nats/token).
 - random tokens, digits: text far from the fitting data;
 - cut short: the first half of the translated span zeroed (the target has lost it).
 
+`--behaviour` measures (and adds to the files) whether a gate can tell a user that the answer
+will differ: per direction, switches at its default R on prose windows of 1x and 2x the fitting
+length, each with the gate's reading (the tail's NLL gap and the share of the tail's tokens both
+models predict alike) beside what the switched target then does (teacher-forced agreement with
+the native greedy continuation, `evaluation/frontier.py`). Rules that fire on "agreement < 0.8"
+are calibrated on the validation split and their catch and false-alarm rates read on the test
+split.
+
 Faults run on the translator a session uses per direction (distilled where one ships). Writes
 benchmarks/results/gate.{json,md}.
 
     python benchmarks/gate.py [--windows 8]
+    python benchmarks/gate.py --behaviour [--behaviour-windows 24]
 """
 
 from __future__ import annotations
@@ -137,6 +146,99 @@ def run_case(translator, src, tgt, token_ids, windows: int, prefix, seed: int) -
     return out
 
 
+BAD = 0.8  # a switch whose continuation agrees with native less than this went wrong
+
+
+def behaviour_windows(translator, src, tgt, split: str, windows: int, seed: int) -> list[dict]:
+    """Per window: the gate's reading of a switch at the default R (the translation always
+    stands: the gate reads, the rule is applied afterwards) and the agreement that followed."""
+    from mlx_kvtrans.evaluation import frontier as fr
+    from mlx_kvtrans.session import dial
+
+    reread, _ = dial.default_reread(translator)
+    silent = replace(translator, info={k: v for k, v in translator.info.items() if k != "gate"})
+    switch = fr.SessionSwitch(silent.prepare(), src, tgt)
+    ids = tgt.tokenizer.encode((weights_dir() / "corpus" / f"{split}.txt").read_text())
+    length = fr.fitting_length(translator.info)
+    rows = []
+    for n in (length, 2 * length):
+        for start in fr.window_starts(ids, n, windows, seed):
+            ref = fr.reference(switch, ids[start:start + n])
+            setting = fr.Setting(reread)
+            agree = fr.score(switch, setting, ref)["agree"]
+            status = switch.statuses.pop(setting)[-1]
+            if status.gate_gap is None:  # the gate could not read this switch
+                continue
+            threshold, _ = gate.threshold(translator.info.get("gate"), gate.GATE_TOKENS, 0.0,
+                                          n - 1)
+            rows.append({"length": n, "reread": reread, "agreement": agree,
+                         "gap": status.gate_gap, "tail_agreement": status.gate_agreement,
+                         "threshold": threshold})
+    return rows
+
+
+def best_cut(rows: list[dict], key: str, fires_above: bool) -> float:
+    """The cut on `key` that best separates bad switches from good ones on `rows` (largest
+    catch rate minus false-alarm rate; the rule fires above it, or below with fires_above
+    False)."""
+    values = sorted({r[key] for r in rows})
+    candidates = [(a + b) / 2 for a, b in zip(values, values[1:])]
+    candidates = [values[0] - 1, *candidates, values[-1] + 1]
+
+    def score(cut):
+        rates = rule_rates(rows, lambda r: r[key] > cut if fires_above else r[key] < cut)
+        return rates["catch"] - rates["false_alarm"], -abs(cut)
+    return max(candidates, key=score)
+
+
+def rule_rates(rows: list[dict], fires) -> dict:
+    bad = [r for r in rows if r["agreement"] < BAD]
+    good = [r for r in rows if r["agreement"] >= BAD]
+    return {"bad": len(bad), "good": len(good),
+            "caught": sum(map(fires, bad)), "false_alarms": sum(map(fires, good)),
+            "catch": sum(map(fires, bad)) / len(bad) if bad else 0.0,
+            "false_alarm": sum(map(fires, good)) / len(good) if good else 0.0}
+
+
+def behaviour(translator, src, tgt, windows: int) -> dict:
+    validation = behaviour_windows(translator, src, tgt, "validation", windows, 1)
+    test = behaviour_windows(translator, src, tgt, "test", windows, 0)
+    gap_cut = best_cut(validation, "gap", True)
+    tail_cut = best_cut(validation, "tail_agreement", False)
+    rules = {
+        "shipped gate (gap over its threshold)": lambda r: r["gap"] > r["threshold"],
+        f"gap over {gap_cut:+.2f}": lambda r: r["gap"] > gap_cut,
+        f"tail agreement under {tail_cut:.2f}": lambda r: r["tail_agreement"] < tail_cut,
+    }
+    return {"reread": test[0]["reread"], "windows": test,
+            "rules": {name: rule_rates(test, fires) for name, fires in rules.items()}}
+
+
+def behaviour_markdown(result: dict) -> list[str]:
+    lines = ["## Predicting behaviour", "",
+             "Can the gate tell that the switched target's answer will differ? Per direction, "
+             f"{result['behaviour_windows']} prose windows at 1x and 2x the fitting length, "
+             "switched at the default R; **bad**: teacher-forced agreement with the native "
+             f"greedy continuation under {BAD}. A rule's cut is chosen on the validation split "
+             "(largest catch minus false-alarm rate), its rates read here on the test split: "
+             "caught / bad, false alarms / good. Measured by `python benchmarks/gate.py "
+             "--behaviour`.", "",
+             "| translator | R | bad | rule | caught | false alarms |", "|---|---|---|---|---|---|"]
+    totals: dict = {}
+    for name, b in result["behaviour"].items():
+        for rule, r in b["rules"].items():
+            lines.append(f"| {name} | {b['reread']} | {r['bad']}/{r['bad'] + r['good']} | "
+                         f"{rule} | {r['caught']}/{r['bad']} | "
+                         f"{r['false_alarms']}/{r['good']} |")
+            kind = rule.split(" under ")[0].split(" over ")[0].split(" (")[0]
+            t = totals.setdefault(kind, [0, 0, 0, 0])
+            for i, v in enumerate((r["caught"], r["bad"], r["false_alarms"], r["good"])):
+                t[i] += v
+    lines += ["", "In all: " + "; ".join(f"{kind}: caught {c}/{b}, false alarms {f}/{g}"
+                                        for kind, (c, b, f, g) in totals.items()) + ".", ""]
+    return lines
+
+
 def far_text(tokenizer, kind: str, seed: int) -> list[int]:
     rng = random.Random(seed)
     if kind == "random tokens":
@@ -150,6 +252,10 @@ def far_text(tokenizer, kind: str, seed: int) -> list[int]:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--windows", type=int, default=8, help="windows of each kind per case")
+    parser.add_argument("--behaviour", action="store_true",
+                        help="measure only how the gate predicts behaviour (added to the files)")
+    parser.add_argument("--behaviour-windows", type=int, default=24,
+                        help="prose windows per length and split for --behaviour")
     args = parser.parse_args()
     started = time.perf_counter()
     loaded: dict = {}
@@ -158,6 +264,9 @@ def main():
         if name not in loaded:
             loaded[name] = kv.load(name)
         return loaded[name]
+
+    if args.behaviour:
+        return main_behaviour(args, model)
 
     test = (weights_dir() / "corpus" / "test.txt").read_text()
     result = {"windows_per_kind": args.windows, "gate_tokens": gate.GATE_TOKENS,
@@ -201,6 +310,22 @@ def main():
     (OUT / "gate.json").write_text(json.dumps(result, indent=2) + "\n")
     (OUT / "gate.md").write_text(markdown(result))
     print(f"wrote {OUT / 'gate.json'} and {OUT / 'gate.md'} ({result['seconds']:.0f} s)")
+
+
+def main_behaviour(args, model) -> None:
+    result = json.loads((OUT / "gate.json").read_text())
+    result["behaviour_windows"], result["behaviour"] = args.behaviour_windows, {}
+    pairs = {(m["source"]["name"], m["target"]["name"])
+             for m in map(artifact.read_manifest, artifact.shipped_names())}
+    for pair in sorted(pairs):
+        name = artifact.shipped(*pair).name  # what a session uses
+        src, tgt = model(pair[0]), model(pair[1])
+        translator = artifact.load(name, src, tgt)
+        result["behaviour"][name] = behaviour(translator, src, tgt, args.behaviour_windows)
+        print(name, result["behaviour"][name]["rules"], flush=True)
+    (OUT / "gate.json").write_text(json.dumps(result, indent=2) + "\n")
+    (OUT / "gate.md").write_text(markdown(result))
+    print(f"wrote {OUT / 'gate.json'} and {OUT / 'gate.md'}")
 
 
 def cases(record: dict) -> dict:
@@ -271,6 +396,8 @@ def markdown(result: dict) -> str:
                   f"{total['faults'][0]}/{total['faults'][1]}; far text (random tokens, digits) "
                   f"sent to a re-read {total['far'][0]}/{total['far'][1]} "
                   f"({result['seconds']:.0f} s).", ""]
+    if "behaviour" in result:
+        lines += behaviour_markdown(result)
     return "\n".join(lines)
 
 

@@ -1,17 +1,14 @@
 """README's results table, rendered from the results files so that it cannot go stale.
 
-One row per shipped translator direction, read from what the benchmarks wrote:
-`translators.json` (`python benchmarks/translators.py`: held-out KL and exact needle recall),
-`behaviour.json` (`python benchmarks/behaviour.py`: first-token agreement with native answers)
+One row per shipped translator direction, read from what the benchmarks wrote: `frontier.json`
+(`python benchmarks/frontier.py`: through a session at the default re-read setting, what the
+switch keeps of the native continuation and of needles) and
 `bench-SOURCE__TARGET-float32.json` (`python benchmarks/switch.py`: the warm switch's time to
-first token against the target re-reading the history) and `frontier.json`
-(`python benchmarks/frontier.py`: the default re-read setting and what it keeps).
+first token against the target re-reading the history).
 
     python benchmarks/summary.py           # rewrite README's block between the markers
     python benchmarks/summary.py --check   # exit 1 if README's block is not what the files give
 
-The shipped variant of a pair is the one `benchmarks/translators.py` ships: the pair's first
-variant, distilled (stage 2) where distillation lowered its held-out KL, as fitted otherwise.
 No mlx import: this reads JSON only.
 """
 
@@ -26,7 +23,6 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 README = HERE.parent / "README.md"
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
-LENGTH = 256  # the translators' fitting length: where KL and recall are read
 LONG = 1024  # 4x it
 SWITCH_LENGTHS = (1024, 2048)
 FRONTIER_LENGTHS = (256, 512)
@@ -34,35 +30,6 @@ FRONTIER_LENGTHS = (256, 512)
 
 def _load(path: Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
-
-
-def shipped_variant(pair: dict) -> dict:
-    """The variant `benchmarks/translators.py` ships for `pair`."""
-    first = [v for v in pair["variants"] if v["variant"] == pair["variants"][0]["variant"]]
-    stage_2 = [v for v in first if v.get("stage") == 2]
-    if stage_2:
-        before = stage_2[0].get("validation_kl_before", float("-inf"))
-        if stage_2[0].get("validation_kl_after", float("inf")) < before:
-            return stage_2[0]
-    return first[0]
-
-
-def _fidelity(variant: dict, length: int) -> dict:
-    return next((f for f in variant.get("fidelity", []) if f["prefix_length"] == length), {})
-
-
-def _recall(pair: dict, variant: dict, length: int) -> str:
-    translated = variant.get("needle_translated", {}).get(str(length))
-    native = pair.get("needle_native", {}).get(str(length))
-    if translated is None:
-        return "-"
-    return f"{translated:.2f}" + (f" ({native:.2f})" if native is not None else "")
-
-
-def _first_token(behaviour: dict, name: str) -> str:
-    rows = behaviour.get("translators", {}).get(name, {}).get("rows", [])
-    row = next((r for r in rows if r["metric"] == "first_token_agreement"), None)
-    return "-" if row is None else f"{row['translated']:.2f}"
 
 
 def _times(value: float) -> str:
@@ -80,60 +47,60 @@ def _switch(results: Path, source: str, target: str) -> str:
     return " / ".join(cells)
 
 
-def _frontier(frontier: dict, name: str) -> tuple[str, str, str]:
-    """(default R, history recovered @256 / @512, applied @256 / @512) at the default R."""
-    entry = frontier.get("translators", {}).get(name)
-    if not entry or "default" not in entry:
-        return "-", "-", "-"
+def _at_default(entry: dict) -> dict[int, dict]:
+    """length -> the frontier row at the translator's default R."""
     reread = entry["default"]["reread"]
-    rows = {r["length"]: r for r in entry["rows"] if r["setting"]["reread"] == reread}
-    pick = [rows.get(n) for n in FRONTIER_LENGTHS]
+    return {r["length"]: r for r in entry["rows"] if r["setting"]["reread"] == reread}
 
-    def cells(key):
-        return " / ".join("-" if r is None or r.get(key) is None else f"{r[key]:.2f}"
-                          for r in pick)
-    return str(reread), cells("history_recovered"), cells("applied")
+
+def _pair(rows: dict, key: str, spec: str = ".2f", lengths=FRONTIER_LENGTHS) -> str:
+    return " / ".join("-" if rows.get(n) is None or rows[n].get(key) is None
+                      else format(rows[n][key], spec) for n in lengths)
+
+
+def _recall(rows: dict, length: int) -> str:
+    row = rows.get(length)
+    if row is None or row.get("recall_translated") is None:
+        return "-"
+    return f"{row['recall_translated']:.2f} ({row['recall_native']:.2f})"
 
 
 def render(results: Path = RESULTS) -> str:
     """The markdown block (markers included) that README holds."""
-    translators = _load(results / "translators.json")
-    behaviour = _load(results / "behaviour.json")
     frontier = _load(results / "frontier.json")
     lengths = " / ".join(f"{n // 1024}K" for n in SWITCH_LENGTHS)
     at = " / ".join(str(n) for n in FRONTIER_LENGTHS)
     lines = [BEGIN,
-             f"| translator (shipped) | stage | KL @{LENGTH} (no cache) | recall @{LENGTH} "
-             f"(native) | recall @{LONG} (native) | first-token agreement | switch speed-up "
-             f"@{lengths} | default R | history recovered @{at} | applied @{at} |",
+             f"| translator (shipped) | stage | default R | history recovered @{at} | "
+             f"first token @{at} | greedy match @{at} | recall @{FRONTIER_LENGTHS[0]} "
+             f"(native) | recall @{LONG} (native) | applied @{at} | switch speed-up "
+             f"@{lengths} |",
              "|---|---|---|---|---|---|---|---|---|---|"]
-    for pair in translators.get("pairs", []):
-        source, target = pair["source"], pair["target"]
-        variant = shipped_variant(pair)
-        stage = variant.get("stage", 1)
-        name = f"{source}__{target}" + ("-distilled" if stage == 2 else "")
-        fid = _fidelity(variant, LENGTH)
-        kl = f"{fid['kl']:.4f} ({fid['kl_no_cache']:.2f})" if fid else "-"
-        lines.append(f"| `{name}` | {stage} | {kl} | {_recall(pair, variant, LENGTH)} | "
-                     f"{_recall(pair, variant, LONG)} | {_first_token(behaviour, name)} | "
-                     f"{_switch(results, source, target)} | "
-                     + " | ".join(_frontier(frontier, name)) + " |")
+    for name, entry in frontier.get("translators", {}).items():
+        if "default" not in entry:
+            continue
+        rows = _at_default(entry)
+        lines.append(f"| `{name}` | {entry['stage']} | {entry['default']['reread']} | "
+                     f"{_pair(rows, 'history_recovered')} | {_pair(rows, 'first_token')} | "
+                     f"{_pair(rows, 'greedy_match', '.1f')} | "
+                     f"{_recall(rows, FRONTIER_LENGTHS[0])} | {_recall(rows, LONG)} | "
+                     f"{_pair(rows, 'applied')} | "
+                     f"{_switch(results, entry['source'], entry['target'])} |")
     lines += ["",
-              f"KL: nats/token on held-out continuations after {LENGTH} tokens, the target "
-              "reading the translated cache against its own (the no-cache floor in brackets). "
-              "Recall: exact six-digit needles through the translated cache (native in "
-              "brackets). First-token agreement: held-out prompts answered from the translated "
-              "cache against native answers. Switch: time to first token re-reading the "
-              "history over that of a warm switch (translate, install, first decode), float32, "
-              "on the machine and BLAS each file records (- where a direction is not timed). "
-              "Default R: the tokens a session's target re-reads itself at a switch by default "
-              "(docs/fidelity.md); history recovered: the share of what the history is worth "
-              "to the target's next tokens that the switch keeps, above the last-16-tokens "
-              "floor; applied: the share of switches the fidelity gate let stand. "
-              "Rendered by `python benchmarks/summary.py` from "
-              "`benchmarks/results/translators.json`, `behaviour.json`, `frontier.json` and "
-              "`bench-*-float32.json`; [docs/results.md](docs/results.md) names the command "
-              "that writes each.",
+              "Through a `Session` as a user switches, at the translator's default R (the tokens "
+              "the target re-reads itself at a switch, docs/fidelity.md), on the test split: "
+              "history recovered: the share of what the history is worth to the target's next "
+              "32 tokens (teacher-forced agreement with its native greedy continuation, above "
+              "the last-16-tokens floor) that the switch keeps; first token and greedy match: "
+              "of the 32 tokens generated from the switched cache, the first equal to native's, "
+              "and how many are; recall: exact six-digit needles (native in brackets); applied: "
+              "the share of switches the fidelity gate let stand. Switch: time to first token "
+              "re-reading the history over that of a warm switch (translate, install, first "
+              "decode), float32, on the machine and BLAS each file records (- where a direction "
+              "is not timed). Rendered by `python benchmarks/summary.py` from "
+              "`benchmarks/results/frontier.json` (`python benchmarks/frontier.py`) and "
+              "`bench-*-float32.json` (`python benchmarks/switch.py`); "
+              "[docs/results.md](docs/results.md) names the command that writes each.",
               END]
     return "\n".join(lines)
 

@@ -307,6 +307,10 @@ def distill(translator_dir: Path = typer.Option(..., "--translator", help="stage
             needle_share: float = typer.Option(DISTILL.needle_share, min=0.0, max=1.0,
                                                callback=finite, help="share of each batch that "
                                                "is synthetic needles, question and answer last"),
+            greedy: bool = typer.Option(DISTILL.greedy, help="continue each window with the "
+                                        "target's own greedy tokens (sequence level)"),
+            reread: int = typer.Option(DISTILL.reread, min=0, help="the target reads the "
+                                       "prefix's last R tokens itself, as a session at R does"),
             validate_every: int = typer.Option(DISTILL.validate_every, min=1,
                                                help="steps between held-out KL measurements"),
             validation_windows: int = typer.Option(DISTILL.validation_windows, min=1,
@@ -321,8 +325,12 @@ def distill(translator_dir: Path = typer.Option(..., "--translator", help="stage
     it reading its own (stage 2). Under `mlx.launch` the batch is shared among processes."""
     from mlx_kvtrans.workflows import check_workdir, distill_paths, distill_translator
 
-    if min_prefix > max_prefix:
-        raise KvtransError("--min-prefix must not exceed --max-prefix")
+    config = DistillConfig(steps=steps, lr=lr, warmup=warmup, batch=batch, min_prefix=min_prefix,
+                           max_prefix=max_prefix, continuation=continuation,
+                           indexer_weight=indexer_weight, attention_weight=attention_weight,
+                           needle_share=needle_share, greedy=greedy, reread=reread,
+                           validate_every=validate_every,
+                           validation_windows=validation_windows, seed=seed)
     in_range("--max-prefix", max_prefix, min_prefix,
              position_limit(model_configs(*translator_models(translator_dir)), continuation,
                             "--continuation"))
@@ -333,11 +341,6 @@ def distill(translator_dir: Path = typer.Option(..., "--translator", help="stage
     check_workdir(workdir, resume)  # a checkpoint there is named before --out is refused
     out_dir = out_dir or default_out
     refuse_existing(output_dir("--out", out_dir), force)
-    config = DistillConfig(steps=steps, lr=lr, warmup=warmup, batch=batch, min_prefix=min_prefix,
-                           max_prefix=max_prefix, continuation=continuation,
-                           indexer_weight=indexer_weight, attention_weight=attention_weight,
-                           needle_share=needle_share, validate_every=validate_every,
-                           validation_windows=validation_windows, seed=seed)
     with _stages() as progress:
         run = distill_translator(translator_dir, files, held_out, config, out=out_dir,
                                  workdir=workdir, resume=resume, max_minutes=max_minutes,

@@ -69,10 +69,18 @@ def tail_of(rows: mx.array | None, end: int, first_generated: int | None = None
                                    for p in range(start, end)))
 
 
+def tail_logits(model, rows: mx.array) -> mx.array:
+    """(k, V) float32 logits `model` predicts from final-norm `rows` (k, D): its output head on
+    k rows."""
+    return output_head(model)(rows).astype(mx.float32)
+
+
 def tail_nll(model, rows: mx.array, targets: mx.array) -> mx.array:
-    """(k,) NLL of token ids `targets` under the predictions `model` makes from final-norm
-    `rows` (k, D): its output head on k rows."""
-    logits = output_head(model)(rows).astype(mx.float32)
+    """(k,) NLL of token ids `targets` under the predictions `model` makes from `rows`."""
+    return nll_of(tail_logits(model, rows), targets)
+
+
+def nll_of(logits: mx.array, targets: mx.array) -> mx.array:
     logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     return -mx.take_along_axis(logp, targets[:, None], axis=-1)[:, 0]
 
@@ -84,6 +92,7 @@ class Reading:
     generated: float  # share of them the source had sampled itself
     target_nll: float
     source_nll: float
+    agreement: float = 1.0  # share of the tokens where the two models' argmax is the same
 
 
 def compare(source_model, source: Tail | None, target_model, target: Tail | None,
@@ -97,13 +106,12 @@ def compare(source_model, source: Tail | None, target_model, target: Tail | None
     if not positions:
         return None
     targets = mx.array([tokens[p + 1] for p in positions])
-    s = tail_nll(source_model, source.rows[mx.array([p - source.start for p in positions])],
-                 targets)
-    t = tail_nll(target_model, target.rows[mx.array([p - target.start for p in positions])],
-                 targets)
-    s_mean, t_mean = float(s.mean()), float(t.mean())
+    s = tail_logits(source_model, source.rows[mx.array([p - source.start for p in positions])])
+    t = tail_logits(target_model, target.rows[mx.array([p - target.start for p in positions])])
+    s_mean, t_mean = float(nll_of(s, targets).mean()), float(nll_of(t, targets).mean())
     share = sum(source.generated[p - source.start] for p in positions) / len(positions)
-    return Reading(t_mean - s_mean, len(positions), share, t_mean, s_mean)
+    agree = float((mx.argmax(s, axis=-1) == mx.argmax(t, axis=-1)).mean())
+    return Reading(t_mean - s_mean, len(positions), share, t_mean, s_mean, agree)
 
 
 def threshold(calibration: dict | None, tail: int, generated: float, length: int

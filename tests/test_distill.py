@@ -109,6 +109,38 @@ def test_attention_rehearsal_is_zero_for_the_native_cache_and_positive_otherwise
     assert float(attention) > 1e-4
 
 
+@pytest.mark.parametrize("family", ["kimi_linear", "deepseek_v32"])
+def test_greedy_continuation_is_what_the_target_says(loaded, family):
+    """Sequence level: the continuation is the window's first token, then the target's own
+    argmax at every step reading its native cache; the native logits are taken on it."""
+    translator, S, T = tiny_translator(loaded, "qwen3_5", family)
+    windows = mx.random.randint(0, 259, (2, 30), key=mx.random.key(5))
+    problem = Problem(translator, S, T, windows, 22, greedy=True)
+    assert problem.inputs.shape == (2, 8)
+    assert mx.array_equal(problem.inputs[:, 0], windows[:, 22])
+    assert mx.array_equal(problem.inputs[:, 1:], mx.argmax(problem.native_logits[:, :-1], -1))
+    assert not mx.array_equal(problem.inputs, windows[:, 22:])
+
+
+@pytest.mark.parametrize("family", ["qwen3", "kimi_linear", "deepseek_v32"])
+def test_reread_tail_is_read_natively_and_not_scored(loaded, family):
+    """With R = reread, the translator builds the first prefix - R tokens and the target reads
+    the rest itself: a translator of an attention model to itself has next to no loss at any R
+    (a misplaced tail would read at wrong positions), a cross-model one less loss the more the
+    target reads (its tail repairs the translation)."""
+    windows = mx.random.randint(0, 259, (2, 40), key=mx.random.key(6))
+    if family == "qwen3":
+        exact, S, _ = tiny_translator(loaded, family, family)
+        for reread in (0, 8):
+            problem = Problem(exact, S, S, windows, 32, reread=reread)
+            assert problem.translated_ids.shape[1] == 32 - reread
+            assert float(problem.loss(exact.params)[1][0]) < 1e-3
+    translator, S, T = tiny_translator(loaded, "qwen3_5", family)
+    losses = [float(Problem(translator, S, T, windows, 32, reread=r).loss(translator.params)[0])
+              for r in (0, 8, 31)]
+    assert losses[0] > losses[1] > losses[2] > 0, losses
+
+
 def ids_of(loaded, family):
     return loaded(family).tokenizer.encode(TEXT.read_text())
 

@@ -187,11 +187,14 @@ def test_gate_gap_is_the_two_models_nll_on_the_tail(zoo):
         logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         return float(-mx.take_along_axis(logp, targets[:, None], axis=-1).mean())
 
-    source = nll(src.model(ids[:, :n])[0, -r:])
+    source_logits = src.model(ids[:, :n])[0, -r:]
     head = ids[:, :n - r]
     cache = kv.translate_cache(tr, src.model, tgt.model, head)
-    target = nll(tgt.model(ids[:, n - r:n], cache=cache)[0])
-    assert status.gate_gap == pytest.approx(target - source, abs=1e-4)
+    target_logits = tgt.model(ids[:, n - r:n], cache=cache)[0]
+    assert status.gate_gap == pytest.approx(nll(target_logits) - nll(source_logits), abs=1e-4)
+    # and the share of the tail's tokens both models predict alike
+    same = mx.argmax(source_logits, -1) == mx.argmax(target_logits, -1)
+    assert status.gate_agreement == pytest.approx(float(same.mean()), abs=1e-6)
 
 
 def test_a_translator_that_reads_the_source_state_stops_at_a_snapshot(zoo):

@@ -142,6 +142,15 @@ class SessionSwitch(Switch):
         return copy.deepcopy(self._last[1])  # the caller's forward must not grow ours
 
 
+def window_starts(text_ids: list[int], length: int, count: int, seed: int) -> list[int]:
+    """Where the `count` prose windows of `length` tokens start: the same for a seed and
+    length whatever else is measured."""
+    if len(text_ids) < length + 1:
+        raise ValueError(f"held-out text has {len(text_ids)} tokens, fewer than {length + 1}")
+    rng = random.Random(seed * 1_000_003 + length)
+    return [rng.randrange(0, len(text_ids) - length) for _ in range(count)]
+
+
 def time_switch(switch: Switch, setting: Setting, tokens: list[int],
                 repeats: int = 3) -> tuple[float, float]:
     """(re-prefill seconds, switch seconds) to the first token of the `tokens` prompt: the
@@ -177,50 +186,72 @@ def _mean(values: list) -> float:
     return sum(values) / len(values)
 
 
+@dataclass
+class Reference:
+    """One window as the native target continues it: `GENERATED` greedy tokens after the
+    prompt, its logits on them, and the floor (the target reading only the last tokens)."""
+    prefix: list[int]
+    last: int
+    tokens: list[int]  # the greedy continuation
+    logits: mx.array  # (GENERATED, V): native, teacher-forced on `tokens`
+    floor: float  # agreement of the target reading the last FLOOR_TOKENS prompt tokens only
+    own: float  # agreement of native with itself (1 but for ties): the ceiling
+
+    @property
+    def inputs(self) -> mx.array:
+        return mx.array([self.last] + self.tokens[:-1])[None]
+
+
+def reference(switch: Switch, prompt: list[int]) -> Reference:
+    target, prefix, last = switch.target, prompt[:-1], prompt[-1]
+    tokens = greedy(target, last, switch.native(prefix), GENERATED)
+    truth = mx.array(tokens)
+    inputs = mx.array([last] + tokens[:-1])[None]
+    native = target(inputs, cache=switch.native(prefix))[0]
+    tail = mx.array(prompt[-FLOOR_TOKENS:] + tokens[:-1])[None]
+    floor = float((mx.argmax(target(tail)[0, FLOOR_TOKENS - 1:], -1) == truth).mean())
+    own = float((mx.argmax(native, -1) == truth).mean())
+    return Reference(prefix, last, tokens, native, floor, own)
+
+
+def score(switch: Switch, setting: Setting, ref: Reference) -> dict:
+    """How the switched cache of one window continues, against native: teacher-forced
+    agreement and KL, and of its own greedy tokens the matches, all-equal and the first."""
+    target = switch.target
+    recorded = switch.read(setting, ref.prefix)
+    logits = target(ref.inputs, cache=switch.cache(setting, ref.prefix, recorded))[0]
+    generated = greedy(target, ref.last, switch.cache(setting, ref.prefix, recorded), GENERATED)
+    same = [a == b for a, b in zip(generated, ref.tokens)]
+    return {"agree": float((mx.argmax(logits, -1) == mx.array(ref.tokens)).mean()),
+            "kl": float(kl_per_token(ref.logits, logits).mean()), "match": sum(same),
+            "exact": float(all(same)), "first": float(same[0])}
+
+
 def measure(switch: Switch, encode, text_ids: list[int], plan: dict[int, list[Setting]],
             prompts: int = 16, needles: int = 16, repeats: int = 3, seed: int = 0,
             progress=None) -> list[Row]:
     """One row per (length, setting) of `plan` (prompt length -> settings), over `prompts`
-    held-out windows of `text_ids` (starts drawn from `seed` and the length) and `needles`
-    (seed 0: the held-out needles every benchmark reads; another seed, another draw of them)
-    held-out needles (0: no recall). `encode`: the target tokenizer's.
-    `progress(done, total, what)` follows the windows."""
+    held-out windows of `text_ids` (`window_starts`) and `needles` held-out needles (0: no
+    recall; seed 0: the needles every benchmark reads, another seed another draw of them).
+    `encode`: the target tokenizer's. `progress(done, total, what)` follows the windows."""
     target, rows = switch.target, []
     total, done = sum(len(s) for s in plan.values()) * (prompts + 2), 0
     filler = held_out_filler() if needles else None
     for length, settings in plan.items():
-        if len(text_ids) < length + 1:
-            raise ValueError(f"held-out text has {len(text_ids)} tokens, fewer than {length + 1}")
-        rng = random.Random(seed * 1_000_003 + length)  # the same windows whatever else is measured
-        starts = [rng.randrange(0, len(text_ids) - length) for _ in range(prompts)]
+        starts = window_starts(text_ids, length, prompts, seed)
         scores = {s: {k: [] for k in ("agree", "kl", "match", "exact", "first")}
                   for s in settings}
         floor, own = [], []  # per window: the last-16 floor's agreement, native's own
         for w, start in enumerate(starts):
-            tokens = list(text_ids[start:start + length])
-            prefix, last = tokens[:-1], tokens[-1]
-            reference = greedy(target, last, switch.native(prefix), GENERATED)
-            inputs = mx.array([last] + reference[:-1])[None]
-            truth = mx.array(reference)
-            native = target(inputs, cache=switch.native(prefix))[0]
-            tail = mx.array(tokens[-FLOOR_TOKENS:] + reference[:-1])[None]
-            floor.append(float((mx.argmax(target(tail)[0, FLOOR_TOKENS - 1:], -1) == truth)
-                               .mean()))
-            own.append(float((mx.argmax(native, -1) == truth).mean()))
+            ref = reference(switch, list(text_ids[start:start + length]))
+            floor.append(ref.floor)
+            own.append(ref.own)
             for s in settings:
                 if progress:
                     progress(done, total, f"{length:,} tokens, window {w + 1}, {s.label()}")
                 done += 1
-                recorded = switch.read(s, prefix)
-                logits = target(inputs, cache=switch.cache(s, prefix, recorded))[0]
-                generated = greedy(target, last, switch.cache(s, prefix, recorded), GENERATED)
-                same = [a == b for a, b in zip(generated, reference)]
-                got = scores[s]
-                got["agree"].append(float((mx.argmax(logits, -1) == truth).mean()))
-                got["kl"].append(float(kl_per_token(native, logits).mean()))
-                got["match"].append(sum(same))
-                got["exact"].append(float(all(same)))
-                got["first"].append(float(same[0]))
+                for key, value in score(switch, s, ref).items():
+                    scores[s][key].append(value)
         needle_seed = HELD_OUT_SEED + seed * NEEDLE_DRAW  # seed 0: the held-out needles
         native_recall = needle_report(target, encode, length, needles, filler,
                                       needle_seed)["recall"] if needles else None

@@ -144,6 +144,7 @@ def _translate_and_gate(session: Session, translator, src: CacheLine, tgt: Cache
     threshold, why = gate.threshold(translator.info.get("gate"), r, reading.generated, n)
     status.gate_gap, status.gate_tokens, status.gate_threshold = (
         reading.gap, reading.tokens, threshold)
+    status.gate_agreement = reading.agreement
     if threshold is None:
         status.gate, status.gate_note = Verdict.UNCALIBRATED, why
     elif reading.gap <= threshold:

@@ -54,6 +54,7 @@ class SwitchStatus:
     gate_gap: float | None = None  # nats/token: target's mean NLL on the tail - the source's
     gate_threshold: float | None = None
     gate_tokens: int = 0  # tokens the gap is taken over
+    gate_agreement: float | None = None  # share of them both models predict alike (argmax)
     gate_seconds: float = 0.0  # the read tail and the comparison
     reread: int = 0  # the fidelity dial's setting R (`tokens_read` is what was read)
     expected_agreement: float | None = None  # R's held-out agreement, from the frontier

@@ -13,6 +13,11 @@ attention layer: KL between the target's per-head attention distributions readin
 and reading the translated one, for every continuation query, so every query and head
 supervises the keys, not only the output distribution.
 
+Two settings match the loss to what a user sees: `greedy` continues each window with the
+target's own greedy tokens (sequence-level distillation: the frontier's agreement is taken on
+them), and `reread` = R translates all but the prefix's last R tokens, which the target reads
+itself over the translated cache before the continuation, as a session switching at R does.
+
 Recurrences run through the chunkwise-parallel gated delta rule (it has a backward pass on every
 device; the Metal kernel has none). Each step's batch depends only on (seed, step), and the
 parameters and Adam state are checkpointed, so a resumed run continues bit-identically. With
@@ -63,12 +68,26 @@ class DistillConfig:
     indexer_weight: float = 1.0
     attention_weight: float = 0.0  # the attention rehearsal's weight (0: off)
     needle_share: float = 0.0  # share of each batch's rows that are needles, answer at the end
+    greedy: bool = False  # continue with the target's own greedy tokens (sequence level)
+    reread: int = 0  # the target reads the prefix's last R tokens itself, as a session's dial
     validate_every: int = 50
     validation_windows: int = 16
     seed: int = 0
 
+    def __post_init__(self):
+        if self.min_prefix > self.max_prefix:
+            raise KvtransError("--min-prefix must not exceed --max-prefix")
+        if self.reread >= self.min_prefix:
+            raise KvtransError("--reread must be below --min-prefix: every prefix is partly "
+                               "translated")
+
     def fingerprint(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+        fields = {k: v for k, v in asdict(self).items()  # settings added later, at their
+                  if k not in LATER_DEFAULTS or LATER_DEFAULTS[k] != v}  # defaults, keep old runs
+        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+
+
+LATER_DEFAULTS = {"greedy": False, "reread": 0}
 
 
 def indexer_rehearsal(native: list[mx.array], translated: list[mx.array], prefix: int) -> mx.array:
@@ -92,20 +111,36 @@ class Problem:
     from which `loss(params)` measures a translator's parameters."""
 
     def __init__(self, translator: Translator, source, target, windows: mx.array, prefix: int,
-                 attention: bool = False):
+                 attention: bool = False, greedy: bool = False, reread: int = 0):
         self.translator, self.target, self.attention = translator, target, attention
         self.layout = layout_of(target)
         self.prefix_ids = windows[:, :prefix]
         self.inputs = windows[:, prefix:]
         self.prefix = prefix
-        self.source = capture(source, self.prefix_ids, points=translator.source_points())
-        native_cache = capture(target, self.prefix_ids, points=(CapturePoint.ENGINE,),
-                               layout=self.layout).engine
+        translated = prefix - min(reread, prefix - 1)
+        self.translated_ids = self.prefix_ids[:, :translated]
+        self.tail = self.prefix_ids[:, translated:]
+        self.source = capture(source, self.translated_ids, points=translator.source_points())
+        if greedy:
+            self.inputs = self._greedy_continuation()
+        native_cache = self._native_cache()
         with self._recording() as (scores, probs):
             self.native_logits = target(self.inputs, cache=native_cache)
         self.native_scores = [mx.stop_gradient(s) for s in scores]
         self.native_attention = [mx.stop_gradient(p) for p in probs]
         mx.eval(self.native_logits, self.native_scores, self.native_attention)
+
+    def _native_cache(self):
+        return capture(self.target, self.prefix_ids, points=(CapturePoint.ENGINE,),
+                       layout=self.layout).engine
+
+    def _greedy_continuation(self) -> mx.array:
+        """The window's first continuation token, then what the target says after it reading
+        its own cache: what a user of the switched target would be shown."""
+        cache, tokens = self._native_cache(), [self.inputs[:, :1]]
+        for _ in range(self.inputs.shape[1] - 1):
+            tokens.append(mx.argmax(self.target(tokens[-1], cache=cache)[:, -1:], axis=-1))
+        return mx.concatenate(tokens, axis=1)
 
     @contextlib.contextmanager
     def _recording(self):
@@ -119,10 +154,14 @@ class Problem:
         """(total, (KL, indexer rehearsal, attention rehearsal)) of `params` (a tree or flat)
         on this batch."""
         objects, points = self.translator.translate(self.source, self.target, self.layout,
-                                                    self.prefix_ids, params=params)
+                                                    self.translated_ids, params=params)
         cache = install(self.layout, objects, points)
+        n = self.inputs.shape[1]  # the re-read tail's positions are not scored
         with self._recording() as (scores, probs):
-            logits = self.target(self.inputs, cache=cache)
+            logits = self.target(mx.concatenate([self.tail, self.inputs], axis=1),
+                                 cache=cache)[:, -n:]
+        scores = [s[:, -n:] for s in scores]
+        probs = [p[..., -n:, :] for p in probs]
         kl = kl_per_token(self.native_logits, logits).mean()
         rehearsal = indexer_rehearsal(self.native_scores, scores, self.prefix)
         attention = attention_rehearsal(self.native_attention, probs)
@@ -242,7 +281,7 @@ class Distiller:
             with chunked_recurrence():
                 self._validation = [
                     Problem(self.translator, self.source, self.target, windows[i:i + c.batch],
-                            c.max_prefix)
+                            c.max_prefix, greedy=c.greedy, reread=c.reread)
                     for i in range(0, len(starts), c.batch)]
         return self._validation
 
@@ -261,7 +300,8 @@ class Distiller:
         with chunked_recurrence():
             c = self.config
             problem = Problem(self.translator, self.source, self.target, share, prefix,
-                              attention=c.attention_weight > 0)
+                              attention=c.attention_weight > 0, greedy=c.greedy,
+                              reread=c.reread)
             (loss, (kl, rehearsal, attention)), grads = mx.value_and_grad(
                 lambda p: problem.loss(p, c.indexer_weight, c.attention_weight))(self.params)
         if self.size > 1:

@@ -1,0 +1,185 @@
+"""Ideas for translators that hold at length, each measured on the frontier and kept or dropped
+on its figures.
+
+An idea distils (stage 2) a shipped translator further, or fits its pair afresh (stage 1,
+`fit`) and distils that: its options against the shipped ones. Each is measured beside the translator it starts from, through a `Session` at
+R = 8 (the gate's own tail, the cheapest setting), at 1x and 2x the fitting length, on the
+validation split with a draw of needles other than the held-out ones (seed 1): the test split
+and the held-out needles stay for reporting (`benchmarks/frontier.py`). An idea is kept where
+the history's worth recovered rises at both lengths and needle recall does not fall.
+
+    python benchmarks/ideas.py [--ideas NAME,NAME] [--prompts 16] [--needles 16]
+    python benchmarks/ideas.py --tabulate
+
+Translators are written to runs/ideas/NAME (a run stopped part-way resumes from its
+checkpoint there); figures to benchmarks/results/ideas.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import mlx_kvtrans  # noqa: F401  first: fast BLAS
+
+from frontier import loaded
+from mlx_kvtrans.evaluation import frontier as fr
+from mlx_kvtrans.models import held_out_split
+from mlx_kvtrans.translators import artifact
+from mlx_kvtrans.translators.distill import DistillConfig
+from mlx_kvtrans.translators.fit import FitConfig
+from mlx_kvtrans.workflows import distill_translator, fit_translator
+
+OUT = Path(__file__).resolve().parent / "results"
+RUNS = Path("runs/ideas")
+SEED = 1  # prose windows and needles: not the held-out draw (seed 0)
+REREAD = 8
+
+
+@dataclass(frozen=True)
+class Idea:
+    name: str
+    start: str  # the shipped translator it is measured against (and distils, without `fit`)
+    what: str  # in a few words, for the table
+    config: DistillConfig
+    fit: FitConfig | None = None  # fit the pair afresh so, then distil
+    fit_needle_share: float = 0.0
+
+
+# sequence level and the dial's own tail, on prefixes up to 2x the fitting length
+SEQUENCE = dict(steps=500, max_prefix=512, needle_share=0.5, greedy=True, reread=REREAD,
+                validation_windows=8)
+# the stage 1 and 2 that keep recall into kimi-vl (benchmarks/translators.py, EVERY_IDEA)
+EVERY_IDEA = FitConfig(point=1, nu=2, features="all", token_identity="ids", attention_weighted=8,
+                       identity_tables=32, residual=32)
+IDEAS = [
+    Idea("dsa-sequence", "qwen3.5-a__dsa",
+         "500 steps on greedy continuations after an 8-token re-read, prefixes 32-512, "
+         "half needles", DistillConfig(**SEQUENCE)),
+    *[Idea(f"{name.split('__')[0]}-to-{name.split('__')[1].removesuffix('-distilled')}"
+           "-sequence", name, "300 steps on greedy continuations after an 8-token re-read, "
+           f"prefixes 32-512{', half needles' if share else ''}{f', lr {lr:g}' if lr else ''}",
+           DistillConfig(**{**SEQUENCE, "steps": 300, "needle_share": share,
+                            **({"lr": lr} if lr else {})}))
+      for name, share, lr in [("kimi-vl__kimi-linear-distilled", 0.5, None),
+                              ("qwen3-large__qwen3-small-distilled", 0.5, 3e-5),
+                              ("qwen3-small__qwen3-large-distilled", 0.5, None),
+                              ("qwen3.5-b__qwen3.5-a-distilled", 0.0, 3e-5),
+                              ("qwen3.5-a__qwen3.5-b", 0.0, None)]],
+    Idea("dsa-every-idea", "qwen3.5-a__dsa",
+         "refit with identity tables and a residual, 200 steps with attention rehearsal",
+         DistillConfig(steps=200, attention_weight=1.0, needle_share=0.5), EVERY_IDEA, 0.5),
+]
+
+
+def measure(name: str, directory: Path | str, models: dict, args) -> dict:
+    translator, src, tgt = loaded(directory, models)
+    fit_length = fr.fitting_length(translator.info)
+    ids = tgt.tokenizer.encode(held_out_split("validation").read_text())
+    frontier = fr.measure_translator(artifact.resolve(directory), src, tgt, translator, ids,
+                                     [fit_length, 2 * fit_length], [REREAD], args.prompts,
+                                     args.needles, repeats=1, seed=SEED)
+    return {"name": name, "source": src.name, "target": tgt.name,
+            "rows": [row.to_json() for row in frontier.rows]}
+
+
+def run_idea(idea: Idea, models: dict, args) -> dict:
+    out, workdir = RUNS / idea.name, RUNS / f"{idea.name}-checkpoints"
+    started = time.perf_counter()
+    start = idea.start
+    if idea.fit is not None:
+        start = RUNS / f"{idea.name}-stage1"
+        if not (start / "weights.safetensors").is_file():
+            manifest = artifact.read_manifest(idea.start)
+            fit_translator(manifest["source"]["name"], manifest["target"]["name"],
+                           [held_out_split("train")], idea.fit,
+                           validation=held_out_split("validation"), out=start,
+                           needle_share=idea.fit_needle_share, gate_windows=32)
+    if not (out / "weights.safetensors").is_file():
+        resume = (workdir / "state.json").is_file()
+        run = distill_translator(start, [held_out_split("train")],
+                                 held_out_split("validation"), idea.config, out=out,
+                                 workdir=workdir, resume=resume, gate_windows=32)
+        if not run.finished:
+            raise SystemExit(f"{idea.name} stopped part-way; run again to resume")
+    minutes = artifact.read_manifest(out)["distill"]["minutes"]
+    result = measure(idea.name, out, models, args)
+    return {**result, "start": idea.start, "what": idea.what, "config": asdict(idea.config),
+            "distill_minutes": minutes,
+            "measure_minutes": round((time.perf_counter() - started) / 60, 2)}
+
+
+def kept(idea: dict, base: dict) -> bool:
+    def by_length(r):
+        return {row["length"]: row for row in r["rows"]}
+    mine, theirs = by_length(idea), by_length(base)
+    return all(mine[n]["history_recovered"] > theirs[n]["history_recovered"]
+               and (mine[n]["recall_translated"] or 0) >= (theirs[n]["recall_translated"] or 0)
+               for n in theirs)
+
+
+def write_markdown(results: dict, settings: dict, out: Path) -> None:
+    lines = ["# Ideas for translators that hold at length\n",
+             "Each idea distils a shipped translator further; it is measured beside that "
+             f"translator through a `Session` at R = {REREAD} (the gate's own tail) at 1x and "
+             "2x the fitting length, on the validation split with needles of another draw "
+             f"(seed {SEED}): {settings['prompts']} windows and {settings['needles']} needles "
+             "per length. **Recovered**: the history's worth kept, (agreement - floor) / "
+             "(1 - floor), teacher-forced on the native greedy continuation; **match**: greedy "
+             "tokens of 32 equal to native's; **first**: first-token agreement; **recall**: "
+             "needle recall, native / switched; **applied**: switches the gate let stand. "
+             "**Kept**: recovered rises at both lengths and recall does not fall. Regenerate "
+             "with `python benchmarks/ideas.py`.\n",
+             "| direction | translator | what | L | recovered | first | match | KL | recall "
+             "| applied | kept |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for key, r in results.items():
+        base = results.get(f"shipped:{r.get('start')}")
+        verdict = "" if base is None or key.startswith("shipped:") else (
+            "yes" if kept(r, base) else "no")
+        for row in r["rows"]:
+            lines.append(
+                f"| {r['source']} -> {r['target']} | {r['name']} | {r.get('what', 'shipped')} "
+                f"| {row['length']:,} | {row['history_recovered']:.2f} | "
+                f"{row['first_token']:.2f} | {row['greedy_match']:.1f} | {row['kl']:.4f} | "
+                f"{row['recall_native']:.2f} / {row['recall_translated']:.2f} | "
+                f"{row['applied']:.2f} | {verdict} |")
+    out.joinpath("ideas.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ideas", help="comma-separated idea names (default: all)")
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--needles", type=int, default=16)
+    parser.add_argument("--results", type=Path, default=OUT)
+    parser.add_argument("--tabulate", action="store_true",
+                        help="rebuild ideas.md from ideas.json")
+    args = parser.parse_args()
+    path = args.results / "ideas.json"
+    saved = json.loads(path.read_text()) if path.is_file() else {}
+    results, settings = saved.get("results", {}), {"prompts": args.prompts,
+                                                   "needles": args.needles}
+    if args.tabulate:
+        return write_markdown(results, saved["settings"], args.results)
+    if saved and saved.get("settings") != settings:
+        results = {}  # figures of other settings are not comparable
+    wanted = set(args.ideas.split(",")) if args.ideas else {i.name for i in IDEAS}
+    unknown = wanted - {i.name for i in IDEAS}
+    if unknown:
+        raise SystemExit(f"unknown ideas: {', '.join(sorted(unknown))}")
+    models = {}
+    for idea in [i for i in IDEAS if i.name in wanted]:
+        if f"shipped:{idea.start}" not in results:
+            results[f"shipped:{idea.start}"] = measure(idea.start, idea.start, models, args)
+        results[idea.name] = run_idea(idea, models, args)
+        args.results.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"settings": settings, "results": results}, indent=1))
+    write_markdown(results, settings, args.results)
+
+
+if __name__ == "__main__":
+    main()
