@@ -26,6 +26,7 @@ from mlx_kvtrans.translators import artifact
 
 OUT = Path(__file__).resolve().parent / "results"
 AGREEMENTS = (0.9, 0.95)  # the cheapest setting meeting each, per length, in the summary
+ZOO_LENGTHS = [256, 512, 1024, 2048]  # 1x-8x the zoo's fitting length; its models recall to 2K
 
 
 def shipped_directions() -> list[str]:
@@ -53,9 +54,9 @@ def measure(name: str, models: dict, args) -> dict:
     ids = tgt.tokenizer.encode(held_out_split("test").read_text())
     start = time.perf_counter()
     frontier = fr.measure_translator(artifact.resolve(name), src, tgt, translator, ids,
-                                     args.lengths, args.rereads, args.prompts, args.needles,
-                                     args.repeats)
-    return {**frontier.to_json(), "stage": manifest.get("stage", 1),
+                                     args.lengths or ZOO_LENGTHS, args.rereads, args.prompts,
+                                     args.needles, args.repeats)
+    return {**frontier.to_json(), "stage": translator.info.get("stage", 1),
             "minutes": round((time.perf_counter() - start) / 60, 2)}
 
 
@@ -66,10 +67,10 @@ def _cell(value, spec: str) -> str:
 def write_markdown(results: dict, settings: dict, blas: str, out: Path):
     generated, floor = fr.GENERATED, fr.FLOOR_TOKENS
     lines = ["# Fidelity frontier\n",
-             "Per translator, prompt length L (1x-8x its fitting length) and setting R (the "
-             "translator builds the cache of the first L - 1 - R prompt tokens; the target reads "
-             "the R after them, then the last token, itself): on held-out prose windows of the "
-             "test split, the native target generates "
+             "Per translator, prompt length L (256-2,048: 1x-8x the zoo's fitting length) and "
+             "setting R (the translator builds the cache of the first L - 1 - R prompt tokens; "
+             "the target reads the R after them, then the last token, itself): on held-out "
+             "prose windows of the test split, the native target generates "
              f"{generated} tokens greedily; **agreement** is the share of them the switched "
              f"cache's argmax predicts when fed them (teacher forcing), beside the **floor**: "
              f"the target reading only the last {floor} prompt tokens. **Recovered** = "
@@ -220,8 +221,8 @@ def main():
     parser.add_argument("--translators", help="a,b (default: every shipped direction)")
     parser.add_argument("--prompts", type=int, default=16, help="held-out windows per length")
     parser.add_argument("--needles", type=int, default=16, help="held-out needles per length")
-    parser.add_argument("--lengths", type=ints, help="default: 1x, 2x, 4x, 8x the fitting "
-                        "length of each translator")
+    parser.add_argument("--lengths", type=ints, help="default: 256, 512, 1,024, 2,048, 1x-8x "
+                        "the zoo's fitting length (every translator at the same lengths)")
     parser.add_argument("--rereads", type=ints, help="R values (default: 0, 8, 32, 128, ... "
                         "below each length)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per setting")

@@ -223,7 +223,8 @@ def behaviour_markdown(result: dict) -> list[str]:
              "(largest catch minus false-alarm rate), its rates read here on the test split: "
              "caught / bad, false alarms / good. Measured by `python benchmarks/gate.py "
              "--behaviour`.", "",
-             "| translator | R | bad | rule | caught | false alarms |", "|---|---|---|---|---|---|"]
+             "| translator | R | bad | rule | caught | false alarms |",
+             "|---|---|---|---|---|---|"]
     totals: dict = {}
     for name, b in result["behaviour"].items():
         for rule, r in b["rules"].items():

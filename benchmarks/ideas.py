@@ -2,14 +2,21 @@
 on its figures.
 
 An idea distils (stage 2) a shipped translator further, or fits its pair afresh (stage 1,
-`fit`) and distils that: its options against the shipped ones. Each is measured beside the translator it starts from, through a `Session` at
-R = 8 (the gate's own tail, the cheapest setting), at 1x and 2x the fitting length, on the
-validation split with a draw of needles other than the held-out ones (seed 1): the test split
-and the held-out needles stay for reporting (`benchmarks/frontier.py`). An idea is kept where
+`fit`) and distils that: its options against the shipped ones. Each is measured beside the
+translator it starts from, through a `Session` at R = 8 (the gate's own tail, the cheapest
+setting), at 256 and 512 tokens (where the bars are read), on the validation split with a draw
+of needles other than the held-out ones (seed 1): the test split and the held-out needles stay
+for reporting (`benchmarks/frontier.py`). An idea is kept where
 the history's worth recovered rises at both lengths and needle recall does not fall.
 
     python benchmarks/ideas.py [--ideas NAME,NAME] [--prompts 16] [--needles 16]
     python benchmarks/ideas.py --tabulate
+    python benchmarks/ideas.py --ship NAME   # a kept idea replaces its direction's translator
+
+`--ship` puts the idea's translator in weights/translators/ (SOURCE__TARGET-distilled, in place
+of the direction's shipped one) and records its frontier beside it as the shipped ones are
+(`kvtrans eval frontier --record` on the validation split: 8 windows, no needles, R = 8, 32,
+128, at 256-2,048 tokens), which a session's dial reads.
 
 Translators are written to runs/ideas/NAME (a run stopped part-way resumes from its
 checkpoint there); figures to benchmarks/results/ideas.{json,md}.
@@ -19,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -27,7 +35,7 @@ import mlx_kvtrans  # noqa: F401  first: fast BLAS
 
 from frontier import loaded
 from mlx_kvtrans.evaluation import frontier as fr
-from mlx_kvtrans.models import held_out_split
+from mlx_kvtrans.models import held_out_split, weights_dir
 from mlx_kvtrans.translators import artifact
 from mlx_kvtrans.translators.distill import DistillConfig
 from mlx_kvtrans.translators.fit import FitConfig
@@ -36,6 +44,8 @@ from mlx_kvtrans.workflows import distill_translator, fit_translator
 OUT = Path(__file__).resolve().parent / "results"
 RUNS = Path("runs/ideas")
 SEED = 1  # prose windows and needles: not the held-out draw (seed 0)
+FRONTIER_LENGTHS = [256, 512, 1024, 2048]  # recorded beside a shipped translator, as for all
+LENGTHS = (256, 512)  # where the bars are read: 1x and 2x the shipped translators' fitting length
 REREAD = 8
 
 
@@ -72,15 +82,18 @@ IDEAS = [
     Idea("dsa-every-idea", "qwen3.5-a__dsa",
          "refit with identity tables and a residual, 200 steps with attention rehearsal",
          DistillConfig(steps=200, attention_weight=1.0, needle_share=0.5), EVERY_IDEA, 0.5),
+    Idea("dsa-every-idea-sequence", "qwen3.5-a__dsa",
+         "refit with identity tables and a residual, 500 steps with attention rehearsal on "
+         "greedy continuations after an 8-token re-read, prefixes 32-512, half needles",
+         DistillConfig(**SEQUENCE, attention_weight=1.0), EVERY_IDEA, 0.5),
 ]
 
 
 def measure(name: str, directory: Path | str, models: dict, args) -> dict:
     translator, src, tgt = loaded(directory, models)
-    fit_length = fr.fitting_length(translator.info)
     ids = tgt.tokenizer.encode(held_out_split("validation").read_text())
     frontier = fr.measure_translator(artifact.resolve(directory), src, tgt, translator, ids,
-                                     [fit_length, 2 * fit_length], [REREAD], args.prompts,
+                                     list(LENGTHS), [REREAD], args.prompts,
                                      args.needles, repeats=1, seed=SEED)
     return {"name": name, "source": src.name, "target": tgt.name,
             "rows": [row.to_json() for row in frontier.rows]}
@@ -112,6 +125,35 @@ def run_idea(idea: Idea, models: dict, args) -> dict:
             "measure_minutes": round((time.perf_counter() - started) / 60, 2)}
 
 
+def ship(idea: Idea, models: dict) -> Path:
+    built = RUNS / idea.name
+    if not (built / "weights.safetensors").is_file():
+        raise SystemExit(f"{idea.name} is not built: run --ideas {idea.name} first")
+    manifest = artifact.read_manifest(built)
+    source, target = manifest["source"]["name"], manifest["target"]["name"]
+    place = weights_dir() / "translators" / f"{source}__{target}-distilled"
+    old = artifact.shipped(source, target)
+    staging = place.with_name(place.name + ".new")
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(built, staging)
+    if old is not None:
+        shutil.rmtree(old)  # one translator per direction
+    shutil.rmtree(place, ignore_errors=True)
+    staging.rename(place)
+    translator, src, tgt = loaded(place, models)
+    text = held_out_split("validation")
+    frontier = fr.measure_translator(place, src, tgt, translator,
+                                     tgt.tokenizer.encode(text.read_text()), FRONTIER_LENGTHS,
+                                     [8, 32, 128],
+                                     prompts=8, needles=0, repeats=3, seed=0)
+    root = Path(__file__).resolve().parents[1]
+    frontier.settings["text"] = str(text.relative_to(root) if text.is_relative_to(root) else text)
+    fr.save(frontier, place, force=True)
+    print(f"shipped {idea.name} as {place} (in place of {old.name if old else 'none'}); "
+          "recorded its frontier")
+    return place
+
+
 def kept(idea: dict, base: dict) -> bool:
     def by_length(r):
         return {row["length"]: row for row in r["rows"]}
@@ -123,12 +165,13 @@ def kept(idea: dict, base: dict) -> bool:
 
 def write_markdown(results: dict, settings: dict, out: Path) -> None:
     lines = ["# Ideas for translators that hold at length\n",
-             "Each idea distils a shipped translator further; it is measured beside that "
-             f"translator through a `Session` at R = {REREAD} (the gate's own tail) at 1x and "
-             "2x the fitting length, on the validation split with needles of another draw "
-             f"(seed {SEED}): {settings['prompts']} windows and {settings['needles']} needles "
-             "per length. **Recovered**: the history's worth kept, (agreement - floor) / "
-             "(1 - floor), teacher-forced on the native greedy continuation; **match**: greedy "
+             "Each idea distils a shipped translator further (or refits its pair, then distils); "
+             "it is measured beside that "
+             f"translator through a `Session` at R = {REREAD} (the gate's own tail) at "
+             f"{' and '.join(map(str, LENGTHS))} tokens, on the validation split with needles "
+             f"of another draw (seed {SEED}): {settings['prompts']} windows and "
+             f"{settings['needles']} needles per length. **Recovered**: the history's worth "
+             "kept, (agreement - floor) / (1 - floor), teacher-forced on the native greedy continuation; **match**: greedy "
              "tokens of 32 equal to native's; **first**: first-token agreement; **recall**: "
              "needle recall, native / switched; **applied**: switches the gate let stand. "
              "**Kept**: recovered rises at both lengths and recall does not fall. Regenerate "
@@ -158,7 +201,13 @@ def main():
     parser.add_argument("--results", type=Path, default=OUT)
     parser.add_argument("--tabulate", action="store_true",
                         help="rebuild ideas.md from ideas.json")
+    parser.add_argument("--ship", help="put this idea's translator in weights/translators/")
     args = parser.parse_args()
+    if args.ship:
+        by_name = {i.name: i for i in IDEAS}
+        if args.ship not in by_name:
+            raise SystemExit(f"unknown idea: {args.ship}")
+        return ship(by_name[args.ship], {})
     path = args.results / "ideas.json"
     saved = json.loads(path.read_text()) if path.is_file() else {}
     results, settings = saved.get("results", {}), {"prompts": args.prompts,

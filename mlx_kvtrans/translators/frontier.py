@@ -53,7 +53,8 @@ def fitting_length(info: dict) -> int:
     if fit.get("mix"):
         return max(fit["mix"])
     distill = (info.get("distill") or {}).get("config") or {}
-    return int(fit.get("length") or distill.get("max_prefix") or FitConfig().length)
+    lengths = [n for n in (fit.get("length"), distill.get("max_prefix")) if n]
+    return int(max(lengths)) if lengths else FitConfig().length
 
 
 # -- the frontier ------------------------------------------------------------------------------
