@@ -172,10 +172,10 @@ def write_markdown(results: dict, settings: dict, out: Path) -> None:
              f"of another draw (seed {SEED}): {settings['prompts']} windows and "
              f"{settings['needles']} needles per length. **Recovered**: the history's worth "
              "kept, (agreement - floor) / (1 - floor), teacher-forced on the native greedy "
-             "continuation; **match**: greedy tokens of 32 equal to native's; **first**: first-token agreement; **recall**: "
-             "needle recall, native / switched; **applied**: switches the gate let stand. "
-             "**Kept**: recovered rises at both lengths and recall does not fall. Regenerate "
-             "with `python benchmarks/ideas.py`.\n",
+             "continuation; **match**: greedy tokens of 32 equal to native's; **first**: "
+             "first-token agreement; **recall**: needle recall, native / switched; "
+             "**applied**: switches the gate let stand. **Kept**: recovered rises at both "
+             "lengths and recall does not fall. Regenerate with `python benchmarks/ideas.py`.\n",
              "| direction | translator | what | L | recovered | first | match | KL | recall "
              "| applied | kept |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for key, r in results.items():
