@@ -67,6 +67,14 @@ def test_default_rereads_and_the_fitting_length():
     assert fr.Setting(8).translated(100) == 92 and fr.Setting(300).translated(100) == 0
     assert fr.fitting_length({"distill": {"config": {"max_prefix": 512}}}) == 512
     assert fr.fitting_length({"fit": {"length": 128}}) == 128
+    # the longest prompt it learnt from: a distillation on longer prefixes than the fit
+    assert fr.fitting_length({"fit": {"length": 256},
+                              "distill": {"config": {"max_prefix": 512}}}) == 512
+    assert fr.fitting_length({"fit": {"mix": [256, 2048]},
+                              "distill": {"config": {"max_prefix": 512}}}) == 2048
+    assert fr.fitting_length({"fit": {"mix": [256], "length": 256},
+                              "distill": {"config": {"max_prefix": 512}}}) == 512
+    assert fr.fitting_length({}) == 256
     name = artifact.shipped("qwen3-small", "qwen3-large")
     assert fr.fitting_length(artifact.read_manifest(name)) == 256
 

@@ -50,10 +50,9 @@ class Setting:
 def fitting_length(info: dict) -> int:
     """The longest prompt a translator was fitted (or distilled) on, from its manifest."""
     fit = info.get("fit") or {}
-    if fit.get("mix"):
-        return max(fit["mix"])
     distill = (info.get("distill") or {}).get("config") or {}
-    lengths = [n for n in (fit.get("length"), distill.get("max_prefix")) if n]
+    lengths = list(fit.get("mix") or [fit.get("length")]) + [distill.get("max_prefix")]
+    lengths = [n for n in lengths if n]
     return int(max(lengths)) if lengths else FitConfig().length
 
 
