@@ -15,9 +15,10 @@ together, does not fall.
     python benchmarks/ideas.py --ship NAME   # a kept idea replaces its direction's translator
 
 `--ship` puts the idea's translator in weights/translators/ (SOURCE__TARGET-distilled, in place
-of the direction's shipped one), calibrates its gate as `kvtrans calibrate` does, and records its frontier beside it as the shipped ones are
-(`kvtrans eval frontier --record` on the validation split: 8 windows, no needles, R = 8, 32,
-128, at 256-2,048 tokens), which a session's dial reads.
+of the direction's shipped one), calibrates its gate as `kvtrans calibrate` does, and records
+its frontier beside it as the shipped ones are (`kvtrans eval frontier --record` on the
+validation split: 8 windows, no needles, R = 8, 32, 128, at 256-2,048 tokens), which a
+session's dial reads.
 
 Translators are written to runs/ideas/NAME (a run stopped part-way resumes from its
 checkpoint there); figures to benchmarks/results/ideas.{json,md}.
@@ -152,6 +153,13 @@ def ship(idea: Idea, models: dict) -> Path:
     root = Path(__file__).resolve().parents[1]
     frontier.settings["text"] = str(text.relative_to(root) if text.is_relative_to(root) else text)
     fr.save(frontier, place, force=True)
+    path = OUT / "ideas.json"
+    if path.is_file():  # the table says which idea ships
+        saved = json.loads(path.read_text())
+        if idea.name in saved["results"]:
+            saved["results"][idea.name]["shipped_as"] = place.name
+            path.write_text(json.dumps(saved, indent=1))
+            write_markdown(saved["results"], saved["settings"], OUT)
     print(f"shipped {idea.name} as {place} (in place of {old.name if old else 'none'}); "
           "recorded its frontier")
     return place
@@ -188,10 +196,13 @@ def write_markdown(results: dict, settings: dict, out: Path) -> None:
         base = results.get(f"shipped:{r.get('start')}")
         verdict = "" if base is None or key.startswith("shipped:") else (
             "yes" if kept(r, base) else "no")
+        if r.get("shipped_as"):
+            verdict += f", shipped as `{r['shipped_as']}`"
+        what = r.get("what", "as shipped before")
         for row in r["rows"]:
             lines.append(
-                f"| {r['source']} -> {r['target']} | {r['name']} | {r.get('what', 'shipped')} "
-                f"| {row['length']:,} | {row['history_recovered']:.2f} | "
+                f"| {r['source']} -> {r['target']} | {r['name']} | {what} | {row['length']:,} "
+                f"| {row['history_recovered']:.2f} | "
                 f"{row['first_token']:.2f} | {row['greedy_match']:.1f} | {row['kl']:.4f} | "
                 f"{row['recall_native']:.2f} / {row['recall_translated']:.2f} | "
                 f"{row['applied']:.2f} | {verdict} |")
