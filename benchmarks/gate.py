@@ -221,8 +221,8 @@ def behaviour_markdown(result: dict) -> list[str]:
              f"{result['behaviour_windows']} prose windows at 1x and 2x its translator's fitting "
              "length, switched at the default R; **bad**: teacher-forced agreement with the "
              f"native greedy continuation under {BAD}. A rule's cut is chosen on the validation "
-             "split (largest catch minus false-alarm rate), its rates read here on the test split: "
-             "caught / bad, false alarms / good (a cut outside the values' range never fires: "
+             "split (largest catch minus false-alarm rate), its rates read here on the test "
+             "split: caught / bad, false alarms / good (a cut outside the values' range never fires: "
              "validation held no bad switch it could separate). Measured by "
              "`python benchmarks/gate.py --behaviour`.", "",
              "| translator | R | bad | rule | caught | false alarms |",
