@@ -218,13 +218,13 @@ def behaviour(translator, src, tgt, windows: int) -> dict:
 def behaviour_markdown(result: dict) -> list[str]:
     lines = ["## Predicting behaviour", "",
              "Can the gate tell that the switched target's answer will differ? Per direction, "
-             f"{result['behaviour_windows']} prose windows at 1x and 2x its translator's fitting "
-             "length, switched at the default R; **bad**: teacher-forced agreement with the "
-             f"native greedy continuation under {BAD}. A rule's cut is chosen on the validation "
-             "split (largest catch minus false-alarm rate), its rates read here on the test "
-             "split: caught / bad, false alarms / good (a cut outside the values' range never fires: "
-             "validation held no bad switch it could separate). Measured by "
-             "`python benchmarks/gate.py --behaviour`.", "",
+             f"{result['behaviour_windows']} prose windows at 1x and 2x its translator's "
+             "fitting length, switched at the default R; **bad**: teacher-forced agreement "
+             f"with the native greedy continuation under {BAD}. A rule's cut is chosen on the "
+             "validation split (largest catch minus false-alarm rate), its rates read here on "
+             "the test split: caught / bad, false alarms / good (a cut outside the values' "
+             "range never fires: validation held no bad switch it could separate). Measured "
+             "by `python benchmarks/gate.py --behaviour`.", "",
              "| translator | R | bad | rule | caught | false alarms |",
              "|---|---|---|---|---|---|"]
     totals: dict = {}
