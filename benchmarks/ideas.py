@@ -20,6 +20,10 @@ its frontier beside it as the shipped ones are (`kvtrans eval frontier --record`
 validation split: 8 windows, no needles, R = 8, 32, 128, at 256-2,048 tokens), which a
 session's dial reads.
 
+An idea starts from the translator shipped when it runs. Once a kept idea has replaced it, the
+figures in ideas.json stay those measured before; a run anew would start from the replacement
+(and an idea whose start no longer ships stops with that reason).
+
 Translators are written to runs/ideas/NAME (a run stopped part-way resumes from its
 checkpoint there); figures to benchmarks/results/ideas.{json,md}.
 """
@@ -35,8 +39,9 @@ from pathlib import Path
 
 import mlx_kvtrans  # noqa: F401  first: fast BLAS
 
-from frontier import loaded
+from frontier import BAR_LENGTHS, ZOO_LENGTHS, loaded
 from mlx_kvtrans.calibrate import calibrate_directory
+from mlx_kvtrans.errors import KvtransError
 from mlx_kvtrans.evaluation import frontier as fr
 from mlx_kvtrans.models import held_out_split, weights_dir
 from mlx_kvtrans.translators import artifact
@@ -47,8 +52,7 @@ from mlx_kvtrans.workflows import distill_translator, fit_translator
 OUT = Path(__file__).resolve().parent / "results"
 RUNS = Path("runs/ideas")
 SEED = 1  # prose windows and needles: not the held-out draw (seed 0)
-FRONTIER_LENGTHS = [256, 512, 1024, 2048]  # recorded beside a shipped translator, as for all
-LENGTHS = (256, 512)  # where the bars are read: 1x and 2x the shipped translators' fitting length
+LENGTHS = BAR_LENGTHS  # where the bars are read
 REREAD = 8
 
 
@@ -93,6 +97,11 @@ IDEAS = [
 
 
 def measure(name: str, directory: Path | str, models: dict, args) -> dict:
+    try:
+        artifact.resolve(directory)
+    except KvtransError:
+        raise SystemExit(f"{directory} is not shipped any more (an idea replaced it): its "
+                         "figures in ideas.json were measured while it was")
     translator, src, tgt = loaded(directory, models)
     ids = tgt.tokenizer.encode(held_out_split("validation").read_text())
     frontier = fr.measure_translator(artifact.resolve(directory), src, tgt, translator, ids,
@@ -147,7 +156,7 @@ def ship(idea: Idea, models: dict) -> Path:
     translator, src, tgt = loaded(place, models)
     text = held_out_split("validation")
     frontier = fr.measure_translator(place, src, tgt, translator,
-                                     tgt.tokenizer.encode(text.read_text()), FRONTIER_LENGTHS,
+                                     tgt.tokenizer.encode(text.read_text()), ZOO_LENGTHS,
                                      [8, 32, 128],
                                      prompts=8, needles=0, repeats=3, seed=0)
     root = Path(__file__).resolve().parents[1]

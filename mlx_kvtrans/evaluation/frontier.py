@@ -193,13 +193,10 @@ class Reference:
     prefix: list[int]
     last: int
     tokens: list[int]  # the greedy continuation
+    inputs: mx.array  # (1, GENERATED): what teacher forcing feeds, the last prompt token first
     logits: mx.array  # (GENERATED, V): native, teacher-forced on `tokens`
     floor: float  # agreement of the target reading the last FLOOR_TOKENS prompt tokens only
     own: float  # agreement of native with itself (1 but for ties): the ceiling
-
-    @property
-    def inputs(self) -> mx.array:
-        return mx.array([self.last] + self.tokens[:-1])[None]
 
 
 def reference(switch: Switch, prompt: list[int]) -> Reference:
@@ -211,7 +208,7 @@ def reference(switch: Switch, prompt: list[int]) -> Reference:
     tail = mx.array(prompt[-FLOOR_TOKENS:] + tokens[:-1])[None]
     floor = float((mx.argmax(target(tail)[0, FLOOR_TOKENS - 1:], -1) == truth).mean())
     own = float((mx.argmax(native, -1) == truth).mean())
-    return Reference(prefix, last, tokens, native, floor, own)
+    return Reference(prefix, last, tokens, inputs, native, floor, own)
 
 
 def score(switch: Switch, setting: Setting, ref: Reference) -> dict:

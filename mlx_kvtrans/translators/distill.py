@@ -33,6 +33,7 @@ caches disagree most when the fact is lost.
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import json
 import random
@@ -121,23 +122,20 @@ class Problem:
         self.translated_ids = self.prefix_ids[:, :translated]
         self.tail = self.prefix_ids[:, translated:]
         self.source = capture(source, self.translated_ids, points=translator.source_points())
-        if greedy:
-            self.inputs = self._greedy_continuation()
-        native_cache = self._native_cache()
+        native_cache = capture(target, self.prefix_ids, points=(CapturePoint.ENGINE,),
+                               layout=self.layout).engine
+        if greedy:  # on a copy: the native logits below read the prefix's cache as it is
+            self.inputs = self._greedy_continuation(copy.deepcopy(native_cache))
         with self._recording() as (scores, probs):
             self.native_logits = target(self.inputs, cache=native_cache)
         self.native_scores = [mx.stop_gradient(s) for s in scores]
         self.native_attention = [mx.stop_gradient(p) for p in probs]
         mx.eval(self.native_logits, self.native_scores, self.native_attention)
 
-    def _native_cache(self):
-        return capture(self.target, self.prefix_ids, points=(CapturePoint.ENGINE,),
-                       layout=self.layout).engine
-
-    def _greedy_continuation(self) -> mx.array:
+    def _greedy_continuation(self, cache) -> mx.array:
         """The window's first continuation token, then what the target says after it reading
-        its own cache: what a user of the switched target would be shown."""
-        cache, tokens = self._native_cache(), [self.inputs[:, :1]]
+        its own `cache` of the prefix: what a user of the switched target would be shown."""
+        tokens = [self.inputs[:, :1]]
         for _ in range(self.inputs.shape[1] - 1):
             tokens.append(mx.argmax(self.target(tokens[-1], cache=cache)[:, -1:], axis=-1))
         return mx.concatenate(tokens, axis=1)
