@@ -1,8 +1,14 @@
 """Gated delta rule: mlx-lm's token loop vs the chunkwise-parallel form, side by side.
 
-Measures forward and forward+backward of the bare recurrence, and a whole training step
-(loss + gradients) of small qwen3_5 (GDN) and kimi_linear (KDA) models. Prints a table and
-writes benchmarks/results/recurrence.json. Run: python benchmarks/recurrence.py [--repeats N]
+Training: forward and forward+backward of the bare recurrence, and a whole training step
+(loss + gradients) of small qwen3_5 (GDN) and kimi_linear (KDA) models. Replay: the forward
+a switch into a linear-attention target runs, at real checkpoints' layer sizes (Kimi-Linear-48B's
+KDA, 32 heads of 128; Qwen3.5's GDN, 16 key and 32 value heads of 128) with decay rates as a
+trained model starts from (`zoo.realistic.trained_dt_bias`), per chunk size (the sweep behind
+`default_chunk_size`), with the largest difference from the token loop. Prints tables and
+writes benchmarks/results/recurrence.json.
+
+    python benchmarks/recurrence.py [--repeats N] [--lengths 1024,4096] [--only replay]
 """
 
 from __future__ import annotations
@@ -18,23 +24,49 @@ from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
 
 from mlx_kvtrans.blas import blas_report, median_seconds
 from mlx_kvtrans.capture.instrument import chunked_recurrence
-from mlx_kvtrans.layouts.gated_delta import gated_delta_update_chunked
+from mlx_kvtrans.layouts.gated_delta import default_chunk_size, gated_delta_update_chunked
 from mlx_kvtrans.zoo.families import tiny_config
 from mlx_kvtrans.zoo.random_model import build_model
+from mlx_kvtrans.zoo.realistic import trained_dt_bias
 
 RESULTS = Path(__file__).parent / "results" / "recurrence.json"
 
 
-def recurrence_inputs(B, T, H, D, per_channel):
-    keys = mx.random.split(mx.random.key(0), 6)
-    q, k = normalize_qk(mx.random.normal((B, T, H, D), key=keys[0]),
-                        mx.random.normal((B, T, H, D), key=keys[1]), inv_scale=D**-0.5, eps=1e-6)
+def recurrence_inputs(B, T, H, D, per_channel, trained_decay=False, Hk=None):
+    """Normalised q, k (Hk heads), values, gate inputs and constants for H value heads of D;
+    `trained_decay`: dt_bias as a trained model starts from (else mlx-lm's zeros)."""
+    Hk = Hk or H
+    keys = mx.random.split(mx.random.key(0), 7)
+    q, k = normalize_qk(mx.random.normal((B, T, Hk, D), key=keys[0]),
+                        mx.random.normal((B, T, Hk, D), key=keys[1]), inv_scale=D**-0.5,
+                        eps=1e-6)
     v = mx.random.normal((B, T, H, D), key=keys[2])
     a = mx.random.normal((B, T, H, D) if per_channel else (B, T, H), key=keys[3])
     b = mx.random.normal((B, T, H), key=keys[4])
     A_log = mx.log(mx.random.uniform(1, 16, (H, 1) if per_channel else (H,), key=keys[5]))
-    dt_bias = mx.zeros((H, D) if per_channel else (H,))
+    shape = (H, D) if per_channel else (H,)
+    dt_bias = trained_dt_bias(shape, keys[6]) if trained_decay else mx.zeros(shape)
     return q, k, v, a, b, A_log, dt_bias
+
+
+def replay(T, H, D, per_channel, repeats, Hk=None, chunk_sizes=(16, 32, 64)):
+    """Forward only, at one length: the token loop and the chunkwise form per chunk size."""
+    q, k, v, a, b, A_log, dt_bias = recurrence_inputs(1, T, H, D, per_channel, True, Hk)
+    mx.eval(q, k, v, a, b, dt_bias)
+    y, state = gated_delta_update(q, k, v, a, b, A_log, dt_bias, use_kernel=False)
+    mx.eval(y, state)  # a lazy 4K-step graph would hold every step's state
+    row = {"loop_s": median_seconds(lambda: mx.eval(gated_delta_update(
+        q, k, v, a, b, A_log, dt_bias, use_kernel=False)), repeats), "chunked": {}}
+    for C in chunk_sizes:
+        run = lambda: gated_delta_update_chunked(q, k, v, a, b, A_log, dt_bias,  # noqa: E731
+                                                 chunk_size=C)
+        y_c, state_c = run()
+        mx.eval(y_c, state_c)
+        row["chunked"][str(C)] = {
+            "seconds": median_seconds(lambda: mx.eval(run()), repeats),
+            "max_output_diff": float(mx.abs(y_c - y).max()),
+            "max_state_diff": float(mx.abs(state_c - state).max())}
+    return row
 
 
 def bare_recurrence(B, T, H, D, per_channel, repeats):
@@ -73,22 +105,51 @@ def training_step(family, hidden, B, T, repeats):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--lengths", default="1024,4096", help="replay lengths")
+    parser.add_argument("--only", choices=("training", "replay"), default=None)
     args = parser.parse_args()
     blas = blas_report()
     results = {"blas": blas.name, "matmul_float32_gflops": round(blas.gflops, 1),
-               "dtype": "float32", "device": str(mx.default_device()), "rows": []}
+               "dtype": "float32", "device": str(mx.default_device()),
+               "default_chunk_size": {"gdn": default_chunk_size(False),
+                                      "kda": default_chunk_size(True)},
+               "rows": [], "replay": []}
+    if RESULTS.exists():  # a partial run keeps the other table
+        previous = json.loads(RESULTS.read_text())
+        results["rows"], results["replay"] = previous.get("rows", []), previous.get("replay", [])
     print(f"BLAS {blas.name}, {blas.gflops:.0f} GFLOP/s float32, {mx.default_device()}")
-    print(f"{'case':44s} {'loop s':>9s} {'chunked s':>10s} {'speed-up':>9s}")
-    cases = [("recurrence GDN fwd+bwd B8 T512 H4 D32", lambda: bare_recurrence(8, 512, 4, 32, False, args.repeats)),
-             ("recurrence KDA fwd+bwd B8 T512 H4 D32", lambda: bare_recurrence(8, 512, 4, 32, True, args.repeats)),
-             ("train step qwen3_5 h128 B8 T256", lambda: training_step("qwen3_5", 128, 8, 256, args.repeats)),
-             ("train step kimi_linear h128 B8 T256", lambda: training_step("kimi_linear", 128, 8, 256, args.repeats))]
-    for name, run in cases:
-        row = {"case": name, **run()}
-        row["train_speedup"] = row["loop_train_s"] / row["chunked_train_s"]
-        results["rows"].append(row)
-        print(f"{name:44s} {row['loop_train_s']:9.3f} {row['chunked_train_s']:10.3f} "
-              f"{row['train_speedup']:8.1f}x")
+    if args.only != "replay":
+        results["rows"] = []
+        print(f"{'case':44s} {'loop s':>9s} {'chunked s':>10s} {'speed-up':>9s}")
+        cases = [("recurrence GDN fwd+bwd B8 T512 H4 D32",
+                  lambda: bare_recurrence(8, 512, 4, 32, False, args.repeats)),
+                 ("recurrence KDA fwd+bwd B8 T512 H4 D32",
+                  lambda: bare_recurrence(8, 512, 4, 32, True, args.repeats)),
+                 ("train step qwen3_5 h128 B8 T256",
+                  lambda: training_step("qwen3_5", 128, 8, 256, args.repeats)),
+                 ("train step kimi_linear h128 B8 T256",
+                  lambda: training_step("kimi_linear", 128, 8, 256, args.repeats))]
+        for name, run in cases:
+            row = {"case": name, **run()}
+            row["train_speedup"] = row["loop_train_s"] / row["chunked_train_s"]
+            results["rows"].append(row)
+            print(f"{name:44s} {row['loop_train_s']:9.3f} {row['chunked_train_s']:10.3f} "
+                  f"{row['train_speedup']:8.1f}x")
+    if args.only != "training":
+        results["replay"] = []
+        print(f"{'replay':44s} {'loop s':>9s} {'C':>4s} {'chunked s':>10s} {'speed-up':>9s} "
+              f"{'max diff':>9s}")
+        layers = [("KDA (Kimi-Linear-48B) H32 D128", 32, 32, True),
+                  ("GDN (Qwen3.5) Hk16 Hv32 D128", 32, 16, False)]
+        for name, H, Hk, per_channel in layers:
+            for T in (int(x) for x in args.lengths.split(",")):
+                row = {"case": f"{name} T{T}", "length": T,
+                       **replay(T, H, 128, per_channel, args.repeats, Hk)}
+                for C, c in row["chunked"].items():
+                    c["speedup"] = row["loop_s"] / c["seconds"]
+                    print(f"{row['case']:44s} {row['loop_s']:9.3f} {C:>4s} {c['seconds']:10.3f} "
+                          f"{c['speedup']:8.1f}x {c['max_output_diff']:9.1e}")
+                results["replay"].append(row)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {RESULTS}")

@@ -50,11 +50,15 @@ def run(names: list[str], lengths: str, repeats: int):
 
 def tabulate():
     lines = ["# Time to first token after a switch\n",
+             "Prompts are held-out text for the zoo's models, random ids for `realistic-*`. "
              "Warm switch: translate the source's cache and install it, then the target's first "
              "decode step. Gated switch: what a session does, all but the last r tokens "
-             "translated, the target reading those r itself and the fidelity gate comparing its "
-             "NLL on them with the source's, then the first decode step. Cold switch: the "
-             "source's prefill as well (fastest recurrence on the "
+             "translated, the target reading those r and the prompt's last token in one forward "
+             "whose last logits give the first token, the fidelity gate comparing its NLL on "
+             "the r with the source's; a gated switch whose gate fired is marked (fell back): "
+             "its time is a re-prefill's. Cold switch: a user's first, the translator loaded "
+             "and run for the first time (the source has read the prompt). Prefill + switch: "
+             "the source's recording prefill and the warm switch (fastest recurrence on the "
              "device: Metal kernel on a Mac, chunkwise form elsewhere). Re-prefill: the target "
              "reads the prompt itself in plain mlx-lm; re-prefill chunked: the same under the "
              "chunkwise recurrence (targets with linear attention only). Bound: the target's "
@@ -68,9 +72,9 @@ def tabulate():
              "Regenerate with `python benchmarks/switch.py`.\n",
              "| pair | dtype | BLAS (peak GFLOP/s) | tokens | re-prefill ms | re-prefill "
              "chunked ms | warm switch ms | speed-up | gated switch ms | speed-up | bound ms | "
-             "warm / bound | cold switch ms | speed-up | translate GFLOP/s | peak MB switch / "
-             "prefill |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "warm / bound | cold switch ms | speed-up | prefill + switch ms | speed-up | "
+             "translate GFLOP/s | peak MB switch / prefill |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def ms(value):  # results written before a column existed show "-"
         return "-" if value is None else f"{value * 1000:.1f}"
@@ -84,14 +88,21 @@ def tabulate():
         pair = r["pair"] + (" (shaped maps)" if r["pair"].startswith("realistic") and
                             "fit" not in r else "")
         for row in r["rows"]:
+            # rows written before the cold switch was a user's first: theirs was prefill + switch
+            cold = row["cold_switch_s"] if "prefill_and_switch_s" in row else None
+            prefill_switch = row.get("prefill_and_switch_s", row["cold_switch_s"])
+            outcome = row.get("gated_outcome") or "applied"
+            fell_back = "" if outcome.startswith("applied") else " (fell back)"
             lines.append(
                 f"| {pair} | {r['dtype']} | {r['blas']} ({r['matmul_peak_gflops']:.0f}) | "
                 f"{row['length']} | {ms(row['reprefill_s'])} | "
                 f"{ms(row.get('reprefill_chunked_s'))} | "
                 f"{ms(row['warm_switch_s'])} | x{row['speedup_warm']:.1f} | "
-                f"{ms(row.get('gated_switch_s'))} | {times(row.get('speedup_gated'))} | "
+                f"{ms(row.get('gated_switch_s'))}{fell_back} | "
+                f"{times(row.get('speedup_gated'))} | "
                 f"{ms(row.get('bound_s'))} | {times(row.get('warm_over_bound'))} | "
-                f"{ms(row['cold_switch_s'])} | x{row['speedup_cold']:.2f} | "
+                f"{ms(cold)} | {times(cold and row['reprefill_s'] / cold)} | "
+                f"{ms(prefill_switch)} | x{row['reprefill_s'] / prefill_switch:.2f} | "
                 f"{row['translate_gflops']:.1f} | {row['peak_mb_switch']:.0f} / "
                 f"{row['peak_mb_reprefill']:.0f} |")
     fits = []

@@ -49,8 +49,9 @@ def test_reread_r_equals_translating_the_head_and_reading_the_rest(kimi_pair):
     source = capture(a.model, head, points=tr.source_points())
     layout = kv.layout_of(b.model)
     cache = install(layout, *tr.translate(source, b.model, layout, head))
-    mx.eval(b.model(mx.array([s.tokens[n - 24:n]]), cache=cache))
-    x = mx.array([[s.tokens[n], 7, 8]])
+    # the switch's forward read the span's last 24 and the token after them
+    mx.eval(b.model(mx.array([s.tokens[n - 24:n + 1]]), cache=cache))
+    x = mx.array([[7, 8]])
     assert max_abs_diff(b.model(x, cache=s.lines["b"].cache), b.model(x, cache=cache)) <= 1e-4
 
 
@@ -59,7 +60,7 @@ def test_reread_beyond_the_span_is_a_native_reading(kimi_pair):
     status = switched_at(s, a, list(range(60, 100)))
     assert status.tokens_translated == 0 and status.tokens_read == s.lines["a"].seen
     native = make_prompt_cache(b.model)
-    mx.eval(b.model(mx.array([s.tokens[:s.lines["a"].seen]]), cache=native))
+    mx.eval(b.model(mx.array([s.tokens[:s.lines["b"].seen]]), cache=native))
     x = mx.array([[5, 6]])
     assert max_abs_diff(b.model(x, cache=s.lines["b"].cache), b.model(x, cache=native)) <= 1e-4
 

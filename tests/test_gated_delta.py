@@ -19,6 +19,8 @@ def inputs(T, per_channel, Hk=2, Hv=4, Dk=32, Dv=16, weak_decay=False, seed=0):
     b = mx.random.normal((2, T, Hv), key=keys[4])
     low, high = (0.001, 0.05) if weak_decay else (1.0, 16.0)  # weak: the initial state matters
     A_log = mx.log(mx.random.uniform(low, high, (Hv, 1) if per_channel else (Hv,), key=keys[5]))
+    if weak_decay == "mixed":  # one head forgets fast: some of its chunks do not factor
+        A_log = mx.concatenate([A_log[:1] + 7.0, A_log[1:]])
     dt_bias = 0.5 * mx.random.normal((Hv, Dk) if per_channel else (Hv,), key=keys[6])
     state = 0.5 * mx.random.normal((2, Hv, Dv, Dk), key=keys[7])
     return q, k, v, a, b, A_log, dt_bias, state
@@ -38,9 +40,24 @@ def test_chunked_equals_recurrence(per_channel, T, with_state, weak_decay):
         assert max_abs_diff(s, s_ref) <= 2e-5
 
 
+def test_kda_chunks_that_decay_fast_are_summed_apart():
+    """Per-channel decays factor into matmuls chunk by chunk; a chunk's channel that decays by
+    more than FACTOR_SPAN nats is gathered and summed pairwise (both paths in one call)."""
+    from mlx_kvtrans.layouts.gated_delta import log_decay, _unsafe_channels
+
+    q, k, v, a, b, A_log, dt_bias, state = inputs(64, True, weak_decay="mixed")
+    gamma = mx.cumsum(log_decay(A_log, a, dt_bias).reshape(2, 2, 32, 4, 32), axis=2)
+    unsafe = _unsafe_channels(mx.moveaxis(gamma[:, :, -1], 2, 1))
+    assert unsafe is not None and 0 < unsafe[0].size < 2 * 4 * 2 * 32
+    y_ref, s_ref = gated_delta_update(q, k, v, a, b, A_log, dt_bias, state, use_kernel=False)
+    y, s = gated_delta_update_chunked(q, k, v, a, b, A_log, dt_bias, state, chunk_size=32)
+    assert max_abs_diff(y, y_ref) <= 2e-5 and max_abs_diff(s, s_ref) <= 2e-5
+
+
 @pytest.mark.parametrize("per_channel", [False, True], ids=["gdn", "kda"])
-def test_chunked_gradients_equal_recurrence_gradients(per_channel):
-    q, k, v, a, b, A_log, dt_bias, state = inputs(40, per_channel, weak_decay=True)
+@pytest.mark.parametrize("decay", [True, "mixed"], ids=["weak", "mixed"])
+def test_chunked_gradients_equal_recurrence_gradients(per_channel, decay):
+    q, k, v, a, b, A_log, dt_bias, state = inputs(40, per_channel, weak_decay=decay)
 
     def loss(update):
         def f(q, k, v, a, b, state):

@@ -56,7 +56,36 @@ def test_segment_wise_transfer_translates_only_new_tokens(kimi_pair):
     # than the gate reads, so b reads them all
     again = s.switch(b.name)
     assert (again.tokens_translated, again.tokens_read) == (0, 6)
-    assert s.lines[b.name].seen == s.lines[a.name].seen == len(s.tokens) - 1
+    # b read a's last token in the same forward: it holds its first token's logits
+    assert s.lines[b.name].seen - 1 == s.lines[a.name].seen == len(s.tokens) - 1
+
+
+def test_a_switch_reads_the_tail_and_the_next_prompt_in_one_forward(kimi_pair):
+    """The target reads the span's last r tokens and what follows them (the next prompt) in
+    one forward, and its first token comes from that forward's logits: the same answer and
+    gate reading as reading the prompt after the switch."""
+    a, b, _ = kimi_pair
+    one, apart = session_for(kimi_pair), session_for(kimi_pair)
+    for s in (one, apart):
+        s.add(list(range(60, 100)))
+        list(s.generate(5))
+    one.add([11, 12, 13])
+    together = one.switch(b.name)
+    assert one.lines[b.name].seen == len(one.tokens)
+    alone = apart.switch(b.name)
+    apart.add([11, 12, 13])
+    assert together.status == alone.status == "applied"
+    assert (together.tokens_translated, together.tokens_read) == (alone.tokens_translated, 8)
+    assert together.gate_gap == pytest.approx(alone.gate_gap, abs=1e-4)
+    assert list(one.generate(6)) == list(apart.generate(6))
+    assert one.lines[b.name].seen == len(one.tokens) - 1
+    # a first token that ends the turn at once leaves the line as any turn does
+    for s in (one, apart):
+        s.add([21, 22])
+        s.switch(a.name)
+    first = next(iter(apart.generate(1)))
+    assert list(one.generate(1)) == [first]
+    assert one.lines[a.name].seen == len(one.tokens) - 1
 
 
 def test_segment_translation_equals_translating_the_whole_prefix(kimi_pair):
@@ -284,7 +313,8 @@ def test_switching_mid_generation_ends_the_turn_first(kimi_pair):
     status = s.switch(b.name)  # the open turn ends: a has read all but its last token
     assert list(turn) == [] and s.tokens[-3:] == got
     assert status.status == "applied" and status.tokens_translated + status.tokens_read == 32
-    assert s.lines[a.name].seen == s.lines[b.name].seen == len(s.tokens) - 1
+    # b read a's last token too, in the switch's one forward
+    assert s.lines[a.name].seen == s.lines[b.name].seen - 1 == len(s.tokens) - 1
 
 
 def test_sampled_generation_uses_mlx_lm_sampler(kimi_pair):
@@ -381,7 +411,8 @@ def test_segment_drops_spans_every_receiver_has_read_and_naive_keeps_them(kimi_p
     # only its own turn, which a has not read yet
     assert seg.lines[a.name].recorded == []
     assert seg.lines[b.name].recorded_from == 33 and seg.lines[b.name].recorded_tokens == 5
-    assert seg.switches[0].recorded_bytes == 0
+    # after the switch only b's record of a's last token (read in the switch's forward) was held
+    assert seg.switches[0].recorded_bytes == seg.lines[b.name].bytes_per_token > 0
     assert seg.switch(a.name).status == "applied" and seg.lines[b.name].recorded == []
     # naive: everything kept, translated spans included
     assert naive.lines[a.name].recorded_tokens == 33

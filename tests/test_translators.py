@@ -12,8 +12,10 @@ import pytest
 import mlx_kvtrans as kv
 from mlx_kvtrans.errors import KvtransError
 from mlx_kvtrans.translators import artifact
+from mlx_kvtrans.translators.features import input_embedding
 from mlx_kvtrans.translators.fit import FitConfig, fit
 from mlx_kvtrans.translators.plan import plan, relative_depth
+from mlx_kvtrans.translators.recipes import BuildInputs
 from mlx_kvtrans.translators.recipes.state import bilinear_r2, fit_bilinear
 from mlx_kvtrans.translators.token_identity import build_codebook, decode_ids
 from mlx_kvtrans.translators.translator import translate_cache
@@ -457,3 +459,26 @@ def test_needle_windows_end_with_the_answer():
     ends = [r[-3:] for r in rows[::2]]
     assert ends == [[1, 2, 3], [4, 5, 6], [1, 2, 3], [4, 5, 6]]
     assert all(r[0] == r[1] - 1 for r in rows[1::2])  # the others are corpus windows
+
+
+@pytest.mark.parametrize("name", ["kimi-linear__kimi-vl-distilled", "qwen3-small__qwen3-large-distilled"])
+def test_fused_maps_equal_each_map_built_alone(name, zoo):
+    """Maps of one input run as one matmul, identity tables and residuals included: the objects
+    equal each recipe's own build."""
+    tr = kv.load_translator(name)
+    src, tgt = zoo(tr.info["source"]["name"]), zoo(tr.info["target"]["name"])
+    tokens = mx.random.randint(0, 4000, (1, 40), key=mx.random.key(5))
+    source = kv.capture(src.model, tokens, points=tr.source_points())
+    layout = kv.layout_of(tgt.model)
+    objects, _ = tr.translate(source, tgt.model, layout, tokens)
+    alone, _ = tr.translate(source, tgt.model, layout, tokens, params=tr.params)
+    assert any(r.added_terms(tr.params_of(r)) for r in tr.recipes)
+    features = tr.features(source)
+    ids = tr.identity.ids(source, tokens)
+    identity = input_embedding(tgt.model)(ids).astype(mx.float32)
+    for r in tr.recipes:
+        inputs = BuildInputs(source, features, identity if r.reads_identity else None, 1,
+                             layout.layers[r.layer].cache.object(r.name), False, ids)
+        built = r.build(inputs, tr.params_of(r))
+        assert max_abs_diff(objects[r.layer][r.name], built) <= 1e-4, r.key
+        assert max_abs_diff(alone[r.layer][r.name], built) <= 1e-4, r.key

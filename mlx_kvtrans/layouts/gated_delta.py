@@ -13,8 +13,14 @@ chunk, and S transposed to (Dk, Dv):
     U     = T diag(beta) (V - (K * e^gamma) S_0)                  (pseudo-values)
     O     = (Q * e^gamma) S_0 + [sum_d q_id k_jd D_ijd]_(j<=i) U
     S_C   = e^gamma_C * S_0 + (K * e^(gamma_C - gamma))^T U
-Only differences gamma_i - gamma_j with j <= i are exponentiated, so nothing overflows however
-strong the decay.
+With a per-channel gate (KDA) the decay does not factor out of the sums over channels, and
+exponentials dominate the cost on a CPU (an `exp` costs as much as a dozen multiplies). Where a
+chunk's channel decays by at most `FACTOR_SPAN` nats, D_ijd = e^gamma_id * e^-gamma_jd, so the
+sums are matmuls of (K * e^gamma) with (K * e^-gamma): one exponential per token and channel, no
+overflow (e^60 fits float32 with room). The few channels of a chunk that decay further (a few
+percent in trained models: fast-forgetting channels) are gathered and summed pairwise, only
+differences gamma_i - gamma_j with j <= i exponentiated, so nothing overflows however strong the
+decay.
 """
 
 from __future__ import annotations
@@ -42,40 +48,56 @@ def _unit_lower_inverse(N: mx.array, size: int) -> mx.array:
     return inverse
 
 
+FACTOR_SPAN = 60.0  # nats of decay within a chunk up to which D factors (e^60 ~ 1e26 < 3e38)
+
+
 def default_chunk_size(per_channel: bool) -> int:
-    # Measured on a 2-core CPU (forward + backward, B=8, T=512, D=32).
-    return 32
+    """Tokens per chunk: the fastest of 16 / 32 / 64 in `benchmarks/recurrence.py`'s sweep on a
+    2-core CPU (replay at real layer sizes, 1K and 4K tokens). A per-channel decay favours
+    short chunks: fewer of a chunk's channels decay past FACTOR_SPAN."""
+    return 16 if per_channel else 32
 
 
-def _decayed_products(a: mx.array, k: mx.array, gamma: mx.array, sub: int = 8) -> mx.array:
-    """sum_d a_id k_jd exp(gamma_id - gamma_jd) for j <= i (0 above), per chunk: (..., C, C).
+def _unsafe_channels(gamma_last: mx.array):
+    """Indices (b, h, chunk, channel) whose chunk decays by more than FACTOR_SPAN nats (the
+    cumulative log decay's last row, `gamma_last` (B, H, n, D)), as four int32 arrays; None when
+    there are none."""
+    import numpy as np
 
-    Per-channel decays do not factor into a matmul safely (exp(gamma_i) and exp(-gamma_j)
-    over- and underflow), so the chunk is cut into sub-chunks of `sub` tokens: pairs inside a
-    sub-chunk use the pairwise decay; pairs across sub-chunks factor through the end e of the
-    earlier one, exp(gamma_i - gamma_e) * exp(gamma_e - gamma_j), both <= 1, as a matmul.
-    """
-    *lead, C, D = a.shape
-    c = sub if C % sub == 0 and C > sub else C
-    S = C // c
-    a, k, gamma = (x.reshape(*lead, S, c, D) for x in (a, k, gamma))
-    # within sub-chunks: (..., S, c, c)
-    diff = gamma[..., :, None, :] - gamma[..., None, :, :]
-    inner = mx.tril(mx.ones((c, c), dtype=mx.bool_))
-    diag = (a[..., :, None, :] * k[..., None, :, :]
-            * mx.exp(mx.where(inner[..., None], diff, -mx.inf))).sum(-1)
-    if S == 1:
-        return diag.reshape(*lead, C, C)
-    # across sub-chunks x > y: (..., S_x, S_y, c, c)
-    end = gamma[..., -1:, :]  # (..., S, 1, D)
-    later = mx.tril(mx.ones((S, S), dtype=mx.bool_), k=-1)[:, :, None, None]
-    to_end = mx.where(later, gamma[..., :, None, :, :] - mx.expand_dims(end, -4), -mx.inf)
-    left = a[..., :, None, :, :] * mx.exp(to_end)  # (..., S_x, S_y, c, D)
-    right = k * mx.exp(end - gamma)  # (..., S_y, c, D)
-    across = left @ mx.expand_dims(mx.swapaxes(right, -1, -2), -4)  # (..., S_x, S_y, c, c)
-    eye = mx.eye(S, dtype=mx.bool_)[:, :, None, None]
-    blocks = mx.where(eye, mx.expand_dims(diag, -3), across)  # diag: (..., S, 1, c, c)
-    return mx.swapaxes(blocks, -3, -2).reshape(*lead, C, C)
+    unsafe = np.asarray(gamma_last < -FACTOR_SPAN)
+    if not unsafe.any():
+        return None
+    return tuple(mx.array(i.astype(np.int32)) for i in np.nonzero(unsafe))
+
+
+def _factored_products(q: mx.array, k: mx.array, gamma: mx.array, grow: mx.array):
+    """(kk, qk, k_to_end) for a per-channel decay: sum_d x_id k_jd exp(gamma_id - gamma_jd) for
+    j <= i, per chunk (..., C, C), and K * e^(gamma_C - gamma), as matmuls and products over
+    the channels whose chunk decay factors; the others computed pairwise and added."""
+    C = gamma.shape[-2]
+    causal = mx.tril(mx.ones((C, C), dtype=mx.bool_))
+    unsafe = _unsafe_channels(gamma[..., -1, :])
+    if unsafe is None:
+        shrink = 1.0 / grow  # e^-gamma <= e^FACTOR_SPAN
+    else:
+        safe = gamma[..., -1:, :] >= -FACTOR_SPAN
+        # the inner where keeps the gradient finite where grow underflows
+        shrink = mx.where(safe, 1.0 / mx.where(safe, grow, 1.0), 0.0)
+    k_back = k * shrink
+    kk = (k * grow) @ mx.swapaxes(k_back, -1, -2)
+    qk = (q * grow) @ mx.swapaxes(k_back, -1, -2)
+    k_to_end = k_back * grow[..., -1:, :]
+    if unsafe is not None:
+        b, h, c, d = unsafe
+        pick = lambda x: mx.swapaxes(x, -1, -2)[b, h, c, d]  # noqa: E731  (N, C)
+        g, k_u = pick(gamma), pick(k)
+        decay = mx.exp(mx.where(causal, g[:, :, None] - g[:, None, :], -mx.inf))
+        kk = kk.at[b, h, c].add(k_u[:, :, None] * decay * k_u[:, None, :])
+        qk = qk.at[b, h, c].add(pick(q)[:, :, None] * decay * k_u[:, None, :])
+        to_end = mx.swapaxes(k_to_end, -1, -2).at[b, h, c, d].add(
+            k_u * mx.exp(g[:, -1:] - g))
+        k_to_end = mx.swapaxes(to_end, -1, -2)
+    return mx.where(causal, kk, 0.0), mx.where(causal, qk, 0.0), k_to_end
 
 
 def gated_delta_chunked(q, k, v, log_g, beta, state=None, chunk_size: int | None = None):
@@ -108,23 +130,21 @@ def gated_delta_chunked(q, k, v, log_g, beta, state=None, chunk_size: int | None
 
     causal = mx.tril(mx.ones((C, C), dtype=mx.bool_))
     strict = mx.tril(mx.ones((C, C), dtype=mx.bool_), k=-1)
+    grow = mx.exp(gamma)  # e^gamma, <= 1
     if per_channel:
-        kk = _decayed_products(k, k, gamma)
-        qk = _decayed_products(q, k, gamma)
+        kk, qk, k_to_end = _factored_products(q, k, gamma, grow)
     else:
         diff = gamma - mx.swapaxes(gamma, -1, -2)  # (B, H, n, C, C)
         decay = mx.exp(mx.where(causal, diff, -mx.inf))
         kk = (k @ mx.swapaxes(k, -1, -2)) * decay
-        qk = (q @ mx.swapaxes(k, -1, -2)) * decay
+        qk = mx.where(causal, (q @ mx.swapaxes(k, -1, -2)) * decay, 0.0)
+        k_to_end = k * mx.exp(gamma[..., -1:, :] - gamma)
     A = mx.where(strict, kk, 0.0)
     T_inv = _unit_lower_inverse(beta * A, C)  # (B, H, n, C, C)
     u_from_v = T_inv @ (beta * v)  # (B, H, n, C, Dv)
-    k_decayed = k * mx.exp(gamma)  # K * e^gamma
-    u_from_state = T_inv @ (beta * k_decayed)  # (B, H, n, C, Dk)
-    q_decayed = q * mx.exp(gamma)
-    gamma_last = gamma[..., -1:, :]  # (B, H, n, 1, Dk or 1)
-    k_to_end = k * mx.exp(gamma_last - gamma)
-    qk = mx.where(causal, qk, 0.0)
+    u_from_state = T_inv @ (beta * (k * grow))  # (B, H, n, C, Dk)
+    q_decayed = q * grow
+    chunk_decay = mx.swapaxes(grow[..., -1:, :], -1, -2)  # e^gamma_C: (B, H, n, Dk or 1, 1)
 
     S = (mx.zeros((B, Hv, Dk, Dv), mx.float32) if state is None
          else mx.swapaxes(state.astype(mx.float32), -1, -2))
@@ -132,7 +152,7 @@ def gated_delta_chunked(q, k, v, log_g, beta, state=None, chunk_size: int | None
     for c in range(n):
         U = u_from_v[:, :, c] - u_from_state[:, :, c] @ S
         outputs.append(q_decayed[:, :, c] @ S + qk[:, :, c] @ U)
-        S = mx.swapaxes(mx.exp(gamma_last[:, :, c]), -1, -2) * S + \
+        S = chunk_decay[:, :, c] * S + \
             mx.swapaxes(k_to_end[:, :, c], -1, -2) @ U
     y = mx.stack(outputs, axis=2).reshape(B, Hv, n * C, Dv)[:, :, :T]
     return mx.swapaxes(y, 1, 2).astype(dtype), mx.swapaxes(S, -1, -2)

@@ -158,9 +158,10 @@ class Session:
         return {name: line.recorded_bytes() for name, line in self.lines.items()}
 
     # -- the conversation ---------------------------------------------------------------------
-    def read(self, line: CacheLine, upto: int) -> None:
+    def read(self, line: CacheLine, upto: int, whole: bool = False,
+             split_at: int | None = None):
         """Let `line`'s model read conversation tokens [seen, upto) (see `decode.read`)."""
-        decode.read(self, line, upto)
+        return decode.read(self, line, upto, whole, split_at)
 
     def _finish_turn(self) -> None:
         """End a generation whose iterator is still open (as closing it would)."""
@@ -183,7 +184,7 @@ class Session:
         exhausted or closed, or when the session is next used (add, generate, switch)."""
         self._finish_turn()
         line = self.lines[self.active]
-        if len(self.tokens) <= line.seen:
+        if len(self.tokens) <= line.seen and line.next_logits is None:
             raise ValueError("nothing new to respond to: add tokens first")
         turn = decode.decode(self, line, max_tokens, temperature, set(stop or ()), top_p)
         self._turn = weakref.ref(turn)

@@ -24,7 +24,8 @@ from ..capture import PREFILL_CHUNK, Capture, capture, tapped
 from ..capture.instrument import hook_module, recording_final_rows
 from ..layouts import CapturePoint
 from ..layouts.linear_attention import RecurrentInputs
-from .line import CacheLine, fixed_slots
+from ..gate import Tail, tail_of
+from .line import CacheLine, fixed_slots, split
 
 if TYPE_CHECKING:
     from .conversation import Session
@@ -32,16 +33,27 @@ if TYPE_CHECKING:
 RECORD_POINTS = (CapturePoint.RAW, CapturePoint.NORMED)
 
 
-def read(session: Session, line: CacheLine, upto: int) -> None:
+def read(session: Session, line: CacheLine, upto: int, whole: bool = False,
+         split_at: int | None = None) -> Tail | None:
     """Let `line`'s model read conversation tokens [seen, upto), keeping what it records, the
     final-norm rows of the last of them and (when it keeps states) a snapshot at each of its
-    handoff marks before the end."""
+    handoff marks before the end.
+
+    `whole`: in one forward (upto - seen <= PREFILL_CHUNK), keeping the logits of the last
+    token (the next token's, for `decode`) and returning the final-norm rows of every token
+    read (a switch's gate reads them); what it records is kept as two spans, split at
+    `split_at` (where a switch's span ends), so that each can be dropped when read."""
     if upto <= line.seen:
-        return
+        return None
     from mlx_lm.models.cache import make_prompt_cache
 
     if line.cache is None:
         line.cache = make_prompt_cache(line.lm.model)
+    if whole:
+        session.snapshot(line)
+        rows = _read_part(session, line, upto, whole=True, split_at=split_at)
+        session.snapshot(line)
+        return rows
     if session.keeps_states(line.name):
         # a snapshot at each place a translation from this line may stop (`handoff_marks`)
         for mark in session.handoff_marks(line.name):
@@ -53,31 +65,62 @@ def read(session: Session, line: CacheLine, upto: int) -> None:
     session.snapshot(line)
 
 
-def _read_part(session: Session, line: CacheLine, upto: int) -> None:
+def _read_part(session: Session, line: CacheLine, upto: int, whole: bool = False,
+               split_at: int | None = None) -> Tail | None:
     start = line.seen
+    keep = upto - start if whole else session.tail_rows
     with contextlib.ExitStack() as stack:
-        rows = (stack.enter_context(recording_final_rows(line.lm.model, session.tail_rows))
-                if session.gate_tokens else None)
+        rows = (stack.enter_context(recording_final_rows(line.lm.model, keep))
+                if session.gate_tokens or whole else None)
         cap = capture(line.lm.model, session.tokens[start:upto], points=RECORD_POINTS,
                       layout=line.layout, cache=line.cache,
                       select=session.selection(line.name), chunk_size=PREFILL_CHUNK)
-    session.keep(line, start, cap, own=True)
+    if split_at is not None and start < split_at < upto:
+        first, rest = split(cap, split_at - start)
+        session.keep(line, start, first, own=True)
+        session.keep(line, split_at, rest, own=True)
+    else:
+        session.keep(line, start, cap, own=True)
     line.seen = upto
-    if rows is not None:
-        session.keep_tail(line, rows.last(upto - start), upto)
+    line.next_logits = cap.last_logits[0] if whole else None
+    if rows is None:
+        return None
+    read_rows = tail_of(rows.last(min(keep, upto - start)), upto)
+    if read_rows is not None:
+        session.keep_tail(line, read_rows.rows, upto)
+    return read_rows
 
 
 def decode(session: Session, line: CacheLine, max_tokens: int, temperature: float,
            stop: set[int], top_p: float = 1.0) -> Iterator[int]:
     """`line`'s model continues the conversation: up to `max_tokens` tokens, appended to
-    `session.tokens` as they are yielded (none: it only reads what it has not)."""
-    from mlx_lm.generate import generate_step
-    from mlx_lm.models.cache import make_prompt_cache
+    `session.tokens` as they are yielded (none: it only reads what it has not). A line that
+    has read the whole conversation holds its next token's logits (a switch's one forward,
+    `read(whole=True)`): the first token is sampled from them."""
     from mlx_lm.sample_utils import make_sampler
 
     if max_tokens < 1:
         read(session, line, len(session.tokens))
         return
+    if line.next_logits is not None and line.seen == len(session.tokens):
+        logits, line.next_logits = line.next_logits, None
+        sampler = make_sampler(temp=temperature, top_p=top_p)
+        token = int(sampler((logits - mx.logsumexp(logits, keepdims=True))[None]).item())
+        session.tokens.append(token)
+        yield token
+        if token in stop or max_tokens == 1:
+            return  # the model has read every token but the one generated
+        max_tokens -= 1
+    yield from _continue(session, line, max_tokens, temperature, stop, top_p)
+
+
+def _continue(session: Session, line: CacheLine, max_tokens: int, temperature: float,
+              stop: set[int], top_p: float) -> Iterator[int]:
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.sample_utils import make_sampler
+
+    line.next_logits = None
     tokens, r = session.tokens, session.gate_tokens
     model, start = line.lm.model, line.seen
     if line.cache is None:

@@ -25,7 +25,7 @@ import time
 from typing import TYPE_CHECKING
 
 from .. import gate
-from ..capture import Capture
+from ..capture import PREFILL_CHUNK, Capture
 from ..install import NotFinite, install
 from ..layouts import CapturePoint
 from . import dial
@@ -117,7 +117,7 @@ def _translate_and_gate(session: Session, translator, src: CacheLine, tgt: Cache
             return
         session.snapshot(tgt)
     if r == 0:
-        session.read(tgt, n)  # the dial's R, if any
+        _read_on(session, tgt, n)  # the dial's R, if any
         status.tokens_read = n - handoff
         status.gate = Verdict.OFF
         return
@@ -125,7 +125,7 @@ def _translate_and_gate(session: Session, translator, src: CacheLine, tgt: Cache
         status.gate, status.gate_note = Verdict.UNCHECKED, why
         return
     started = time.perf_counter()
-    session.read(tgt, n)
+    rows = _read_on(session, tgt, n)
     status.tokens_read = n - handoff
     if handoff == start:
         status.gate, status.gate_note = Verdict.UNCHECKED, why
@@ -134,8 +134,8 @@ def _translate_and_gate(session: Session, translator, src: CacheLine, tgt: Cache
     # the gate judges the last tokens only (the rows both lines keep); after a re-read of R
     # over 2r tokens these follow more native context than calibration saw, so the threshold
     # errs towards letting the translation stand
-    reading = gate.compare(src.lm.model, src.tail, tgt.lm.model, tgt.tail, session.tokens,
-                           max(handoff, n - session.tail_rows), n)
+    reading = gate.compare(src.lm.model, src.tail, tgt.lm.model, rows or tgt.tail,
+                           session.tokens, max(handoff, n - session.tail_rows), n)
     status.gate_seconds = time.perf_counter() - started
     if reading is None:
         status.gate, status.gate_note = Verdict.UNCHECKED, ("the source holds no predictions "
@@ -157,6 +157,19 @@ def _translate_and_gate(session: Session, translator, src: CacheLine, tgt: Cache
                                            f"{reading.tokens} tokens is {reading.gap:+.2f} "
                                            f"nats/token from the source's, over the "
                                            f"translator's threshold {threshold:.2f}")
+
+
+def _read_on(session: Session, tgt: CacheLine, n: int):
+    """The target reads the span's last tokens [seen, n) on the translation and, in the same
+    forward, what the conversation holds after them (the next prompt, which it reads before
+    its first token anyway): one forward for the gate and the first decode step, whose logits
+    the line keeps. Returns the final-norm rows of the tokens read (None when it took more
+    than one forward)."""
+    ahead = len(session.tokens)
+    if ahead - tgt.seen > PREFILL_CHUNK:
+        session.read(tgt, n)
+        return None
+    return session.read(tgt, ahead, whole=True, split_at=n)
 
 
 def _translate(session: Session, translator, src: CacheLine, tgt: CacheLine, start: int,

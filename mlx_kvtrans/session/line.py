@@ -57,9 +57,18 @@ def with_slots(cache: list, slots: list[list]) -> list:
 
 def head(part: Capture, n: int) -> Capture:
     """The first `n` tokens of a recorded span."""
-    objects = [{key: value.slice(0, n) if isinstance(value, RecurrentInputs) else value[:, :n]
-                for key, value in layer.items()} for layer in part.objects]
-    return Capture(part.layout, part.tokens[:, :n], objects, part.engine)
+    return _tokens(part, 0, n)
+
+
+def split(part: Capture, n: int) -> tuple[Capture, Capture]:
+    """A recorded span as its first `n` tokens and the rest."""
+    return _tokens(part, 0, n), _tokens(part, n, part.length)
+
+
+def _tokens(part: Capture, lo: int, hi: int) -> Capture:
+    objects = [{key: value.slice(lo, hi) if isinstance(value, RecurrentInputs)
+                else value[:, lo:hi] for key, value in layer.items()} for layer in part.objects]
+    return Capture(part.layout, part.tokens[:, lo:hi], objects, part.engine)
 
 
 @dataclass
@@ -75,6 +84,7 @@ class CacheLine:
     own_recorded: list[int] = field(default_factory=lambda: [0, 0])  # bytes, tokens it computed
     tail: Tail | None = None  # final-norm rows of the last tokens it read
     states: dict[int, list] = field(default_factory=dict)  # position -> `fixed_slots` there
+    next_logits: mx.array | None = field(default=None, repr=False)  # (vocab,) after token seen-1
 
     @cached_property
     def layout(self):
@@ -83,10 +93,12 @@ class CacheLine:
     def reset(self) -> None:
         """Forget everything: no cache, nothing read."""
         self.cache, self.seen, self.recorded, self.tail, self.states = None, 0, [], None, {}
+        self.next_logits = None
 
     def cut(self, stop: int) -> None:
         """Forget what was recorded of conversation tokens from `stop` on (the cache itself is
         the caller's to trim)."""
+        self.next_logits = None
         kept, offset = [], self.recorded_from
         for part in self.recorded:
             if offset + part.length <= stop:

@@ -23,12 +23,13 @@ from .switch import bench_switch
 def switch_report(translator: Translator, source: LoadedModel, target: LoadedModel,
                   lengths: list[int], repeats: int = 3, dtype: str = "float32",
                   label: str | None = None, vocab: int | None = None,
-                  fit_record: dict | None = None, progress=None) -> dict:
+                  fit_record: dict | None = None, progress=None, fresh=None) -> dict:
     """Time `source` -> `target` cast to `dtype` at each prompt length: the result a `kvtrans
     bench` run writes (`label`: the pair's name in it, default the models' names; `vocab`: the
     token ids prompts draw from, default the source tokenizer's (its embedding's rows without
     one); `fit_record`: a realistic
-    pair's fit, kept with its translator's features)."""
+    pair's fit, kept with its translator's features; `fresh()`: the translator as a user's
+    first switch loads it, for the cold switch)."""
     for lm in (source, target):
         cast_parameters(lm.model, getattr(mx, dtype))
     label = label or f"{Path(source.name).name}__{Path(target.name).name}"
@@ -36,7 +37,8 @@ def switch_report(translator: Translator, source: LoadedModel, target: LoadedMod
                       else input_embedding(source.model).weight.shape[0])
     blas = blas_report(measure=False)  # the peak is measured beside each row, in `dtype`
     rows = bench_switch(translator, source.model, target.model, lengths, repeats, vocab,
-                        dtype=getattr(mx, dtype), progress=progress)
+                        dtype=getattr(mx, dtype), progress=progress,
+                        text_ids=held_out_ids(source, max(lengths)), fresh=fresh)
     result = {"pair": label, "source": source.name, "target": target.name, "dtype": dtype,
               "device": str(mx.default_device()), "blas": blas.name,
               "matmul_peak_gflops": round(statistics.median(r.matmul_peak_gflops for r in rows), 1),
@@ -46,6 +48,19 @@ def switch_report(translator: Translator, source: LoadedModel, target: LoadedMod
         result["fit"] = {**fit_record, "features": translator.info["features"],
                          "token_identity": translator.token_identity}
     return result
+
+
+def held_out_ids(model: LoadedModel, length: int) -> list[int] | None:
+    """The first `length` tokens of the zoo corpus's held-out test split in `model`'s tokenizer
+    (None without a tokenizer or the split)."""
+    from ..models import held_out_split
+    from ..tokens import encode_file
+
+    path = held_out_split("test")
+    if model.tokenizer is None or path is None:
+        return None
+    ids = encode_file(model.tokenizer, path)
+    return ids[:length] if len(ids) >= length else None
 
 
 def write_report(result: dict, out_dir: Path) -> tuple[Path, Path | None]:
@@ -86,12 +101,18 @@ def report_table(result: dict) -> tuple[str, list[str], list[list[str]], list[st
                       f"({100 * r['translate_gflops'] / r['matmul_peak_gflops']:.0f}%)",
                       f"{r['peak_mb_switch']:.0f} / {r['peak_mb_reprefill']:.0f}"])
     notes = ["bound = first decode step on the installed cache + translation FLOPs at the "
-             "matmul peak + installed bytes at the memory bandwidth, measured beside each row"]
+             "matmul peak + installed bytes at the memory bandwidth, measured beside each row",
+             "cold switch = a user's first: the translator loaded, then its first translation "
+             "(the source has read the prompt)"]
     if gated:
         notes.append(f"gated switch = what a session does (the same hand-over): all but the last "
                      f"{rows[0]['gate_tokens']} tokens translated, the target reads those itself "
                      "and the fidelity gate compares its NLL on them with the source's, then the "
                      "first token")
+        notes += [f"{r['length']} tokens: the gated switch did not translate ({outcome}); its "
+                  f"time is a re-prefill's" for r in rows
+                  if (outcome := r.get("gated_outcome")) and not outcome.startswith("applied")]
+    notes.append(f"prompts: {rows[0].get('prompt', 'random ids')}")
     if "fit" in result:
         notes.append(f"translator fitted in closed form here: {describe_fit(result['fit'])}")
     return title, columns, cells, notes

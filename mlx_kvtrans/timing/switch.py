@@ -3,18 +3,21 @@
 For each prompt length, with medians over repeats:
 - warm switch: the source's cache exists (and its per-token objects were recorded while it read);
   translate + install + the target's first decode step;
-- cold switch: the source's prefill (recording) + the warm switch. The source reads the prompt
-  with the fastest recurrence the device has (`fastest_recurrence`: mlx-lm's Metal kernel on a
-  Mac, the chunkwise-parallel form elsewhere), so the figure measures translation, not mlx-lm's
-  token loop off Metal;
+- cold switch: a user's first switch: the source has read the prompt, the translator is loaded
+  (from its directory, when it has one) and prepared, and the warm switch runs on it for the
+  first time (allocating, and compiling kernels where the device does);
+- source prefill + switch: the source's prefill (recording) + the warm switch. The source reads
+  the prompt with the fastest recurrence the device has (`fastest_recurrence`: mlx-lm's Metal
+  kernel on a Mac, the chunkwise-parallel form elsewhere), so the figure measures translation,
+  not mlx-lm's token loop off Metal;
 - gated switch: what a `Session` does, by the same code (`session.hand_over`): all but the last
-  r tokens translated and installed, the target reading those r itself, the fidelity gate's NLL
-  comparison, then the first decode step;
+  r tokens translated and installed, the target reading those r and the prompt's last token in
+  one forward (whose last logits give the first token), the fidelity gate's NLL comparison;
 - re-prefill: the target reads the whole prompt and produces its first token, in plain mlx-lm
   (what a user of mlx-lm gets: the token loop off Metal). When the target has linear-attention
   layers, `reprefill_chunked_s` is the same prefill under the chunkwise form, so both
-  comparisons are visible: cold switch vs re-prefill (what switching saves a user today) and
-  cold switch vs chunked re-prefill (same recurrence on both sides);
+  comparisons are visible: source prefill + switch vs re-prefill (what switching saves a user
+  today) and vs chunked re-prefill (same recurrence on both sides);
 - bound: the least a warm switch could cost here, measured beside it: (a) the target's first
   decode step on the installed cache alone, (b) the translation's arithmetic at the matmul peak
   measured in the bench's dtype, (c) the installed cache's bytes at the measured memory
@@ -29,7 +32,8 @@ import contextlib
 import statistics
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+from typing import Callable
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -42,6 +46,7 @@ from ..install import install
 from ..layouts import ObjectKind, layout_of
 from ..models import LoadedModel
 from ..session import Session, SwitchStatus, hand_over
+from ..session.status import Outcome
 from ..translators.translator import Translator
 
 
@@ -49,7 +54,7 @@ from ..translators.translator import Translator
 class BenchRow:
     length: int
     warm_switch_s: float
-    cold_switch_s: float
+    cold_switch_s: float  # a user's first switch: translator loaded, first translation
     reprefill_s: float
     translate_s: float
     translate_gflops: float
@@ -67,6 +72,11 @@ class BenchRow:
     # those itself, the fidelity gate compares its NLL on them with the source's, first token
     gated_switch_s: float | None = None
     gate_tokens: int = 0
+    # what the gated switch did: "applied" (its gate's verdict after a colon) or why it fell
+    # back; a fallback times a re-prefill, not a switch
+    gated_outcome: str | None = None
+    prefill_and_switch_s: float | None = None  # the source's recording prefill + warm switch
+    prompt: str = "random ids"  # or "held-out text"
 
     @property
     def bound_s(self) -> float:
@@ -85,13 +95,19 @@ class BenchRow:
         return self.reprefill_s / self.cold_switch_s
 
     @property
+    def speedup_prefill_and_switch(self) -> float | None:
+        return self.reprefill_s / self.prefill_and_switch_s if self.prefill_and_switch_s \
+            else None
+
+    @property
     def speedup_gated(self) -> float | None:
         return self.reprefill_s / self.gated_switch_s if self.gated_switch_s else None
 
     def to_json(self) -> dict:
         return {**asdict(self), "bound_s": self.bound_s, "warm_over_bound": self.warm_over_bound,
                 "speedup_warm": self.speedup_warm, "speedup_cold": self.speedup_cold,
-                "speedup_gated": self.speedup_gated}
+                "speedup_gated": self.speedup_gated,
+                "speedup_prefill_and_switch": self.speedup_prefill_and_switch}
 
 
 def translation_flops(translator: Translator, length: int, target_layout) -> float:
@@ -115,10 +131,11 @@ def source_prefill(translator: Translator, source, prompt: mx.array, source_layo
                        layout=source_layout or layout_of(source), chunk_size=PREFILL_CHUNK)
 
 
-def gated_session(translator: Translator, source, target, prompt: list[int],
+def gated_session(translator: Translator, source, target, prompt: list[int], last: int,
                   gate_tokens: int = GATE_TOKENS, fast: bool = True) -> Session:
-    """A `Session` over mlx-lm models `source` -> `target` whose source has read `prompt`, as a
-    conversation's source has when a switch comes (with `fast`, under `fastest_recurrence`)."""
+    """A `Session` over mlx-lm models `source` -> `target` whose source has read `prompt`, with
+    `last` after it unread, as a conversation's source has when a switch comes (with `fast`,
+    under `fastest_recurrence`)."""
     session = Session({"source": LoadedModel("source", None, source, None, {}),
                        "target": LoadedModel("target", None, target, None, {})},
                       {("source", "target"): translator}, active="source",
@@ -126,16 +143,23 @@ def gated_session(translator: Translator, source, target, prompt: list[int],
     session.add(prompt)
     with fastest_recurrence() if fast else contextlib.nullcontext():
         list(session.generate(0))
+    session.add([last])
     return session
 
 
-def gated_switch(session: Session, last: mx.array) -> tuple[SwitchStatus, mx.array]:
+def gated_switch(session: Session) -> tuple[SwitchStatus, mx.array]:
     """The switch `session` makes (`hand_over` itself) into a target that holds nothing, then
-    the target's first token after `last`: (the switch's status, the token). The source's line
-    is left as it was, so the switch can be timed again."""
+    the target's greedy first token (from the logits the hand-over's one forward kept, else a
+    decode step): (the switch's status, the token). The source's line is left as it was, so
+    the switch can be timed again."""
     target = session.lines["target"]
     target.reset()
     status = hand_over(session, "source", "target")
+    if target.next_logits is not None and target.seen == len(session.tokens):
+        token = mx.argmax(target.next_logits, axis=-1)
+        mx.eval(token)
+        return status, token
+    last = mx.array([session.tokens[target.seen:]])
     return status, first_token(target.lm.model, last, target.cache)
 
 
@@ -181,9 +205,15 @@ def _main_dtype(model) -> mx.Dtype:
 
 def bench_switch(translator: Translator, source, target, lengths: list[int], repeats: int = 3,
                  vocab: int | None = None, seed: int = 0, dtype=None,
-                 progress=None, gate_tokens: int = GATE_TOKENS) -> list[BenchRow]:
+                 progress=None, gate_tokens: int = GATE_TOKENS,
+                 text_ids: list[int] | None = None,
+                 fresh: Callable[[], Translator] | None = None) -> list[BenchRow]:
     """TTFT rows for mlx-lm models `source` -> `target` at each prompt length (`dtype`, for the
     matmul peak: default the target's; `gate_tokens`: the gated switch's tail, 0 for none).
+    Prompts are windows of `text_ids` (held-out text: the gate judges a conversation as users
+    have them) where it is long enough, else random ids below `vocab`. `fresh()` gives the
+    translator as a user's first switch has it (loaded from its directory; default: a new
+    object of the same weights, with nothing built or evaluated on first use).
     `progress(done, total, what)` follows each measurement."""
     source_layout, target_layout = layout_of(source), layout_of(target)
     target_is_hybrid = ObjectKind.RECURRENT_STATE in target_layout.kinds()
@@ -191,7 +221,7 @@ def bench_switch(translator: Translator, source, target, lengths: list[int], rep
     translator.prepare()
     vocab = vocab or 256
     rows = []
-    phases = (7 if target_is_hybrid else 6) + bool(gate_tokens)
+    phases = (8 if target_is_hybrid else 7) + bool(gate_tokens)
     done = 0
 
     def step(what: str, length: int):
@@ -202,7 +232,9 @@ def bench_switch(translator: Translator, source, target, lengths: list[int], rep
 
     for length in lengths:
         step("source prefill", length)
-        tokens = mx.random.randint(0, vocab, (1, length), key=mx.random.key(seed + length))
+        from_text = text_ids is not None and len(text_ids) >= length
+        tokens = (mx.array([text_ids[:length]]) if from_text else
+                  mx.random.randint(0, vocab, (1, length), key=mx.random.key(seed + length)))
         prompt, last = tokens[:, :-1], tokens[:, -1:]
         recorded = source_prefill(translator, source, prompt, source_layout)
 
@@ -212,7 +244,12 @@ def bench_switch(translator: Translator, source, target, lengths: list[int], rep
         def warm():
             first_token(target, last, translate_only())
 
-        def cold():
+        def cold():  # once, before anything else translates at this length
+            first = (fresh or (lambda: replace(translator)))().prepare()
+            first_token(target, last, switch_cache(first, recorded, target, target_layout,
+                                                   prompt))
+
+        def prefill_and_switch():
             nonlocal recorded
             recorded = source_prefill(translator, source, prompt, source_layout)
             warm()
@@ -230,6 +267,8 @@ def bench_switch(translator: Translator, source, target, lengths: list[int], rep
             with chunked_recurrence():
                 reprefill()
 
+        step("cold switch", length)
+        t_cold, _ = _median(cold, 1)
         step("bound", length)
         warm()  # compile and allocate once
         install_bytes = cache_nbytes(translate_only())
@@ -240,15 +279,19 @@ def bench_switch(translator: Translator, source, target, lengths: list[int], rep
                             setup=translate_only)
         step("warm switch", length)
         t_warm, peak_switch = _median(warm, repeats)
-        step("cold switch", length)
-        t_cold, _ = _median(cold, repeats)
+        step("source prefill + switch", length)
+        t_prefill_switch, _ = _median(prefill_and_switch, repeats)
         tail = min(gate_tokens, prompt.shape[1] - 1)
-        t_gated = None
+        t_gated = outcome = None
         if tail:
             step("gated switch", length)
-            session = gated_session(translator, source, target, prompt[0].tolist(), tail)
-            gated_switch(session, last)  # compile and allocate once
-            t_gated, _ = _median(lambda: gated_switch(session, last), repeats)
+            session = gated_session(translator, source, target, prompt[0].tolist(),
+                                    int(last.item()), tail)
+            status, _ = gated_switch(session)  # compile and allocate once
+            outcome = (f"applied: gate {status.gate.value}"
+                       if status.status == Outcome.APPLIED else
+                       f"{status.status.value}: {status.reason}")
+            t_gated, _ = _median(lambda: gated_switch(session), repeats)
         step("re-prefill", length)
         t_full, peak_full = _median(reprefill, repeats)
         if target_is_hybrid:
@@ -262,7 +305,9 @@ def bench_switch(translator: Translator, source, target, lengths: list[int], rep
             first_step_s=t_step, flops_at_peak_s=flops / (peak * 1e9),
             bytes_at_bandwidth_s=install_bytes / (bandwidth * 1e9),
             install_bytes=install_bytes, matmul_peak_gflops=peak, bandwidth_gbs=bandwidth,
-            reprefill_chunked_s=t_chunked, gated_switch_s=t_gated, gate_tokens=tail))
+            reprefill_chunked_s=t_chunked, gated_switch_s=t_gated, gate_tokens=tail,
+            gated_outcome=outcome, prompt="held-out text" if from_text else "random ids",
+            prefill_and_switch_s=t_prefill_switch))
         step("done", length)
     if progress:
         progress(done, done, "done")

@@ -17,7 +17,9 @@ from mlx.utils import tree_flatten, tree_unflatten
 from ..capture import Capture, capture
 from ..install import install
 from ..layouts import CapturePoint, ModelLayout, layout_of
+from . import fused
 from .features import feature_point, input_embedding, layer_features, projection_name
+from .fused import FusedMaps
 from .recipes import BuildInputs, Recipe
 from .recipes.base import concat_features
 from .token_identity import TokenIdentity
@@ -32,8 +34,8 @@ class Translator:
     info: dict[str, Any] = field(default_factory=dict)  # manifest fields (pair, fit, metrics)
     # its measured fidelity per setting (frontier.json beside its weights), for the dial
     frontier: Any = field(default=None, compare=False, repr=False)
-    # fused group -> (the arrays it was built from, weight.T, bias), built on first use: a
-    # switch then reads the weights once instead of concatenating them first
+    # fused group -> its FusedMaps, built on first use: a switch then reads the weights once
+    # instead of concatenating them first
     _fused: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
@@ -112,32 +114,16 @@ class Translator:
                                  ids)
                   for r in self.recipes}
         # maps of the same input run as one matmul (one GEMM at the matmul peak, not dozens)
-        fused: dict[tuple, list[Recipe]] = {}
+        groups: dict[tuple, list[Recipe]] = {}
         for r in self.recipes:
             key = r.fused_input(inputs[r])
             if key is not None:
-                fused.setdefault((key, r.reads_identity), []).append(r)
-        for key, group in fused.items():
+                groups.setdefault((key, r.reads_identity), []).append(r)
+        for key, group in groups.items():
             (sources, kinds), _ = key
-            parts = [(r, part, w, b) for r in group
-                     for part, w, b in r.linear_parts(self.params_of(r, flat))]
-            arrays = [a for *_, w, b in parts for a in (w, b)]
-            cached = self._fused.get(key) if params is None else None
-            if cached and len(cached[0]) == len(arrays) and all(
-                    a is c for a, c in zip(arrays, cached[0])):
-                weight_t, bias = cached[1:]
-            else:
-                weight_t = mx.concatenate([w for *_, w, _ in parts]).T
-                bias = mx.concatenate([b for *_, b in parts])
-                if params is None:  # its own parameters: keep the fused copy for next time
-                    weight_t = mx.contiguous(weight_t)
-                    self._fused[key] = (arrays, weight_t, bias)
+            maps = self._fused_maps(key, group, flat, keep=params is None)
             x = concat_features(features, sources, kinds, inputs[group[0]].identity)
-            y = x @ weight_t + bias
-            start, outputs = 0, {}
-            for r, part, w, _ in parts:
-                outputs.setdefault(r, {})[part] = y[..., start:start + w.shape[0]]
-                start += w.shape[0]
+            outputs = maps.split(maps(x, inputs[group[0]].ids))
             for r in group:
                 objects[r.layer][r.name] = r.from_parts(inputs[r], outputs[r])
                 points[r.layer][r.name] = r.point
@@ -148,6 +134,22 @@ class Translator:
                     points[layer.index][r.name] = r.point
             mx.eval(list(objects[layer.index].values()))
         return objects, points
+
+    def _fused_maps(self, key, group: list[Recipe], flat: dict, keep: bool) -> FusedMaps:
+        """The group's maps fused; built once for its own parameters (`keep`), then reused
+        while they are the same arrays."""
+        params_of = lambda r: self.params_of(r, flat)  # noqa: E731
+        cached = self._fused.get(key) if keep else None
+        if cached is not None:
+            arrays = fused.parameters(group, params_of)
+            if len(arrays) == len(cached.arrays) and all(
+                    a is c for a, c in zip(arrays, cached.arrays)):
+                return cached
+        maps = fused.fuse(group, params_of)
+        if keep:
+            maps.weight = mx.contiguous(maps.weight)
+            self._fused[key] = maps
+        return maps
 
     # -- cost -------------------------------------------------------------------------------
     def param_shapes(self) -> dict[Recipe, dict[str, tuple[int, ...]]]:

@@ -97,9 +97,35 @@ def realistic_pair(name: str, dtype: str, token_identity: str, progress=None):
     for i, n in enumerate(REALISTIC_PAIRS[name]):
         config = realistic_config(n, vocab_size=4096)  # one per side: a pair may name one twice
         model = build_model(config, seed=i)
+        decay_as_trained(model, seed=i)
         cast_parameters(model, getattr(mx, dtype))
         models.append(LoadedModel(n, Path("."), model, None, config))
     translator, record = realistic_fit(models[0], models[1],
                                        FitConfig(token_identity=token_identity),
                                        REALISTIC_PAIRS[name], progress=progress)
     return translator, models[0], models[1], record
+
+
+def trained_dt_bias(shape, key) -> mx.array:
+    """A `dt_bias` as flash-linear-attention initialises Gated DeltaNet and KDA layers for
+    training: softplus(dt_bias) log-uniform in [0.001, 0.1]."""
+    import math
+
+    dt = mx.exp(mx.random.uniform(math.log(1e-3), math.log(1e-1), shape, key=key))
+    return dt + mx.log(-mx.expm1(-dt))  # softplus^-1
+
+
+def decay_as_trained(model, seed: int = 0) -> None:
+    """Give `model`'s linear-attention layers the decay rates a trained checkpoint starts from.
+
+    mlx-lm initialises `dt_bias` to zero (KDA) or one (GDN), so nearly every channel forgets
+    most of its state at each token, which no trained model does and which makes the
+    recurrence's cost unlike a real checkpoint's (`trained_dt_bias`)."""
+    key = mx.random.key(seed)
+    for _, module in model.named_modules():
+        bias = getattr(module, "dt_bias", None)
+        if bias is None or getattr(module, "A_log", None) is None:
+            continue
+        key, sub = mx.random.split(key)
+        module.dt_bias = trained_dt_bias(bias.shape, sub).astype(bias.dtype)
+    mx.eval(model.parameters())

@@ -139,6 +139,12 @@ class Recipe:
         """(part, weight, bias) of each linear map, for a fused input."""
         return []
 
+    def added_terms(self, params: dict[str, mx.array]) -> dict[str, tuple[mx.array, ...]]:
+        """Terms added to its single part's output, for a fused input: "tables" (u0, v0, u1,
+        v1): u0[id_t] @ v0 + u1[id_t-1] @ v1; "residual" (up, down):
+        gelu(rms(x) @ up.T) @ down.T."""
+        return {}
+
     def from_parts(self, inputs: BuildInputs, outputs: dict[str, mx.array]):
         """The target object from each part's output x @ weight.T + bias."""
         raise NotImplementedError

@@ -163,12 +163,18 @@ class TokenMap(Recipe):
     def fused_input(self, inputs):
         if inputs.target_object.kind == ObjectKind.CONV_HISTORY and not inputs.all_rows:
             return None  # it maps only the K-1 rows the history keeps
-        if self.tables or self.residual:
-            return None  # its tables or residual add to the map's output
         return self.feature_key()
 
     def linear_parts(self, params):
         return [("", params["weight"], params["bias"])]
+
+    def added_terms(self, params):
+        terms = {}
+        if self.tables:
+            terms["tables"] = tuple(params[f"table{lag}.{f}"] for lag in LAGS for f in "uv")
+        if self.residual:
+            terms["residual"] = (params["residual.up"], params["residual.down"])
+        return terms
 
     def from_parts(self, inputs, outputs):
         y = outputs[""]
