@@ -34,7 +34,7 @@ import argparse
 import json
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import mlx_kvtrans  # noqa: F401  first: fast BLAS
@@ -86,6 +86,15 @@ IDEAS = [
                               ("qwen3-small__qwen3-large-distilled", 0.5, None),
                               ("qwen3.5-b__qwen3.5-a-distilled", 0.0, 3e-5),
                               ("qwen3.5-a__qwen3.5-b", 0.0, None)]],
+    Idea("kimi-vl-to-kimi-linear-long", "kimi-vl__kimi-linear-distilled",
+         "2,000 steps on greedy continuations after an 8-token re-read, prefixes 32-2,048, "
+         "half needles", DistillConfig(**{**SEQUENCE, "steps": 2000, "max_prefix": 2048})),
+    Idea("qwen3-small-to-qwen3-large-served-lengths", "qwen3-small__qwen3-large-distilled",
+         "refit as shipped on 1M tokens in windows of 256-2,048 (a quarter of the tokens "
+         "each), then 200 steps as shipped on prefixes 32-1,024",
+         DistillConfig(steps=200, attention_weight=1.0, needle_share=0.5, max_prefix=1024),
+         replace(EVERY_IDEA, features="attention", windows=4096, length=256,
+                 mix=tuple(ZOO_LENGTHS)), 0.5),
     Idea("dsa-every-idea", "qwen3.5-a__dsa",
          "refit with identity tables and a residual, 200 steps with attention rehearsal",
          DistillConfig(steps=200, attention_weight=1.0, needle_share=0.5), EVERY_IDEA, 0.5),

@@ -38,6 +38,9 @@ def test_chunked_equals_recurrence(per_channel, T, with_state, weak_decay):
         y, s = gated_delta_update_chunked(q, k, v, a, b, A_log, dt_bias, state, chunk_size=chunk)
         assert max_abs_diff(y, y_ref) <= 2e-5
         assert max_abs_diff(s, s_ref) <= 2e-5
+        none, s = gated_delta_update_chunked(q, k, v, a, b, A_log, dt_bias, state,
+                                             chunk_size=chunk, state_only=True)
+        assert none is None and max_abs_diff(s, s_ref) <= 2e-5
 
 
 def test_kda_chunks_that_decay_fast_are_summed_apart():

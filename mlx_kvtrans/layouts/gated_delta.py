@@ -14,13 +14,12 @@ chunk, and S transposed to (Dk, Dv):
     O     = (Q * e^gamma) S_0 + [sum_d q_id k_jd D_ijd]_(j<=i) U
     S_C   = e^gamma_C * S_0 + (K * e^(gamma_C - gamma))^T U
 With a per-channel gate (KDA) the decay does not factor out of the sums over channels, and
-exponentials dominate the cost on a CPU (an `exp` costs as much as a dozen multiplies). Where a
+exponentials dominate the cost on a CPU (an `exp` costs several multiplies). Where a
 chunk's channel decays by at most `FACTOR_SPAN` nats, D_ijd = e^gamma_id * e^-gamma_jd, so the
 sums are matmuls of (K * e^gamma) with (K * e^-gamma): one exponential per token and channel, no
-overflow (e^60 fits float32 with room). The few channels of a chunk that decay further (a few
-percent in trained models: fast-forgetting channels) are gathered and summed pairwise, only
-differences gamma_i - gamma_j with j <= i exponentiated, so nothing overflows however strong the
-decay.
+overflow (e^60 fits float32 with room). The few channels of a chunk that decay further
+(fast-forgetting channels) are gathered and summed pairwise, only differences gamma_i - gamma_j
+with j <= i exponentiated, so nothing overflows however strong the decay.
 """
 
 from __future__ import annotations
@@ -70,10 +69,11 @@ def _unsafe_channels(gamma_last: mx.array):
     return tuple(mx.array(i.astype(np.int32)) for i in np.nonzero(unsafe))
 
 
-def _factored_products(q: mx.array, k: mx.array, gamma: mx.array, grow: mx.array):
+def _factored_products(q: mx.array | None, k: mx.array, gamma: mx.array, grow: mx.array):
     """(kk, qk, k_to_end) for a per-channel decay: sum_d x_id k_jd exp(gamma_id - gamma_jd) for
     j <= i, per chunk (..., C, C), and K * e^(gamma_C - gamma), as matmuls and products over
-    the channels whose chunk decay factors; the others computed pairwise and added."""
+    the channels whose chunk decay factors; the others computed pairwise and added. Without
+    `q`, no qk (None)."""
     C = gamma.shape[-2]
     causal = mx.tril(mx.ones((C, C), dtype=mx.bool_))
     unsafe = _unsafe_channels(gamma[..., -1, :])
@@ -85,7 +85,7 @@ def _factored_products(q: mx.array, k: mx.array, gamma: mx.array, grow: mx.array
         shrink = mx.where(safe, 1.0 / mx.where(safe, grow, 1.0), 0.0)
     k_back = k * shrink
     kk = (k * grow) @ mx.swapaxes(k_back, -1, -2)
-    qk = (q * grow) @ mx.swapaxes(k_back, -1, -2)
+    qk = None if q is None else (q * grow) @ mx.swapaxes(k_back, -1, -2)
     k_to_end = k_back * grow[..., -1:, :]
     if unsafe is not None:
         b, h, c, d = unsafe
@@ -93,18 +93,23 @@ def _factored_products(q: mx.array, k: mx.array, gamma: mx.array, grow: mx.array
         g, k_u = pick(gamma), pick(k)
         decay = mx.exp(mx.where(causal, g[:, :, None] - g[:, None, :], -mx.inf))
         kk = kk.at[b, h, c].add(k_u[:, :, None] * decay * k_u[:, None, :])
-        qk = qk.at[b, h, c].add(pick(q)[:, :, None] * decay * k_u[:, None, :])
+        if q is not None:
+            qk = qk.at[b, h, c].add(pick(q)[:, :, None] * decay * k_u[:, None, :])
         to_end = mx.swapaxes(k_to_end, -1, -2).at[b, h, c, d].add(
             k_u * mx.exp(g[:, -1:] - g))
         k_to_end = mx.swapaxes(to_end, -1, -2)
-    return mx.where(causal, kk, 0.0), mx.where(causal, qk, 0.0), k_to_end
+    return (mx.where(causal, kk, 0.0), None if q is None else mx.where(causal, qk, 0.0),
+            k_to_end)
 
 
-def gated_delta_chunked(q, k, v, log_g, beta, state=None, chunk_size: int | None = None):
+def gated_delta_chunked(q, k, v, log_g, beta, state=None, chunk_size: int | None = None,
+                        state_only: bool = False):
     """Chunkwise gated delta rule.
 
     q, k: (B, T, Hk, Dk); v: (B, T, Hv, Dv); log_g: (B, T, Hv) or (B, T, Hv, Dk);
-    beta: (B, T, Hv); state: (B, Hv, Dv, Dk) or None. Returns (y (B, T, Hv, Dv), state).
+    beta: (B, T, Hv); state: (B, Hv, Dv, Dk) or None. Returns (y (B, T, Hv, Dv), state);
+    `state_only`: (None, state), skipping the outputs' arithmetic (a replay that rebuilds a
+    state).
     """
     B, T, Hk, Dk = k.shape
     Hv, Dv = v.shape[2:]
@@ -132,18 +137,18 @@ def gated_delta_chunked(q, k, v, log_g, beta, state=None, chunk_size: int | None
     strict = mx.tril(mx.ones((C, C), dtype=mx.bool_), k=-1)
     grow = mx.exp(gamma)  # e^gamma, <= 1
     if per_channel:
-        kk, qk, k_to_end = _factored_products(q, k, gamma, grow)
+        kk, qk, k_to_end = _factored_products(None if state_only else q, k, gamma, grow)
     else:
         diff = gamma - mx.swapaxes(gamma, -1, -2)  # (B, H, n, C, C)
         decay = mx.exp(mx.where(causal, diff, -mx.inf))
         kk = (k @ mx.swapaxes(k, -1, -2)) * decay
-        qk = mx.where(causal, (q @ mx.swapaxes(k, -1, -2)) * decay, 0.0)
+        qk = None if state_only else mx.where(causal, (q @ mx.swapaxes(k, -1, -2)) * decay, 0.0)
         k_to_end = k * mx.exp(gamma[..., -1:, :] - gamma)
     A = mx.where(strict, kk, 0.0)
     T_inv = _unit_lower_inverse(beta * A, C)  # (B, H, n, C, C)
     u_from_v = T_inv @ (beta * v)  # (B, H, n, C, Dv)
     u_from_state = T_inv @ (beta * (k * grow))  # (B, H, n, C, Dk)
-    q_decayed = q * grow
+    q_decayed = None if state_only else q * grow
     chunk_decay = mx.swapaxes(grow[..., -1:, :], -1, -2)  # e^gamma_C: (B, H, n, Dk or 1, 1)
 
     S = (mx.zeros((B, Hv, Dk, Dv), mx.float32) if state is None
@@ -151,17 +156,21 @@ def gated_delta_chunked(q, k, v, log_g, beta, state=None, chunk_size: int | None
     outputs = []
     for c in range(n):
         U = u_from_v[:, :, c] - u_from_state[:, :, c] @ S
-        outputs.append(q_decayed[:, :, c] @ S + qk[:, :, c] @ U)
+        if not state_only:
+            outputs.append(q_decayed[:, :, c] @ S + qk[:, :, c] @ U)
         S = chunk_decay[:, :, c] * S + \
             mx.swapaxes(k_to_end[:, :, c], -1, -2) @ U
+    if state_only:
+        return None, mx.swapaxes(S, -1, -2)
     y = mx.stack(outputs, axis=2).reshape(B, Hv, n * C, Dv)[:, :, :T]
     return mx.swapaxes(y, 1, 2).astype(dtype), mx.swapaxes(S, -1, -2)
 
 
 def gated_delta_update_chunked(q, k, v, a, b, A_log, dt_bias, state=None, mask=None, *,
                                use_kernel=True, lower_bound=None, allow_neg_eigval=False,
-                               chunk_size: int | None = None):
-    """Drop-in for mlx-lm's `gated_delta_update` (same arguments), computed chunkwise."""
+                               chunk_size: int | None = None, state_only: bool = False):
+    """Drop-in for mlx-lm's `gated_delta_update` (same arguments), computed chunkwise;
+    `state_only`: (None, state)."""
     if mask is not None or lower_bound is not None:
         return reference_update(q, k, v, a, b, A_log, dt_bias, state, mask,
                                 use_kernel=use_kernel, lower_bound=lower_bound,
@@ -169,9 +178,8 @@ def gated_delta_update_chunked(q, k, v, a, b, A_log, dt_bias, state=None, mask=N
     beta = mx.sigmoid(b.astype(mx.float32))
     if allow_neg_eigval:
         beta = beta * 2.0
-    y, state = gated_delta_chunked(q, k, v, log_decay(A_log, a, dt_bias), beta, state,
-                                   chunk_size=chunk_size)
-    return y, state
+    return gated_delta_chunked(q, k, v, log_decay(A_log, a, dt_bias), beta, state,
+                               chunk_size=chunk_size, state_only=state_only)
 
 
 def metal_recurrence_available() -> bool:

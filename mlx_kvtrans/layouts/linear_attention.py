@@ -75,15 +75,21 @@ class DeltaRuleLayer(LayerCache):
         raise NotImplementedError
 
     def replay(self, inputs: RecurrentInputs, state: mx.array | None = None,
-               chunk_size: int | None = None, use_kernel: bool = True, parallel: bool = False):
+               chunk_size: int | None = None, use_kernel: bool = True, parallel: bool = False,
+               state_only: bool = False):
         """Run this layer's own recurrence over `inputs` from `state`; returns (outputs, state).
 
         `use_kernel`: mlx-lm's Metal kernel where it can run (a Mac GPU), its pure-ops loop
         elsewhere or when False. `parallel`: the chunkwise-parallel pure-MLX form instead
-        (differentiable everywhere). `chunk_size` splits the tokens; the state carries across.
+        (differentiable everywhere); with `state_only` it skips the outputs' arithmetic and
+        returns None for them. `chunk_size` splits the tokens; the state carries across.
         """
         A_log, dt_bias = self.recurrence_constants()
-        update = gated_delta_update_chunked if parallel else _recurrence(self.mixer_module)
+        if parallel:
+            def update(*args, **kwargs):
+                return gated_delta_update_chunked(*args, state_only=state_only, **kwargs)
+        else:
+            update = _recurrence(self.mixer_module)
         step = chunk_size or max(inputs.length, 1)
         outputs = []
         for start in range(0, inputs.length, step):
@@ -91,7 +97,7 @@ class DeltaRuleLayer(LayerCache):
             y, state = update(part.q, part.k, part.v, part.a, part.b, A_log, dt_bias, state,
                               use_kernel=use_kernel)
             outputs.append(y)
-        if not outputs:
+        if not outputs or outputs[0] is None:
             return None, state
         return mx.concatenate(outputs, axis=1), state
 
@@ -131,7 +137,7 @@ class DeltaRuleLayer(LayerCache):
             # as `fastest_recurrence` prefills: mlx-lm's Metal kernel on a Mac GPU, elsewhere
             # the chunkwise form
             _, state = self.replay(state, previous.get("state"),
-                                   parallel=not metal_recurrence_available())
+                                   parallel=not metal_recurrence_available(), state_only=True)
         out["state"] = state
         return out
 

@@ -15,6 +15,11 @@ comes from the final-norm rows every model keeps of the last tokens it read (`Ca
 A translator that copies the source's recurrent state needs that state where the translation
 stops, so the translation stops at one of the source's state snapshots.
 
+The target reads those last tokens and whatever the conversation holds after them (the next
+prompt, when it was added before the switch) in one forward, and keeps that forward's last
+logits: its first token costs no further forward (`decode`). A caller that adds the next prompt
+before switching pays one forward for the gate, the prompt and the first token together.
+
 `hand_over` is the one switch: `Session.switch`, the server (through it) and the switch
 benchmark's gated switch all run it.
 """
