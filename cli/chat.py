@@ -211,7 +211,7 @@ def _translators(models: dict, source: str, target: str, translator: str | None,
         if given is not None:
             path, tr = _named_translator(option, given, _load_translator, models[a], models[b])
         else:
-            shipped = default_translator(a, b)
+            shipped = default_translator(models[a], models[b])
             if shipped is None:
                 banner.append((pair, "no translator shipped, so /switch that way re-reads the "
                                      "conversation (re-prefill)", True))
@@ -225,7 +225,8 @@ def _translators(models: dict, source: str, target: str, translator: str | None,
                 continue
         found[(a, b)] = tr
         stage = 2 if tr.info.get("stage") == 2 else 1
-        banner.append((pair, f"translator {_shown(path)} (stage {stage})", False))
+        fitted_on = f"; {tr.info['fitted_on']}" if tr.info.get("fitted_on") else ""
+        banner.append((pair, f"translator {_shown(path)} (stage {stage}){fitted_on}", False))
     return found, banner
 
 

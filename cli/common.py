@@ -337,10 +337,14 @@ def load_translator_pair(translator: Path, source: str | None, target: str | Non
     return artifact.load(translator, src, tgt), src, tgt
 
 
-def default_translator(source: str, target: str) -> Path | None:
-    from mlx_kvtrans.translators.artifact import shipped
+def default_translator(source, target) -> Path | None:
+    """The shipped translator for two models: names, or loaded models (which also finds the one
+    fitted on the checkpoints they quantize)."""
+    from mlx_kvtrans.translators.artifact import shipped, shipped_for
 
-    return shipped(source, target)
+    if isinstance(source, str):
+        return shipped(source, target)
+    return shipped_for(source, target)
 
 
 

@@ -156,7 +156,7 @@ def eval_multiturn(translator_dir: Path = typer.Option(..., "--translator",
         raise KvtransError(f"--turns {turns}: the longest dialogue would reach about "
                            f"{longest:,} positions, past {limit.value:,} ({limit.why})")
     translators = {(src.name, tgt.name): forward}
-    back_path = back or default_translator(tgt.name, src.name)
+    back_path = back or default_translator(tgt, src)
     if back_path is not None:
         translators[(tgt.name, src.name)] = artifact.load(back_path, tgt, src)
     with progress_bar("dialogues") as progress:

@@ -230,12 +230,85 @@ def weights_fingerprint(path: Path) -> str:
     return h.hexdigest()
 
 
+# what a conversion may change in config.json without changing the model
+CONVERSION_KEYS = ("quantization", "quantization_config", "torch_dtype", "dtype")
+LINEAGE_SAMPLES = 16  # embedding rows and columns sampled
+NORM_TOLERANCE = 1e-2  # relative: a norm rounded to bfloat16 moves by at most 2^-8
+EMBEDDING_COSINE = 0.9  # 4-bit affine, group 32: 0.997 on the zoo; other weights: about 0
+
+
+def architecture_fingerprint(config: dict) -> str:
+    """`config_fingerprint` without what quantizing or casting a checkpoint changes."""
+    return config_fingerprint({k: v for k, v in config.items() if k not in CONVERSION_KEYS})
+
+
+def input_embedding(model) -> Any:
+    """The token embedding of an mlx-lm model (the first embedding in its module tree)."""
+    for _, module in model.named_modules():
+        if type(module).__name__ in ("Embedding", "QuantizedEmbedding"):
+            return module
+    raise ValueError("the model has no token embedding")
+
+
+def embedding_dims(model) -> int:
+    """Width of the model's token embedding (a quantized one packs its weight's columns)."""
+    embed = input_embedding(model)
+    return getattr(embed, "dims", None) or embed.weight.shape[-1]
+
+
+def lineage(model) -> dict:
+    """What a checkpoint's quantizations keep of its weights: the norms' scales (mlx-lm never
+    quantizes them; a conversion at most rounds them to its dtype) and a fixed sample of the
+    token embedding, dequantized. Other weights of the same config differ in one or the other:
+    a fine-tune moves its norms, another seed its embedding."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx.utils import tree_flatten
+
+    embed = input_embedding(model)
+    rng = np.random.default_rng(0)
+    rows = np.sort(rng.choice(embed.weight.shape[0], LINEAGE_SAMPLES, replace=False))
+    values = embed(mx.array(rows)).astype(mx.float32)
+    cols = np.sort(rng.choice(values.shape[-1], LINEAGE_SAMPLES, replace=False))
+    norms = [v for k, v in sorted(tree_flatten(model.parameters())) if v.ndim == 1 and "norm" in k]
+    norms = [norms[i].reshape(-1)[:4].astype(mx.float32)  # 4 values of at most 64 norms
+             for i in np.unique(np.linspace(0, len(norms) - 1, min(len(norms), 64)).round()
+                                .astype(int))] if norms else []
+    def floats(x):
+        return [float(f"{v:.6g}") for v in np.array(x).ravel()]
+    return {"norms": floats(mx.concatenate(norms)) if norms else [],
+            "embedding": floats(values[:, mx.array(cols)])}
+
+
+def same_lineage(recorded: dict, have: dict) -> bool:
+    """Whether two `lineage` readings are of one checkpoint's weights (quantized or not)."""
+    import numpy as np
+
+    a, b = (np.array(recorded["norms"]), np.array(have["norms"]))
+    e, f = (np.array(recorded["embedding"]), np.array(have["embedding"]))
+    if a.shape != b.shape or e.shape != f.shape or not e.size:
+        return False
+    close = np.abs(a - b) <= NORM_TOLERANCE * np.maximum(np.abs(a), np.abs(b)) + 1e-6
+    cosine = float(e @ f / max(np.linalg.norm(e) * np.linalg.norm(f), 1e-30))
+    return bool(close.all()) and cosine >= EMBEDDING_COSINE
+
+
+def is_quantized(lm) -> bool:
+    return "quantization" in lm.config
+
+
 def model_identity(lm) -> dict:
-    """What a translator records of a model (a `LoadedModel`)."""
+    """What a translator records of a model (a `LoadedModel`): its exact checkpoint, and what
+    lets the checkpoint's quantizations be told from other weights (`lineage`)."""
     return {"name": lm.name, "model_type": lm.model_type,
             "config_fingerprint": config_fingerprint(lm.config),
-            "weights_fingerprint": weights_fingerprint(lm.path)}
+            "weights_fingerprint": weights_fingerprint(lm.path),
+            "architecture_fingerprint": architecture_fingerprint(lm.config),
+            "quantization": lm.config.get("quantization"),
+            "lineage": lineage(lm.model)}
 
 
-__all__ = ["LoadedModel", "SUPPORTED_FAMILIES", "config_fingerprint", "load", "load_config_only",
-           "model_identity", "resolve", "weights_dir", "weights_fingerprint", "zoo_aliases"]
+__all__ = ["LoadedModel", "SUPPORTED_FAMILIES", "architecture_fingerprint", "config_fingerprint",
+           "embedding_dims", "input_embedding", "is_quantized", "lineage", "load", "load_config_only",
+           "model_identity", "resolve", "same_lineage", "weights_dir", "weights_fingerprint",
+           "zoo_aliases"]

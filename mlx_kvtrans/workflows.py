@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 
 from .calibrate import WINDOWS, calibrate
 from .errors import KvtransError
-from .models import LoadedModel, load
+from .models import LoadedModel, embedding_dims, load
 from .translators import artifact
 from .translators.distill import CHECKPOINT_FILES, DistillConfig, Distiller
 from .translators.fit import FIT_BATCH, FitConfig, fit, mixed_windows, token_windows
@@ -75,13 +75,12 @@ def plan_and_cost(src: LoadedModel, tgt: LoadedModel, config: FitConfig):
     from .blas import matmul_gflops, memory_bandwidth_gbs
     from .layouts import layout_of
     from .translators.cost import plan_cost
-    from .translators.features import input_embedding
 
     try:
         recipes = config.plan(layout_of(src.model), layout_of(tgt.model))
     except ValueError as e:
         raise KvtransError(str(e))
-    identity = input_embedding(tgt.model).weight.shape[-1] \
+    identity = embedding_dims(tgt.model) \
         if config.token_identity != "off" else 0
     return recipes, plan_cost(src, tgt, recipes, config.point, identity, matmul_gflops(),
                               memory_bandwidth_gbs())

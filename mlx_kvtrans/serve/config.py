@@ -108,7 +108,7 @@ def find_translators(models: dict, given: list[str]) -> tuple[dict, list[str]]:
             notes.append(f"{a} and {b} have different tokenizers: switching between them "
                          "re-reads")
             continue
-        path = artifact.shipped(a, b)
+        path = artifact.shipped_for(models[a], models[b])
         if path is None:
             notes.append(f"no translator {a} -> {b}: switching that way re-reads")
             continue
@@ -116,6 +116,8 @@ def find_translators(models: dict, given: list[str]) -> tuple[dict, list[str]]:
             found[(a, b)] = artifact.load(path, models[a], models[b])
         except KvtransError as e:
             notes.append(f"translator {path.name} not used ({e}): switching {a} -> {b} re-reads")
+    notes += [f"translator {a} -> {b}: {t.info['fitted_on']}" for (a, b), t in found.items()
+              if t.info.get("fitted_on")]
     return found, notes
 
 

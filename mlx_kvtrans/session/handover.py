@@ -50,6 +50,8 @@ def hand_over(session: Session, source: str, target: str) -> SwitchStatus:
     status = SwitchStatus(source, target, Outcome.APPLIED, strategy=session.strategy)
     started = time.perf_counter()
     translator = session.translators.get((source, target))
+    if translator is not None:
+        status.translator_note = translator.info.get("fitted_on", "")
     number = sum(1 for s in session.switches if s.target == target) + 1
     refresh = session.strategy == "refresh" and number % session.refresh_every == 0
     if source == target or n <= tgt.seen and session.strategy != "naive":

@@ -60,3 +60,4 @@ class SwitchStatus:
     expected_agreement: float | None = None  # R's held-out agreement, from the frontier
     expected_speedup: float | None = None  # R's measured speed-up over re-prefill
     setting_note: str = ""  # how R was chosen
+    translator_note: str = ""  # a model is a quantization of the one the translator was fitted on

@@ -23,7 +23,7 @@ from .._version import __version__
 from ..errors import KvtransError
 from ..files import sha256_file
 from ..layouts import CapturePoint
-from ..models import model_identity
+from ..models import model_identity, same_lineage
 from . import frontier
 from .recipes import recipe_from_json
 from .token_identity import TokenIdentity
@@ -148,16 +148,37 @@ def _migrate_v1(manifest: dict, params: dict) -> tuple[dict, dict]:
     return manifest, {renamed(k): v for k, v in params.items()}
 
 
-def check_pair(manifest: dict, source, target) -> None:
-    """Refuse a model pair the translator was not fitted for."""
+def check_pair(manifest: dict, source, target) -> str:
+    """Refuse a model pair the translator was not fitted for. A model may be a quantization (or
+    other conversion) of the checkpoint it was fitted on: the same architecture and lineage
+    (`models.same_lineage`). Returns "" for the very checkpoints, else a note naming the
+    converted ones."""
+    notes = []
     for role, lm in (("source", source), ("target", target)):
         want, have = manifest[role], model_identity(lm)
-        for key in ("config_fingerprint", "weights_fingerprint"):
-            if want[key] != have[key]:
-                raise KvtransError(
-                    f"this translator was fitted with {role} {want['name']!r} "
-                    f"({want['model_type']}); {lm.name!r} is a different model "
-                    f"({key.replace('_', ' ')} differs)")
+        differs = next((key for key in ("config_fingerprint", "weights_fingerprint")
+                        if want[key] != have[key]), None)
+        if differs is None:
+            continue
+        if (want.get("lineage") and want.get("architecture_fingerprint")
+                == have["architecture_fingerprint"] and same_lineage(want["lineage"],
+                                                                     have["lineage"])):
+            notes.append(f"{role} {lm.name} is {_conversion(have)} of {want['name']}, which it "
+                         f"was fitted on")
+            continue
+        raise KvtransError(
+            f"this translator was fitted with {role} {want['name']!r} "
+            f"({want['model_type']}); {lm.name!r} is a different model "
+            f"({differs.replace('_', ' ')} differs)")
+    return "; ".join(notes)
+
+
+def _conversion(identity: dict) -> str:
+    q = identity.get("quantization")
+    if not q:
+        return "a conversion"
+    return (f"a {q.get('bits', '?')}-bit {q.get('mode', 'affine')} quantization (group "
+            f"{q.get('group_size', '?')})")
 
 
 def load(directory: str | Path, source=None, target=None) -> Translator:
@@ -165,9 +186,10 @@ def load(directory: str | Path, source=None, target=None) -> Translator:
     the source's codebook when first needed; with `target` too, the pair is checked."""
     directory = resolve(directory)
     manifest = read_manifest(directory)
+    conversion = ""
     if source is not None and target is not None:
         try:
-            check_pair(manifest, source, target)
+            conversion = check_pair(manifest, source, target)
         except (KeyError, TypeError) as e:
             raise KvtransError(f"translator {directory}: its manifest does not name its models "
                                f"({type(e).__name__}: {e})")
@@ -188,6 +210,8 @@ def load(directory: str | Path, source=None, target=None) -> Translator:
         identity.bind(source)
     info = {k: manifest[k] for k in INFO_FIELDS if k in manifest}
     translator = Translator(point, identity, recipes, params, info)
+    if conversion:
+        translator.info["fitted_on"] = conversion
     if (directory / frontier.FILE).is_file():  # what the fidelity dial chooses from
         try:
             translator.frontier = frontier.load(directory)
@@ -203,4 +227,26 @@ def shipped(source: str, target: str) -> Path | None:
     for name in (f"{source}__{target}-distilled", f"{source}__{target}"):
         if (weights_dir() / "translators" / name / "manifest.json").exists():
             return weights_dir() / "translators" / name
+    return None
+
+
+def shipped_for(source, target) -> Path | None:
+    """The shipped translator for two loaded models: by their zoo names, else the one fitted on
+    the checkpoints they are quantizations of (`check_pair`)."""
+    from ..models import weights_dir
+
+    found = shipped(source.name, target.name)
+    if found is not None:
+        return found
+    for name in shipped_names():
+        directory = weights_dir() / "translators" / name
+        try:
+            manifest = read_manifest(directory)
+            if (manifest["source"].get("architecture_fingerprint") is None
+                    or manifest["target"].get("architecture_fingerprint") is None):
+                continue
+            check_pair(manifest, source, target)
+        except (KvtransError, KeyError, TypeError):
+            continue
+        return directory
     return None

@@ -13,6 +13,7 @@ import mlx.nn as nn
 from ..capture import Capture
 from ..layouts import CapturePoint, ObjectKind
 from ..layouts.linear_attention import RecurrentInputs
+from ..models import input_embedding  # noqa: F401  (its home is the model's identity)
 
 
 def _per_token(value, B: int, T: int) -> mx.array:
@@ -51,14 +52,6 @@ def layer_features(capture: Capture, layer: int, point: int, kinds: tuple[str, .
     if not parts:
         raise ValueError(f"source layer {layer} has no per-token objects at ({point})")
     return mx.concatenate(parts, axis=-1)
-
-
-def input_embedding(model: nn.Module) -> nn.Module:
-    """The token embedding of an mlx-lm model (the first embedding in its module tree)."""
-    for _, module in model.named_modules():
-        if type(module).__name__ in ("Embedding", "QuantizedEmbedding"):
-            return module
-    raise ValueError("the model has no token embedding")
 
 
 def projection_name(layer: int) -> str:

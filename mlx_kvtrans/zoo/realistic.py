@@ -11,7 +11,7 @@ import mlx.core as mx
 from ..blas import matmul_gflops, memory_bandwidth_gbs
 from ..errors import KvtransError
 from ..layouts import layout_of
-from ..models import LoadedModel, cast_parameters
+from ..models import LoadedModel, cast_parameters, embedding_dims
 from ..translators.cost import fits, gib, plan_cost
 from ..translators.features import input_embedding
 from .families import REALISTIC_PAIRS, full_config, realistic_config
@@ -28,7 +28,7 @@ def realistic_fit(source_lm, target_lm, config, full_names: tuple[str, str] | No
     from ..translators.fit import fit
 
     gflops, bandwidth = matmul_gflops(), memory_bandwidth_gbs()
-    identity = (input_embedding(target_lm.model).weight.shape[-1]
+    identity = (embedding_dims(target_lm.model)
                 if config.token_identity != "off" else 0)
     recipes = config.plan(layout_of(source_lm.model), layout_of(target_lm.model))
     here = plan_cost(source_lm, target_lm, recipes, config.point, identity, gflops, bandwidth)

@@ -1,0 +1,95 @@
+"""Quantized checkpoints, as users hold them: mlx-lm's own conversions of the zoo's models
+(`mlx_lm.convert`), served by the translators fitted on the unquantized weights and refused
+for other weights of the same config."""
+
+from pathlib import Path
+
+import pytest
+
+import mlx_kvtrans as kv
+from mlx_kvtrans.errors import KvtransError
+from mlx_kvtrans.models import lineage, same_lineage
+from mlx_kvtrans.session import Session
+from mlx_kvtrans.translators import artifact
+
+
+def quantized(source: Path, out: Path, bits: int = 4, mode: str = "affine") -> Path:
+    from mlx_lm.convert import convert
+
+    if not out.is_dir():
+        convert(hf_path=str(source), mlx_path=str(out), quantize=True, q_bits=bits,
+                q_group_size=32 if mode == "affine" else None, q_mode=mode)
+    return out
+
+
+@pytest.fixture(scope="module")
+def zoo_4bit(tmp_path_factory):
+    from mlx_kvtrans.models import weights_dir
+
+    root = tmp_path_factory.mktemp("quantized")
+    return {name: quantized(weights_dir() / name, root / f"{name}-4bit")
+            for name in ("kimi-linear", "kimi-vl")}
+
+
+def test_a_quantization_keeps_the_lineage_and_other_weights_do_not(zoo_4bit):
+    kimi_vl = lineage(kv.load("kimi-vl").model)
+    assert same_lineage(kimi_vl, lineage(kv.load(str(zoo_4bit["kimi-vl"])).model))
+    assert not same_lineage(kimi_vl, lineage(kv.load("weights/seeds/kimi-vl-1").model))
+    # a fine-tune of the same config (the zoo's "next generation") moves its norms
+    assert not same_lineage(lineage(kv.load("qwen3.5-a").model),
+                            lineage(kv.load("qwen3.5-b").model))
+
+
+def test_the_shipped_translator_serves_the_4bit_pair_and_says_so(zoo_4bit):
+    src, tgt = kv.load(str(zoo_4bit["kimi-linear"])), kv.load(str(zoo_4bit["kimi-vl"]))
+    path = artifact.shipped_for(src, tgt)
+    assert path == artifact.shipped("kimi-linear", "kimi-vl")
+    translator = artifact.load(path, src, tgt)
+    assert "4-bit affine quantization (group 32) of kimi-vl" in translator.info["fitted_on"]
+    session = Session({src.name: src, tgt.name: tgt}, {(src.name, tgt.name): translator})
+    tok, stop = src.tokenizer, set(src.tokenizer.eos_token_ids)
+
+    def say(text: str) -> str:
+        session.add(tok.apply_chat_template([{"role": "user", "content": text}],
+                                            add_generation_prompt=True))
+        reply = [t for t in session.generate(16, stop=stop) if t not in stop]
+        session.add(tok.encode("\n", add_special_tokens=False))
+        return tok.decode(reply)
+
+    say("The number for pepper is 552190.")
+    status = session.switch(tgt.name)
+    assert status.status == "applied" and "quantization" in status.translator_note
+    assert "552190" in say("What was the number for pepper?")
+
+
+def test_other_weights_of_the_same_config_stay_refused(zoo_4bit):
+    path = artifact.shipped("kimi-linear", "kimi-vl")
+    src, seed = kv.load(str(zoo_4bit["kimi-linear"])), kv.load("weights/seeds/kimi-vl-1")
+    with pytest.raises(KvtransError, match="different model"):
+        artifact.load(path, src, seed)
+    assert artifact.shipped_for(src, seed) is None
+
+
+def test_a_fit_and_a_switch_run_on_quantized_models(model_dirs, tmp_path):
+    from mlx_kvtrans.translators.fit import FitConfig
+    from mlx_kvtrans.workflows import fit_translator
+
+    src_dir = quantized(model_dirs("kimi_linear"), tmp_path / "kl-8bit", bits=8)
+    tgt_dir = quantized(model_dirs("kimi_vl"), tmp_path / "kv-4bit")
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(f"word{i % 97} and {i % 13}." for i in range(3000)))
+    config = FitConfig(windows=8, length=48, token_identity="ids")
+    translator = fit_translator(str(src_dir), str(tgt_dir), [text], config,
+                                out=tmp_path / "tr", gate_windows=1)
+    src, tgt = kv.load(str(src_dir)), kv.load(str(tgt_dir))
+    loaded = artifact.load(tmp_path / "tr", src, tgt)
+    assert loaded.params.keys() == translator.params.keys() and "fitted_on" not in loaded.info
+    session = Session({src.name: src, tgt.name: tgt}, {(src.name, tgt.name): loaded})
+    session.add(src.tokenizer.encode(" ".join(f"word{i} and {i % 13}." for i in range(20))))
+    list(session.generate(4))  # the source reads what it was given
+    status = session.switch(tgt.name)
+    assert status.tokens_translated > 0 and status.status in ("applied", "fallback_gate")
+    # the unquantized pair it quantizes is served too, with the note
+    unquantized = artifact.load(tmp_path / "tr", kv.load(str(model_dirs("kimi_linear"))),
+                                kv.load(str(model_dirs("kimi_vl"))))
+    assert "a conversion of" in unquantized.info["fitted_on"]
