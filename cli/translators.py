@@ -54,10 +54,11 @@ def _stages():
     """A bar per stage of a workflow (reading, fitting, calibrating, distilling) on stderr, so
     that stdout stays clean for --json; yields the workflow's `progress` callback."""
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                               TimeElapsedColumn)
+                               TimeElapsedColumn, TimeRemainingColumn)
 
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TextColumn("{task.fields[what]}"), TimeElapsedColumn(), console=err,
+                  TextColumn("{task.fields[what]}"), TimeElapsedColumn(), TextColumn("eta"),
+                  TimeRemainingColumn(), console=err,
                   disable=not err.is_terminal) as bars:
         tasks: dict[str, int] = {}
 
@@ -185,13 +186,14 @@ def fit(source: str = typer.Option(..., "--from", help="source model"),
         windows: int = typer.Option(FIT.windows, min=1, help="fitting windows"),
         length: int = typer.Option(FIT.length, min=2, help="tokens per window"),
         mix_lengths: str = typer.Option(None, help="e.g. 256,512,1024,2048: windows of these "
-                                        "lengths instead, the same tokens (windows x length) "
-                                        "split evenly among them"),
+                                        "lengths, windows x length tokens split evenly"),
         ridge: float = typer.Option(FIT.ridge, min=0.0, callback=finite,
                                     help="ridge strength, relative to the data scale"),
+        workdir: Path = typer.Option(None, help="checkpoints (default: runs/fit/NAME of --out)"),
+        resume: bool = typer.Option(False, help="continue the fit checkpointed in --workdir"),
         as_json: bool = typer.Option(False, "--json", help=JSON_HELP)):
     """Fit a translator from SOURCE's cache to TARGET's in closed form (stage 1), and calibrate
-    its fidelity gate on held-out text."""
+    its fidelity gate on held-out text. Ctrl-C keeps the running sums for --resume."""
     from mlx_kvtrans.workflows import ASSIGNMENTS, fit_translator
 
     refuse_existing(output_dir("--out", out_dir), force)  # first: nothing is touched
@@ -215,15 +217,28 @@ def fit(source: str = typer.Option(..., "--from", help="source model"),
                                  "C"))
     files = text_files("--data", data, "train")
     held_out = text_file("--validation", validation, "validation")
-    with _stages() as progress:
-        translator = fit_translator(source, target, files, config, validation=held_out,
-                                    out=out_dir, assign=assign, needle_share=needle_share,
-                                    gate_windows=gate_windows, progress=progress)
+    workdir = output_dir("--workdir", workdir or Path("runs") / "fit" / out_dir.resolve().name)
+    translator = _resumable(workdir, resume, fit_translator, source, target, files, config,
+                            validation=held_out, out=out_dir, assign=assign,
+                            needle_share=needle_share, gate_windows=gate_windows)
     if as_json:
-        print(json.dumps({"out": str(out_dir), **translator.info}, indent=2))
-        return
+        return print(json.dumps({"out": str(out_dir), **translator.info}, indent=2))
     _print_fit(translator, f"{source} -> {target} (stage 1, capture ({capture_point}), nu={nu})",
                out_dir)
+
+
+def _resumable(workdir: Path, resume: bool, run, *args, **kwargs):
+    """`run` (`fit_translator`) checkpointing in `workdir`; Ctrl-C says how to continue."""
+    from mlx_kvtrans.workflows import check_fit_workdir
+
+    check_fit_workdir(workdir, resume)
+    try:
+        with _stages() as progress:
+            return run(*args, progress=progress, workdir=workdir, resume=resume, **kwargs)
+    except KeyboardInterrupt:
+        err.print(f"stopped: the fit's running sums are in {workdir}; the same command with "
+                  "--resume continues it")
+        raise typer.Exit(130)
 
 
 def _print_fit(translator, title: str, out_dir: Path) -> None:

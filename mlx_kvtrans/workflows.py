@@ -18,16 +18,19 @@ command draws its bars from it.
 from __future__ import annotations
 
 import hashlib
+import json
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
 from .calibrate import WINDOWS, calibrate
 from .errors import KvtransError
-from .models import LoadedModel, embedding_dims, load
+from .models import LoadedModel, embedding_dims, load, model_identity
 from .translators import artifact
 from .translators.distill import CHECKPOINT_FILES, DistillConfig, Distiller
 from .translators.fit import FIT_BATCH, FitConfig, fit, mixed_windows, token_windows
+from .translators.fit_checkpoint import FitCheckpoint
 from .translators.translator import Translator
 
 Progress = Callable[[str, int, "int | None", str], None]  # (stage, done, total, what)
@@ -113,13 +116,16 @@ def fit_translator(source: str | Path | LoadedModel, target: str | Path | Loaded
                    data: Sequence[str | Path], config: FitConfig = FitConfig(), *,
                    validation: str | Path | None = None, out: str | Path | None = None,
                    assign: str = "relative", needle_share: float = 0.0,
-                   gate_windows: int = WINDOWS, progress: Progress | None = None) -> Translator:
+                   gate_windows: int = WINDOWS, progress: Progress | None = None,
+                   workdir: str | Path | None = None, resume: bool = False) -> Translator:
     """Stage 1 as `kvtrans fit` runs it: `config.windows` windows of `config.length` tokens of
     the `data` text files (with `needle_share`, about that share of them synthetic needles),
     fitted in closed form. With `validation` (a held-out text file) the fidelity gate is
     calibrated on it over `gate_windows` windows per kind and band; with `out` the translator
-    is saved there (replacing what is there: a command refuses first). Bad input raises
-    KvtransError before any heavy work it can precede."""
+    is saved there (replacing what is there: a command refuses first). With `workdir` the
+    running sums are checkpointed there (Ctrl-C stops after the batch in flight, raising
+    KeyboardInterrupt) and `resume` continues from them; the checkpoint goes once the
+    translator is saved. Bad input raises KvtransError before any heavy work it can precede."""
     if assign not in ASSIGNMENTS:
         raise KvtransError(f"--assign must be {' or '.join(ASSIGNMENTS)}, not {assign!r}")
     src, tgt = loaded(source), loaded(target)
@@ -161,17 +167,31 @@ def fit_translator(source: str | Path | LoadedModel, target: str | Path | Loaded
                                         batches[: max(1, len(batches) // 4)], recipes,
                                         config.point)
 
+    first: list = []  # (time, tokens) at this run's first batch: a resumed fit starts past 0
+
     def fitted(done: int, tokens: int) -> None:
         if progress:
-            progress("fitting", done, len(batches), f"{tokens:,} tokens")
+            import mlx.core as mx
 
+            if not first:
+                first.append((time.perf_counter(), tokens))
+            seconds, since = time.perf_counter() - first[0][0], tokens - first[0][1]
+            rate = f", {since / seconds:,.0f} tokens/s" if since else ""
+            progress("fitting", done, len(batches), f"{tokens:,} tokens{rate}, peak "
+                     f"{mx.get_peak_memory() / 2**30:.1f} GiB")
+
+    checkpoint = None if workdir is None else FitCheckpoint(
+        workdir, resume, context=json.dumps([model_identity(lm) for lm in (src, tgt)],
+                                            sort_keys=True))
     translator = fit(src.model, tgt.model, batches, recipes, config, codebook=codebook,
-                     progress=fitted)
+                     progress=fitted, checkpoint=checkpoint)
     if validation is not None:
         held_out = src.tokenizer.encode(Path(validation).read_text(errors="replace"))
         translator.info["gate"] = gate_of(translator, src, tgt, held_out, gate_windows, progress)
     if out is not None:
         artifact.save(translator, out, src, tgt)
+    if checkpoint is not None:
+        checkpoint.clear()
     return translator
 
 
@@ -209,6 +229,24 @@ def distill_paths(translator: str | Path) -> tuple[Path, Path]:
     checkpoint directory, runs/distill/NAME)."""
     path = Path(translator)
     return path.with_name(path.name + "-distilled"), Path("runs") / "distill" / path.resolve().name
+
+
+def check_fit_workdir(workdir: Path, resume: bool) -> None:
+    """Refuse a fit checkpoint directory before anything loads: one holding a checkpoint
+    unless resuming, none to resume, or one holding other files."""
+    from .translators.fit_checkpoint import FILE
+
+    if (workdir / FILE).exists() and not resume:
+        raise KvtransError(f"{workdir} holds a fit's checkpoint: pass --resume to continue it, "
+                           "or another --workdir")
+    if resume and not (workdir / FILE).is_file():
+        raise KvtransError(f"--resume: {workdir} holds no fit checkpoint")
+    mine = (FILE, Path(FILE).with_suffix(".partial").name)  # a write a crash cut short
+    others = sorted(p.name for p in workdir.iterdir() if p.name not in mine) \
+        if workdir.is_dir() else []
+    if others:
+        raise KvtransError(f"--workdir {workdir} holds other files ({', '.join(others[:3])}): "
+                           "give a new or empty directory for the checkpoints")
 
 
 def check_workdir(workdir: Path, resume: bool) -> None:

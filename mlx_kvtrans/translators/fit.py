@@ -22,6 +22,7 @@ from ..capture.instrument import fastest_recurrence
 from ..layouts import CapturePoint, ObjectKind, layout_of
 from .attention_weights import recording_attention
 from .features import input_embedding, layer_features, projection_name
+from .fit_checkpoint import FitCheckpoint, held_interrupt
 from .plan import plan
 from .recipes import FitBatch, Recipe, RecipeError, TokenMap
 from .stats import Covariance, SharedMoments
@@ -82,7 +83,8 @@ def compressed_layers(source_layout, recipes: list[Recipe], config: FitConfig) -
 
 def fit(source_model, target_model, batches: Iterable[mx.array],
         recipes: list[Recipe] | None = None, config: FitConfig = FitConfig(),
-        codebook: mx.array | None = None, progress=None) -> Translator:
+        codebook: mx.array | None = None, progress=None,
+        checkpoint: FitCheckpoint | None = None) -> Translator:
     """Fit `recipes` (default: `config`'s plan) on token `batches` ((B, T) id arrays).
 
     `codebook`: the source's codebook, for `token_identity="codebook"`. The translator has no
@@ -91,7 +93,9 @@ def fit(source_model, target_model, batches: Iterable[mx.array],
     the last c tokens of each window act as a continuation whose attention (in the target)
     weights the prefix tokens' errors; maps of attention layers are then fitted on the prefix
     only. Compressed features take a first pass over the batches for their principal
-    directions. Peak memory, moment bytes and tokens/s go in `info["fit"]`.
+    directions. Peak memory, moment bytes and tokens/s go in `info["fit"]`. With `checkpoint`
+    the running sums are written between batches and a resumed fit continues after the last
+    batch written (`fit_checkpoint`); Ctrl-C then stops after the batch in flight.
     """
     started = time.perf_counter()
     mx.clear_cache()
@@ -102,42 +106,78 @@ def fit(source_model, target_model, batches: Iterable[mx.array],
     shell = Translator(CapturePoint(config.point), identity, recipes, {},
                        {"features": {"mode": config.features, "width": config.width}})
     compress = compressed_layers(source_layout, recipes, config)
-    if compress:
+    resumed = None
+    if checkpoint is not None:
+        batches = list(batches)
+        resumed = checkpoint.bind(config.to_json(), [r.to_json() for r in recipes], batches)
+    if resumed is not None:
+        shell.params.update({k: mx.array(v) for k, v in resumed["params"].items()})
+        started -= resumed["seconds"]  # the fit's time is both runs
+    elif compress:
         batches = list(batches)
         shell.params.update(principal_directions(source_model, source_layout, batches, shell,
                                                  compress, config.width))
     target_points = set().union(*(r.target_points() for r in recipes)) | {CapturePoint.ENGINE}
     shared = SharedMoments() if config.share_moments else None
-    stats: dict = {"shared": shared}
+    stats: dict = {"shared": shared} if resumed is None else resumed["stats"]
+    shared = stats["shared"]
     data_hash = hashlib.sha256()
-    tokens_seen = decoded_right = 0
+    done, tokens_seen, decoded_right = (0, 0, 0) if resumed is None else (
+        resumed["batches"], resumed["tokens"], resumed["decoded_right"])
     embed = input_embedding(target_model)
-    for i, tokens in enumerate(batches):
-        tokens = mx.array(tokens)
-        data_hash.update(np.asarray(tokens, dtype=np.int32).tobytes())
-        # the fastest recurrence also holds the least: the token loop keeps every step's state
-        with fastest_recurrence():
-            src = capture(source_model, tokens, points=shell.source_points(),
-                          layout=source_layout)
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(fastest_recurrence())
-            attention = (stack.enter_context(recording_attention(target_model, target_layout,
-                                                                  config.attention_weighted))
-                         if config.attention_weighted else {})
-            tgt = capture(target_model, tokens, points=target_points, layout=target_layout)
-        ids = identity.ids(src, tokens)
-        if ids is not None:
-            decoded_right += int((ids == tokens).sum())
-        batch = FitBatch(src, tgt, shell.features(src),
-                         None if ids is None else embed(ids).astype(mx.float32), attention,
-                         shared, ids, embed.weight.shape[0])
-        for recipe in recipes:
-            recipe.accumulate(batch, stats)
-        if shared is not None:
-            shared.flush()
-        tokens_seen += tokens.size
-        if progress:
-            progress(i + 1, tokens_seen)
+    with held_interrupt() if checkpoint is not None else contextlib.nullcontext(
+            lambda: False) as interrupted:
+        for i, tokens in enumerate(batches):
+            data_hash.update(np.asarray(tokens, dtype=np.int32).tobytes())
+            if i < done:
+                continue
+            tokens_seen, decoded_right = _fit_batch(
+                source_model, target_model, source_layout, target_layout, mx.array(tokens),
+                shell, recipes, target_points, config, identity, embed, shared, stats,
+                tokens_seen, decoded_right)
+            if progress:
+                progress(i + 1, tokens_seen)
+            if checkpoint is not None and (interrupted() or checkpoint.due()):
+                checkpoint.save({"batches": i + 1, "tokens": tokens_seen,
+                                 "seconds": time.perf_counter() - started,
+                                 "decoded_right": decoded_right, "stats": stats,
+                                 "params": {k: np.array(v) for k, v in shell.params.items()}})
+            if interrupted():
+                raise KeyboardInterrupt
+    return _solved(shell, recipes, stats, config, started, tokens_seen, decoded_right,
+                   data_hash)
+
+
+def _fit_batch(source_model, target_model, source_layout, target_layout, tokens, shell,
+               recipes, target_points, config, identity, embed, shared, stats, tokens_seen,
+               decoded_right) -> tuple[int, int]:
+    """Capture one batch through both models and stream it into every recipe's sums."""
+    # the fastest recurrence also holds the least: the token loop keeps every step's state
+    with fastest_recurrence():
+        src = capture(source_model, tokens, points=shell.source_points(),
+                      layout=source_layout)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(fastest_recurrence())
+        attention = (stack.enter_context(recording_attention(target_model, target_layout,
+                                                              config.attention_weighted))
+                     if config.attention_weighted else {})
+        tgt = capture(target_model, tokens, points=target_points, layout=target_layout)
+    ids = identity.ids(src, tokens)
+    if ids is not None:
+        decoded_right += int((ids == tokens).sum())
+    batch = FitBatch(src, tgt, shell.features(src),
+                     None if ids is None else embed(ids).astype(mx.float32), attention,
+                     shared, ids, embed.weight.shape[0])
+    for recipe in recipes:
+        recipe.accumulate(batch, stats)
+    if shared is not None:
+        shared.flush()
+    return tokens_seen + tokens.size, decoded_right
+
+
+def _solved(shell, recipes, stats, config, started, tokens_seen, decoded_right,
+            data_hash) -> Translator:
+    """Solve every recipe from its sums; the fit's record in `info`."""
     params, metrics = dict(shell.params), {}
     fitted = [recipe.fitted(stats) for recipe in recipes]
     for recipe in fitted:

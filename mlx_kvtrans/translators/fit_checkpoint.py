@@ -1,0 +1,108 @@
+"""A stage-1 fit that survives Ctrl-C and a crash.
+
+A fit of a real pair runs for hours. Between batches `fit` writes its running sums (the
+moments, tables, state pairs) to a checkpoint, at most every `every_seconds` and at least ten
+times as long apart as a write takes, so a crash loses minutes and huge moments are not
+rewritten without end. Ctrl-C is held until the batch in flight is summed: the checkpoint is
+written and the fit stops (a second Ctrl-C stops at once). A fit given the same checkpoint,
+the same config, recipes and batches, and the same models (`context`) continues after the
+last batch written and ends with the translator an unbroken fit makes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import pickle
+import signal
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import KvtransError
+
+FILE = "fit-state.pkl"
+
+
+class FitCheckpoint:
+    def __init__(self, directory: str | Path, resume: bool = False, context: str = "",
+                 every_seconds: float = 60.0):
+        self.directory, self.resume, self.context = Path(directory), resume, context
+        self.every_seconds = every_seconds
+        self.key = ""
+        self._last, self._cost = time.perf_counter(), 0.0
+
+    @property
+    def path(self) -> Path:
+        return self.directory / FILE
+
+    def bind(self, config_json: dict, recipes_json: list, batches: list) -> dict | None:
+        """Name this fit (config, recipes, every batch's tokens, the models); returns the
+        state to continue from when resuming, None when starting."""
+        h = hashlib.sha256(json.dumps([config_json, recipes_json, self.context],
+                                      sort_keys=True, default=str).encode())
+        for tokens in batches:
+            h.update(np.asarray(tokens, dtype=np.int32).tobytes())
+        self.key = h.hexdigest()
+        if not self.resume:
+            if self.path.exists():
+                raise KvtransError(f"{self.directory} holds a fit's checkpoint: pass --resume "
+                                   "to continue it, or another --workdir")
+            return None
+        if not self.path.is_file():
+            raise KvtransError(f"--resume: {self.directory} holds no fit checkpoint")
+        try:
+            with open(self.path, "rb") as f:
+                state = pickle.load(f)
+        except (OSError, pickle.UnpicklingError, EOFError, AttributeError) as e:
+            raise KvtransError(f"{self.path} is unreadable ({type(e).__name__}): start anew "
+                               "in another --workdir")
+        if state.get("key") != self.key:
+            raise KvtransError(f"{self.path} is the checkpoint of another fit (other models, "
+                               "options or data): start anew in another --workdir")
+        return state
+
+    def due(self) -> bool:
+        waited = time.perf_counter() - self._last
+        return waited >= max(self.every_seconds, 10 * self._cost)
+
+    def save(self, state: dict) -> None:
+        started = time.perf_counter()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        partial = self.path.with_suffix(".partial")
+        with open(partial, "wb") as f:
+            pickle.dump({**state, "key": self.key}, f, protocol=pickle.HIGHEST_PROTOCOL)
+        os.replace(partial, self.path)  # a crash mid-write leaves the previous checkpoint
+        self._last = time.perf_counter()
+        self._cost = self._last - started
+
+    def clear(self) -> None:
+        """The fit is saved: its running sums (possibly gigabytes) go."""
+        self.path.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def held_interrupt():
+    """Yields `interrupted()`: whether Ctrl-C was pressed since. The first press is held (the
+    caller stops at a safe point); a second one interrupts at once. Outside the main thread
+    nothing is held."""
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: False
+        return
+    pressed = []
+    previous = signal.getsignal(signal.SIGINT)
+
+    def hold(signum, frame):
+        if pressed:
+            raise KeyboardInterrupt
+        pressed.append(True)
+
+    signal.signal(signal.SIGINT, hold)
+    try:
+        yield lambda: bool(pressed)
+    finally:
+        signal.signal(signal.SIGINT, previous)
