@@ -265,8 +265,9 @@ def output_dir(option: str, path: Path) -> Path:
 
 # -- text: the zoo corpus's splits by default -----------------------------------------------------
 def text_files(option: str, given: Path | None, split: str) -> list[Path]:
-    """The .txt files of a text option (a file or a directory of them); by default the zoo
-    corpus's `split` (test and validation ship with the package, train is built locally)."""
+    """The .txt and .jsonl (chat log) files of a text option (a file or a directory of them);
+    by default the zoo corpus's `split` (test and validation ship with the package, train is
+    built locally)."""
     from mlx_kvtrans.models import held_out_split
 
     path = given or held_out_split(split)  # it finds a local runs/corpus/train.txt too
@@ -274,9 +275,9 @@ def text_files(option: str, given: Path | None, split: str) -> list[Path]:
         raise KvtransError(f"no {split} text: give {option} FILE, or build the zoo corpus with "
                            "`kvtrans zoo corpus`")
     if path.is_dir():
-        files = sorted(path.rglob("*.txt"))
+        files = sorted(f for f in path.rglob("*") if f.suffix in (".txt", ".jsonl"))
         if not files:
-            raise KvtransError(f"{option} {path}: no .txt files in this directory")
+            raise KvtransError(f"{option} {path}: no .txt or .jsonl files in this directory")
     elif path.is_file():
         files = [path]
     else:

@@ -150,7 +150,8 @@ def fit(source: str = typer.Option(..., "--from", help="source model"),
         target: str = typer.Option(..., "--to", help="target model"),
         out_dir: Path = typer.Option(..., "--out", help="translator directory to write"),
         force: bool = typer.Option(False, "--force", help=FORCE_HELP),
-        data: Path = typer.Option(None, help="text file or directory (default: the zoo corpus)"),
+        data: Path = typer.Option(None, help="text or .jsonl chat log (OpenAI messages), or a "
+                                  "directory of them (default: the zoo corpus)"),
         validation: Path = typer.Option(None, help="held-out text the fidelity gate is "
                                         "calibrated on (default: the zoo corpus's validation "
                                         "split)"),
@@ -294,8 +295,8 @@ def distill(translator_dir: Path = typer.Option(..., "--translator", help="stage
             out_dir: Path = typer.Option(None, "--out", help="distilled translator to write "
                                          "(default: DIR-distilled)"),
             force: bool = typer.Option(False, "--force", help=FORCE_HELP),
-            data: Path = typer.Option(None, help="text file or directory (default: the zoo "
-                                      "corpus's train split)"),
+            data: Path = typer.Option(None, help="text or .jsonl chat log (OpenAI messages), "
+                                      "or a directory of them (default: the zoo corpus)"),
             validation: Path = typer.Option(None, help="held-out text (default: the zoo corpus's "
                                             "validation split)"),
             gate_windows: int = typer.Option(WINDOWS, min=1, help=GATE_WINDOWS_HELP),

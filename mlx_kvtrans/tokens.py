@@ -1,6 +1,10 @@
 """Token ids of text files, cached: a 27 MB corpus takes half a minute to tokenise on a CPU, and
 `kvtrans fit` / `distill` read the same files run after run.
 
+A `.jsonl` file is a chat log: one conversation per line in OpenAI's messages format
+(`{"messages": [{"role": "user", "content": "..."}, ...]}`), rendered with the model's own chat
+template, so a translator fits on the conversations its user has, as its models see them.
+
 The cache lives in `$KVTRANS_CACHE` (default `$XDG_CACHE_HOME/kvtrans`, else `~/.cache/kvtrans`),
 keyed by the file's bytes and the tokenizer's vocabulary, so an edited file or another tokenizer
 never reads a stale entry.
@@ -16,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .errors import KvtransError
 from .files import private_path
 
 CHUNK_CHARS = 1 << 20
@@ -54,18 +59,25 @@ def encode_file(tokenizer, path: Path, progress=None, fingerprint: str | None = 
     raw = Path(path).read_bytes()
     key = hashlib.sha256(raw).hexdigest()[:24] + "-" + (fingerprint
                                                         or tokenizer_fingerprint(tokenizer))
+    if Path(path).suffix == ".jsonl":  # rendered by a template other vocabularies may share
+        template = str(getattr(tokenizer, "chat_template", None) or "")
+        key += "-" + hashlib.sha256(template.encode()).hexdigest()[:8]
     entry = cache_dir() / "tokens" / f"{key}.npy"
     if entry.is_file():
         try:
             return np.load(entry).tolist()
         except (OSError, ValueError):
             pass  # a torn entry: tokenise again
-    pieces = chunks(raw.decode("utf-8", errors="replace"))
-    ids: list[int] = []
-    for i, piece in enumerate(pieces):
-        if progress:
-            progress(i, len(pieces), f"tokenising {Path(path).name}")
-        ids.extend(tokenizer.encode(piece, add_special_tokens=i == 0))  # as one text
+    if Path(path).suffix == ".jsonl":
+        ids = [t for messages in conversations(raw, path)
+               for t in tokenizer.apply_chat_template(messages, tokenize=True)]
+    else:
+        pieces = chunks(raw.decode("utf-8", errors="replace"))
+        ids = []
+        for i, piece in enumerate(pieces):
+            if progress:
+                progress(i, len(pieces), f"tokenising {Path(path).name}")
+            ids.extend(tokenizer.encode(piece, add_special_tokens=i == 0))  # as one text
     try:  # the ids spell the user's text: private, like a transcript
         entry.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         with private_path(entry, suffix=".npy") as partial:
@@ -73,6 +85,40 @@ def encode_file(tokenizer, path: Path, progress=None, fingerprint: str | None = 
     except OSError:
         pass  # a read-only cache only costs time
     return ids
+
+
+def conversations(raw: bytes, path: Path) -> list[list[dict]]:
+    """The conversations of a chat log: per line, its messages with text content (a content
+    given as parts keeps its text parts). A line that is not one is bad input, named."""
+    out = []
+    for number, line in enumerate(raw.decode("utf-8", errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            messages = json.loads(line)["messages"]
+            out.append([{"role": str(m["role"]), "content": _text_of(m.get("content") or "")}
+                        for m in messages])
+        except (ValueError, KeyError, TypeError) as e:
+            raise KvtransError(f"{path}:{number}: not a conversation in OpenAI's messages "
+                               f"format ({type(e).__name__}: {e})")
+        if not out[-1]:
+            raise KvtransError(f"{path}:{number}: a conversation without messages")
+    return out
+
+
+def _text_of(content) -> str:
+    if isinstance(content, str):
+        return content
+    return "".join(part["text"] for part in content if part.get("type") == "text")
+
+
+def plain_text(path: str | Path) -> str:
+    """What a file says as plain text (a chat log: its messages' contents, one per line), for
+    the synthetic needles' filler sentences."""
+    raw = Path(path).read_bytes()
+    if Path(path).suffix == ".jsonl":
+        return "\n".join(m["content"] for c in conversations(raw, Path(path)) for m in c)
+    return raw.decode("utf-8", errors="replace")
 
 
 def encode_files(tokenizer, paths: list[Path], progress=None) -> list[int]:

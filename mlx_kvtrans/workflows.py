@@ -31,6 +31,7 @@ from .translators import artifact
 from .translators.distill import CHECKPOINT_FILES, DistillConfig, Distiller
 from .translators.fit import FIT_BATCH, FitConfig, fit, mixed_windows, token_windows
 from .translators.fit_checkpoint import FitCheckpoint
+from .tokens import plain_text
 from .translators.translator import Translator
 
 Progress = Callable[[str, int, "int | None", str], None]  # (stage, done, total, what)
@@ -143,7 +144,7 @@ def fit_translator(source: str | Path | LoadedModel, target: str | Path | Loaded
         except ValueError as e:
             raise KvtransError(str(e))
     ids = read_ids(src.tokenizer, data, progress)
-    texts = [Path(f).read_text(errors="replace") for f in data] if needle_share else []
+    texts = [plain_text(f) for f in data] if needle_share else []
 
     def needles_of(length: int, windows: int) -> list[list[int]] | None:
         return training_needles(src.tokenizer.encode, texts, length,
@@ -289,7 +290,7 @@ def distill_translator(translator: str | Path, data: Sequence[str | Path], valid
     trained, src, tgt = load_pair(translator)
     if trained.info.get("stage") == 2 and note:
         note(f"{translator} is already distilled; distilling it further")
-    texts = [Path(f).read_text(errors="replace") for f in data]
+    texts = [plain_text(f) for f in data]
     train_ids = read_ids(src.tokenizer, data, progress)
     validation_ids = src.tokenizer.encode(Path(validation).read_text(errors="replace"))
     needles = (training_needles(src.tokenizer.encode, texts,

@@ -482,3 +482,33 @@ def test_fused_maps_equal_each_map_built_alone(name, zoo):
         built = r.build(inputs, tr.params_of(r))
         assert max_abs_diff(objects[r.layer][r.name], built) <= 1e-4, r.key
         assert max_abs_diff(alone[r.layer][r.name], built) <= 1e-4, r.key
+
+
+def test_fit_reads_chat_logs_rendered_with_the_models_template(model_dirs, tmp_path):
+    """A .jsonl chat log (OpenAI's messages format) is fitting data: each conversation rendered
+    with the chat template; a line that is not one is named, exit 2."""
+    from typer.testing import CliRunner
+
+    from mlx_kvtrans.cli.main import app
+    from mlx_kvtrans.tokens import encode_file
+
+    log = tmp_path / "chats.jsonl"
+    turns = [{"messages": [{"role": "user", "content": f"Where is ship {i}?"},
+                           {"role": "assistant",
+                            "content": [{"type": "text", "text": f"In harbour {i % 7}."}]}]}
+             for i in range(120)]
+    log.write_text("\n".join(json.dumps(t) for t in turns) + "\n")
+    src = kv.load(str(model_dirs("kimi_linear")))
+    ids = encode_file(src.tokenizer, log)
+    first = src.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Where is ship 0?"},
+         {"role": "assistant", "content": "In harbour 0."}], tokenize=True)
+    assert ids[:len(first)] == list(first) and len(ids) > 120 * len(first) // 2
+    base = ["fit", "--from", str(model_dirs("kimi_linear")), "--to", str(model_dirs("kimi_vl")),
+            "--windows", "4", "--length", "48", "--gate-windows", "1", "--json"]
+    runner = CliRunner()
+    result = runner.invoke(app, base + ["--data", str(tmp_path), "--out", str(tmp_path / "tr")])
+    assert result.exit_code == 0, result.output
+    log.write_text(log.read_text() + '{"messages": "not a list of turns"}\n')
+    bad = runner.invoke(app, base + ["--data", str(log), "--out", str(tmp_path / "tr2")])
+    assert bad.exit_code == 2 and "chats.jsonl:121: not a conversation" in bad.output
