@@ -418,3 +418,21 @@ def test_segment_drops_spans_every_receiver_has_read_and_naive_keeps_them(kimi_p
     assert naive.lines[a.name].recorded_tokens == 33
     assert naive.lines[b.name].recorded_from == 0 and naive.lines[b.name].recorded_tokens == 38
     assert naive.switches[0].recorded_bytes > 0
+
+
+def test_kept_bytes_count_the_gate_rows_and_the_state_snapshots_once(zoo):
+    """What a line keeps beside its cache for switching (the store's budget counts it): the
+    final-norm rows and the fixed-size states of its snapshots, an array the cache or another
+    snapshot holds counted once."""
+    a, b = zoo("qwen3.5-a"), zoo("qwen3.5-b")  # its translator copies the recurrent state
+    tr = artifact.load(artifact.shipped(a.name, b.name), a, b)
+    s = Session({a.name: a, b.name: b}, {(a.name, b.name): tr})
+    s.add(a.tokenizer.encode("The harbour was quiet that morning, and the ships lay still. " * 6))
+    list(s.generate(6))
+    line = s.lines[a.name]
+    assert line.tail is not None and line.states  # snapshots for the state copy
+    arrays = {id(x): x for slots in line.states.values() for layer in slots for x in layer
+              if x is not None}
+    live = {id(x) for c in line.cache if not c.is_trimmable() for x in c.cache if x is not None}
+    expected = line.tail.rows.nbytes + sum(x.nbytes for i, x in arrays.items() if i not in live)
+    assert line.kept_bytes() == expected > line.tail.rows.nbytes

@@ -119,13 +119,15 @@ class Entry:
         self.marks.pop(name, None)
 
     def line_bytes(self, name: str) -> int:
-        """What `name`'s line holds: its cache, its recorded objects and its checkpoints."""
+        """What `name`'s line holds: its cache, its recorded objects, the gate's rows and state
+        snapshots it keeps for switching, and its checkpoints."""
         line = self.session.lines[name]
         if line.cache is None:
             return 0
         snapshots = sum(c.nbytes for s in self.checkpoints.get(name, {}).values()
                         for c in s if c is not None)
-        return sum(c.nbytes for c in line.cache) + line.recorded_bytes() + snapshots
+        return (sum(c.nbytes for c in line.cache) + line.recorded_bytes() + line.kept_bytes()
+                + snapshots)
 
     @property
     def nbytes(self) -> int:

@@ -132,6 +132,18 @@ class CacheLine:
         """Bytes of the per-token objects held now (its own spans and translated ones)."""
         return sum(capture_bytes(part) for part in self.recorded)
 
+    def kept_bytes(self) -> int:
+        """Bytes held beside the cache for switching: the final-norm rows the gate reads and the
+        fixed-size state snapshots (arrays shared with the cache, or between snapshots, once)."""
+        arrays = {} if self.tail is None else {id(self.tail.rows): self.tail.rows}
+        live = {id(a) for c in (self.cache or []) if not c.is_trimmable() for a in c.cache
+                if a is not None}
+        for slots in self.states.values():
+            for a in (a for layer in slots for a in layer if a is not None):
+                if id(a) not in live:
+                    arrays[id(a)] = a
+        return sum(a.nbytes for a in arrays.values())
+
     @property
     def bytes_per_token(self) -> float:
         """Bytes recorded per token this model read itself (0 when it records nothing)."""
