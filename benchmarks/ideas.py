@@ -95,6 +95,12 @@ IDEAS = [
          DistillConfig(steps=200, attention_weight=1.0, needle_share=0.5, max_prefix=1024),
          replace(EVERY_IDEA, features="attention", windows=4096, length=256,
                  mix=tuple(ZOO_LENGTHS)), 0.5),
+    Idea("qwen3-large-to-qwen3-small-served-lengths", "qwen3-large__qwen3-small-distilled",
+         "refit as shipped on 1M tokens in windows of 256-2,048, then 200 steps as shipped "
+         "on prefixes 32-1,024",
+         DistillConfig(steps=200, lr=3e-5, needle_share=0.5, max_prefix=1024),
+         FitConfig(point=1, nu=2, token_identity="ids", attention_weighted=8, windows=4096,
+                   length=256, mix=tuple(ZOO_LENGTHS)), 0.5),
     Idea("kimi-vl-to-kimi-linear-served-lengths", "kimi-vl__kimi-linear-distilled",
          "refit as shipped on 1M tokens in windows of 256-2,048, then 300 steps on greedy "
          "continuations after an 8-token re-read, prefixes 32-1,024, half needles",

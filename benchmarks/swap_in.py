@@ -27,7 +27,8 @@ from mlx_kvtrans.evaluation.ablate import Ablation, Case, cases
 from mlx_kvtrans.evaluation.needles import needle_rows, needle_scores
 from mlx_kvtrans.layouts import ObjectKind
 from mlx_kvtrans.translators import artifact
-from mlx_kvtrans.translators.features import input_embedding, layer_features
+from mlx_kvtrans.models import input_embedding
+from mlx_kvtrans.translators.features import layer_features
 from mlx_kvtrans.translators.fit import token_windows
 from mlx_kvtrans.translators.recipes import per_token_rows
 from mlx_kvtrans.translators.stats import Moments, solve

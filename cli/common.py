@@ -290,11 +290,10 @@ def text_files(option: str, given: Path | None, split: str) -> list[Path]:
 def text_file(option: str, given: Path | None, split: str) -> Path:
     if given is not None and given.is_dir():
         raise KvtransError(f"{option} {given} is a directory: give a text file")
+    if given is not None and given.suffix == ".jsonl":
+        raise KvtransError(f"{option} {given}: held-out text is a text file (chat logs are "
+                           "fitting data, for --data)")
     return text_files(option, given, split)[0]
-
-
-def read_texts(files: list[Path]) -> list[str]:
-    return [f.read_text(errors="replace") for f in files]
 
 
 def token_ids(tokenizer, option: str, files: list[Path]) -> list[int]:

@@ -230,15 +230,15 @@ def fit(source: str = typer.Option(..., "--from", help="source model"),
 
 def _resumable(workdir: Path, resume: bool, run, *args, **kwargs):
     """`run` (`fit_translator`) checkpointing in `workdir`; Ctrl-C says how to continue."""
-    from mlx_kvtrans.workflows import check_fit_workdir
+    from mlx_kvtrans.translators.fit_checkpoint import FILE, check_directory
 
-    check_fit_workdir(workdir, resume)
+    check_directory(workdir, resume)
     try:
         with _stages() as progress:
             return run(*args, progress=progress, workdir=workdir, resume=resume, **kwargs)
     except KeyboardInterrupt:
         err.print(f"stopped: the fit's running sums are in {workdir}; the same command with "
-                  "--resume continues it")
+                  "--resume continues it" if (workdir / FILE).is_file() else "interrupted")
         raise typer.Exit(130)
 
 

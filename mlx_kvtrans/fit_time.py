@@ -26,7 +26,7 @@ from .calibrate import BANDS, WINDOWS, window_switch
 from .errors import KvtransError
 from .gate import GATE_TOKENS, KINDS
 from .translators.cost import PlanCost, format_duration, parameter_count
-from .translators.features import input_embedding
+from .models import input_embedding
 from .translators.fit import FIT_BATCH, FitConfig, fit
 
 TIMED_PARAMETERS = 200_000_000

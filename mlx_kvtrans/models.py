@@ -231,7 +231,8 @@ def weights_fingerprint(path: Path) -> str:
 
 
 # what a conversion may change in config.json without changing the model
-CONVERSION_KEYS = ("quantization", "quantization_config", "torch_dtype", "dtype")
+CONVERSION_KEYS = ("quantization", "quantization_config", "torch_dtype", "dtype",
+                   "vision_config")  # mlx-lm's conversion keeps the text model alone
 LINEAGE_SAMPLES = 16  # embedding rows and columns sampled
 NORM_TOLERANCE = 1e-2  # relative: a norm rounded to bfloat16 moves by at most 2^-8
 EMBEDDING_COSINE = 0.9  # 4-bit affine, group 32: 0.997 on the zoo; other weights: about 0
@@ -293,10 +294,6 @@ def same_lineage(recorded: dict, have: dict) -> bool:
     return bool(close.all()) and cosine >= EMBEDDING_COSINE
 
 
-def is_quantized(lm) -> bool:
-    return "quantization" in lm.config
-
-
 def model_identity(lm) -> dict:
     """What a translator records of a model (a `LoadedModel`): its exact checkpoint, and what
     lets the checkpoint's quantizations be told from other weights (`lineage`)."""
@@ -309,6 +306,6 @@ def model_identity(lm) -> dict:
 
 
 __all__ = ["LoadedModel", "SUPPORTED_FAMILIES", "architecture_fingerprint", "config_fingerprint",
-           "embedding_dims", "input_embedding", "is_quantized", "lineage", "load", "load_config_only",
+           "embedding_dims", "input_embedding", "lineage", "load", "load_config_only",
            "model_identity", "resolve", "same_lineage", "weights_dir", "weights_fingerprint",
            "zoo_aliases"]

@@ -69,8 +69,8 @@ def encode_file(tokenizer, path: Path, progress=None, fingerprint: str | None = 
         except (OSError, ValueError):
             pass  # a torn entry: tokenise again
     if Path(path).suffix == ".jsonl":
-        ids = [t for messages in conversations(raw, path)
-               for t in tokenizer.apply_chat_template(messages, tokenize=True)]
+        ids = [t for number, messages in conversations(raw, path)
+               for t in rendered(tokenizer, messages, f"{path}:{number}")]
     else:
         pieces = chunks(raw.decode("utf-8", errors="replace"))
         ids = []
@@ -87,29 +87,40 @@ def encode_file(tokenizer, path: Path, progress=None, fingerprint: str | None = 
     return ids
 
 
-def conversations(raw: bytes, path: Path) -> list[list[dict]]:
-    """The conversations of a chat log: per line, its messages with text content (a content
-    given as parts keeps its text parts). A line that is not one is bad input, named."""
+def conversations(raw: bytes, path: Path) -> list[tuple[int, list[dict]]]:
+    """(line number, messages) of each conversation of a chat log: every message as given
+    (tool calls and names included), its content as text (a content given as parts keeps its
+    text parts; none is ""). A line that is not one is bad input, named."""
     out = []
     for number, line in enumerate(raw.decode("utf-8", errors="replace").splitlines(), 1):
         if not line.strip():
             continue
         try:
             messages = json.loads(line)["messages"]
-            out.append([{"role": str(m["role"]), "content": _text_of(m.get("content") or "")}
-                        for m in messages])
-        except (ValueError, KeyError, TypeError) as e:
+            out.append((number, [{**m, "role": str(m["role"]),
+                                  "content": _text_of(m.get("content"))} for m in messages]))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise KvtransError(f"{path}:{number}: not a conversation in OpenAI's messages "
                                f"format ({type(e).__name__}: {e})")
-        if not out[-1]:
+        if not out[-1][1]:
             raise KvtransError(f"{path}:{number}: a conversation without messages")
     return out
 
 
 def _text_of(content) -> str:
-    if isinstance(content, str):
-        return content
+    if content is None or isinstance(content, str):
+        return content or ""
     return "".join(part["text"] for part in content if part.get("type") == "text")
+
+
+def rendered(tokenizer, messages: list[dict], where: str) -> list[int]:
+    """A conversation's token ids in the model's chat template; a template that refuses it (or
+    no template) is bad input, named."""
+    try:
+        return list(tokenizer.apply_chat_template(messages, tokenize=True))
+    except Exception as e:  # jinja's TemplateError, a missing template, a tool-call shape
+        raise KvtransError(f"{where}: the chat template does not render this conversation "
+                           f"({type(e).__name__}: {e})")
 
 
 def plain_text(path: str | Path) -> str:
@@ -117,7 +128,7 @@ def plain_text(path: str | Path) -> str:
     the synthetic needles' filler sentences."""
     raw = Path(path).read_bytes()
     if Path(path).suffix == ".jsonl":
-        return "\n".join(m["content"] for c in conversations(raw, Path(path)) for m in c)
+        return "\n".join(m["content"] for _, c in conversations(raw, Path(path)) for m in c)
     return raw.decode("utf-8", errors="replace")
 
 

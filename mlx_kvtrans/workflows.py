@@ -232,24 +232,6 @@ def distill_paths(translator: str | Path) -> tuple[Path, Path]:
     return path.with_name(path.name + "-distilled"), Path("runs") / "distill" / path.resolve().name
 
 
-def check_fit_workdir(workdir: Path, resume: bool) -> None:
-    """Refuse a fit checkpoint directory before anything loads: one holding a checkpoint
-    unless resuming, none to resume, or one holding other files."""
-    from .translators.fit_checkpoint import FILE
-
-    if (workdir / FILE).exists() and not resume:
-        raise KvtransError(f"{workdir} holds a fit's checkpoint: pass --resume to continue it, "
-                           "or another --workdir")
-    if resume and not (workdir / FILE).is_file():
-        raise KvtransError(f"--resume: {workdir} holds no fit checkpoint")
-    mine = (FILE, Path(FILE).with_suffix(".partial").name)  # a write a crash cut short
-    others = sorted(p.name for p in workdir.iterdir() if p.name not in mine) \
-        if workdir.is_dir() else []
-    if others:
-        raise KvtransError(f"--workdir {workdir} holds other files ({', '.join(others[:3])}): "
-                           "give a new or empty directory for the checkpoints")
-
-
 def check_workdir(workdir: Path, resume: bool) -> None:
     """Refuse a checkpoint directory distillation may not write into: one holding a checkpoint
     unless resuming it, or one holding other files (a translator, say)."""

@@ -5,10 +5,8 @@ import os
 import signal
 
 import mlx.core as mx
-import numpy as np
 import pytest
 
-import mlx_kvtrans as kv
 from mlx_kvtrans.errors import KvtransError
 from mlx_kvtrans.translators.fit import FitConfig, fit
 from mlx_kvtrans.translators.fit_checkpoint import FILE, FitCheckpoint
@@ -79,6 +77,29 @@ def test_a_checkpoint_continues_only_its_own_fit(pair, tmp_path):
     with pytest.raises(KvtransError, match="--resume"):
         fit(src.model, tgt.model, batches()[:2], config=CONFIG,
             checkpoint=FitCheckpoint(tmp_path))
+
+
+def test_a_checkpoint_file_cannot_run_code(pair, tmp_path):
+    """A checkpoint is a pickle of the fit's sums; one that names anything else (here a shell
+    command) is refused as unreadable before it runs."""
+    import pickle
+
+    src, tgt = pair
+
+    class Hostile:
+        def __reduce__(self):
+            return (os.system, (f"touch {tmp_path / 'ran'}",))
+
+    (tmp_path / "w").mkdir()
+    (tmp_path / "w" / FILE).write_bytes(pickle.dumps({"key": "x", "payload": Hostile()}))
+    with pytest.raises(KvtransError, match="unreadable"):
+        fit(src.model, tgt.model, batches(), config=CONFIG,
+            checkpoint=FitCheckpoint(tmp_path / "w", resume=True))
+    assert not (tmp_path / "ran").exists()
+    (tmp_path / "w" / FILE).write_bytes(pickle.dumps([1, 2, 3]))  # not a checkpoint's shape
+    with pytest.raises(KvtransError, match="another fit"):
+        fit(src.model, tgt.model, batches(), config=CONFIG,
+            checkpoint=FitCheckpoint(tmp_path / "w", resume=True))
 
 
 def test_cli_fit_resume_refusals_name_the_workdir(model_dirs, tmp_path):

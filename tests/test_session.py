@@ -212,7 +212,7 @@ def test_naive_retranslates_the_whole_prefix_including_translated_spans(kimi_pai
 def test_codebook_translator_switches_away_from_a_translated_span(kimi_pair):
     """A span the source holds by translation has no layer-0 latent of its own to decode; the
     conversation's token ids stand in, and the switch still applies."""
-    from mlx_kvtrans.translators.features import input_embedding
+    from mlx_kvtrans.models import input_embedding
     from mlx_kvtrans.translators.token_identity import build_codebook
 
     a, b, paths = kimi_pair
@@ -431,8 +431,10 @@ def test_kept_bytes_count_the_gate_rows_and_the_state_snapshots_once(zoo):
     list(s.generate(6))
     line = s.lines[a.name]
     assert line.tail is not None and line.states  # snapshots for the state copy
-    arrays = {id(x): x for slots in line.states.values() for layer in slots for x in layer
-              if x is not None}
-    live = {id(x) for c in line.cache if not c.is_trimmable() for x in c.cache if x is not None}
-    expected = line.tail.rows.nbytes + sum(x.nbytes for i, x in arrays.items() if i not in live)
-    assert line.kept_bytes() == expected > line.tail.rows.nbytes
+    line.states = {}
+    assert line.kept_bytes() == line.tail.rows.nbytes
+    state = [[mx.zeros((2, 3)), None], [mx.ones((4,))]]  # 24 + 16 bytes, float32
+    line.states = {10: state, 20: state}  # the same arrays at two positions: counted once
+    assert line.kept_bytes() == line.tail.rows.nbytes + 40
+    line.states[30] = [[[c for c in line.cache if not c.is_trimmable()][0].cache[0]]]
+    assert line.kept_bytes() == line.tail.rows.nbytes + 40  # the cache holds it already

@@ -11,8 +11,8 @@ import pytest
 
 import mlx_kvtrans as kv
 from mlx_kvtrans.errors import KvtransError
+from mlx_kvtrans.models import input_embedding
 from mlx_kvtrans.translators import artifact
-from mlx_kvtrans.translators.features import input_embedding
 from mlx_kvtrans.translators.fit import FitConfig, fit
 from mlx_kvtrans.translators.plan import plan, relative_depth
 from mlx_kvtrans.translators.recipes import BuildInputs
@@ -108,8 +108,6 @@ def test_codebook_decodes_layer0_latents(loaded):
 def test_token_identity_appends_the_target_embedding_and_codebook_equals_ids(loaded):
     """Token identity widens every map's input by the target's embedding width; a codebook that
     decodes every latent exactly gives the same features, so the same fit, as the true ids."""
-    from mlx_kvtrans.translators.features import input_embedding
-
     S, T = loaded("kimi_vl").model, loaded("kimi_linear").model
     specs = plan(kv.layout_of(S), kv.layout_of(T), point=1, nu=1)
     off = fit(S, T, batches(3), specs)
@@ -490,7 +488,7 @@ def test_fit_reads_chat_logs_rendered_with_the_models_template(model_dirs, tmp_p
     from typer.testing import CliRunner
 
     from mlx_kvtrans.cli.main import app
-    from mlx_kvtrans.tokens import encode_file
+    from mlx_kvtrans.tokens import conversations, encode_file
 
     log = tmp_path / "chats.jsonl"
     turns = [{"messages": [{"role": "user", "content": f"Where is ship {i}?"},
@@ -509,6 +507,19 @@ def test_fit_reads_chat_logs_rendered_with_the_models_template(model_dirs, tmp_p
     runner = CliRunner()
     result = runner.invoke(app, base + ["--data", str(tmp_path), "--out", str(tmp_path / "tr")])
     assert result.exit_code == 0, result.output
-    log.write_text(log.read_text() + '{"messages": "not a list of turns"}\n')
-    bad = runner.invoke(app, base + ["--data", str(log), "--out", str(tmp_path / "tr2")])
-    assert bad.exit_code == 2 and "chats.jsonl:121: not a conversation" in bad.output
+    tool_call = {"messages": [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function",
+             "function": {"name": "weather", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "Fair."}]}
+    assert conversations(json.dumps(tool_call).encode(), log)[0][1][1]["tool_calls"]
+    for line, why in (('{"messages": "not a list of turns"}', "not a conversation"),
+                      ('{"messages": [{"role": "user", "content": ["no parts"]}]}',
+                       "not a conversation")):
+        log.write_text("\n".join(json.dumps(t) for t in turns) + "\n" + line + "\n")
+        bad = runner.invoke(app, base + ["--data", str(log), "--out", str(tmp_path / "tr2")])
+        assert bad.exit_code == 2 and f"chats.jsonl:121: {why}" in bad.output, bad.output
+    held_out = runner.invoke(app, base + ["--data", str(log), "--validation", str(log),
+                                          "--out", str(tmp_path / "tr2")])
+    assert held_out.exit_code == 2 and "held-out text is a text file" in held_out.output

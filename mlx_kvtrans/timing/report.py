@@ -15,7 +15,7 @@ import mlx.core as mx
 
 from ..blas import blas_report
 from ..models import LoadedModel, cast_parameters
-from ..translators.features import input_embedding
+from ..models import input_embedding
 from ..translators.translator import Translator
 from .switch import bench_switch
 

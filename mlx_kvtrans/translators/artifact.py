@@ -148,28 +148,31 @@ def _migrate_v1(manifest: dict, params: dict) -> tuple[dict, dict]:
     return manifest, {renamed(k): v for k, v in params.items()}
 
 
-def check_pair(manifest: dict, source, target) -> str:
+def check_pair(manifest: dict, source, target, identities: tuple | None = None) -> str:
     """Refuse a model pair the translator was not fitted for. A model may be a quantization (or
     other conversion) of the checkpoint it was fitted on: the same architecture and lineage
     (`models.same_lineage`). Returns "" for the very checkpoints, else a note naming the
-    converted ones."""
+    converted ones. `identities`: the two models' `model_identity`, when already taken."""
     notes = []
-    for role, lm in (("source", source), ("target", target)):
-        want, have = manifest[role], model_identity(lm)
+    identities = identities or (model_identity(source), model_identity(target))
+    for role, lm, have in (("source", source, identities[0]), ("target", target, identities[1])):
+        want = manifest[role]
         differs = next((key for key in ("config_fingerprint", "weights_fingerprint")
                         if want[key] != have[key]), None)
         if differs is None:
             continue
-        if (want.get("lineage") and want.get("architecture_fingerprint")
-                == have["architecture_fingerprint"] and same_lineage(want["lineage"],
-                                                                     have["lineage"])):
+        same_architecture = want.get("architecture_fingerprint") == \
+            have["architecture_fingerprint"]
+        if same_architecture and want.get("lineage") and same_lineage(want["lineage"],
+                                                                      have["lineage"]):
             notes.append(f"{role} {lm.name} is {_conversion(have)} of {want['name']}, which it "
                          f"was fitted on")
             continue
+        why = ("the same architecture with other weights" if same_architecture
+               and want.get("lineage") else f"{differs.replace('_', ' ')} differs")
         raise KvtransError(
             f"this translator was fitted with {role} {want['name']!r} "
-            f"({want['model_type']}); {lm.name!r} is a different model "
-            f"({differs.replace('_', ' ')} differs)")
+            f"({want['model_type']}); {lm.name!r} is a different model ({why})")
     return "; ".join(notes)
 
 
@@ -238,14 +241,15 @@ def shipped_for(source, target) -> Path | None:
     found = shipped(source.name, target.name)
     if found is not None:
         return found
-    for name in shipped_names():
+    identities = (model_identity(source), model_identity(target))
+    for name in sorted(shipped_names(), key=lambda n: not n.endswith("-distilled")):
         directory = weights_dir() / "translators" / name
         try:
             manifest = read_manifest(directory)
             if (manifest["source"].get("architecture_fingerprint") is None
                     or manifest["target"].get("architecture_fingerprint") is None):
                 continue
-            check_pair(manifest, source, target)
+            check_pair(manifest, source, target, identities)
         except (KvtransError, KeyError, TypeError):
             continue
         return directory

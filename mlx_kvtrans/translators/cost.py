@@ -16,7 +16,8 @@ import mlx.core as mx
 
 from ..layouts import CapturePoint, ModelLayout, ObjectKind
 from ..layouts.linear_attention import RecurrentInputs
-from .features import feature_point, input_embedding
+from ..models import input_embedding
+from .features import feature_point
 from .recipes import Recipe, Widths
 
 FIT_BATCH_TOKENS = 4 * 256  # `kvtrans fit` reads windows in batches of 4 x 256 tokens

@@ -8,12 +8,10 @@ conv rows of a linear-attention layer at (1), or its recurrence inputs (q, k, v,
 from __future__ import annotations
 
 import mlx.core as mx
-import mlx.nn as nn
 
 from ..capture import Capture
 from ..layouts import CapturePoint, ObjectKind
 from ..layouts.linear_attention import RecurrentInputs
-from ..models import input_embedding  # noqa: F401  (its home is the model's identity)
 
 
 def _per_token(value, B: int, T: int) -> mx.array:

@@ -20,8 +20,9 @@ import numpy as np
 from ..capture import capture
 from ..capture.instrument import fastest_recurrence
 from ..layouts import CapturePoint, ObjectKind, layout_of
+from ..models import input_embedding
 from .attention_weights import recording_attention
-from .features import input_embedding, layer_features, projection_name
+from .features import layer_features, projection_name
 from .fit_checkpoint import FitCheckpoint, held_interrupt
 from .plan import plan
 from .recipes import FitBatch, Recipe, RecipeError, TokenMap
@@ -125,6 +126,11 @@ def fit(source_model, target_model, batches: Iterable[mx.array],
     done, tokens_seen, decoded_right = (0, 0, 0) if resumed is None else (
         resumed["batches"], resumed["tokens"], resumed["decoded_right"])
     embed = input_embedding(target_model)
+
+    def keep(summed: int, tokens: int, right: int) -> None:
+        checkpoint.save({"batches": summed, "tokens": tokens, "decoded_right": right,
+                         "seconds": time.perf_counter() - started, "stats": stats,
+                         "params": {k: np.array(v) for k, v in shell.params.items()}})
     with held_interrupt() if checkpoint is not None else contextlib.nullcontext(
             lambda: False) as interrupted:
         for i, tokens in enumerate(batches):
@@ -138,12 +144,11 @@ def fit(source_model, target_model, batches: Iterable[mx.array],
             if progress:
                 progress(i + 1, tokens_seen)
             if checkpoint is not None and (interrupted() or checkpoint.due()):
-                checkpoint.save({"batches": i + 1, "tokens": tokens_seen,
-                                 "seconds": time.perf_counter() - started,
-                                 "decoded_right": decoded_right, "stats": stats,
-                                 "params": {k: np.array(v) for k, v in shell.params.items()}})
+                keep(i + 1, tokens_seen, decoded_right)
             if interrupted():
                 raise KeyboardInterrupt
+    if checkpoint is not None and done < len(batches):  # every batch summed: kept until saved
+        keep(len(batches), tokens_seen, decoded_right)
     return _solved(shell, recipes, stats, config, started, tokens_seen, decoded_right,
                    data_hash)
 

@@ -23,9 +23,27 @@ from pathlib import Path
 
 import numpy as np
 
+from .._version import __version__
 from ..errors import KvtransError
 
 FILE = "fit-state.pkl"
+
+
+def check_directory(directory: Path, resume: bool) -> None:
+    """Refuse a checkpoint directory (before anything loads): one holding a checkpoint unless
+    resuming, none to resume, or one holding other files."""
+    path = directory / FILE
+    if path.exists() and not resume:
+        raise KvtransError(f"{directory} holds a fit's checkpoint: pass --resume to continue "
+                           "it, or another --workdir")
+    if resume and not path.is_file():
+        raise KvtransError(f"--resume: {directory} holds no fit checkpoint")
+    mine = (FILE, path.with_suffix(".partial").name)  # a write a crash cut short
+    others = sorted(p.name for p in directory.iterdir() if p.name not in mine) \
+        if directory.is_dir() else []
+    if others:
+        raise KvtransError(f"--workdir {directory} holds other files ({', '.join(others[:3])}): "
+                           "give a new or empty directory for the checkpoints")
 
 
 class FitCheckpoint:
@@ -43,25 +61,21 @@ class FitCheckpoint:
     def bind(self, config_json: dict, recipes_json: list, batches: list) -> dict | None:
         """Name this fit (config, recipes, every batch's tokens, the models); returns the
         state to continue from when resuming, None when starting."""
-        h = hashlib.sha256(json.dumps([config_json, recipes_json, self.context],
+        h = hashlib.sha256(json.dumps([config_json, recipes_json, self.context, __version__],
                                       sort_keys=True, default=str).encode())
         for tokens in batches:
             h.update(np.asarray(tokens, dtype=np.int32).tobytes())
         self.key = h.hexdigest()
+        check_directory(self.directory, self.resume)
         if not self.resume:
-            if self.path.exists():
-                raise KvtransError(f"{self.directory} holds a fit's checkpoint: pass --resume "
-                                   "to continue it, or another --workdir")
             return None
-        if not self.path.is_file():
-            raise KvtransError(f"--resume: {self.directory} holds no fit checkpoint")
         try:
             with open(self.path, "rb") as f:
-                state = pickle.load(f)
-        except (OSError, pickle.UnpicklingError, EOFError, AttributeError) as e:
+                state = _SumsUnpickler(f).load()
+        except Exception as e:  # a torn, foreign or hostile file: never a traceback
             raise KvtransError(f"{self.path} is unreadable ({type(e).__name__}): start anew "
                                "in another --workdir")
-        if state.get("key") != self.key:
+        if not isinstance(state, dict) or state.get("key") != self.key:
             raise KvtransError(f"{self.path} is the checkpoint of another fit (other models, "
                                "options or data): start anew in another --workdir")
         return state
@@ -83,6 +97,24 @@ class FitCheckpoint:
     def clear(self) -> None:
         """The fit is saved: its running sums (possibly gigabytes) go."""
         self.path.unlink(missing_ok=True)
+
+
+class _SumsUnpickler(pickle.Unpickler):
+    """Unpickles what a fit's sums are made of and nothing else: numpy arrays and this
+    library's classes (moments, tables, recipes), so a checkpoint file cannot run code."""
+
+    NUMPY = {("numpy", "dtype"), ("numpy", "ndarray"), ("numpy._core.numeric", "_frombuffer"),
+             ("numpy.core.numeric", "_frombuffer"), ("numpy._core.multiarray", "_reconstruct"),
+             ("numpy.core.multiarray", "_reconstruct")}
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in self.NUMPY:
+            return super().find_class(module, name)
+        if module.startswith("mlx_kvtrans."):
+            found = super().find_class(module, name)
+            if isinstance(found, type):
+                return found
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a fit's sums")
 
 
 @contextlib.contextmanager

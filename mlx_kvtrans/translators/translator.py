@@ -17,8 +17,9 @@ from mlx.utils import tree_flatten, tree_unflatten
 from ..capture import Capture, capture
 from ..install import install
 from ..layouts import CapturePoint, ModelLayout, layout_of
+from ..models import input_embedding
 from . import fused
-from .features import feature_point, input_embedding, layer_features, projection_name
+from .features import feature_point, layer_features, projection_name
 from .fused import FusedMaps
 from .recipes import BuildInputs, Recipe
 from .recipes.base import concat_features

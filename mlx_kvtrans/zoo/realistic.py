@@ -11,9 +11,8 @@ import mlx.core as mx
 from ..blas import matmul_gflops, memory_bandwidth_gbs
 from ..errors import KvtransError
 from ..layouts import layout_of
-from ..models import LoadedModel, cast_parameters, embedding_dims
+from ..models import LoadedModel, cast_parameters, embedding_dims, input_embedding
 from ..translators.cost import fits, gib, plan_cost
-from ..translators.features import input_embedding
 from .families import REALISTIC_PAIRS, full_config, realistic_config
 
 
