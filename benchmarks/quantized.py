@@ -36,14 +36,39 @@ STAGE1 = FitConfig(point=1, nu=2, token_identity="ids", attention_weighted=8,
                    identity_tables=32, residual=32)
 
 
-def converted(name: str, bits: int) -> Path:
+def converted(name: str, bits: int, mode: str = "affine") -> Path:
     from mlx_lm.convert import convert
 
-    out = RUNS / f"{name}-{bits}bit"
+    out = RUNS / (f"{name}-{bits}bit" if mode == "affine" else f"{name}-{mode}")
     if not (out / "config.json").is_file():
         convert(hf_path=str(weights_dir() / name), mlx_path=str(out), quantize=True,
-                q_bits=bits, q_group_size=32)
+                q_bits=bits, q_group_size=32 if mode == "affine" else None, q_mode=mode)
     return out
+
+
+def lineage_rows() -> list[dict]:
+    """How far each conversion of kimi-vl, another seed and a fine-tune of the same config
+    read from the checkpoint (`models.same_lineage`'s two measures)."""
+    import numpy as np
+
+    from mlx_kvtrans.models import lineage, same_lineage
+
+    def row(label: str, base: str, other: str) -> dict:
+        a, b = lineage(kv.load(base).model), lineage(kv.load(other).model)
+        e, f = np.array(a["embedding"]), np.array(b["embedding"])
+        n, m = np.array(a["norms"]), np.array(b["norms"])
+        return {"model": label, "embedding_cosine": round(float(
+                    e @ f / np.linalg.norm(e) / np.linalg.norm(f)), 4),
+                "norm_deviation": round(float(np.max(np.abs(n - m) / np.maximum(
+                    np.maximum(np.abs(n), np.abs(m)), 1e-6))), 4),
+                "same_lineage": same_lineage(a, b)}
+
+    rows = [row(f"kimi-vl, {bits}-bit affine", TARGET, str(converted(TARGET, bits)))
+            for bits in (2, 3, 4, 8)]
+    rows.append(row("kimi-vl, mxfp4", TARGET, str(converted(TARGET, 4, "mxfp4"))))
+    rows.append(row("kimi-vl, another seed", TARGET, "weights/seeds/kimi-vl-1"))
+    rows.append(row("qwen3.5-b, a fine-tune of qwen3.5-a", "qwen3.5-a", "qwen3.5-b"))
+    return rows
 
 
 def stage1(source: str, target: str, out: Path) -> Path:
@@ -78,6 +103,7 @@ def main():
     parser.add_argument("--needles", type=int, default=30)
     args = parser.parse_args()
     RUNS.mkdir(parents=True, exist_ok=True)
+    lineage = lineage_rows()
     unquantized_fit = stage1(SOURCE, TARGET, RUNS / "stage1-unquantized")
     results = []
     for bits in args.bits:
@@ -93,8 +119,8 @@ def main():
     settings = {"lengths": LENGTHS, "reread": REREAD, "prompts": args.prompts,
                 "needles": args.needles, "text": "weights/corpus/test.txt"}
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "quantized.json").write_text(json.dumps({"settings": settings, "results": results},
-                                                   indent=1) + "\n")
+    (OUT / "quantized.json").write_text(json.dumps({"settings": settings, "results": results,
+                                                    "lineage": lineage}, indent=1) + "\n")
     lines = ["# Translators on quantized models\n",
              f"The zoo's {SOURCE} -> {TARGET}, both converted by `mlx_lm.convert` (affine, group "
              f"32), switched through a `Session` at R = {REREAD} on the held-out test split: "
@@ -112,6 +138,14 @@ def main():
                          f"{row['first_token']:.2f} | {row['greedy_match']:.1f} | "
                          f"{row['kl']:.4f} | {row['recall_native']:.2f} / "
                          f"{row['recall_translated']:.2f} | {row['applied']:.2f} |")
+    lines += ["\n## Lineage\n",
+              "What tells a checkpoint's conversions from other weights of the same config "
+              "(`models.same_lineage`): the cosine of a fixed sample of dequantized embedding "
+              "values (at least 0.9) and the largest relative change of the sampled norm "
+              "scales (at most 1%).\n",
+              "| model | embedding cosine | norm deviation | same lineage |", "|---|---|---|---|"]
+    lines += [f"| {r['model']} | {r['embedding_cosine']:.4f} | {r['norm_deviation']:.4f} | "
+              f"{'yes' if r['same_lineage'] else 'no'} |" for r in lineage]
     (OUT / "quantized.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
