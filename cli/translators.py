@@ -91,35 +91,43 @@ def plan_command(source: str = typer.Option(..., "--from", help="source: zoo ali
                  token_identity: str = typer.Option(FIT.token_identity, help=IDENTITY_HELP),
                  tokens: int = typer.Option(FIT.windows * FIT.length, min=1,
                                             help="fitting tokens to project the time for"),
+                 machine_name: str = typer.Option(None, "--machine", help="plan for this Mac "
+                                                  "(m3-ultra) instead of this machine"),
+                 memory: str = typer.Option(None, help="the machine's memory, e.g. 512GiB"),
+                 matmul_tflops: float = typer.Option(None, min=0.001, callback=finite,
+                                                     help="its matmul rate, TFLOP/s"),
+                 bandwidth: float = typer.Option(None, min=0.001, callback=finite,
+                                                 help="its memory bandwidth, GB/s"),
                  as_json: bool = typer.Option(False, "--json", help=JSON_HELP)):
     """What fitting and using a translator would cost, from the two configs alone: per shared
     feature set its moment matrices, per map its parameters, the projected fit time and memory
-    on this machine, and per switch the translation FLOPs and bytes."""
+    on this machine (or the one named), and per switch the translation FLOPs and bytes."""
     from mlx_kvtrans.fit_time import fit_time, refuse_a_fit_too_long
+    from mlx_kvtrans.machines import machine_for
     from mlx_kvtrans.models import load_config_only
     from mlx_kvtrans.translators.cost import fits
     from mlx_kvtrans.workflows import plan_and_cost, refuse_unless_it_fits
 
     config = _fit_config(capture_point, nu, features, width, recipe, token_identity)
+    machine = machine_for(machine_name, memory, matmul_tflops, bandwidth)
     src, tgt = load_config_only(source), load_config_only(target)
-    _, cost = plan_and_cost(src, tgt, config)
-    timed = fit_time(src, tgt, cost, config, tokens)  # a few seconds: both models, briefly
+    _, cost = plan_and_cost(src, tgt, config, machine)
+    timed = fit_time(src, tgt, cost, config, tokens, timed=machine.measured)
     refuse_a_fit_too_long(timed, tokens)
-    fit_seconds = timed.seconds
     if as_json:
         print(json.dumps({"source": source, "target": target, "config": config.to_json(),
-                          "fit_tokens": tokens, "fit_seconds": fit_seconds,
-                          "fit_time": timed.to_json(),
+                          "machine": vars(machine), "fit_tokens": tokens,
+                          "fit_seconds": timed.seconds, "fit_time": timed.to_json(),
                           "fits": fits(cost), **cost.to_json()}, indent=2, default=str))
     else:
         _print_plan(f"{source} -> {target} · features {features}"
                     + (f", width {width}" if width else "")
-                    + f" · token identity {token_identity}", cost, tokens, fit_seconds)
-    refuse_unless_it_fits(src, tgt, config, cost)  # exit 2, naming a design that fits
+                    + f" · token identity {token_identity}", cost, tokens, timed, machine)
+    refuse_unless_it_fits(src, tgt, config, cost, machine)  # exit 2, naming a design that fits
 
 
-def _print_plan(title: str, cost, tokens: int, fit_seconds: float) -> None:
-    from mlx_kvtrans.translators.cost import format_duration, gib
+def _print_plan(title: str, cost, tokens: int, timed, machine) -> None:
+    from mlx_kvtrans.translators.cost import fits, format_duration, gib
 
     table = Table(title=title, title_justify="left")
     for col in ("source layers read", "features", "outputs", "maps", "moments"):
@@ -133,14 +141,16 @@ def _print_plan(title: str, cost, tokens: int, fit_seconds: float) -> None:
         by_recipe.setdefault(m.recipe, []).append(m)
     for name, maps in by_recipe.items():
         out.print(f"{name}: {len(maps)} objects, {sum(m.parameters for m in maps):,} parameters")
-    out.print(f"fit ({tokens:,} tokens and the gate's calibration, timed here): about "
-              f"{format_duration(fit_seconds)}, peak about {gib(cost.fit_peak_bytes)} "
+    how = "timed here" if timed.measured else f"projected at {cost.gflops / 1000:,.1f} TFLOP/s"
+    out.print(f"on {machine.name} ({machine.source})", highlight=False)
+    out.print(f"fit ({tokens:,} tokens and the gate's calibration, {how}): about "
+              f"{format_duration(timed.seconds)}, peak about {gib(cost.fit_peak_bytes)} "
               f"(moments {gib(cost.moments_bytes)}, weights {gib(cost.weights_bytes)}) of "
-              f"{gib(cost.machine_bytes)}")
+              f"{gib(cost.machine_bytes)}: {'it fits' if fits(cost) else 'it does not fit'}")
     for n, row in cost.lengths.items():
         out.print(f"switch at {n:,} tokens: {row['flops'] / 1e9:.1f} GFLOP, "
                   f"{row['bytes'] / 2**20:.0f} MiB installed; translation + install at "
-                  f"this machine's peak: {row['seconds_at_peak'] * 1000:.0f} ms (the target's "
+                  f"the machine's peak: {row['seconds_at_peak'] * 1000:.0f} ms (the target's "
                   "first decode step adds to it)")
 
 

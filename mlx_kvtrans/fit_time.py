@@ -63,14 +63,17 @@ def _calibration_windows(windows: int) -> tuple[int, int]:
 
 
 def fit_time(source_lm, target_lm, cost: PlanCost, config: FitConfig,
-             tokens: int | None = None, gate_windows: int = WINDOWS) -> FitTime:
+             tokens: int | None = None, gate_windows: int = WINDOWS,
+             timed: bool = True) -> FitTime:
     """What `kvtrans fit` with `config` over `tokens` fitting tokens (default: its windows x
     length) takes here, the gate's calibration over `gate_windows` included. Timing the zoo's
-    models takes a few seconds."""
+    models takes a few seconds; without `timed` (a plan for another machine) it is projected
+    at `cost`'s matmul rate."""
     tokens = config.windows * config.length if tokens is None else tokens
     batches = math.ceil(tokens / (FIT_BATCH * config.length))
     windows, prefix = _calibration_windows(gate_windows)
-    if all(parameter_count(lm.model) <= TIMED_PARAMETERS for lm in (source_lm, target_lm)):
+    if timed and all(parameter_count(lm.model) <= TIMED_PARAMETERS
+                     for lm in (source_lm, target_lm)):
         source, target = source_lm.model, target_lm.model
         vocab = input_embedding(source).weight.shape[0]
         width = max(config.length, prefix + 2 * GATE_TOKENS)
@@ -104,5 +107,5 @@ def refuse_a_fit_too_long(time: FitTime, tokens: int) -> None:
     wrong machine for this pair), not a projection to print."""
     if not time.seconds <= LONGEST_FIT:
         raise KvtransError(f"--tokens {tokens:,}: the fit would take about "
-                           f"{format_duration(time.seconds)} on this machine; plan one of at most "
+                           f"{format_duration(time.seconds)} on that machine; plan one of at most "
                            "a year")

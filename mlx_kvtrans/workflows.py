@@ -26,6 +26,7 @@ from typing import Callable, Sequence
 
 from .calibrate import WINDOWS, calibrate
 from .errors import KvtransError
+from .machines import Machine, this_machine
 from .models import LoadedModel, embedding_dims, load, model_identity
 from .translators import artifact
 from .translators.distill import CHECKPOINT_FILES, DistillConfig, Distiller
@@ -73,10 +74,11 @@ def training_needles(encode, texts: Sequence[str], length: int, count: int = 200
 
 
 # -- stage 1 ----------------------------------------------------------------------------------
-def plan_and_cost(src: LoadedModel, tgt: LoadedModel, config: FitConfig):
-    """(the recipes `config` plans for the pair, what they cost on this machine). The models
-    may be config-only (`models.load_config_only`): nothing is computed on weights."""
-    from .blas import matmul_gflops, memory_bandwidth_gbs
+def plan_and_cost(src: LoadedModel, tgt: LoadedModel, config: FitConfig,
+                  machine: Machine | None = None):
+    """(the recipes `config` plans for the pair, what they cost on `machine`, by default this
+    one, measured). The models may be config-only (`models.load_config_only`): nothing is
+    computed on weights."""
     from .layouts import layout_of
     from .translators.cost import plan_cost
 
@@ -86,13 +88,15 @@ def plan_and_cost(src: LoadedModel, tgt: LoadedModel, config: FitConfig):
         raise KvtransError(str(e))
     identity = embedding_dims(tgt.model) \
         if config.token_identity != "off" else 0
-    return recipes, plan_cost(src, tgt, recipes, config.point, identity, matmul_gflops(),
-                              memory_bandwidth_gbs())
+    machine = machine or this_machine()
+    return recipes, plan_cost(src, tgt, recipes, config.point, identity, machine.matmul_gflops,
+                              machine.bandwidth_gbs, memory_bytes=machine.memory_bytes)
 
 
-def refuse_unless_it_fits(src: LoadedModel, tgt: LoadedModel, config: FitConfig, cost) -> None:
-    """A fit whose projected peak passes this machine's memory is refused before any work,
-    naming the smaller feature design that would fit."""
+def refuse_unless_it_fits(src: LoadedModel, tgt: LoadedModel, config: FitConfig, cost,
+                          machine: Machine | None = None) -> None:
+    """A fit whose projected peak passes the machine's memory (by default this one's) is
+    refused before any work, naming the smaller feature design that would fit."""
     from .translators.cost import ALTERNATIVES, fits, gib
 
     if fits(cost):
@@ -101,7 +105,7 @@ def refuse_unless_it_fits(src: LoadedModel, tgt: LoadedModel, config: FitConfig,
     if not fits(replace(cost, fit_peak_bytes=cost.weights_bytes)):
         hint = "the two models' weights alone do not fit: fit on a machine with more memory"
     for change in ALTERNATIVES if hint.startswith("no") else ():
-        _, other = plan_and_cost(src, tgt, replace(config, **change))
+        _, other = plan_and_cost(src, tgt, replace(config, **change), machine)
         if fits(other):
             hint = ("it would fit with " + " ".join(f"--{k.replace('_', '-')} {v}"
                                                     for k, v in change.items())
@@ -109,7 +113,8 @@ def refuse_unless_it_fits(src: LoadedModel, tgt: LoadedModel, config: FitConfig,
             break
     raise KvtransError(f"this plan's fit would need about {gib(cost.fit_peak_bytes)} "
                        f"(moments {gib(cost.moments_bytes)}, weights "
-                       f"{gib(cost.weights_bytes)}) of this machine's "
+                       f"{gib(cost.weights_bytes)}) of "
+                       f"{machine.name if machine else 'this machine'}'s "
                        f"{gib(cost.machine_bytes)}; {hint}")
 
 

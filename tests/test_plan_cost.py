@@ -114,3 +114,31 @@ def test_projected_fit_time_is_measured_on_the_models_and_scales_with_the_fit(mo
     assert small.capture_seconds > 0 and small.gate_seconds > 0
     assert 1.3 < large.capture_seconds / small.capture_seconds < 3.0, (small, large)
     assert 1.3 < large.gate_seconds / small.gate_seconds < 3.0, (small, large)
+
+
+def test_a_plan_for_another_mac_projects_at_its_figures(tmp_path):
+    """`kvtrans plan --machine m3-ultra` (or the figures themselves) projects for that Mac: its
+    memory decides whether the fit fits, its rates the time; a size or preset that is not one
+    is refused in one line."""
+    from mlx_kvtrans.machines import PRESETS, machine_for, parse_bytes
+
+    assert parse_bytes("512GiB") == parse_bytes("512 GB") == 512 * 2**30
+    assert parse_bytes("1.5t") == int(1.5 * 2**40)
+    ultra = machine_for("m3-ultra", matmul_tflops=10.0)
+    assert ultra.matmul_gflops == 10_000.0 and not ultra.measured
+    assert ultra.memory_bytes == PRESETS["m3-ultra"].memory_bytes
+
+    runner = CliRunner()
+    base = ["plan", "--from", "kimi-linear", "--to", "kimi-vl", "--json"]
+    fast = json.loads(runner.invoke(app, base + ["--machine", "m3-ultra"]).output)
+    slow = json.loads(runner.invoke(app, base + ["--machine", "m3-ultra", "--matmul-tflops",
+                                                 "1.74"]).output)
+    assert fast["fits"] and fast["machine_bytes"] == 512 * 2**30
+    assert not fast["fit_time"]["measured"]  # projected at the preset's rate, not timed here
+    assert 9.0 < slow["fit_seconds"] / fast["fit_seconds"] < 11.0
+    small = runner.invoke(app, ["plan", "--from", "kimi-linear", "--to", "kimi-vl",
+                                "--machine", "m3-ultra", "--memory", "1MiB"])
+    assert small.exit_code == 2 and "of Mac Studio M3 Ultra" in small.output
+    for bad in (["--memory", "lots"], ["--machine", "m9"], ["--bandwidth", "0"]):
+        result = runner.invoke(app, base + bad)
+        assert result.exit_code == 2 and "Traceback" not in result.output, result.output

@@ -159,9 +159,10 @@ def forward_bytes_per_token(lm) -> float:
 
 def plan_cost(source_lm, target_lm, recipes: list[Recipe], point: int,
               identity_width: int = 0, gflops: float = 100.0, bandwidth_gbs: float = 20.0,
-              lengths=(1024, 4096)) -> PlanCost:
+              lengths=(1024, 4096), memory_bytes: int | None = None) -> PlanCost:
     """Project what fitting and using `recipes` costs (`source_lm`, `target_lm`: LoadedModels,
-    weights or not). `gflops` / `bandwidth_gbs`: this machine's matmul rate and bandwidth."""
+    weights or not). `gflops` / `bandwidth_gbs` / `memory_bytes`: the machine's matmul rate,
+    bandwidth and memory (default memory: this machine's)."""
     from ..layouts import layout_of
 
     source_model, target_model = source_lm.model, target_lm.model
@@ -209,7 +210,7 @@ def plan_cost(source_lm, target_lm, recipes: list[Recipe], point: int,
     cost = PlanCost(maps, feature_sets, int(params), int(moments),
                     int(moments + batch_device + weights),
                     1e6 * per_token / (gflops * 1e9), solve_flops / (gflops * 1e9),
-                    translation, install, gflops, machine_memory(), weights)
+                    translation, install, gflops, memory_bytes or machine_memory(), weights)
     for n in lengths:
         flops, nbytes = translation * n, install * n + fixed
         cost.lengths[n] = {"flops": flops, "bytes": nbytes,
