@@ -123,6 +123,13 @@ BARS = {"recovered": 0.8, "first": 0.85, "match": 16, "applied": 0.8, "recall_ma
 BAR_LENGTHS = (256, 512)
 
 
+def with_defaults(results: dict) -> None:
+    """Each translator's default setting, as sessions switch with it now."""
+    for name, r in results.items():
+        reread, how = default_setting(name, r["rows"])
+        r["default"] = {"reread": reread, "how": how}
+
+
 def default_setting(name: str, rows: list) -> tuple[int, str]:
     """The R a session switches with by default (session/dial.py): from the frontier recorded
     beside the translator (validation split), else from these rows."""
@@ -232,6 +239,8 @@ def main():
     args = parser.parse_args()
     if args.tabulate:
         saved = json.loads((args.results / "frontier.json").read_text())
+        with_defaults(saved["translators"])  # the library's dial may have changed since
+        (args.results / "frontier.json").write_text(json.dumps(saved, indent=2) + "\n")
         write_markdown(saved["translators"], saved["settings"], saved["blas"], args.results)
         plot(saved["translators"], args.results / "frontier.png")
         return
@@ -250,9 +259,7 @@ def main():
     results = {k: v for k, v in results.items() if k in shipped}
     results.update(measured)
     results = dict(sorted(results.items()))
-    for name, r in results.items():  # the setting sessions switch with, as it is now
-        reread, how = default_setting(name, r["rows"])
-        r["default"] = {"reread": reread, "how": how}
+    with_defaults(results)
     report = blas_report()
     blas = f"{report.name}, float32 matmul {report.gflops:.0f} GFLOP/s"
     args.results.mkdir(parents=True, exist_ok=True)

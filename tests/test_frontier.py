@@ -12,6 +12,7 @@ import mlx_kvtrans as kv
 from mlx_kvtrans.cli.main import app
 from mlx_kvtrans.errors import KvtransError
 from mlx_kvtrans.evaluation import frontier as fr
+from mlx_kvtrans.session import dial
 from mlx_kvtrans.translators import artifact
 from mlx_kvtrans.translators.fit import FitConfig, fit
 from mlx_kvtrans.translators.plan import plan
@@ -75,8 +76,14 @@ def test_default_rereads_and_the_fitting_length():
     assert fr.fitting_length({"fit": {"mix": [256], "length": 256},
                               "distill": {"config": {"max_prefix": 512}}}) == 512
     assert fr.fitting_length({}) == 256
-    name = artifact.shipped("qwen3-small", "qwen3-large")
+    name = artifact.shipped("kimi-linear", "kimi-vl")
     assert fr.fitting_length(artifact.read_manifest(name)) == 256
+    # fitted on windows up to 2,048: its default is read at the longest length measured, not
+    # at twice that, where nothing is known
+    served = artifact.load(artifact.shipped("qwen3-small", "qwen3-large"))
+    assert fr.fitting_length(served.info) == 2048
+    reread, how = dial.default_reread(served)
+    assert reread >= 8 and "at 2048 tokens" in how
 
 
 def test_history_recovered_is_the_share_above_the_floor():

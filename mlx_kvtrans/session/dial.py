@@ -55,7 +55,10 @@ def default_reread(translator) -> tuple[int, str]:
     frontier, info = getattr(translator, "frontier", None), getattr(translator, "info", {})
     if frontier is None:
         return 0, info.get("frontier_problem") or "no frontier measured"
-    at = 2 * fitting_length(info)
+    rows = frontier.rows if hasattr(frontier, "rows") else list(frontier)
+    # twice the longest prompt it learned from; one fitted on the longest lengths measured
+    # reads at the longest
+    at = min(2 * fitting_length(info), max((r.length for r in rows), default=0))
     row = cheapest_row(frontier, DEFAULT_AGREEMENT, at)
     if row is not None:
         return row.setting.reread, f"default: agreement >= {DEFAULT_AGREEMENT} at {at} tokens"
