@@ -25,7 +25,7 @@ import mlx.core as mx
 from .calibrate import BANDS, WINDOWS, window_switch
 from .errors import KvtransError
 from .gate import GATE_TOKENS, KINDS
-from .translators.cost import PlanCost, format_duration, parameter_count
+from .translators.cost import PlanCost, active_parameters, format_duration, parameter_count
 from .models import input_embedding
 from .translators.fit import FIT_BATCH, FitConfig, fit
 
@@ -94,7 +94,7 @@ def fit_time(source_lm, target_lm, cost: PlanCost, config: FitConfig,
         return FitTime(batches * max(per_batch - cost.solve_seconds, 0.0), cost.solve_seconds,
                        windows * per_window, True)
     rate = cost.gflops * 1e9
-    flops = [2.0 * parameter_count(lm.model) for lm in (source_lm, target_lm)]
+    flops = [2.0 * active_parameters(lm) for lm in (source_lm, target_lm)]
     accumulate = sum(2.0 * f.inputs * (f.inputs + f.outputs) for f in cost.feature_sets)
     per_window = (prefix * (flops[0] + cost.translation_flops_per_token)
                   + (GATE_TOKENS + 1) * flops[1]) / rate

@@ -154,3 +154,20 @@ def test_a_plan_for_another_mac_projects_at_its_figures(tmp_path):
     for bad in (["--memory", "lots"], ["--machine", "m9"], ["--bandwidth", "0"]):
         result = runner.invoke(app, base + bad)
         assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+
+
+@pytest.mark.parametrize("name, total, active", [
+    ("kimi-linear", (47e9, 50e9), (2.8e9, 3.8e9)), ("kimi-vl", (15e9, 17e9), (2.5e9, 3.2e9)),
+    ("qwen3.5", (26e9, 28e9), (26e9, 28e9)), ("deepseek-v3.2", (660e9, 690e9), (36e9, 40e9))])
+def test_the_real_checkpoints_are_planned_at_their_published_sizes(tmp_path, name, total,
+                                                                   active):
+    """The configs a plan for the mission's checkpoints is made from hold the published
+    parameter counts (Kimi-Linear-48B-A3B, Kimi-VL-A3B 16B, Qwen3.5-27B, DeepSeek-V3.2 671B
+    with 37B active): every expert held, a token's forward at the routed share."""
+    from mlx_kvtrans.zoo.families import full_config
+
+    (tmp_path / "config.json").write_text(json.dumps(full_config(name)))
+    lm = load_config_only(str(tmp_path))
+    assert total[0] < cost.parameter_count(lm.model) < total[1]
+    assert active[0] < cost.active_parameters(lm) < active[1]
+    assert cost.weights_bytes(lm) == pytest.approx(2 * cost.parameter_count(lm.model), rel=1e-6)

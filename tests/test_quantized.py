@@ -8,9 +8,10 @@ import pytest
 
 import mlx_kvtrans as kv
 from mlx_kvtrans.errors import KvtransError
-from mlx_kvtrans.models import lineage, same_lineage
+from mlx_kvtrans.models import lineage, load_config_only, same_lineage
 from mlx_kvtrans.session import Session
 from mlx_kvtrans.translators import artifact
+from mlx_kvtrans.translators.cost import weights_bytes
 
 
 def quantized(source: Path, out: Path, bits: int = 4, mode: str = "affine") -> Path:
@@ -93,3 +94,15 @@ def test_a_fit_and_a_switch_run_on_quantized_models(model_dirs, tmp_path):
     unquantized = artifact.load(tmp_path / "tr", kv.load(str(model_dirs("kimi_linear"))),
                                 kv.load(str(model_dirs("kimi_vl"))))
     assert "a conversion of" in unquantized.info["fitted_on"]
+
+
+def test_a_plan_counts_a_quantized_checkpoint_at_its_size(zoo_4bit, tmp_path):
+    """What a plan holds for weights is the checkpoint's bytes: its files where they are, and
+    from a quantized config.json alone (a plan made before downloading) within 5% of them."""
+    directory = zoo_4bit["kimi-vl"]
+    on_disk = sum(f.stat().st_size for f in directory.glob("*.safetensors"))
+    assert weights_bytes(kv.load(str(directory))) == on_disk
+    config_only = tmp_path / "config-only"
+    config_only.mkdir()
+    (config_only / "config.json").write_text((directory / "config.json").read_text())
+    assert abs(weights_bytes(load_config_only(str(config_only))) / on_disk - 1) < 0.05

@@ -136,5 +136,22 @@ def test_results_index_names_every_results_file():
         assert name in index, f"docs/results.md does not index {stem}"
 
 
+def test_real_checkpoints_doc_shows_what_its_results_file_holds():
+    """docs/real-checkpoints.md's figures are the block `benchmarks/real_checkpoints.py` renders
+    from `real-checkpoints.json`, not figures typed by hand."""
+    import json
+
+    spec = importlib.util.spec_from_file_location(
+        "real_checkpoints", ROOT / "benchmarks" / "real_checkpoints.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    recorded = json.loads((ROOT / "benchmarks" / "results" / "real-checkpoints.json").read_text())
+    from mlx_kvtrans.machines import Machine
+
+    table = module.markdown(recorded["rows"], Machine(**recorded["machine"]))
+    doc = (ROOT / "docs" / "real-checkpoints.md").read_text()
+    assert f"{module.BEGIN}\n{table}{module.END}" in doc
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import mlx.core as mx
 
@@ -120,17 +121,66 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def weights_bytes(lm) -> int:
-    """Bytes of a model's weights in its checkpoint's dtype (`torch_dtype` of its config; a
-    built-but-lazy model's arrays are float32 until loaded)."""
+    """Bytes of a model's weights as its checkpoint holds them: its safetensors files where
+    they are at hand, else from its config: in its `torch_dtype` (a built-but-lazy model's
+    arrays are float32 until loaded), and under a `quantization` entry (mlx-lm's, as
+    `mlx_lm.convert` writes it) the matrices mlx-lm quantizes at their bits plus a group's
+    scale and bias."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    files = sorted(Path(lm.path).glob("*.safetensors")) if lm.path else []
+    if files:
+        return sum(f.stat().st_size for f in files)
     config = lm.config.get("text_config", lm.config)
     dtype = config.get("torch_dtype", lm.config.get("torch_dtype", "float32"))
-    return parameter_count(lm.model) * DTYPE_BYTES.get(str(dtype), 4)
+    each = DTYPE_BYTES.get(str(dtype), 4)
+    quantization = lm.config.get("quantization") or config.get("quantization")
+    params = tree_flatten(lm.model.parameters())
+    packed = any(not mx.issubdtype(v.dtype, mx.floating) for _, v in params)
+    # a config-only model is built unquantized: its matrices count at the quantized size
+    group = quantization.get("group_size", 64) if quantization and not packed else 0
+    total = 0.0
+    for name, v in params:
+        if not mx.issubdtype(v.dtype, mx.floating):  # packed quantized weights
+            total += v.nbytes
+        elif group and name.endswith("weight") and v.ndim >= 2 and v.shape[-1] % group == 0:
+            total += v.size * quantized_bits(quantization) / 8
+        else:
+            total += v.size * each
+    return int(total)
+
+
+def quantized_bits(quantization: dict) -> float:
+    """Bits per weight of mlx-lm's quantization: the bits, plus per group a scale and (affine)
+    a bias in 16 bits, or (mxfp4 / mxfp8 / nvfp4) an 8-bit scale."""
+    bits, group = quantization.get("bits", 4), quantization.get("group_size", 64)
+    if quantization.get("mode", "affine") == "affine":
+        return bits + 32 / group
+    return bits + 8 / group
 
 
 def parameter_count(model) -> int:
     from mlx.utils import tree_flatten
 
     return sum(v.size for _, v in tree_flatten(model.parameters()))
+
+
+def active_parameters(lm) -> float:
+    """Parameters one token's forward multiplies by: a mixture of experts' expert weights
+    count at the routed share (experts per token over experts), the rest whole."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
+
+    config = lm.config.get("text_config", lm.config)
+    routed = config.get("num_experts_per_tok", config.get("num_experts_per_token"))
+    inactive = 0.0
+    for _, module in lm.model.named_modules():
+        if routed and isinstance(module, (SwitchLinear, QuantizedSwitchLinear)):
+            experts = module.weight.shape[0]
+            size = sum(v.size for _, v in tree_flatten(module.parameters()))
+            inactive += size * (1 - min(routed, experts) / experts)
+    return parameter_count(lm.model) - inactive
 
 
 def forward_bytes_per_token(lm) -> float:
@@ -194,7 +244,7 @@ def plan_cost(source_lm, target_lm, recipes: list[Recipe], point: int,
                     for k, (d, o, m) in sets.items()]
     moments = sum(f.moments_bytes for f in feature_sets) + tables
     accumulate_flops = sum(2.0 * f.inputs * (f.inputs + f.outputs) for f in feature_sets)
-    prefill_flops = 2.0 * (parameter_count(source_model) + parameter_count(target_model))
+    prefill_flops = 2.0 * (active_parameters(source_lm) + active_parameters(target_lm))
     per_token = accumulate_flops + prefill_flops
     batch_device = sum(4 * f.inputs * (f.inputs + f.outputs) + 4 * FIT_BATCH_TOKENS
                        * (f.inputs + f.outputs) for f in feature_sets)

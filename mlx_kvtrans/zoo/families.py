@@ -124,24 +124,33 @@ REALISTIC_PAIRS = {"kimi": ("kimi-linear", "kimi-vl"), "qwen3.5": ("qwen3.5", "q
                    "dsa": ("qwen3.5", "deepseek-v3.2")}
 
 
-# The full checkpoints' text-model layer counts and vocabularies, for projections from the
-# per-layer sizes above (Kimi: FIELD_NOTES section 6; Kimi-Linear puts MLA at every fourth
-# layer and the last).
-FULL = {"kimi-linear": dict(layers=27, vocab=163840, mla_layers=[4, 8, 12, 16, 20, 24, 27]),
-        "kimi-vl": dict(layers=27, vocab=163840),
+# The full checkpoints' text-model layer counts, vocabularies and mixtures of experts, for
+# projections from the per-layer sizes above (Kimi: FIELD_NOTES section 6; Kimi-Linear puts MLA
+# at every fourth layer and the last). The experts set the weights a fit holds (48B, 16B, 671B);
+# a token's forward reads only its routed share of them (`translators.cost.active_parameters`).
+FULL = {"kimi-linear": dict(layers=27, vocab=163840, mla_layers=[4, 8, 12, 16, 20, 24, 27],
+                            moe=dict(num_experts=256, num_experts_per_token=8,
+                                     moe_intermediate_size=1024, num_shared_experts=1,
+                                     first_k_dense_replace=1)),
+        "kimi-vl": dict(layers=27, vocab=163840,
+                        moe=dict(n_routed_experts=64, num_experts_per_tok=6,
+                                 moe_intermediate_size=1408, n_shared_experts=2,
+                                 first_k_dense_replace=1)),
         "qwen3.5": dict(layers=64, vocab=248320),
-        "deepseek-v3.2": dict(layers=61, vocab=129280)}
+        "deepseek-v3.2": dict(layers=61, vocab=129280,
+                              moe=dict(n_routed_experts=256, num_experts_per_tok=8,
+                                       moe_intermediate_size=2048, n_shared_experts=1,
+                                       first_k_dense_replace=3))}
 
 
 def full_config(name: str) -> dict:
     """A full checkpoint's text-model config: the per-layer sizes of `REALISTIC[name]` at the
-    real layer count and vocabulary (for planning; build it lazily, never run it)."""
+    real layer count, vocabulary and experts (for planning; build it lazily, never run it)."""
     config = copy.deepcopy(REALISTIC[name])
     full = FULL[name]
     target = config.get("text_config", config)
     target["num_hidden_layers"], target["vocab_size"] = full["layers"], full["vocab"]
-    if "first_k_dense_replace" in target:
-        target["first_k_dense_replace"] = full["layers"]  # dense FFNs: the cache is the same
+    target.update(full.get("moe", {}), torch_dtype="bfloat16")  # as the checkpoints ship
     if "linear_attn_config" in target:
         mla = full["mla_layers"]
         target["linear_attn_config"] = {**target["linear_attn_config"], "full_attn_layers": mla,

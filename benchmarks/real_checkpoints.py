@@ -1,0 +1,142 @@
+"""`kvtrans plan` for the mission's three real pairs on the Mac users fit on (projections).
+
+No real checkpoint's config.json is on this machine, so each model is the config
+`zoo.families.full_config` reconstructs from its published sizes (per-layer sizes, layer count,
+vocabulary, experts; bfloat16 as the checkpoints ship), and its 4-bit conversion (mlx-lm's
+affine, group 64, as mlx-community publishes). Per pair and weights, the plan's fit time for
+a million fitting tokens, peak memory and the switch's translation cost at the M3 Ultra
+preset's rates (`machines.PRESETS`): projections from FLOPs and bytes, not measurements.
+
+Writes benchmarks/results/real-checkpoints.{json,md} and the figures block of
+docs/real-checkpoints.md.
+
+    python benchmarks/real_checkpoints.py [--tokens 1000000] [--configs DIR]
+
+`--configs DIR` also writes the reconstructed configs (DIR/kimi-linear/config.json, ...) so
+that `kvtrans plan --from DIR/kimi-linear ...` can be run on them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+import mlx_kvtrans  # noqa: F401  first: fast BLAS
+
+from mlx_kvtrans.fit_time import fit_time
+from mlx_kvtrans.machines import machine_for
+from mlx_kvtrans.models import load_config_only
+from mlx_kvtrans.translators.cost import active_parameters, fits, parameter_count
+from mlx_kvtrans.translators.fit import FitConfig
+from mlx_kvtrans.workflows import plan_and_cost
+from mlx_kvtrans.zoo.families import full_config
+
+HERE = Path(__file__).resolve().parent
+OUT = HERE / "results"
+DOC = HERE.parent / "docs" / "real-checkpoints.md"
+BEGIN, END = "<!-- figures:begin -->", "<!-- figures:end -->"
+MACHINE = "m3-ultra"
+# (pair, source, target, the checkpoints' Hugging Face ids)
+PAIRS = [("Kimi-Linear-48B-A3B -> Kimi-VL-A3B", "kimi-linear", "kimi-vl",
+          ("moonshotai/Kimi-Linear-48B-A3B-Instruct", "moonshotai/Kimi-VL-A3B-Instruct")),
+         ("Qwen3.5-27B -> Qwen3.5-27B", "qwen3.5", "qwen3.5",
+          ("Qwen/Qwen3.5-27B", "Qwen/Qwen3.5-27B")),
+         ("Qwen3.5-27B -> DeepSeek-V3.2", "qwen3.5", "deepseek-v3.2",
+          ("Qwen/Qwen3.5-27B", "deepseek-ai/DeepSeek-V3.2"))]
+WEIGHTS = {"bf16": None, "4-bit": {"group_size": 64, "bits": 4}}
+# (weights, features): the default design on both weights, and the cheaper nearest-layer design
+ROWS = [("bf16", "attention"), ("4-bit", "attention"), ("4-bit", "nearest")]
+
+
+def write_configs(root: Path) -> None:
+    for name in {n for _, s, t, _ in PAIRS for n in (s, t)}:
+        for weights, quantization in WEIGHTS.items():
+            config = full_config(name)
+            if quantization:
+                config["quantization"] = quantization
+            directory = root / (name if quantization is None else f"{name}-{weights}")
+            directory.mkdir(parents=True, exist_ok=True)
+            (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def plan_row(root: Path, pair: str, source: str, target: str, weights: str, features: str,
+             tokens: int) -> dict:
+    suffix = "" if WEIGHTS[weights] is None else f"-{weights}"
+    src, tgt = (load_config_only(str(root / f"{n}{suffix}")) for n in (source, target))
+    config = FitConfig(features=features)
+    machine = machine_for(MACHINE)
+    _, cost = plan_and_cost(src, tgt, config, machine)
+    timed = fit_time(src, tgt, cost, config, tokens, timed=False)
+    row = {"pair": pair, "weights": weights, "features": features, "fit_tokens": tokens,
+           "parameters": [parameter_count(lm.model) for lm in (src, tgt)],
+           "active_parameters": [round(active_parameters(lm)) for lm in (src, tgt)],
+           "weights_bytes": cost.weights_bytes, "moments_bytes": cost.moments_bytes,
+           "fit_peak_bytes": cost.fit_peak_bytes, "fits": fits(cost),
+           "fit_seconds": round(timed.seconds, 1), "fit_time": timed.to_json(),
+           "translator_parameters": cost.parameters,
+           "switch": {str(n): {"gflop": round(r["flops"] / 1e9, 1),
+                               "installed_mib": round(r["bytes"] / 2**20, 1),
+                               "ms_at_peak": round(r["seconds_at_peak"] * 1000, 1)}
+                      for n, r in cost.lengths.items()}}
+    print(f"{pair} ({weights}, features {features}): fit {row['fit_seconds']:.0f} s, peak "
+          f"{row['fit_peak_bytes'] / 2**30:.1f} GiB, fits {row['fits']}", flush=True)
+    return row
+
+
+def markdown(rows: list[dict], machine) -> str:
+    lines = [f"Projected for the {machine.name} ({machine.source}), a fit of "
+             f"{rows[0]['fit_tokens']:,} tokens at `kvtrans fit`'s defaults "
+             "(`python benchmarks/real_checkpoints.py`). Features: what the maps read "
+             "(`kvtrans plan --features`; attention is the default). The switch: its "
+             "translation FLOPs, the bytes installed and both at the machine's peak rates.\n",
+             "| pair | weights | features | parameters (active) | fit | peak memory "
+             "(weights + moments) | translator parameters | switch at 4,096 tokens |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        params = " + ".join(f"{p / 1e9:.0f}B ({a / 1e9:.1f}B)"
+                            for p, a in zip(r["parameters"], r["active_parameters"]))
+        peak = (f"{r['fit_peak_bytes'] / 2**30:,.0f} GiB ({r['weights_bytes'] / 2**30:,.0f} + "
+                f"{r['moments_bytes'] / 2**30:,.1f})"
+                + ("" if r["fits"] else ": **does not fit**"))
+        switch = r["switch"]["4096"]
+        lines.append(f"| {r['pair']} | {r['weights']} | {r['features']} | {params} | "
+                     f"{_duration(r['fit_seconds'])} | {peak} | "
+                     f"{r['translator_parameters'] / 1e6:,.0f}M | {switch['gflop']:,.0f} GFLOP, "
+                     f"{switch['installed_mib']:,.0f} MiB, {switch['ms_at_peak']:,.0f} ms |")
+    return "\n".join(lines) + "\n"
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds / 60:.0f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=1_000_000)
+    parser.add_argument("--configs", type=Path, help="also write the reconstructed configs here")
+    args = parser.parse_args()
+    if args.configs:
+        write_configs(args.configs)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        write_configs(root)
+        rows = [plan_row(root, pair, s, t, w, f, args.tokens)
+                for pair, s, t, _ in PAIRS for w, f in ROWS]
+    machine = machine_for(MACHINE)
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "real-checkpoints.json").write_text(json.dumps(
+        {"machine": vars(machine), "pairs": [{"pair": p, "models": list(ids)}
+                                             for p, _, _, ids in PAIRS],
+         "rows": rows}, indent=2) + "\n")
+    table = markdown(rows, machine)
+    (OUT / "real-checkpoints.md").write_text(
+        "# The mission's real pairs, planned for the M3 Ultra (projections)\n\n" + table)
+    text = DOC.read_text()
+    start, stop = text.index(BEGIN) + len(BEGIN), text.index(END)
+    DOC.write_text(text[:start] + "\n" + table + text[stop:])
+
+
+if __name__ == "__main__":
+    main()
