@@ -204,7 +204,8 @@ def fit(source: str = typer.Option(..., "--from", help="source model"),
         resume: bool = typer.Option(False, help="continue the fit checkpointed in --workdir"),
         as_json: bool = typer.Option(False, "--json", help=JSON_HELP)):
     """Fit a translator from SOURCE's cache to TARGET's in closed form (stage 1), and calibrate
-    its fidelity gate on held-out text. Ctrl-C keeps the running sums for --resume."""
+    its fidelity gate on held-out text. Ctrl-C keeps the running sums for --resume. Under
+    `mlx.launch` the fitting batches are dealt among the processes."""
     from mlx_kvtrans.workflows import ASSIGNMENTS, fit_translator
 
     refuse_existing(output_dir("--out", out_dir), force)  # first: nothing is touched
@@ -232,6 +233,8 @@ def fit(source: str = typer.Option(..., "--from", help="source model"),
     translator = _resumable(workdir, resume, fit_translator, source, target, files, config,
                             validation=held_out, out=out_dir, assign=assign,
                             needle_share=needle_share, gate_windows=gate_windows)
+    if translator.info["fit"].get("rank", 0):  # under mlx.launch the first process reports
+        return
     if as_json:
         return print(json.dumps({"out": str(out_dir), **translator.info}, indent=2))
     _print_fit(translator, f"{source} -> {target} (stage 1, capture ({capture_point}), nu={nu})",
@@ -240,15 +243,18 @@ def fit(source: str = typer.Option(..., "--from", help="source model"),
 
 def _resumable(workdir: Path, resume: bool, run, *args, **kwargs):
     """`run` (`fit_translator`) checkpointing in `workdir`; Ctrl-C says how to continue."""
-    from mlx_kvtrans.translators.fit_checkpoint import FILE, check_directory
+    from mlx_kvtrans.translators.fit_checkpoint import check_directory, holds_checkpoint, state_file
+    from mlx_kvtrans.workflows import fit_group
 
-    check_directory(workdir, resume)
+    group = fit_group()
+    check_directory(workdir, resume, state_file(*((group.rank(), group.size()) if group
+                                                  else (0, 1))))
     try:
         with _stages() as progress:
             return run(*args, progress=progress, workdir=workdir, resume=resume, **kwargs)
     except KeyboardInterrupt:
         err.print(f"stopped: the fit's running sums are in {workdir}; the same command with "
-                  "--resume continues it" if (workdir / FILE).is_file() else "interrupted")
+                  "--resume continues it" if holds_checkpoint(workdir) else "interrupted")
         raise typer.Exit(130)
 
 

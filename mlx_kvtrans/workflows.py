@@ -24,6 +24,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
+import numpy as np
+
 from .calibrate import WINDOWS, calibrate
 from .errors import KvtransError
 from .machines import Machine, this_machine
@@ -32,6 +34,7 @@ from .translators import artifact
 from .translators.distill import CHECKPOINT_FILES, DistillConfig, Distiller
 from .translators.fit import FIT_BATCH, FitConfig, fit, mixed_windows, token_windows
 from .translators.fit_checkpoint import FitCheckpoint
+from .translators.shared_sums import summed
 from .tokens import plain_text
 from .translators.translator import Translator
 
@@ -131,7 +134,9 @@ def fit_translator(source: str | Path | LoadedModel, target: str | Path | Loaded
     is saved there (replacing what is there: a command refuses first). With `workdir` the
     running sums are checkpointed there (Ctrl-C stops after the batch in flight, raising
     KeyboardInterrupt) and `resume` continues from them; the checkpoint goes once the
-    translator is saved. Bad input raises KvtransError before any heavy work it can precede."""
+    translator is saved. Under `mlx.launch` the batches are dealt among the processes, each
+    checkpointing its own sums, and the first process calibrates and saves (`processes`).
+    Bad input raises KvtransError before any heavy work it can precede."""
     if assign not in ASSIGNMENTS:
         raise KvtransError(f"--assign must be {' or '.join(ASSIGNMENTS)}, not {assign!r}")
     src, tgt = loaded(source), loaded(target)
@@ -186,19 +191,40 @@ def fit_translator(source: str | Path | LoadedModel, target: str | Path | Loaded
             progress("fitting", done, len(batches), f"{tokens:,} tokens{rate}, peak "
                      f"{mx.get_peak_memory() / 2**30:.1f} GiB")
 
+    group = fit_group()
+    rank, size = (0, 1) if group is None else (group.rank(), group.size())
     checkpoint = None if workdir is None else FitCheckpoint(
         workdir, resume, context=json.dumps([model_identity(lm) for lm in (src, tgt)],
-                                            sort_keys=True))
-    translator = fit(src.model, tgt.model, batches, recipes, config, codebook=codebook,
-                     progress=fitted, checkpoint=checkpoint)
-    if validation is not None:
-        held_out = src.tokenizer.encode(Path(validation).read_text(errors="replace"))
-        translator.info["gate"] = gate_of(translator, src, tgt, held_out, gate_windows, progress)
-    if out is not None:
-        artifact.save(translator, out, src, tgt)
+                                            sort_keys=True), rank=rank, size=size)
+    try:
+        translator = fit(src.model, tgt.model, batches, recipes, config, codebook=codebook,
+                         progress=fitted if rank == 0 else None, checkpoint=checkpoint,
+                         group=group)
+    except ValueError as e:  # more processes than batches
+        raise KvtransError(str(e))
+    translator.info["fit"]["processes"] = size
+    if rank:
+        translator.info["fit"]["rank"] = rank  # not saved: the first process saves
+    if rank == 0:
+        if validation is not None:
+            held_out = src.tokenizer.encode(Path(validation).read_text(errors="replace"))
+            translator.info["gate"] = gate_of(translator, src, tgt, held_out, gate_windows,
+                                              progress)
+        if out is not None:
+            artifact.save(translator, out, src, tgt)
+    if group is not None:  # every process keeps its sums until the translator is saved
+        summed(np.zeros(1), group)
     if checkpoint is not None:
         checkpoint.clear()
     return translator
+
+
+def fit_group():
+    """The processes `mlx.launch` started for this fit, or None when it runs alone."""
+    import mlx.core as mx
+
+    group = mx.distributed.init()
+    return group if group.size() > 1 else None
 
 
 def gate_of(translator: Translator, src: LoadedModel, tgt: LoadedModel, held_out: list[int],

@@ -26,6 +26,7 @@ from .features import layer_features, projection_name
 from .fit_checkpoint import FitCheckpoint, held_interrupt
 from .plan import plan
 from .recipes import FitBatch, Recipe, RecipeError, TokenMap
+from .shared_sums import check_batches, combine, mine, summed
 from .stats import Covariance, SharedMoments
 from .token_identity import TokenIdentity
 from .translator import Translator
@@ -85,7 +86,7 @@ def compressed_layers(source_layout, recipes: list[Recipe], config: FitConfig) -
 def fit(source_model, target_model, batches: Iterable[mx.array],
         recipes: list[Recipe] | None = None, config: FitConfig = FitConfig(),
         codebook: mx.array | None = None, progress=None,
-        checkpoint: FitCheckpoint | None = None) -> Translator:
+        checkpoint: FitCheckpoint | None = None, group=None) -> Translator:
     """Fit `recipes` (default: `config`'s plan) on token `batches` ((B, T) id arrays).
 
     `codebook`: the source's codebook, for `token_identity="codebook"`. The translator has no
@@ -96,7 +97,10 @@ def fit(source_model, target_model, batches: Iterable[mx.array],
     only. Compressed features take a first pass over the batches for their principal
     directions. Peak memory, moment bytes and tokens/s go in `info["fit"]`. With `checkpoint`
     the running sums are written between batches and a resumed fit continues after the last
-    batch written (`fit_checkpoint`); Ctrl-C then stops after the batch in flight.
+    batch written (`fit_checkpoint`); Ctrl-C then stops after the batch in flight. With a
+    `group` of processes (`mx.distributed`, under `mlx.launch`) each process sums every
+    size-th batch and the sums are combined before the solve (`shared_sums`): every process
+    returns the translator a one-process fit makes.
     """
     started = time.perf_counter()
     mx.clear_cache()
@@ -107,9 +111,12 @@ def fit(source_model, target_model, batches: Iterable[mx.array],
     shell = Translator(CapturePoint(config.point), identity, recipes, {},
                        {"features": {"mode": config.features, "width": config.width}})
     compress = compressed_layers(source_layout, recipes, config)
+    group = group if group is not None and group.size() > 1 else None
     resumed = None
-    if checkpoint is not None:
+    if checkpoint is not None or group is not None:
         batches = list(batches)
+        check_batches(len(batches), group)
+    if checkpoint is not None:
         resumed = checkpoint.bind(config.to_json(), [r.to_json() for r in recipes], batches)
     if resumed is not None:
         shell.params.update({k: mx.array(v) for k, v in resumed["params"].items()})
@@ -117,7 +124,7 @@ def fit(source_model, target_model, batches: Iterable[mx.array],
     elif compress:
         batches = list(batches)
         shell.params.update(principal_directions(source_model, source_layout, batches, shell,
-                                                 compress, config.width))
+                                                 compress, config.width, group))
     target_points = set().union(*(r.target_points() for r in recipes)) | {CapturePoint.ENGINE}
     shared = SharedMoments() if config.share_moments else None
     stats: dict = {"shared": shared} if resumed is None else resumed["stats"]
@@ -135,7 +142,7 @@ def fit(source_model, target_model, batches: Iterable[mx.array],
             lambda: False) as interrupted:
         for i, tokens in enumerate(batches):
             data_hash.update(np.asarray(tokens, dtype=np.int32).tobytes())
-            if i < done:
+            if i < done or not mine(i, group):
                 continue
             tokens_seen, decoded_right = _fit_batch(
                 source_model, target_model, source_layout, target_layout, mx.array(tokens),
@@ -149,6 +156,10 @@ def fit(source_model, target_model, batches: Iterable[mx.array],
                 raise KeyboardInterrupt
     if checkpoint is not None and done < len(batches):  # every batch summed: kept until saved
         keep(len(batches), tokens_seen, decoded_right)
+    if group is not None:
+        combine(stats, group)
+        tokens_seen, decoded_right = (int(n) for n in summed(
+            np.array([tokens_seen, decoded_right]), group))
     return _solved(shell, recipes, stats, config, started, tokens_seen, decoded_right,
                    data_hash)
 
@@ -206,16 +217,20 @@ def _solved(shell, recipes, stats, config, started, tokens_seen, decoded_right,
 
 
 def principal_directions(source_model, source_layout, batches, shell: Translator,
-                         layers: list[int], width: int) -> dict[str, mx.array]:
+                         layers: list[int], width: int, group=None) -> dict[str, mx.array]:
     """A first pass: each compressed source layer's top-`width` principal directions."""
     covariances: dict[int, Covariance] = {}
-    for tokens in batches:
+    for i, tokens in enumerate(batches):
+        if not mine(i, group):
+            continue
         with fastest_recurrence():
             src = capture(source_model, mx.array(tokens), points={shell.source_point},
                           layout=source_layout)
         for layer in layers:
             x = layer_features(src, layer, shell.source_point)
             covariances.setdefault(layer, Covariance(x.shape[-1])).add(x)
+    if group is not None:
+        combine(covariances, group)
     return {projection_name(layer): mx.array(c.principal_directions(width))
             for layer, c in covariances.items()}
 

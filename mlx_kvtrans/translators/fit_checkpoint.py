@@ -6,7 +6,8 @@ times as long apart as a write takes, so a crash loses minutes and huge moments 
 rewritten without end. Ctrl-C is held until the batch in flight is summed: the checkpoint is
 written and the fit stops (a second Ctrl-C stops at once). A fit given the same checkpoint,
 the same config, recipes and batches, and the same models (`context`) continues after the
-last batch written and ends with the translator an unbroken fit makes.
+last batch written and ends with the translator an unbroken fit makes. Under `mlx.launch`
+each process keeps its own sums, in a file of its own, and resumes from it.
 """
 
 from __future__ import annotations
@@ -29,18 +30,28 @@ from ..errors import KvtransError
 FILE = "fit-state.pkl"
 
 
-def check_directory(directory: Path, resume: bool) -> None:
+def state_file(rank: int = 0, size: int = 1) -> str:
+    """The checkpoint's file name: one per process of a fit under `mlx.launch`."""
+    return FILE if size == 1 else f"fit-state.rank{rank}-of-{size}.pkl"
+
+
+def holds_checkpoint(directory: Path) -> bool:
+    return any(directory.glob("fit-state*.pkl"))
+
+
+def check_directory(directory: Path, resume: bool, name: str = FILE) -> None:
     """Refuse a checkpoint directory (before anything loads): one holding a checkpoint unless
     resuming, none to resume, or one holding other files."""
-    path = directory / FILE
+    path = directory / name
     if path.exists() and not resume:
         raise KvtransError(f"{directory} holds a fit's checkpoint: pass --resume to continue "
                            "it, or another --workdir")
     if resume and not path.is_file():
-        raise KvtransError(f"--resume: {directory} holds no fit checkpoint")
-    mine = (FILE, path.with_suffix(".partial").name)  # a write a crash cut short
-    others = sorted(p.name for p in directory.iterdir() if p.name not in mine) \
-        if directory.is_dir() else []
+        raise KvtransError(f"--resume: {directory} holds no fit checkpoint"
+                           + ("" if name == FILE else f" of this process ({name})"))
+    # the processes' own files, and writes a crash cut short
+    others = sorted(p.name for p in directory.iterdir()
+                    if not p.name.startswith("fit-state.")) if directory.is_dir() else []
     if others:
         raise KvtransError(f"--workdir {directory} holds other files ({', '.join(others[:3])}): "
                            "give a new or empty directory for the checkpoints")
@@ -48,15 +59,16 @@ def check_directory(directory: Path, resume: bool) -> None:
 
 class FitCheckpoint:
     def __init__(self, directory: str | Path, resume: bool = False, context: str = "",
-                 every_seconds: float = 60.0):
+                 every_seconds: float = 60.0, rank: int = 0, size: int = 1):
         self.directory, self.resume, self.context = Path(directory), resume, context
         self.every_seconds = every_seconds
+        self.name = state_file(rank, size)
         self.key = ""
         self._last, self._cost = time.perf_counter(), 0.0
 
     @property
     def path(self) -> Path:
-        return self.directory / FILE
+        return self.directory / self.name
 
     def bind(self, config_json: dict, recipes_json: list, batches: list) -> dict | None:
         """Name this fit (config, recipes, every batch's tokens, the models); returns the
@@ -66,7 +78,7 @@ class FitCheckpoint:
         for tokens in batches:
             h.update(np.asarray(tokens, dtype=np.int32).tobytes())
         self.key = h.hexdigest()
-        check_directory(self.directory, self.resume)
+        check_directory(self.directory, self.resume, self.name)
         if not self.resume:
             return None
         try:
