@@ -204,6 +204,43 @@ def test_an_edited_reply_reuses_up_to_the_message_boundary(served):
         assert report(second)["tokens_reused"] == first.usage.prompt_tokens - kept
 
 
+def test_an_edited_last_turn_on_the_hybrid_rereads_only_itself(served):
+    """A hybrid's caches cannot be trimmed: it keeps a snapshot where each prompt's last message
+    begins, so a user who edits (or regenerates from) their last turn has the whole history
+    before it reported cached, as OpenAI reports cached tokens."""
+    engine, url = served
+    c = client(url)
+    story = " ".join(f"The {w} came home at {i} o'clock." for i, w in
+                     enumerate(["ferry", "lantern", "kettle", "anchor", "copper"] * 12))
+    messages = [{"role": "user", "content": story}]
+    reply = ask(c, HYBRID, messages, conversation="edits").choices[0].message.content
+    messages.append({"role": "assistant", "content": reply})
+    asked = ask(c, HYBRID, messages + [{"role": "user", "content": "When did the ferry come?"}],
+                conversation="edits")
+    edited = ask(c, HYBRID, messages + [{"role": "user", "content": "And the kettle?"}],
+                 conversation="edits")
+    history = len(engine.models[HYBRID].tokenizer.apply_chat_template(messages))
+    assert report(edited)["status"] == "reused"
+    assert report(edited)["tokens_reused"] == history
+    assert edited.usage.prompt_tokens_details.cached_tokens == history
+    assert history >= 0.8 * edited.usage.prompt_tokens
+    assert asked.usage.prompt_tokens > history
+
+
+def test_a_long_read_on_the_hybrid_keeps_snapshots_along_it(served):
+    """Every SNAPSHOT_EVERY tokens of a long prompt a hybrid keeps a snapshot: a prompt that
+    changes late re-reads from the last one before the change."""
+    from mlx_kvtrans.serve.engine import SNAPSHOT_EVERY
+
+    _, url = served
+    c = client(url)
+    ids = [(7 * i) % 200 + 40 for i in range(2 * SNAPSHOT_EVERY + 200)]
+    c.completions.create(model=HYBRID, prompt=ids, max_tokens=1, temperature=0)
+    changed = ids[:2 * SNAPSHOT_EVERY + 100] + [41, 42, 43]
+    again = c.completions.create(model=HYBRID, prompt=changed, max_tokens=1, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens == 2 * SNAPSHOT_EVERY
+
+
 @pytest.mark.parametrize("streamed", [False, True])
 def test_text_completions(served, streamed):
     _, url = served

@@ -232,11 +232,14 @@ def create_app(engine: Engine) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
         body.check()
-        prompt = engine.chat_prompt(body.model, [m.for_template() for m in body.messages])
+        messages = [m.for_template() for m in body.messages]
+        prompt = engine.chat_prompt(body.model, messages)
         job = engine.generation(body.model, prompt, body.reply_budget(),
                                 temperature=body.temperature, top_p=body.top_p,
                                 stop=body.stops(), seed=body.seed,
-                                conversation=request.headers.get(CONVERSATION_HEADER))
+                                conversation=request.headers.get(CONVERSATION_HEADER),
+                                boundaries=engine.last_message_start(body.model, messages,
+                                                                     prompt))
         return await _respond(engine, job, ChatReply(body.model, fingerprint), body.stream,
                               body.include_usage)
 

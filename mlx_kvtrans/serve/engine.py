@@ -29,6 +29,9 @@ from .protocol import RequestError
 from .store import ConversationStore, Entry, Match, trimmable
 
 
+SNAPSHOT_EVERY = 1024  # tokens of a long read between a hybrid's snapshots
+
+
 # -- what a response reports ------------------------------------------------------------------
 class HandoffStatus(Word):
     """What happened to a request's history."""
@@ -130,6 +133,7 @@ class Generation:
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
     conversation: str | None = None
+    boundaries: list[int] = field(default_factory=list)  # where the prompt's messages begin
     arrived: float = field(default_factory=time.perf_counter)
 
 
@@ -268,6 +272,22 @@ class Engine:
                 raise RequestError(f"the chat template of {model} rejects these messages: {e}",
                                    param="messages") from None
 
+    def last_message_start(self, model: str, messages: list[dict], prompt: list[int]) -> list[int]:
+        """Where the last message begins in `prompt` (the earlier messages rendered alone),
+        where that rendering is a prefix of the prompt: a hybrid keeps a snapshot there, so an
+        edited last turn re-reads only itself."""
+        tok = self.models[model].tokenizer
+        if len(messages) < 2 or not tok.has_chat_template:
+            return []
+        with self._tokenizer_locks[model]:
+            try:
+                earlier = list(tok.apply_chat_template(messages[:-1],
+                                                       add_generation_prompt=False))
+            except Exception:  # a template that wants the conversation to end otherwise
+                return []
+        return [len(earlier)] if 0 < len(earlier) < len(prompt) \
+            and prompt[:len(earlier)] == earlier else []
+
     def text_prompt(self, model: str, prompt: str | list) -> list[int]:
         self.check_model(model)
         if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)):
@@ -388,16 +408,21 @@ class Engine:
                             translate_seconds=time.perf_counter() - started)
 
     def _read_prompt(self, entry: Entry, job: Generation) -> None:
-        """Append the prompt's unread tokens. A model with fixed-size caches first reads up to
-        the end of the history and takes a checkpoint there: the reply that follows comes back
-        as text, and may not tokenise to what was generated."""
+        """Append the prompt's unread tokens. A model with fixed-size caches reads up to the
+        end of the history in parts, taking a snapshot after each: where the last message
+        begins (an edited turn re-reads only itself), every SNAPSHOT_EVERY tokens of a long
+        read, and at the end (the reply that follows comes back as text, and may not tokenise
+        to what was generated)."""
         session = entry.session
-        boundary = len(job.prompt) - 1  # the generation reads the last token
-        if not self.trimmable[job.model] and session.lines[job.model].seen < boundary:
-            session.add(job.prompt[len(session.tokens):boundary])
-            for _ in session.generate(0):
-                pass
-            entry.checkpoint(job.model)
+        end = len(job.prompt) - 1  # the generation reads the last token
+        seen = session.lines[job.model].seen
+        if not self.trimmable[job.model] and seen < end:
+            every = range((seen // SNAPSHOT_EVERY + 1) * SNAPSHOT_EVERY, end, SNAPSHOT_EVERY)
+            for stop in sorted({*every, *(b for b in job.boundaries if seen < b < end), end}):
+                session.add(job.prompt[len(session.tokens):stop])
+                for _ in session.generate(0):
+                    pass
+                entry.checkpoint(job.model)
         session.add(job.prompt[len(session.tokens):])
 
     def _decode(self, entry: Entry, job: Generation, handoff: Handoff, emit,

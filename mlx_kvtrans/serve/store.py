@@ -4,9 +4,10 @@ An entry is one conversation: a `Session` over the models that share a tokenizer
 lines (one per model) have each read some prefix of the entry's tokens. A request takes the
 entry whose lines hold the longest usable prefix of its prompt. A line whose caches can all be
 trimmed is usable up to the common prefix; a line with fixed-size state (the recurrent and conv
-state of a hybrid) only where it stands, or at a checkpoint taken at a message boundary (the end
-of a prompt, before the reply: a client re-sends the reply as text, which may tokenise
-differently). A request that extends an entry uses it in place; one that would discard tokens
+state of a hybrid) only where it stands, or at a checkpoint the engine took while reading: where
+a prompt's last message begins (an edited last turn), every so many tokens of a long read, and
+at the end of a prompt, before the reply (a client re-sends the reply as text, which may
+tokenise differently). A request that extends an entry uses it in place; one that would discard tokens
 (a regenerated or edited reply, another conversation branching off a shared prefix) gets a
 copy, so no conversation loses what another continues. While a request works on an entry it is
 out of the store, so no other request sees it. Over the byte budget, the least recently used
@@ -25,7 +26,7 @@ import numpy as np
 
 from ..session import Session
 
-KEEP_CHECKPOINTS = 4  # per line: a divergence falls in the latest replies, near the newest ones
+KEEP_CHECKPOINTS = 8  # per line: a divergence falls in the latest turns, near the newest ones
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
