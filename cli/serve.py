@@ -26,6 +26,10 @@ def serve(model: list[str] = typer.Option(
           translate: bool = typer.Option(
               True, "--translate/--no-translate",
               help="hand conversations over by translation (off: the target re-reads)"),
+          translate_ahead: bool = typer.Option(
+              True, "--translate-ahead/--no-translate-ahead",
+              help="between turns, translate each conversation for the models it may move to "
+                   "(all others, or the one an x-kvtrans-next-model header names)"),
           reread: int = typer.Option(None, help=REREAD_HELP),
           fidelity: float = typer.Option(None, help=FIDELITY_HELP),
           max_tokens: int = typer.Option(512, help="reply length when a request gives none"),
@@ -37,6 +41,7 @@ def serve(model: list[str] = typer.Option(
     config = ServeConfig(models=list(model or ServeConfig().models),
                          translators=list(translator or []), host=host, port=port,
                          cache_bytes=parse_bytes(cache_bytes), translate=translate,
+                         translate_ahead=translate_ahead,
                          default_max_tokens=max_tokens, max_body_bytes=parse_bytes(max_body_bytes),
                          **dial_options(reread, fidelity))
     config.check()

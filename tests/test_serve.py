@@ -65,6 +65,15 @@ def served(zoo):
         yield engine, url
 
 
+@pytest.fixture(autouse=True)
+def settled(request):
+    """After each test, the shared server's idle work (translating ahead) is done: the next
+    test may run another engine on the same models, and MLX computes on one thread at once."""
+    yield
+    if "served" in request.fixturenames:
+        request.getfixturevalue("served")[0].settle()
+
+
 def client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
 
@@ -148,6 +157,7 @@ def test_alternating_models_translate_and_match_the_session_api(served, zoo):
     # the same conversation through the Session API, greedy
     tok = models[HYBRID].tokenizer
     eos = set(tok.eos_token_ids)
+    engine.settle()  # its idle work done: MLX computes on one thread at once
     session = Session(models, translators, active=HYBRID)
     history = []
     for (model, text), said in zip(turns, messages[1::2]):
@@ -202,6 +212,28 @@ def test_an_edited_reply_reuses_up_to_the_message_boundary(served):
         second = ask(c, model, edited)
         assert report(second)["status"] == "reused"
         assert report(second)["tokens_reused"] == first.usage.prompt_tokens - kept
+
+
+def test_a_handoff_after_idle_time_was_translated_ahead(served):
+    """Between turns the server hands the conversation to the model a header names: the next
+    request there finds it translated, says so, and reads only its new prompt."""
+    engine, url = served
+    c = client(url)
+    messages = [{"role": "user", "content": "Ahead of time: the beacon is 903114. " * 6}]
+    first = c.chat.completions.create(
+        model=HYBRID, messages=messages, max_tokens=8, temperature=0,
+        extra_headers={"x-kvtrans-conversation": "ahead", "x-kvtrans-next-model": FULL})
+    engine.settle()  # the idle time between turns
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "What is the beacon?"}]
+    fields = report(ask(c, FULL, messages, conversation="ahead"))
+    assert fields["status"] == "applied" and fields["source_model"] == HYBRID
+    assert fields["tokens_translated_ahead"] == fields["tokens_translated"] > 0
+    assert fields["ahead_ms"] > 0 and fields["tokens_new"] > 0
+    status, body = post(url, "/v1/chat/completions",
+                        {"model": FULL, "messages": messages, "max_tokens": 1},
+                        {"x-kvtrans-next-model": "nope"})
+    assert status == 400 and "x-kvtrans-next-model" in body["error"]["message"]
 
 
 def test_an_edited_last_turn_on_the_hybrid_rereads_only_itself(served):
@@ -340,12 +372,12 @@ def test_a_failed_translation_falls_back_to_rereading_visibly(served, monkeypatc
     _, url = served
     c = client(url)
     messages = [{"role": "user", "content": "Failing over: the beacon is 111222."}]
-    first = ask(c, HYBRID, messages, max_tokens=6)
 
     def broken(*args, **kwargs):
         raise RuntimeError("translator broke")
 
-    monkeypatch.setattr(Translator, "translate", broken)
+    monkeypatch.setattr(Translator, "translate", broken)  # translating ahead fails too
+    first = ask(c, HYBRID, messages, max_tokens=6)
     messages += [{"role": "assistant", "content": first.choices[0].message.content},
                  {"role": "user", "content": "And?"}]
     second = ask(c, FULL, messages, max_tokens=6)

@@ -60,6 +60,32 @@ def test_segment_wise_transfer_translates_only_new_tokens(kimi_pair):
     assert s.lines[b.name].seen - 1 == s.lines[a.name].seen == len(s.tokens) - 1
 
 
+def test_translating_ahead_is_the_switch_made_early(kimi_pair):
+    """`prepare(target)` between turns gives the target what a switch would, without making
+    it active; the switch then gives only what came since, reports the hand-over made ahead,
+    and the target answers as it would have after a plain switch."""
+    a, b, _ = kimi_pair
+    replies = {}
+    for ahead in (False, True):
+        s = session_for(kimi_pair)
+        s.add(list(range(60, 110)))
+        list(s.generate(5))
+        if ahead:
+            early = s.prepare(b.name)
+            assert s.active == a.name and early.tokens_translated > 0
+            assert s.lines[b.name].seen == len(s.tokens)  # a's last token read with the gate
+        s.add(list(range(120, 130)))  # the next prompt comes before the switch
+        status = s.switch(b.name)
+        assert status.status == "applied"
+        if ahead:
+            assert status.tokens_translated_ahead == status.tokens_translated > 0
+            assert status.tokens_translated == early.tokens_translated
+            assert status.gate == early.gate and status.ahead_seconds == early.translate_seconds
+            assert not s.prepared  # reported once
+        replies[ahead] = list(s.generate(6))
+    assert replies[True] == replies[False]
+
+
 def test_a_switch_reads_the_tail_and_the_next_prompt_in_one_forward(kimi_pair):
     """The target reads the span's last r tokens and what follows them (the next prompt) in
     one forward, and its first token comes from that forward's logits: the same answer and

@@ -27,6 +27,7 @@ from .protocol import (ChatReply, ChatRequest, CompletionRequest, RequestError, 
                        error_body, usage, validation_error)
 
 CONVERSATION_HEADER = "x-kvtrans-conversation"
+NEXT_MODEL_HEADER = "x-kvtrans-next-model"  # where the conversation goes next: translated ahead
 PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
 
 
@@ -238,6 +239,7 @@ def create_app(engine: Engine) -> FastAPI:
                                 temperature=body.temperature, top_p=body.top_p,
                                 stop=body.stops(), seed=body.seed,
                                 conversation=request.headers.get(CONVERSATION_HEADER),
+                                next_model=request.headers.get(NEXT_MODEL_HEADER),
                                 boundaries=engine.last_message_start(body.model, messages,
                                                                      prompt))
         return await _respond(engine, job, ChatReply(body.model, fingerprint), body.stream,
@@ -250,7 +252,8 @@ def create_app(engine: Engine) -> FastAPI:
         job = engine.generation(body.model, prompt, body.reply_budget(),
                                 temperature=body.temperature, top_p=body.top_p,
                                 stop=body.stops(), seed=body.seed,
-                                conversation=request.headers.get(CONVERSATION_HEADER))
+                                conversation=request.headers.get(CONVERSATION_HEADER),
+                                next_model=request.headers.get(NEXT_MODEL_HEADER))
         return await _respond(engine, job, TextReply(body.model, fingerprint), body.stream,
                               body.include_usage)
 

@@ -24,6 +24,7 @@ class ServeConfig:
     port: int = 8080
     cache_bytes: int = 4 << 30
     translate: bool = True
+    translate_ahead: bool = True  # between turns, hand conversations to the other models ahead
     default_max_tokens: int = 512  # a chat reply's length when the request gives none
     max_body_bytes: int = 8 << 20
     reread: int | None = None  # the fidelity dial (session/dial.py): a fixed R, or

@@ -53,7 +53,9 @@ class Handoff:
     tokens_translated: int = 0
     tokens_reread: int = 0
     tokens_new: int = 0  # prompt tokens no cache held
+    tokens_translated_ahead: int = 0  # translated between turns, before this request
     translate_ms: float = 0.0  # the switch: translation and gate, or the fallback's re-read
+    ahead_ms: float = 0.0  # what translating ahead took, between turns
     gate: Verdict = Verdict.NONE  # the fidelity gate's verdict
     gate_gap: float | None = None  # nats/token over the tail the target read itself
     gate_threshold: float | None = None
@@ -68,7 +70,7 @@ class Handoff:
 
     def fields(self) -> dict:
         out = asdict(self)
-        for key in ("translate_ms", "queue_ms", "ttft_ms"):
+        for key in ("translate_ms", "ahead_ms", "queue_ms", "ttft_ms"):
             out[key] = round(out[key], 3)
         return out
 
@@ -78,6 +80,7 @@ class Handoff:
                "x-kvtrans-tokens-translated": str(self.tokens_translated),
                "x-kvtrans-tokens-reread": str(self.tokens_reread),
                "x-kvtrans-tokens-new": str(self.tokens_new),
+               "x-kvtrans-tokens-translated-ahead": str(self.tokens_translated_ahead),
                "x-kvtrans-translate-ms": f"{self.translate_ms:.3f}",
                "x-kvtrans-ttft-ms": f"{self.ttft_ms:.3f}",
                "x-kvtrans-conversation": self.conversation}
@@ -114,6 +117,7 @@ class Finished:
     prompt_tokens: int
     completion_tokens: int
     handoff: Handoff
+    entry: Entry | None = field(default=None, repr=False)  # the conversation, back in the store
 
 
 @dataclass
@@ -134,6 +138,7 @@ class Generation:
     seed: int | None = None
     conversation: str | None = None
     boundaries: list[int] = field(default_factory=list)  # where the prompt's messages begin
+    next_model: str | None = None  # the model the conversation goes to next, if known
     arrived: float = field(default_factory=time.perf_counter)
 
 
@@ -167,6 +172,7 @@ class ComputeThread:
 
     def __init__(self, name: str = "kvtrans-compute"):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._idle: list = []  # jobs for idle time, submitted from this thread only
         self._closed = False
         threading.Thread(target=self._loop, name=name, daemon=True).start()
 
@@ -174,6 +180,22 @@ class ComputeThread:
         if self._closed:
             raise RuntimeError("the compute thread is closed")
         self._jobs.put((job, args))
+
+    def submit_idle(self, job: Callable, *args) -> None:
+        """From a job: run `job` once no submitted job waits (and before any later idle job)."""
+        if not self._closed:
+            self._idle.append((job, args))
+
+    def waiting(self) -> bool:
+        """Whether a submitted job waits: idle work stops at its next safe point."""
+        return not self._jobs.empty()
+
+    def settle(self) -> None:
+        """Wait until every job and idle job submitted so far has run."""
+        done = threading.Event()
+        self._idle.append((done.set, ()))
+        self._jobs.put((lambda: None, ()))  # wakes the loop, which then runs the idle jobs
+        done.wait()
 
     def close(self) -> None:
         """Run what is queued, then take no more."""
@@ -186,7 +208,10 @@ class ComputeThread:
 
     def _loop(self) -> None:
         while True:
-            job, args = self._jobs.get()
+            if self._idle and self._jobs.empty():
+                job, args = self._idle.pop(0)
+            else:
+                job, args = self._jobs.get()
             try:
                 job(*args)
             except Exception:  # jobs report their own failures; this one could not
@@ -244,6 +269,11 @@ class Engine:
     def close(self) -> None:
         """Finish the queued requests, then stop the worker."""
         self._worker.close()
+
+    def settle(self) -> None:
+        """Wait until the queued requests and the idle work after them (translating ahead)
+        are done."""
+        self._worker.settle()
 
     @property
     def queue_depth(self) -> int:
@@ -324,6 +354,11 @@ class Engine:
                                f"request needs {len(prompt) + max_tokens} ({len(prompt)} in the "
                                f"prompt, {max_tokens} to generate)", param="max_tokens",
                                code="context_length_exceeded")
+        following = options.get("next_model")
+        if following is not None and following not in self.models:
+            raise RequestError(f"x-kvtrans-next-model: the model {following!r} is not served "
+                               f"here (served: {', '.join(self.models)})",
+                               param="x-kvtrans-next-model", code="model_not_found")
         return Generation(model, list(prompt), max_tokens,
                           **{k: v for k, v in options.items() if v is not None})
 
@@ -354,6 +389,8 @@ class Engine:
             return
         self._count(job, finished)
         emit(finished)
+        if self.config.translate and self.config.translate_ahead:
+            self._worker.submit_idle(self._translate_ahead, finished.entry, job)
 
     def _generate(self, job: Generation, emit, cancelled: threading.Event) -> Finished:
         handoff = Handoff(queue_ms=(time.perf_counter() - job.arrived) * 1000)
@@ -366,26 +403,38 @@ class Engine:
         self._read_prompt(entry, job)
         reason, count = self._decode(entry, job, handoff, emit, cancelled)
         self.store.checkin(entry, {job.model, match.holder})
-        return Finished(reason, len(job.prompt), count, handoff)
+        return Finished(reason, len(job.prompt), count, handoff, entry)
 
     def _hand_off(self, match: Match, model: str, handoff: Handoff) -> None:
         """Make `model` the active model of the entry, holding `match.position` tokens."""
         session = match.entry.session
         handoff.tokens_reused = match.own
         if match.holder == model or match.position <= match.own:
-            session.active = model
-            handoff.status = HandoffStatus.REUSED if match.own else HandoffStatus.NONE
-            return
-        session.active = match.holder
-        try:
-            status = session.switch(model)
-        except Exception as e:  # the translator itself failed: re-read instead, visibly
-            status = self._reread(match.entry, model, f"translation failed: "
-                                                      f"{type(e).__name__}: {e}")
+            came_from, session.active = session.active, model
+            # a conversation translated to this model ahead, between turns: its hand-over
+            ahead = session.joined(model) if came_from != model and match.own else None
+            if ahead is None:
+                session.prepared.pop(model, None)
+                handoff.status = HandoffStatus.REUSED if match.own else HandoffStatus.NONE
+                return
+            status = ahead
+            handoff.source_model = came_from
+            # what was given ahead is in this model's line, but came from the switch
+            handoff.tokens_reused -= (ahead.tokens_translated + ahead.tokens_read
+                                      + ahead.tokens_reprefilled)
+        else:
+            session.active = match.holder
+            try:
+                status = session.switch(model)
+            except Exception as e:  # the translator itself failed: re-read instead, visibly
+                status = self._reread(match.entry, model, f"translation failed: "
+                                                          f"{type(e).__name__}: {e}")
+            handoff.source_model = match.holder
         if status.status == Outcome.FALLBACK_REPREFILL and not self.config.translate:
             status.reason = "translation is off (--no-translate)"
         handoff.status, handoff.reason = HandoffStatus(status.status), status.reason
-        handoff.source_model = match.holder
+        handoff.tokens_translated_ahead = status.tokens_translated_ahead
+        handoff.ahead_ms = status.ahead_seconds * 1000
         handoff.tokens_translated = status.tokens_translated
         # the span's last tokens, read on the translated cache for the gate, are read too
         handoff.tokens_reread = status.tokens_reprefilled + status.tokens_read
@@ -395,6 +444,34 @@ class Engine:
         if status.status == Outcome.APPLIED:  # a re-read span has no dial setting
             handoff.reread, handoff.expected_agreement = (status.reread,
                                                           status.expected_agreement)
+
+    def _translate_ahead(self, entry: Entry, job: Generation) -> None:
+        """Idle time after `job`: hand its conversation to the models it may go to next (the
+        one the request named, else every other model of its group a translator reaches), so
+        that the switch finds the translation made. Stops for any request that comes; the
+        lines it fills are the store's first to go."""
+        session = entry.session
+        targets = [job.next_model] if job.next_model else [
+            t for t in session.lines if (job.model, t) in session.translators]
+        targets = [t for t in targets if t != job.model and t in session.lines]
+        if not targets or not self.store.take(entry):  # in use again, or evicted
+            return
+        try:
+            for target in targets:
+                if self._worker.waiting():
+                    break
+                try:
+                    session.prepare(target)
+                except Exception as e:  # as a failed switch: re-read (ahead), and say why
+                    logging.getLogger(__name__).exception("translating ahead failed")
+                    active = session.active
+                    session.prepared[target] = self._reread(
+                        entry, target, f"translation failed: {type(e).__name__}: {e}")
+                    session.active = active
+                if not self.trimmable[target]:
+                    entry.checkpoint(target)
+        finally:
+            self.store.checkin(entry, set())
 
     def _reread(self, entry: Entry, model: str, reason: str) -> SwitchStatus:
         started = time.perf_counter()

@@ -141,6 +141,7 @@ class Entry:
         twin = Entry(new_id, self.group, session, self.conversation)
         session.tokens = list(self.tokens)
         session.active = self.session.active
+        session.prepared = dict(self.session.prepared)  # what was translated ahead, reported
         for name, line in self.session.lines.items():
             if self.usable(name, limit) == 0:
                 continue
@@ -196,7 +197,9 @@ class ConversationStore:
                 if entry.group != self.group_of[model] or entry.conversation != conversation:
                     continue
                 within = min(common_prefix(entry.tokens, prompt), limit)
-                holds = {name: entry.usable(name, within) for name in entry.live()}
+                # a line translated ahead serves the model it was made for, not a way back
+                holds = {name: entry.usable(name, within) for name in entry.live()
+                         if name == model or name not in entry.session.prepared}
                 holder = max(holds, key=lambda n: (holds[n], n == model), default=None)
                 if holder is None or holds[holder] == 0:
                     continue
@@ -215,6 +218,16 @@ class ConversationStore:
             entry.rewind(name, position)
         del entry.tokens[position:]
         return Match(entry, position, holder, entry.session.lines[model].seen)
+
+    def take(self, entry: Entry) -> bool:
+        """Take `entry` out for idle work (translating ahead); False when a request has it or
+        it was evicted."""
+        with self._lock:
+            for i, held in enumerate(self._entries):
+                if held is entry:
+                    del self._entries[i]
+                    return True
+            return False
 
     def checkin(self, entry: Entry, models: set[str]) -> None:
         """Put `entry` back, `models` just used, and evict down to the budget."""

@@ -11,6 +11,7 @@ switch in `handover`.
 from __future__ import annotations
 
 import weakref
+from dataclasses import replace
 from typing import Iterator
 
 from .. import gate
@@ -54,6 +55,7 @@ class Session:
         self.reread, self.fidelity = reread, fidelity
         self.tokens: list[int] = []
         self.switches: list[SwitchStatus] = []
+        self.prepared: dict[str, SwitchStatus] = {}  # target -> its hand-over made ahead
         self._turn = None  # weak reference to a generation not yet finished
 
     # -- what is recorded ---------------------------------------------------------------------
@@ -190,22 +192,58 @@ class Session:
         self._turn = weakref.ref(turn)
         return turn
 
-    def switch(self, target: str) -> SwitchStatus:
-        """Make `target` the active model, giving it what it has not seen (`hand_over`)."""
+    def prepare(self, target: str) -> SwitchStatus:
+        """Translate ahead: give `target` what the active model has read, as a switch would
+        (translated, judged by the gate, or re-read), without making it active; for the idle
+        time between turns, when the next model is known or likely. A later `switch(target)`
+        gives only what came since."""
         if target not in self.lines:
             raise ValueError(f"unknown model {target!r}")
         self._finish_turn()
         status = hand_over(self, self.active, target)
+        self._drop_received()
+        if status.tokens_translated or status.tokens_reprefilled or status.tokens_read:
+            self.prepared[target] = status
+        return status
+
+    def switch(self, target: str) -> SwitchStatus:
+        """Make `target` the active model, giving it what it has not seen (`hand_over`). After
+        `prepare(target)` the status is the whole hand-over, made ahead and now (`joined`)."""
+        if target not in self.lines:
+            raise ValueError(f"unknown model {target!r}")
+        self._finish_turn()
+        status = self.joined(target, hand_over(self, self.active, target))
         self.active = target
         self._drop_received()
         status.recorded_bytes = sum(self.recorded_bytes().values())
         self.switches.append(status)
         return status
 
+    def joined(self, target: str, now: SwitchStatus | None = None) -> SwitchStatus | None:
+        """The hand-over to `target` made ahead (taken: reported once) joined with the one made
+        now: the tokens of both; the outcome, gate and setting of the one that gave the most
+        recent span; `translate_seconds` now's and `ahead_seconds` the earlier one's, with the
+        tokens it translated in `tokens_translated_ahead`. None when nothing was made ahead
+        and nothing now."""
+        ahead = self.prepared.pop(target, None)
+        if ahead is None:
+            return now
+        if now is None or not (now.tokens_translated or now.tokens_reprefilled or now.tokens_read):
+            return replace(ahead, translate_seconds=now.translate_seconds if now else 0.0,
+                           gate_seconds=0.0, ahead_seconds=ahead.translate_seconds,
+                           tokens_translated_ahead=ahead.tokens_translated)
+        now.tokens_translated += ahead.tokens_translated
+        now.tokens_read += ahead.tokens_read
+        now.tokens_reprefilled += ahead.tokens_reprefilled
+        now.tokens_translated_ahead = ahead.tokens_translated
+        now.ahead_seconds = ahead.translate_seconds
+        return now
+
     def refresh(self, name: str | None = None) -> None:
         """Re-prefill a model's cache line from the conversation (on request)."""
         self._finish_turn()
         line = self.lines[name or self.active]
+        self.prepared.pop(line.name, None)
         line.reset()
         self.read(line, self.lines[self.active].seen if line.name != self.active
                   else len(self.tokens))

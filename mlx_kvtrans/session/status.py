@@ -61,3 +61,5 @@ class SwitchStatus:
     expected_speedup: float | None = None  # R's measured speed-up over re-prefill
     setting_note: str = ""  # how R was chosen
     translator_note: str = ""  # a model is a quantization of the one the translator was fitted on
+    tokens_translated_ahead: int = 0  # of tokens_translated, those before the switch (`prepare`)
+    ahead_seconds: float = 0.0  # what the hand-over made ahead took, before the switch
