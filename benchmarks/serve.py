@@ -10,8 +10,13 @@ replies; the next turn, the history plus that reply plus a question, goes to kim
 with max_tokens 1. Its time to first token is measured by the client (the response headers
 come with the first token) and reported by the server (`kvtrans.ttft_ms`).
 
+On the translating server, two cases users meet every day: a handoff made `--idle` seconds
+after the previous answer (the server translates ahead meanwhile) beside a same-model
+follow-up made as long after, and a user who edits their last turn on the hybrid (the share of
+the prompt reported as cached tokens).
+
     python benchmarks/serve.py [--lengths 1024,2048,4096,8192] [--repeats 3] [--clients 8]
-                               [--requests 10]
+                               [--requests 10] [--idle 3]
 """
 
 from __future__ import annotations
@@ -87,7 +92,7 @@ def chat(port: int, model: str, messages: list, max_tokens: int, conversation: s
                   if line.startswith("data: {")]
         return headers, done, {"kvtrans": chunks[-1]["kvtrans"], "content": ""}
     answer = json.loads(text)
-    return headers, done, {"kvtrans": answer["kvtrans"],
+    return headers, done, {"kvtrans": answer["kvtrans"], "usage": answer["usage"],
                            "content": answer["choices"][0]["message"]["content"]}
 
 
@@ -107,6 +112,35 @@ def switch(port: int, history: str, conversation: str) -> dict:
     return {"client_ttft_ms": ttft * 1000, "server_ttft_ms": r["ttft_ms"],
             "translate_ms": r["translate_ms"], "status": r["status"],
             "tokens_translated": r["tokens_translated"], "tokens_reread": r["tokens_reread"]}
+
+
+def after_idle(port: int, history: str, conversation: str, model: str, idle: float) -> dict:
+    """The source answers; `idle` seconds later the next turn goes to `model` (the target: a
+    handoff the server translated ahead; the source: a same-model follow-up)."""
+    messages = [{"role": "user", "content": history}]
+    _, _, first = chat(port, SOURCE, messages, 8, conversation)
+    time.sleep(idle)
+    messages += [{"role": "assistant", "content": first["content"]},
+                 {"role": "user", "content": "What did the text say?"}]
+    ttft, _, second = chat(port, model, messages, 1, conversation, stream=True)
+    r = second["kvtrans"]
+    return {"client_ttft_ms": ttft * 1000, "server_ttft_ms": r["ttft_ms"],
+            "status": r["status"], "tokens_translated_ahead": r["tokens_translated_ahead"]}
+
+
+def edited_turn(port: int, history: str, conversation: str) -> dict:
+    """On the hybrid: a turn, then the user's next turn, then that turn edited."""
+    messages = [{"role": "user", "content": history}]
+    _, _, first = chat(port, SOURCE, messages, 8, conversation)
+    messages.append({"role": "assistant", "content": first["content"]})
+    chat(port, SOURCE, messages + [{"role": "user", "content": "What did the text say?"}], 8,
+         conversation)
+    _, _, edited = chat(port, SOURCE, messages + [{"role": "user", "content": "Say it again."}],
+                        8, conversation)
+    usage = edited["usage"]
+    cached = usage["prompt_tokens_details"]["cached_tokens"]
+    return {"prompt_tokens": usage["prompt_tokens"], "cached_tokens": cached,
+            "cached_share": cached / usage["prompt_tokens"], "status": edited["kvtrans"]["status"]}
 
 
 def median_row(rows: list[dict]) -> dict:
@@ -146,8 +180,9 @@ def load(port: int, clients: int, requests: int, tag: str) -> dict:
 
 
 def measure(translate: bool, lengths: list[int], repeats: int, clients: int,
-            requests: int, tokenizer) -> dict:
+            requests: int, tokenizer, idle: float) -> dict:
     mode = "translate" if translate else "reprefill"
+    result = {}
     with served(translate) as port:
         switch(port, history_text(tokenizer, 256), f"{mode}-warmup")
         rows = {}
@@ -157,9 +192,24 @@ def measure(translate: bool, lengths: list[int], repeats: int, clients: int,
                                        for r in range(repeats)])
             print(f"{mode:9s} {length:5d} tokens: first token {rows[length]['client_ttft_ms']:.1f}"
                   f" ms ({', '.join(rows[length]['status'])})", flush=True)
+        if translate:
+            result["after_idle"], result["edited"] = {}, {}
+            for length in lengths:
+                history = history_text(tokenizer, length)
+                pair = {who: median_row([after_idle(port, history, f"idle-{who}-{length}-{r}",
+                                                    model, idle) for r in range(repeats)])
+                        for who, model in (("handoff", TARGET), ("follow_up", SOURCE))}
+                pair["ratio"] = round(pair["handoff"]["client_ttft_ms"]
+                                      / pair["follow_up"]["client_ttft_ms"], 2)
+                result["after_idle"][length] = pair
+                result["edited"][length] = median_row([edited_turn(
+                    port, history, f"edit-{length}-{r}") for r in range(repeats)])
+                print(f"after {idle:g} s idle, {length} tokens: handoff / follow-up "
+                      f"{pair['ratio']}; edited turn cached "
+                      f"{result['edited'][length]['cached_share']:.2f}", flush=True)
         under_load = load(port, clients, requests, f"{mode}-load")
         print(f"{mode:9s} load: {under_load}", flush=True)
-    return {"switch": rows, "load": under_load}
+    return {"switch": rows, "load": under_load, **result}
 
 
 def write_markdown(results: dict) -> None:
@@ -182,6 +232,18 @@ def write_markdown(results: dict) -> None:
                      f"{', '.join(a['status'])} | {b['client_ttft_ms']:.1f} "
                      f"({b['server_ttft_ms']:.1f}) | {', '.join(b['status'])} | "
                      f"{b['client_ttft_ms'] / a['client_ttft_ms']:.1f}x |")
+    lines += ["", f"A turn {results['idle']:g} s after the previous answer, on the translating "
+              "server: the handoff (to the target, translated ahead in the idle time) beside a "
+              "same-model follow-up (the source again), first token in ms by the client; and "
+              "an edited last user turn on the hybrid (a turn, the next turn, that turn "
+              "edited): the share of its prompt reported cached.\n",
+              "| history tokens | handoff ms | follow-up ms | handoff / follow-up | handoff "
+              "status | edited turn: cached share |", "|---|---|---|---|---|---|"]
+    for length in results["lengths"]:
+        pair, edit = t["after_idle"][str(length)], t["edited"][str(length)]
+        lines.append(f"| {length} | {pair['handoff']['client_ttft_ms']:.1f} | "
+                     f"{pair['follow_up']['client_ttft_ms']:.1f} | {pair['ratio']:.2f} | "
+                     f"{', '.join(pair['handoff']['status'])} | {edit['cached_share']:.2f} |")
     lines += ["", "| server | requests | requests/s | p50 ms | p95 ms |", "|---|---|---|---|---|"]
     for name, row in (("translating", t["load"]), ("--no-translate", r["load"])):
         lines.append(f"| {name} | {row['requests']} | {row['requests_per_second']} | "
@@ -195,17 +257,20 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--requests", type=int, default=10, help="per client")
+    parser.add_argument("--idle", type=float, default=3.0,
+                        help="seconds between an answer and the next turn")
     args = parser.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
     tokenizer = kv.load(TARGET).tokenizer
     busy = os.getloadavg()[0]  # other work on the machine slows the re-reads most
     started = time.perf_counter()
     results = {mode: measure(mode == "translate", lengths, args.repeats, args.clients,
-                             args.requests, tokenizer) for mode in ("translate", "reprefill")}
+                             args.requests, tokenizer, args.idle)
+               for mode in ("translate", "reprefill")}
     report = blas_report()
     results = json.loads(json.dumps(results))  # lengths become the JSON's string keys
     results.update(blas=f"{report.name}, float32 matmul {report.gflops:.0f} GFLOP/s",
-                   lengths=lengths, repeats=args.repeats, clients=args.clients,
+                   lengths=lengths, repeats=args.repeats, clients=args.clients, idle=args.idle,
                    requests=args.requests, models=[SOURCE, TARGET], cores=os.cpu_count(),
                    load_average=round(busy, 1),
                    minutes=round((time.perf_counter() - started) / 60, 1))
