@@ -7,8 +7,12 @@ affine, group 64, as mlx-community publishes). Per pair and weights, the plan's 
 a million fitting tokens, peak memory and the switch's translation cost at the M3 Ultra
 preset's rates (`machines.PRESETS`): projections from FLOPs and bytes, not measurements.
 
-Writes benchmarks/results/real-checkpoints.{json,md} and the figures block of
-docs/real-checkpoints.md.
+Also what a switch moves between two Macs (`mx.distributed`): per token, the source features
+the translator reads and the translated cache it installs, in bfloat16 as the checkpoints
+compute, and at 4,096 tokens over a Thunderbolt 5 link.
+
+Writes benchmarks/results/real-checkpoints.{json,md} and the figures blocks of
+docs/real-checkpoints.md and docs/distributed.md.
 
     python benchmarks/real_checkpoints.py [--tokens 1000000] [--configs DIR]
 
@@ -36,6 +40,9 @@ from mlx_kvtrans.zoo.families import full_config
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "results"
 DOC = HERE.parent / "docs" / "real-checkpoints.md"
+LINK_DOC = HERE.parent / "docs" / "distributed.md"
+LINK_GBITS = 80  # Thunderbolt 5, per Apple's Mac Studio (M3 Ultra) specifications
+LINK_LENGTH = 4096
 BEGIN, END = "<!-- figures:begin -->", "<!-- figures:end -->"
 MACHINE = "m3-ultra"
 # (pair, source, target, the checkpoints' Hugging Face ids)
@@ -76,6 +83,7 @@ def plan_row(root: Path, pair: str, source: str, target: str, weights: str, feat
            "fit_peak_bytes": cost.fit_peak_bytes, "fits": fits(cost),
            "fit_seconds": round(timed.seconds, 1), "fit_time": timed.to_json(),
            "translator_parameters": cost.parameters,
+           "link": link(cost),
            "switch": {str(n): {"gflop": round(r["flops"] / 1e9, 1),
                                "installed_mib": round(r["bytes"] / 2**20, 1),
                                "ms_at_peak": round(r["seconds_at_peak"] * 1000, 1)}
@@ -83,6 +91,44 @@ def plan_row(root: Path, pair: str, source: str, target: str, weights: str, feat
     print(f"{pair} ({weights}, features {features}): fit {row['fit_seconds']:.0f} s, peak "
           f"{row['fit_peak_bytes'] / 2**30:.1f} GiB, fits {row['fits']}", flush=True)
     return row
+
+
+def link(cost) -> dict:
+    """What a switch between two Macs moves, in bfloat16 (the plan's layouts are float32)."""
+    cache = cost.install_bytes_per_token // 2
+    fixed = (cost.lengths[LINK_LENGTH]["bytes"] - cost.install_bytes_per_token * LINK_LENGTH) // 2
+    features = 2 * sum(f.inputs for f in cost.feature_sets)
+    at = {name: per_token * LINK_LENGTH + extra
+          for name, per_token, extra in (("features", features, 0), ("cache", cache, fixed))}
+    return {"features_bytes_per_token": features, "cache_bytes_per_token": cache,
+            "cache_fixed_bytes": fixed, "length": LINK_LENGTH,
+            "features_bytes": at["features"], "cache_bytes": at["cache"],
+            "cache_ms_over_link": round(at["cache"] * 8 / (LINK_GBITS * 1e9) * 1000, 1)}
+
+
+def link_markdown(rows: list[dict]) -> str:
+    lines = ["What a switch moves when the source runs on one Mac and the target on another, in "
+             f"bfloat16, per token and for {LINK_LENGTH:,} tokens of history (translated cache: "
+             "per-token objects plus fixed-size states), and the translated cache's time over "
+             f"a {LINK_GBITS} Gb/s Thunderbolt 5 link (`python benchmarks/real_checkpoints.py`, "
+             "projections from the reconstructed configs):\n",
+             "| pair | source features per token | translated cache per token | "
+             f"translated cache at {LINK_LENGTH:,} tokens | over the link |",
+             "|---|---|---|---|---|"]
+    for r in rows:
+        if (r["weights"], r["features"]) != ("bf16", "attention"):
+            continue
+        k = r["link"]
+        lines.append(f"| {r['pair']} | {k['features_bytes_per_token'] / 1024:,.1f} KiB | "
+                     f"{k['cache_bytes_per_token'] / 1024:,.1f} KiB | "
+                     f"{k['cache_bytes'] / 2**20:,.0f} MiB | {k['cache_ms_over_link']:,.0f} ms |")
+    return "\n".join(lines) + "\n"
+
+
+def render(doc: Path, table: str) -> None:
+    text = doc.read_text()
+    start, stop = text.index(BEGIN) + len(BEGIN), text.index(END)
+    doc.write_text(text[:start] + "\n" + table + text[stop:])
 
 
 def markdown(rows: list[dict], machine) -> str:
@@ -132,10 +178,10 @@ def main():
          "rows": rows}, indent=2) + "\n")
     table = markdown(rows, machine)
     (OUT / "real-checkpoints.md").write_text(
-        "# The mission's real pairs, planned for the M3 Ultra (projections)\n\n" + table)
-    text = DOC.read_text()
-    start, stop = text.index(BEGIN) + len(BEGIN), text.index(END)
-    DOC.write_text(text[:start] + "\n" + table + text[stop:])
+        "# The mission's real pairs, planned for the M3 Ultra (projections)\n\n" + table
+        + "\n## A switch between two Macs\n\n" + link_markdown(rows))
+    render(DOC, table)
+    render(LINK_DOC, link_markdown(rows))
 
 
 if __name__ == "__main__":

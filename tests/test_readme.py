@@ -137,8 +137,8 @@ def test_results_index_names_every_results_file():
 
 
 def test_real_checkpoints_doc_shows_what_its_results_file_holds():
-    """docs/real-checkpoints.md's figures are the block `benchmarks/real_checkpoints.py` renders
-    from `real-checkpoints.json`, not figures typed by hand."""
+    """docs/real-checkpoints.md's and docs/distributed.md's figures are the blocks
+    `benchmarks/real_checkpoints.py` renders from `real-checkpoints.json`, not typed by hand."""
     import json
 
     spec = importlib.util.spec_from_file_location(
@@ -148,9 +148,11 @@ def test_real_checkpoints_doc_shows_what_its_results_file_holds():
     recorded = json.loads((ROOT / "benchmarks" / "results" / "real-checkpoints.json").read_text())
     from mlx_kvtrans.machines import Machine
 
-    table = module.markdown(recorded["rows"], Machine(**recorded["machine"]))
-    doc = (ROOT / "docs" / "real-checkpoints.md").read_text()
-    assert f"{module.BEGIN}\n{table}{module.END}" in doc
+    for page, table in (("real-checkpoints.md", module.markdown(
+            recorded["rows"], Machine(**recorded["machine"]))),
+            ("distributed.md", module.link_markdown(recorded["rows"]))):
+        doc = (ROOT / "docs" / page).read_text()
+        assert f"{module.BEGIN}\n{table}{module.END}" in doc, page
 
 
 if __name__ == "__main__":
