@@ -30,6 +30,12 @@ def serve(model: list[str] = typer.Option(
               True, "--translate-ahead/--no-translate-ahead",
               help="between turns, translate each conversation for the models it may move to "
                    "(all others, or the one an x-kvtrans-next-model header names)"),
+          memory_budget: str = typer.Option(
+              None, metavar="BYTES",
+              help="the served models' weights together (e.g. 64GiB; default: the machine's "
+                   "memory less --cache-bytes): past it the least recently used model unloads"),
+          idle_unload: float = typer.Option(
+              None, metavar="SECONDS", help="unload a model unused this long (default: never)"),
           reread: int = typer.Option(None, help=REREAD_HELP),
           fidelity: float = typer.Option(None, help=FIDELITY_HELP),
           max_tokens: int = typer.Option(512, help="reply length when a request gives none"),
@@ -42,6 +48,8 @@ def serve(model: list[str] = typer.Option(
                          translators=list(translator or []), host=host, port=port,
                          cache_bytes=parse_bytes(cache_bytes), translate=translate,
                          translate_ahead=translate_ahead,
+                         memory_budget=None if memory_budget is None else parse_bytes(memory_budget),
+                         idle_unload=idle_unload,
                          default_max_tokens=max_tokens, max_body_bytes=parse_bytes(max_body_bytes),
                          **dial_options(reread, fidelity))
     config.check()

@@ -523,7 +523,9 @@ def test_bad_cli_options_are_one_line_and_exit_2():
     cases = [["--cache-bytes", "-1"], ["--cache-bytes", "lots"], ["--port", "70000"],
              ["--model", "no-such-model"], ["--model", FULL, "--model", FULL],
              ["--translator", "/no/such/translator"],
-             ["--port", str(taken.getsockname()[1])], ["--max-tokens", "0"]]
+             ["--port", str(taken.getsockname()[1])], ["--max-tokens", "0"],
+             ["--memory-budget", "0"], ["--memory-budget", "lots"], ["--memory-budget", "1M"],
+             ["--idle-unload", "0"], ["--idle-unload", "nan"]]
     try:
         for args in cases:
             result = CliRunner().invoke(cli, ["serve", *args])
@@ -576,3 +578,55 @@ def test_the_fidelity_dial_reaches_every_switch_and_its_report(zoo):
     assert fields["status"] == "applied", fields
     assert fields["reread"] == 24 and fields["tokens_reread"] == 24
     assert raw.headers["x-kvtrans-reread"] == "24"
+
+
+def test_models_past_the_memory_budget_unload_and_come_back(zoo):
+    """Three models under a budget that holds two: the least recently used unloads (its
+    conversations' caches stay), a request for it loads it again and says how long that took,
+    and every reply is what an unconstrained server gives; /v1/models shows what is resident."""
+    from mlx_kvtrans.serve.residency import resident_bytes
+
+    names = [HYBRID, FULL, "qwen3-small"]
+    answers = {}
+    for budgeted in (False, True):
+        models = load_models(names)  # its own: unloading changes the modules in place
+        translators, _ = find_translators(models, [])
+        two = sum(sorted((resident_bytes(lm.model) for lm in models.values()))[-2:])
+        config = ServeConfig(models=names, memory_budget=two if budgeted else None,
+                             translate_ahead=False)
+        engine = Engine(models, translators, config)
+        with running(engine) as url:
+            c = client(url)
+            replies, loads = [], []
+            for turn, model in enumerate([HYBRID, FULL, "qwen3-small", HYBRID, FULL]):
+                raw = c.chat.completions.with_raw_response.create(
+                    model=model, max_tokens=6, temperature=0,
+                    messages=[{"role": "user", "content": f"Turn {turn}: the number 4410?"}])
+                replies.append(raw.parse().choices[0].message.content)
+                loads.append(float(raw.headers["x-kvtrans-load-ms"]))
+                resident = {m.id: m.model_extra["kvtrans"]["resident"]
+                            for m in c.models.list().data}
+                assert resident[model] and sum(resident.values()) <= (2 if budgeted else 3)
+            engine.settle()
+        answers[budgeted] = replies
+        if budgeted:
+            assert engine.residency.unloads >= 2 and engine.residency.loads >= 2
+            assert any(ms > 0 for ms in loads[2:])
+        else:
+            assert engine.residency.unloads == 0 and not any(loads)
+    assert answers[True] == answers[False]
+
+
+def test_a_model_unused_for_idle_unload_seconds_unloads(zoo):
+    models = load_models([FULL])
+    engine = Engine(models, {}, ServeConfig(models=[FULL], idle_unload=0.3))
+    with running(engine) as url:
+        c = client(url)
+        first = ask(c, FULL, [{"role": "user", "content": "Idle: the kettle?"}], max_tokens=4)
+        deadline = time.monotonic() + 30
+        while engine.residency.is_resident(FULL) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not engine.residency.is_resident(FULL)
+        again = ask(c, FULL, [{"role": "user", "content": "Idle: the kettle?"}], max_tokens=4)
+        assert again.choices[0].message.content == first.choices[0].message.content
+        assert engine.residency.is_resident(FULL) and engine.residency.loads == 1

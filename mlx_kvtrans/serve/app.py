@@ -223,7 +223,9 @@ def create_app(engine: Engine) -> FastAPI:
     async def models():
         return {"object": "list",
                 "data": [{"id": name, "object": "model", "created": 0, "owned_by": "kvtrans",
-                          "context_length": engine.context[name]} for name in engine.models]}
+                          "context_length": engine.context[name],
+                          "kvtrans": {"resident": engine.residency.is_resident(name)}}
+                         for name in engine.models]}
 
     @app.get("/metrics")
     async def metrics():

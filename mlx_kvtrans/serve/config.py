@@ -25,6 +25,8 @@ class ServeConfig:
     cache_bytes: int = 4 << 30
     translate: bool = True
     translate_ahead: bool = True  # between turns, hand conversations to the other models ahead
+    memory_budget: int | None = None  # the models' weights together (None: the machine's memory
+    idle_unload: float | None = None  # less the cache budget); seconds unused before unloading
     default_max_tokens: int = 512  # a chat reply's length when the request gives none
     max_body_bytes: int = 8 << 20
     reread: int | None = None  # the fidelity dial (session/dial.py): a fixed R, or
@@ -43,6 +45,10 @@ class ServeConfig:
             raise KvtransError(f"--max-tokens {self.default_max_tokens}: must be at least 1")
         if self.max_body_bytes < 1:
             raise KvtransError(f"--max-body-bytes {self.max_body_bytes}: must be at least 1")
+        if self.memory_budget is not None and self.memory_budget <= 0:
+            raise KvtransError(f"--memory-budget {self.memory_budget}: must be more than 0")
+        if self.idle_unload is not None and not self.idle_unload > 0:
+            raise KvtransError(f"--idle-unload {self.idle_unload}: seconds, more than 0")
         if dial.problem(self.reread, self.fidelity):
             raise KvtransError(dial.problem(self.reread, self.fidelity, "--"))
 

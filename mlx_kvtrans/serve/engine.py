@@ -25,6 +25,7 @@ from ..session import Outcome, Session, SwitchStatus, Verdict
 from ..session.status import Word
 from .config import ServeConfig, context_length, find_translators, load_models, tokenizer_groups
 from .metrics import Metrics
+from .residency import Residency
 from .protocol import RequestError
 from .store import ConversationStore, Entry, Match, trimmable
 
@@ -56,6 +57,7 @@ class Handoff:
     tokens_translated_ahead: int = 0  # translated between turns, before this request
     translate_ms: float = 0.0  # the switch: translation and gate, or the fallback's re-read
     ahead_ms: float = 0.0  # what translating ahead took, between turns
+    load_ms: float = 0.0  # loading the weights of a model that was not resident
     gate: Verdict = Verdict.NONE  # the fidelity gate's verdict
     gate_gap: float | None = None  # nats/token over the tail the target read itself
     gate_threshold: float | None = None
@@ -70,7 +72,7 @@ class Handoff:
 
     def fields(self) -> dict:
         out = asdict(self)
-        for key in ("translate_ms", "ahead_ms", "queue_ms", "ttft_ms"):
+        for key in ("translate_ms", "ahead_ms", "load_ms", "queue_ms", "ttft_ms"):
             out[key] = round(out[key], 3)
         return out
 
@@ -83,6 +85,7 @@ class Handoff:
                "x-kvtrans-tokens-translated-ahead": str(self.tokens_translated_ahead),
                "x-kvtrans-translate-ms": f"{self.translate_ms:.3f}",
                "x-kvtrans-ttft-ms": f"{self.ttft_ms:.3f}",
+               "x-kvtrans-load-ms": f"{self.load_ms:.3f}",
                "x-kvtrans-conversation": self.conversation}
         if self.source_model:
             out["x-kvtrans-source-model"] = self.source_model
@@ -176,6 +179,17 @@ class ComputeThread:
         self._closed = False
         threading.Thread(target=self._loop, name=name, daemon=True).start()
 
+    def every(self, seconds: float, job: Callable) -> None:
+        """Submit `job` every `seconds` from a thread of its own (which runs no MLX: the compute
+        thread waits without a timeout, see above)."""
+        def tick():
+            while not self._closed:
+                time.sleep(seconds)
+                if not self._closed:
+                    self._jobs.put((job, ()))
+
+        threading.Thread(target=tick, name="kvtrans-tick", daemon=True).start()
+
     def submit(self, job: Callable, *args) -> None:
         if self._closed:
             raise RuntimeError("the compute thread is closed")
@@ -247,7 +261,15 @@ class Engine:
         # HF tokenizers may refuse concurrent use from two threads ("Already borrowed"): the
         # HTTP side renders prompts while the worker detokenises
         self._tokenizer_locks = {name: threading.Lock() for name in models}
+        budget = self.config.memory_budget
+        if budget is None:  # what the machine holds, less the conversation caches' budget
+            from ..translators.cost import machine_memory
+
+            budget = max(machine_memory() - self.config.cache_bytes, 1)
+        self.residency = Residency(models, budget, self.config.idle_unload)
         self._worker = ComputeThread()
+        if self.config.idle_unload:
+            self._worker.every(min(1.0, self.config.idle_unload / 2), self.residency.unload_idle)
         self._waiting = 0
         self._waiting_lock = threading.Lock()
 
@@ -398,6 +420,7 @@ class Engine:
         entry = match.entry
         handoff.conversation = entry.conversation or entry.id
         # a failure below leaves `entry` out of the store: its lines may be half-written
+        handoff.load_ms = self.residency.ensure(job.model, match.holder) * 1000
         self._hand_off(match, job.model, handoff)
         handoff.tokens_new = len(job.prompt) - match.position
         self._read_prompt(entry, job)
@@ -453,7 +476,8 @@ class Engine:
         session = entry.session
         targets = [job.next_model] if job.next_model else [
             t for t in session.lines if (job.model, t) in session.translators]
-        targets = [t for t in targets if t != job.model and t in session.lines]
+        targets = [t for t in targets if t != job.model and t in session.lines
+                   and self.residency.is_resident(t)]  # never loaded for a guess
         if not targets or not self.store.take(entry):  # in use again, or evicted
             return
         try:
@@ -568,4 +592,8 @@ class Engine:
                 "kvtrans_cache_lines": {(("model", n),): stats["lines"].get(n, 0)
                                         for n in self.models},
                 "kvtrans_cache_evictions_total": {(): stats["evictions"]},
-                "kvtrans_queue_depth": {(): self.queue_depth}}
+                "kvtrans_queue_depth": {(): self.queue_depth},
+                "kvtrans_model_resident": {(("model", n),): float(self.residency.is_resident(n))
+                                           for n in self.models},
+                "kvtrans_model_loads_total": {(): self.residency.loads},
+                "kvtrans_model_unloads_total": {(): self.residency.unloads}}

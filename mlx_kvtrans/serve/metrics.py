@@ -37,6 +37,10 @@ HELP = {
     "kvtrans_cache_lines": ("gauge", "Cache lines in the cache, by model."),
     "kvtrans_cache_evictions_total": ("counter", "Cache lines evicted to stay under budget."),
     "kvtrans_queue_depth": ("gauge", "Requests waiting for the model worker."),
+    "kvtrans_model_resident": ("gauge", "1 where the model's weights are loaded, by model."),
+    "kvtrans_model_loads_total": ("counter", "Models loaded again after an unload."),
+    "kvtrans_model_unloads_total": ("counter", "Models unloaded: the memory budget or "
+                                               "--idle-unload."),
 }
 
 
