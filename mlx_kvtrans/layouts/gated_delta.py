@@ -16,8 +16,8 @@ chunk, and S transposed to (Dk, Dv):
 With a per-channel gate (KDA) the decay does not factor out of the sums over channels, and
 exponentials dominate the cost on a CPU (an `exp` costs several multiplies). Where a
 chunk's channel decays by at most `FACTOR_SPAN` nats, D_ijd = e^gamma_id * e^-gamma_jd, so the
-sums are matmuls of (K * e^gamma) with (K * e^-gamma): one exponential per token and channel, no
-overflow (e^60 fits float32 with room). The few channels of a chunk that decay further
+sums are matmuls of (K * e^gamma) with (K * e^-gamma): two exponentials per token and channel, no
+overflow (e^60 fits float32 with room, forward and backward). The few channels of a chunk that decay further
 (fast-forgetting channels) are gathered and summed pairwise, only differences gamma_i - gamma_j
 with j <= i exponentiated, so nothing overflows however strong the decay.
 """
@@ -77,12 +77,14 @@ def _factored_products(q: mx.array | None, k: mx.array, gamma: mx.array, grow: m
     C = gamma.shape[-2]
     causal = mx.tril(mx.ones((C, C), dtype=mx.bool_))
     unsafe = _unsafe_channels(gamma[..., -1, :])
+    # e^-gamma <= e^FACTOR_SPAN as an exponential, not 1 / e^gamma: the reciprocal's gradient
+    # (e^-2 gamma) overflows float32 past 44 nats
     if unsafe is None:
-        shrink = 1.0 / grow  # e^-gamma <= e^FACTOR_SPAN
+        shrink = mx.exp(-gamma)
     else:
         safe = gamma[..., -1:, :] >= -FACTOR_SPAN
-        # the inner where keeps the gradient finite where grow underflows
-        shrink = mx.where(safe, 1.0 / mx.where(safe, grow, 1.0), 0.0)
+        # the inner where keeps the gradient finite where the decay does not factor
+        shrink = mx.where(safe, mx.exp(-mx.where(safe, gamma, 0.0)), 0.0)
     k_back = k * shrink
     kk = (k * grow) @ mx.swapaxes(k_back, -1, -2)
     qk = None if q is None else (q * grow) @ mx.swapaxes(k_back, -1, -2)

@@ -201,6 +201,7 @@ def draw_windows(ids, step: int, config: DistillConfig, needles=None) -> tuple[m
 
 
 # what a checkpoint directory holds: nothing else is ever written there
+MAX_SKIPPED = 10  # steps in a row with non-finite gradients before a run stops
 CHECKPOINT_FILES = ("params.safetensors", "optimizer.safetensors", "state.json",
                     "state.json.tmp")
 
@@ -307,10 +308,16 @@ class Distiller:
             loss, kl, rehearsal, attention = (
                 mx.distributed.all_sum(x, group=self.group) / self.size
                 for x in (loss, kl, rehearsal, attention))
-        self.params = self.optimizer.apply_gradients(grads, self.params)
+        finite = mx.isfinite(loss)
+        for _, g in tree_flatten(grads):
+            finite = finite & mx.all(mx.isfinite(g))
+        skipped = not finite.item()  # one bad step must not make every parameter NaN
+        if not skipped:
+            self.params = self.optimizer.apply_gradients(grads, self.params)
         mx.eval(self.params, self.optimizer.state, loss, kl, rehearsal, attention)
         return {"step": step + 1, "prefix": prefix, "loss": float(loss), "kl": float(kl),
-                "indexer_rehearsal": float(rehearsal), "attention_rehearsal": float(attention)}
+                "indexer_rehearsal": float(rehearsal), "attention_rehearsal": float(attention),
+                **({"skipped": True} if skipped else {})}
 
     def run(self, on_step=None, checkpoint_seconds: float = 120.0, max_minutes=None) -> dict:
         """Train to `config.steps` (from the checkpoint if resumed); returns the summary."""
@@ -321,9 +328,19 @@ class Distiller:
             self.state["validation_kl_before"] = self.validate(self.translator.parameters())
         started = time.perf_counter() - self.state["seconds"]
         last_save = time.perf_counter()
+        in_a_row = 0
         while self.state["step"] < c.steps:
             record = self.step(self.state["step"])
             self.state["step"] = record["step"]
+            in_a_row = in_a_row + 1 if record.get("skipped") else 0
+            if in_a_row >= MAX_SKIPPED:
+                self.state["history"].append(record)
+                self.save_checkpoint()
+                raise KvtransError(
+                    f"distillation stopped at step {record['step']}: {in_a_row} steps in a row "
+                    f"gave non-finite gradients (prefix {record['prefix']} the last); the "
+                    f"checkpoint in {self.workdir} holds the last finite parameters: try a "
+                    "lower --lr or --max-prefix")
             if record["step"] % c.validate_every == 0 or record["step"] == c.steps:
                 record["validation_kl"] = self.validate()
             record["seconds"] = round(time.perf_counter() - started, 2)
