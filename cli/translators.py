@@ -233,12 +233,8 @@ def fit(source: str = typer.Option(..., "--from", help="source model"),
     translator = _resumable(workdir, resume, fit_translator, source, target, files, config,
                             validation=held_out, out=out_dir, assign=assign,
                             needle_share=needle_share, gate_windows=gate_windows)
-    if translator.info["fit"].get("rank", 0):  # under mlx.launch the first process reports
-        return
-    if as_json:
-        return print(json.dumps({"out": str(out_dir), **translator.info}, indent=2))
     _print_fit(translator, f"{source} -> {target} (stage 1, capture ({capture_point}), nu={nu})",
-               out_dir)
+               out_dir, as_json)
 
 
 def _resumable(workdir: Path, resume: bool, run, *args, **kwargs):
@@ -258,7 +254,11 @@ def _resumable(workdir: Path, resume: bool, run, *args, **kwargs):
         raise typer.Exit(130)
 
 
-def _print_fit(translator, title: str, out_dir: Path) -> None:
+def _print_fit(translator, title: str, out_dir: Path, as_json: bool) -> None:
+    if translator.info["fit"].get("rank", 0):  # under mlx.launch the first process reports
+        return
+    if as_json:
+        return print(json.dumps({"out": str(out_dir), **translator.info}, indent=2))
     table = Table(title=title, title_justify="left")
     for col in ("target layer", "object", "recipe", "source layers", "R^2"):
         table.add_column(col)

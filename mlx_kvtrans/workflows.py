@@ -205,15 +205,24 @@ def fit_translator(source: str | Path | LoadedModel, target: str | Path | Loaded
     translator.info["fit"]["processes"] = size
     if rank:
         translator.info["fit"]["rank"] = rank  # not saved: the first process saves
+    failure = None
     if rank == 0:
-        if validation is not None:
-            held_out = src.tokenizer.encode(Path(validation).read_text(errors="replace"))
-            translator.info["gate"] = gate_of(translator, src, tgt, held_out, gate_windows,
-                                              progress)
-        if out is not None:
-            artifact.save(translator, out, src, tgt)
+        try:
+            if validation is not None:
+                held_out = src.tokenizer.encode(Path(validation).read_text(errors="replace"))
+                translator.info["gate"] = gate_of(translator, src, tgt, held_out, gate_windows,
+                                                  progress)
+            if out is not None:
+                artifact.save(translator, out, src, tgt)
+        except BaseException as e:  # the others wait for it below: tell them, then raise
+            failure = e
     if group is not None:  # every process keeps its sums until the translator is saved
-        summed(np.zeros(1), group)
+        saved = summed(np.array([failure is None]), group)[0]
+        if failure is None and saved < size:
+            raise KvtransError("the first process failed to calibrate or save the translator; "
+                               "every process's sums are kept in --workdir")
+    if failure is not None:
+        raise failure
     if checkpoint is not None:
         checkpoint.clear()
     return translator

@@ -12,7 +12,8 @@ through translated caches.
 
 from .app import create_app, listen, run, server
 from .config import ServeConfig, parse_bytes
-from .engine import Engine, Handoff
+from .engine import Engine
+from .records import Handoff
 
 __all__ = ["Engine", "Handoff", "ServeConfig", "create_app", "listen", "parse_bytes", "run",
            "server"]

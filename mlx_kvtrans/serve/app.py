@@ -22,7 +22,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from ..errors import KvtransError
-from .engine import Engine, Failed, Finished, Generation, Text
+from .engine import Engine
+from .records import Failed, Finished, Generation, Text
 from .protocol import (ChatReply, ChatRequest, CompletionRequest, RequestError, TextReply,
                        error_body, usage, validation_error)
 

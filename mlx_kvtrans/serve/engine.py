@@ -13,223 +13,24 @@ A fault fails that request only: its entry is not put back, every other stays as
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
-from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 import mlx.core as mx
 
-from ..session import Outcome, Session, SwitchStatus, Verdict
-from ..session.status import Word
+from ..session import Outcome, Session, SwitchStatus
 from .config import ServeConfig, context_length, find_translators, load_models, tokenizer_groups
+from .compute import ComputeThread
 from .metrics import Metrics
 from .residency import Residency
 from .protocol import RequestError
+from .records import (Failed, Finished, Generation, Handoff, HandoffStatus, Started, StopText,
+                      Text)
 from .store import ConversationStore, Entry, Match, trimmable
 
 
 SNAPSHOT_EVERY = 1024  # tokens of a long read between a hybrid's snapshots
-
-
-# -- what a response reports ------------------------------------------------------------------
-class HandoffStatus(Word):
-    """What happened to a request's history."""
-
-    APPLIED = Outcome.APPLIED.value  # another model's cache, translated
-    FALLBACK_REPREFILL = Outcome.FALLBACK_REPREFILL.value  # another model's, re-read: see reason
-    REUSED = "reused"  # this model's own cache
-    NONE = "none"  # nothing cached
-
-
-@dataclass
-class Handoff:
-    """What happened to a request's history (`HandoffStatus`), and what it cost."""
-
-    status: HandoffStatus = HandoffStatus.NONE
-    reason: str = ""
-    source_model: str | None = None
-    tokens_reused: int = 0
-    tokens_translated: int = 0
-    tokens_reread: int = 0
-    tokens_new: int = 0  # prompt tokens no cache held
-    tokens_translated_ahead: int = 0  # translated between turns, before this request
-    translate_ms: float = 0.0  # the switch: translation and gate, or the fallback's re-read
-    ahead_ms: float = 0.0  # what translating ahead took, between turns
-    load_ms: float = 0.0  # loading the weights of a model that was not resident
-    gate: Verdict = Verdict.NONE  # the fidelity gate's verdict
-    gate_gap: float | None = None  # nats/token over the tail the target read itself
-    gate_threshold: float | None = None
-    reread: int = 0  # the fidelity dial's R (session/dial.py) and what its frontier expects
-    expected_agreement: float | None = None
-    queue_ms: float = 0.0
-    ttft_ms: float = 0.0  # from the request's arrival to its first token
-    conversation: str = ""
-
-    def __post_init__(self):
-        self.status, self.gate = HandoffStatus(self.status), Verdict(self.gate)  # words, too
-
-    def fields(self) -> dict:
-        out = asdict(self)
-        for key in ("translate_ms", "ahead_ms", "load_ms", "queue_ms", "ttft_ms"):
-            out[key] = round(out[key], 3)
-        return out
-
-    def headers(self) -> dict[str, str]:
-        out = {"x-kvtrans-handoff": self.status.value,
-               "x-kvtrans-tokens-reused": str(self.tokens_reused),
-               "x-kvtrans-tokens-translated": str(self.tokens_translated),
-               "x-kvtrans-tokens-reread": str(self.tokens_reread),
-               "x-kvtrans-tokens-new": str(self.tokens_new),
-               "x-kvtrans-tokens-translated-ahead": str(self.tokens_translated_ahead),
-               "x-kvtrans-translate-ms": f"{self.translate_ms:.3f}",
-               "x-kvtrans-ttft-ms": f"{self.ttft_ms:.3f}",
-               "x-kvtrans-load-ms": f"{self.load_ms:.3f}",
-               "x-kvtrans-conversation": self.conversation}
-        if self.source_model:
-            out["x-kvtrans-source-model"] = self.source_model
-        if self.status == HandoffStatus.APPLIED:
-            out["x-kvtrans-reread"] = str(self.reread)
-        if self.expected_agreement is not None:
-            out["x-kvtrans-expected-agreement"] = f"{self.expected_agreement:.3f}"
-        if self.gate:
-            out["x-kvtrans-gate"] = self.gate.value
-        if self.gate_gap is not None:
-            out["x-kvtrans-gate-gap"] = f"{self.gate_gap:.4f}"
-        if self.reason:  # header values are one line of latin-1
-            out["x-kvtrans-reason"] = " ".join(self.reason.split()).encode(
-                "latin-1", "replace").decode("latin-1")
-        return out
-
-
-# -- events the worker sends the HTTP side ----------------------------------------------------
-@dataclass
-class Started:
-    handoff: Handoff  # known once the first token is out
-
-
-@dataclass
-class Text:
-    text: str
-
-
-@dataclass
-class Finished:
-    reason: str  # stop, length, cancelled
-    prompt_tokens: int
-    completion_tokens: int
-    handoff: Handoff
-    entry: Entry | None = field(default=None, repr=False)  # the conversation, back in the store
-
-
-@dataclass
-class Failed:
-    error: BaseException
-
-
-@dataclass
-class Generation:
-    """One request's compute, validated."""
-
-    model: str
-    prompt: list[int]
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    stop: list[str] = field(default_factory=list)
-    seed: int | None = None
-    conversation: str | None = None
-    boundaries: list[int] = field(default_factory=list)  # where the prompt's messages begin
-    next_model: str | None = None  # the model the conversation goes to next, if known
-    arrived: float = field(default_factory=time.perf_counter)
-
-
-class StopText:
-    """OpenAI's `stop`: the reply ends before the first stop sequence, and text that could be
-    the start of one is held back until it is known not to be."""
-
-    def __init__(self, stops: list[str]):
-        self.stops = [s for s in stops if s]
-        self.pending, self.stopped = "", False
-
-    def feed(self, piece: str, final: bool = False) -> str:
-        """The text that can go out now."""
-        self.pending += piece
-        hits = [i for s in self.stops if (i := self.pending.find(s)) >= 0]
-        if hits:
-            out, self.pending, self.stopped = self.pending[:min(hits)], "", True
-            return out
-        held = 0 if final else max((k for s in self.stops for k in range(1, len(s))
-                                    if self.pending.endswith(s[:k])), default=0)
-        out = self.pending[:len(self.pending) - held]
-        self.pending = self.pending[len(out):]
-        return out
-
-
-class ComputeThread:
-    """One daemon thread that runs jobs in the order they come. It never ends: a thread that
-    ran MLX's compiled functions aborts the process when it exits during Python's shutdown (its
-    thread-local compile cache needs the interpreter to go), so once closed it waits forever and
-    goes with the process."""
-
-    def __init__(self, name: str = "kvtrans-compute"):
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._idle: list = []  # jobs for idle time, submitted from this thread only
-        self._closed = False
-        threading.Thread(target=self._loop, name=name, daemon=True).start()
-
-    def every(self, seconds: float, job: Callable) -> None:
-        """Submit `job` every `seconds` from a thread of its own (which runs no MLX: the compute
-        thread waits without a timeout, see above)."""
-        def tick():
-            while not self._closed:
-                time.sleep(seconds)
-                if not self._closed:
-                    self._jobs.put((job, ()))
-
-        threading.Thread(target=tick, name="kvtrans-tick", daemon=True).start()
-
-    def submit(self, job: Callable, *args) -> None:
-        if self._closed:
-            raise RuntimeError("the compute thread is closed")
-        self._jobs.put((job, args))
-
-    def submit_idle(self, job: Callable, *args) -> None:
-        """From a job: run `job` once no submitted job waits (and before any later idle job)."""
-        if not self._closed:
-            self._idle.append((job, args))
-
-    def waiting(self) -> bool:
-        """Whether a submitted job waits: idle work stops at its next safe point."""
-        return not self._jobs.empty()
-
-    def settle(self) -> None:
-        """Wait until every job and idle job submitted so far has run."""
-        done = threading.Event()
-        self._idle.append((done.set, ()))
-        self._jobs.put((lambda: None, ()))  # wakes the loop, which then runs the idle jobs
-        done.wait()
-
-    def close(self) -> None:
-        """Run what is queued, then take no more."""
-        if self._closed:
-            return
-        self._closed = True
-        drained = threading.Event()
-        self._jobs.put((drained.set, ()))
-        drained.wait()
-
-    def _loop(self) -> None:
-        while True:
-            if self._idle and self._jobs.empty():
-                job, args = self._idle.pop(0)
-            else:
-                job, args = self._jobs.get()
-            try:
-                job(*args)
-            except Exception:  # jobs report their own failures; this one could not
-                logging.getLogger(__name__).exception("a compute job failed")
 
 
 class Engine:
@@ -425,6 +226,7 @@ class Engine:
         handoff.tokens_new = len(job.prompt) - match.position
         self._read_prompt(entry, job)
         reason, count = self._decode(entry, job, handoff, emit, cancelled)
+        self.residency.ensure(job.model, match.holder)  # used until now, not only at the start
         self.store.checkin(entry, {job.model, match.holder})
         return Finished(reason, len(job.prompt), count, handoff, entry)
 
@@ -443,8 +245,8 @@ class Engine:
             status = ahead
             handoff.source_model = came_from
             # what was given ahead is in this model's line, but came from the switch
-            handoff.tokens_reused -= (ahead.tokens_translated + ahead.tokens_read
-                                      + ahead.tokens_reprefilled)
+            handoff.tokens_reused = max(0, handoff.tokens_reused - (
+                ahead.tokens_translated + ahead.tokens_read + ahead.tokens_reprefilled))
         else:
             session.active = match.holder
             try:
@@ -478,11 +280,12 @@ class Engine:
             t for t in session.lines if (job.model, t) in session.translators]
         targets = [t for t in targets if t != job.model and t in session.lines
                    and self.residency.is_resident(t)]  # never loaded for a guess
-        if not targets or not self.store.take(entry):  # in use again, or evicted
+        if (not targets or not self.residency.is_resident(job.model)
+                or not self.store.take(entry)):  # in use again, or evicted
             return
         try:
             for target in targets:
-                if self._worker.waiting():
+                if self.queue_depth:  # a request waits: it goes first
                     break
                 try:
                     session.prepare(target)

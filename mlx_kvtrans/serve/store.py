@@ -86,6 +86,8 @@ class Entry:
         keep = self.usable(name, limit)
         if keep == line.seen:
             return
+        if keep <= self.session.prepared_from.get(name, 0):  # none of what was given ahead
+            self.session.prepared.pop(name, None)
         if keep == 0:
             self.drop(name)
             return
@@ -116,6 +118,7 @@ class Entry:
 
     def drop(self, name: str) -> None:
         self.session.lines[name].reset()
+        self.session.prepared.pop(name, None)
         self.checkpoints.pop(name, None)
         self.marks.pop(name, None)
 
@@ -141,7 +144,6 @@ class Entry:
         twin = Entry(new_id, self.group, session, self.conversation)
         session.tokens = list(self.tokens)
         session.active = self.session.active
-        session.prepared = dict(self.session.prepared)  # what was translated ahead, reported
         for name, line in self.session.lines.items():
             if self.usable(name, limit) == 0:
                 continue
@@ -153,6 +155,8 @@ class Entry:
             twin.checkpoints[name] = dict(self.checkpoints.get(name, {}))
             twin.marks[name] = dict(self.marks.get(name, {}))
             twin.used[name] = self.used.get(name, 0)
+            if name in self.session.prepared:  # a line translated ahead, in either copy
+                session.prepared[name] = self.session.prepared[name]
         return twin
 
 

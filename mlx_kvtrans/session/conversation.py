@@ -56,6 +56,7 @@ class Session:
         self.tokens: list[int] = []
         self.switches: list[SwitchStatus] = []
         self.prepared: dict[str, SwitchStatus] = {}  # target -> its hand-over made ahead
+        self.prepared_from: dict[str, int] = {}  # target -> where that hand-over began
         self._turn = None  # weak reference to a generation not yet finished
 
     # -- what is recorded ---------------------------------------------------------------------
@@ -200,9 +201,18 @@ class Session:
         if target not in self.lines:
             raise ValueError(f"unknown model {target!r}")
         self._finish_turn()
+        # the source's recorded spans stay until a switch: a line filled ahead may be evicted
+        began = self.lines[target].seen
         status = hand_over(self, self.active, target)
-        self._drop_received()
         if status.tokens_translated or status.tokens_reprefilled or status.tokens_read:
+            earlier = self.prepared.get(target)
+            if earlier is not None:  # ahead twice: one hand-over, made in two parts
+                status.tokens_translated += earlier.tokens_translated
+                status.tokens_read += earlier.tokens_read
+                status.tokens_reprefilled += earlier.tokens_reprefilled
+                status.translate_seconds += earlier.translate_seconds
+            else:
+                self.prepared_from[target] = began
             self.prepared[target] = status
         return status
 

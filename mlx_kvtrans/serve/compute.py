@@ -1,0 +1,75 @@
+"""The server's one compute thread: MLX work runs on it alone, in the order it comes, with
+idle-time jobs (translating ahead) run when no request waits."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Callable
+
+
+class ComputeThread:
+    """One daemon thread that runs jobs in the order they come. It never ends: a thread that
+    ran MLX's compiled functions aborts the process when it exits during Python's shutdown (its
+    thread-local compile cache needs the interpreter to go), so once closed it waits forever and
+    goes with the process."""
+
+    def __init__(self, name: str = "kvtrans-compute"):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._idle: list = []  # jobs for idle time, submitted from this thread only
+        self._closed = False
+        threading.Thread(target=self._loop, name=name, daemon=True).start()
+
+    def every(self, seconds: float, job: Callable) -> None:
+        """Submit `job` every `seconds` from a thread of its own (which runs no MLX: the compute
+        thread waits without a timeout, see above)."""
+        def tick():
+            while not self._closed:
+                time.sleep(seconds)
+                if not self._closed:
+                    self._jobs.put((job, ()))
+
+        threading.Thread(target=tick, name="kvtrans-tick", daemon=True).start()
+
+    def submit(self, job: Callable, *args) -> None:
+        if self._closed:
+            raise RuntimeError("the compute thread is closed")
+        self._jobs.put((job, args))
+
+    def submit_idle(self, job: Callable, *args) -> None:
+        """From a job: run `job` once no submitted job waits (and before any later idle job)."""
+        if not self._closed:
+            self._idle.append((job, args))
+
+    def waiting(self) -> bool:
+        """Whether a submitted job waits: idle work stops at its next safe point."""
+        return not self._jobs.empty()
+
+    def settle(self) -> None:
+        """Wait until every job and idle job submitted so far has run."""
+        done = threading.Event()
+        self._idle.append((done.set, ()))
+        self._jobs.put((lambda: None, ()))  # wakes the loop, which then runs the idle jobs
+        done.wait()
+
+    def close(self) -> None:
+        """Run what is queued, then take no more."""
+        if self._closed:
+            return
+        self._closed = True
+        drained = threading.Event()
+        self._jobs.put((drained.set, ()))
+        drained.wait()
+
+    def _loop(self) -> None:
+        while True:
+            if self._idle and self._jobs.empty():
+                job, args = self._idle.pop(0)
+            else:
+                job, args = self._jobs.get()
+            try:
+                job(*args)
+            except Exception:  # jobs report their own failures; this one could not
+                logging.getLogger(__name__).exception("a compute job failed")

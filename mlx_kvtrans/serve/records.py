@@ -1,0 +1,146 @@
+"""What the server's compute thread and its HTTP side tell each other: a validated request
+(`Generation`), the events of its answer (`Started`, `Text`, `Finished`, `Failed`), what happened to
+its history (`Handoff`), and OpenAI's `stop` sequences (`StopText`)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+from ..session import Outcome
+from ..session.status import Verdict, Word
+from .store import Entry
+
+
+# -- what a response reports ------------------------------------------------------------------
+class HandoffStatus(Word):
+    """What happened to a request's history."""
+
+    APPLIED = Outcome.APPLIED.value  # another model's cache, translated
+    FALLBACK_REPREFILL = Outcome.FALLBACK_REPREFILL.value  # another model's, re-read: see reason
+    REUSED = "reused"  # this model's own cache
+    NONE = "none"  # nothing cached
+
+
+@dataclass
+class Handoff:
+    """What happened to a request's history (`HandoffStatus`), and what it cost."""
+
+    status: HandoffStatus = HandoffStatus.NONE
+    reason: str = ""
+    source_model: str | None = None
+    tokens_reused: int = 0
+    tokens_translated: int = 0
+    tokens_reread: int = 0
+    tokens_new: int = 0  # prompt tokens no cache held
+    tokens_translated_ahead: int = 0  # translated between turns, before this request
+    translate_ms: float = 0.0  # the switch: translation and gate, or the fallback's re-read
+    ahead_ms: float = 0.0  # what translating ahead took, between turns
+    load_ms: float = 0.0  # loading the weights of a model that was not resident
+    gate: Verdict = Verdict.NONE  # the fidelity gate's verdict
+    gate_gap: float | None = None  # nats/token over the tail the target read itself
+    gate_threshold: float | None = None
+    reread: int = 0  # the fidelity dial's R (session/dial.py) and what its frontier expects
+    expected_agreement: float | None = None
+    queue_ms: float = 0.0
+    ttft_ms: float = 0.0  # from the request's arrival to its first token
+    conversation: str = ""
+
+    def __post_init__(self):
+        self.status, self.gate = HandoffStatus(self.status), Verdict(self.gate)  # words, too
+
+    def fields(self) -> dict:
+        out = asdict(self)
+        for key in ("translate_ms", "ahead_ms", "load_ms", "queue_ms", "ttft_ms"):
+            out[key] = round(out[key], 3)
+        return out
+
+    def headers(self) -> dict[str, str]:
+        out = {"x-kvtrans-handoff": self.status.value,
+               "x-kvtrans-tokens-reused": str(self.tokens_reused),
+               "x-kvtrans-tokens-translated": str(self.tokens_translated),
+               "x-kvtrans-tokens-reread": str(self.tokens_reread),
+               "x-kvtrans-tokens-new": str(self.tokens_new),
+               "x-kvtrans-tokens-translated-ahead": str(self.tokens_translated_ahead),
+               "x-kvtrans-translate-ms": f"{self.translate_ms:.3f}",
+               "x-kvtrans-ttft-ms": f"{self.ttft_ms:.3f}",
+               "x-kvtrans-load-ms": f"{self.load_ms:.3f}",
+               "x-kvtrans-conversation": self.conversation}
+        if self.source_model:
+            out["x-kvtrans-source-model"] = self.source_model
+        if self.status == HandoffStatus.APPLIED:
+            out["x-kvtrans-reread"] = str(self.reread)
+        if self.expected_agreement is not None:
+            out["x-kvtrans-expected-agreement"] = f"{self.expected_agreement:.3f}"
+        if self.gate:
+            out["x-kvtrans-gate"] = self.gate.value
+        if self.gate_gap is not None:
+            out["x-kvtrans-gate-gap"] = f"{self.gate_gap:.4f}"
+        if self.reason:  # header values are one line of latin-1
+            out["x-kvtrans-reason"] = " ".join(self.reason.split()).encode(
+                "latin-1", "replace").decode("latin-1")
+        return out
+
+
+# -- events the worker sends the HTTP side ----------------------------------------------------
+@dataclass
+class Started:
+    handoff: Handoff  # known once the first token is out
+
+
+@dataclass
+class Text:
+    text: str
+
+
+@dataclass
+class Finished:
+    reason: str  # stop, length, cancelled
+    prompt_tokens: int
+    completion_tokens: int
+    handoff: Handoff
+    entry: Entry | None = field(default=None, repr=False)  # the conversation, back in the store
+
+
+@dataclass
+class Failed:
+    error: BaseException
+
+
+@dataclass
+class Generation:
+    """One request's compute, validated."""
+
+    model: str
+    prompt: list[int]
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+    conversation: str | None = None
+    boundaries: list[int] = field(default_factory=list)  # where the prompt's messages begin
+    next_model: str | None = None  # the model the conversation goes to next, if known
+    arrived: float = field(default_factory=time.perf_counter)
+
+
+class StopText:
+    """OpenAI's `stop`: the reply ends before the first stop sequence, and text that could be
+    the start of one is held back until it is known not to be."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self.pending, self.stopped = "", False
+
+    def feed(self, piece: str, final: bool = False) -> str:
+        """The text that can go out now."""
+        self.pending += piece
+        hits = [i for s in self.stops if (i := self.pending.find(s)) >= 0]
+        if hits:
+            out, self.pending, self.stopped = self.pending[:min(hits)], "", True
+            return out
+        held = 0 if final else max((k for s in self.stops for k in range(1, len(s))
+                                    if self.pending.endswith(s[:k])), default=0)
+        out = self.pending[:len(self.pending) - held]
+        self.pending = self.pending[len(out):]
+        return out
