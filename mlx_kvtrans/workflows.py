@@ -196,12 +196,8 @@ def fit_translator(source: str | Path | LoadedModel, target: str | Path | Loaded
     checkpoint = None if workdir is None else FitCheckpoint(
         workdir, resume, context=json.dumps([model_identity(lm) for lm in (src, tgt)],
                                             sort_keys=True), rank=rank, size=size)
-    try:
-        translator = fit(src.model, tgt.model, batches, recipes, config, codebook=codebook,
-                         progress=fitted if rank == 0 else None, checkpoint=checkpoint,
-                         group=group)
-    except ValueError as e:  # more processes than batches
-        raise KvtransError(str(e))
+    translator = fit(src.model, tgt.model, batches, recipes, config, codebook=codebook,
+                     progress=fitted if rank == 0 else None, checkpoint=checkpoint, group=group)
     translator.info["fit"]["processes"] = size
     if rank:
         translator.info["fit"]["rank"] = rank  # not saved: the first process saves

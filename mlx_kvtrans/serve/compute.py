@@ -43,10 +43,6 @@ class ComputeThread:
         if not self._closed:
             self._idle.append((job, args))
 
-    def waiting(self) -> bool:
-        """Whether a submitted job waits: idle work stops at its next safe point."""
-        return not self._jobs.empty()
-
     def settle(self) -> None:
         """Wait until every job and idle job submitted so far has run."""
         done = threading.Event()

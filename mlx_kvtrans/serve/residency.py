@@ -40,7 +40,6 @@ class Residency:
     models: dict
     budget_bytes: int | None = None
     idle_unload: float | None = None
-    loader: object = None  # name -> LoadedModel (default `models.load`)
     sizes: dict = field(default_factory=dict)  # name -> its weights' bytes when loaded
     resident: dict = field(default_factory=dict)  # name -> time of its last use
     loads: int = 0
@@ -105,7 +104,7 @@ class Residency:
     def _load(self, name: str) -> None:
         from ..models import load
 
-        fresh = (self.loader or load)(self.models[name].name)
+        fresh = load(self.models[name].name)
         self.models[name].model.update(fresh.model.parameters())
         mx.eval(self.models[name].model.parameters())
         del fresh

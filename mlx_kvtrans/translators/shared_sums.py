@@ -15,6 +15,7 @@ import zlib
 import mlx.core as mx
 import numpy as np
 
+from ..errors import KvtransError
 from .identity_tables import TableMoments
 from .stats import Moments, SharedMoments
 
@@ -26,7 +27,7 @@ def mine(index: int, group) -> bool:
 
 def check_batches(count: int, group) -> None:
     if group is not None and count < group.size():
-        raise ValueError(f"{count} fitting batches for {group.size()} processes: each needs "
+        raise KvtransError(f"{count} fitting batches for {group.size()} processes: each needs "
                          "at least one (more windows, or fewer processes)")
 
 
