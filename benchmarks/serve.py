@@ -1,7 +1,8 @@
 """`kvtrans serve` under a client: the time to first token of a request that moves a
 conversation to the other model, through translation and, on the same server started with
 --no-translate, through re-reading, side by side at 1K-8K tokens of history; then requests/s
-and p50 / p95 latency with several clients at once. Writes benchmarks/results/serve.{json,md}.
+and p50 / p95 latency as 1-8 clients share the same requests (batched decoding). Writes
+benchmarks/results/serve.{json,md}.
 
 Each server is `kvtrans serve` in its own process (the zoo pair kimi-linear / kimi-vl, shipped
 translators), talked to over loopback HTTP; every conversation carries its own conversation id,
@@ -15,8 +16,8 @@ after the previous answer (the server translates ahead meanwhile) beside a same-
 follow-up made as long after, and a user who edits their last turn on the hybrid (the share of
 the prompt reported as cached tokens).
 
-    python benchmarks/serve.py [--lengths 1024,2048,4096,8192] [--repeats 3] [--clients 8]
-                               [--requests 10] [--idle 3]
+    python benchmarks/serve.py [--lengths 1024,2048,4096,8192] [--repeats 3] [--idle 3]
+                               [--clients 1,2,4,8] [--conversations 8] [--turns 4] [--reply 32]
 """
 
 from __future__ import annotations
@@ -150,20 +151,24 @@ def median_row(rows: list[dict]) -> dict:
     return out
 
 
-def load(port: int, clients: int, requests: int, tag: str) -> dict:
-    """`clients` conversations at once, `requests` turns each, alternating models."""
+def load(port: int, clients: int, conversations: int, turns: int, reply: int,
+         tag: str) -> dict:
+    """`conversations` conversations of `turns` turns each (alternating models, `reply`
+    tokens a reply), shared among `clients` clients that send at once, each its
+    conversations one after another: the same requests whatever the number of clients."""
     latencies, lock = [], threading.Lock()
 
     def client(index: int):
-        messages = []
-        for turn in range(requests):
-            messages.append({"role": "user", "content": f"Client {index}, turn {turn}: the "
-                                                        "number for copper?"})
-            _, seconds, reply = chat(port, (SOURCE, TARGET)[turn % 2], messages, 8,
-                                     f"{tag}-{index}")
-            messages.append({"role": "assistant", "content": reply["content"]})
-            with lock:
-                latencies.append(seconds)
+        for number in range(index, conversations, clients):
+            messages = []
+            for turn in range(turns):
+                messages.append({"role": "user", "content": f"Conversation {number}, turn "
+                                                            f"{turn}: the number for copper?"})
+                _, seconds, answer = chat(port, (SOURCE, TARGET)[turn % 2], messages, reply,
+                                          f"{tag}-{number}")
+                messages.append({"role": "assistant", "content": answer["content"]})
+                with lock:
+                    latencies.append(seconds)
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
     started = time.perf_counter()
@@ -173,14 +178,14 @@ def load(port: int, clients: int, requests: int, tag: str) -> dict:
         t.join()
     wall = time.perf_counter() - started
     ordered = sorted(latencies)
-    return {"clients": clients, "requests": len(ordered),
+    return {"clients": clients, "requests": len(ordered), "seconds": round(wall, 2),
             "requests_per_second": round(len(ordered) / wall, 2),
             "p50_ms": round(ordered[len(ordered) // 2] * 1000, 1),
             "p95_ms": round(ordered[min(len(ordered) - 1, int(len(ordered) * 0.95))] * 1000, 1)}
 
 
-def measure(translate: bool, lengths: list[int], repeats: int, clients: int,
-            requests: int, tokenizer, idle: float) -> dict:
+def measure(translate: bool, lengths: list[int], repeats: int, clients: list[int],
+            conversations: int, turns: int, reply: int, tokenizer, idle: float) -> dict:
     mode = "translate" if translate else "reprefill"
     result = {}
     with served(translate) as port:
@@ -207,9 +212,15 @@ def measure(translate: bool, lengths: list[int], repeats: int, clients: int,
                 print(f"after {idle:g} s idle, {length} tokens: handoff / follow-up "
                       f"{pair['ratio']}; edited turn cached "
                       f"{result['edited'][length]['cached_share']:.2f}", flush=True)
-        under_load = load(port, clients, requests, f"{mode}-load")
-        print(f"{mode:9s} load: {under_load}", flush=True)
-    return {"switch": rows, "load": under_load, **result}
+        if translate:  # batching, at the default flags
+            result["load"] = []
+            for k in clients:
+                row = load(port, k, conversations, turns, reply, f"load-{k}")
+                row["speedup"] = round(result["load"][0]["seconds"] / row["seconds"], 2) \
+                    if result["load"] else 1.0
+                result["load"].append(row)
+                print(f"{k} clients: {row}", flush=True)
+    return {"switch": rows, **result}
 
 
 def write_markdown(results: dict) -> None:
@@ -219,9 +230,8 @@ def write_markdown(results: dict) -> None:
              f"{TARGET} through `kvtrans serve`, translating the cache, beside the same server "
              "started with `--no-translate` (the target re-reads the history); medians of "
              f"{results['repeats']} conversations per length, measured by the client over "
-             "loopback (the server's own figure in brackets). Then requests/s and latency with "
-             f"{results['clients']} clients at once, each a conversation alternating models "
-             "every turn (8 tokens a reply). Regenerate with `python benchmarks/serve.py`.\n",
+             "loopback (the server's own figure in brackets). Regenerate with "
+             "`python benchmarks/serve.py`.\n",
              f"BLAS: {results['blas']}; {results['cores']} cores, load average "
              f"{results['load_average']} when it started.\n",
              "| history tokens | translated: first token ms | status | re-read: first token ms "
@@ -244,10 +254,17 @@ def write_markdown(results: dict) -> None:
         lines.append(f"| {length} | {pair['handoff']['client_ttft_ms']:.1f} | "
                      f"{pair['follow_up']['client_ttft_ms']:.1f} | {pair['ratio']:.2f} | "
                      f"{', '.join(pair['handoff']['status'])} | {edit['cached_share']:.2f} |")
-    lines += ["", "| server | requests | requests/s | p50 ms | p95 ms |", "|---|---|---|---|---|"]
-    for name, row in (("translating", t["load"]), ("--no-translate", r["load"])):
-        lines.append(f"| {name} | {row['requests']} | {row['requests_per_second']} | "
-                     f"{row['p50_ms']} | {row['p95_ms']} |")
+    lines += ["", f"Batching, on the translating server: {results['conversations']} "
+              f"conversations of {results['turns']} turns (alternating models, "
+              f"{results['reply']}-token replies), shared among the clients, each sending its "
+              "conversations one after another; the same requests in every row. **Speed-up**: "
+              "the one-client time over this row's.\n",
+              "| clients | requests | seconds | requests/s | p50 ms | p95 ms | speed-up |",
+              "|---|---|---|---|---|---|---|"]
+    for row in t["load"]:
+        lines.append(f"| {row['clients']} | {row['requests']} | {row['seconds']} | "
+                     f"{row['requests_per_second']} | {row['p50_ms']} | {row['p95_ms']} | "
+                     f"{row['speedup']:.2f}x |")
     (OUT / "serve.md").write_text("\n".join(lines) + "\n")
 
 
@@ -255,8 +272,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", default="1024,2048,4096,8192")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--clients", type=int, default=8)
-    parser.add_argument("--requests", type=int, default=10, help="per client")
+    parser.add_argument("--clients", default="1,2,4,8")
+    parser.add_argument("--conversations", type=int, default=8)
+    parser.add_argument("--turns", type=int, default=4, help="per conversation")
+    parser.add_argument("--reply", type=int, default=32, help="tokens a reply")
     parser.add_argument("--idle", type=float, default=3.0,
                         help="seconds between an answer and the next turn")
     args = parser.parse_args()
@@ -264,14 +283,16 @@ def main() -> None:
     tokenizer = kv.load(TARGET).tokenizer
     busy = os.getloadavg()[0]  # other work on the machine slows the re-reads most
     started = time.perf_counter()
-    results = {mode: measure(mode == "translate", lengths, args.repeats, args.clients,
-                             args.requests, tokenizer, args.idle)
+    clients = [int(x) for x in args.clients.split(",")]
+    results = {mode: measure(mode == "translate", lengths, args.repeats, clients,
+                             args.conversations, args.turns, args.reply, tokenizer, args.idle)
                for mode in ("translate", "reprefill")}
     report = blas_report()
     results = json.loads(json.dumps(results))  # lengths become the JSON's string keys
     results.update(blas=f"{report.name}, float32 matmul {report.gflops:.0f} GFLOP/s",
-                   lengths=lengths, repeats=args.repeats, clients=args.clients, idle=args.idle,
-                   requests=args.requests, models=[SOURCE, TARGET], cores=os.cpu_count(),
+                   lengths=lengths, repeats=args.repeats, clients=clients, idle=args.idle,
+                   conversations=args.conversations, turns=args.turns, reply=args.reply,
+                   models=[SOURCE, TARGET], cores=os.cpu_count(),
                    load_average=round(busy, 1),
                    minutes=round((time.perf_counter() - started) / 60, 1))
     OUT.mkdir(exist_ok=True)

@@ -51,3 +51,24 @@ def test_mla_stores_latent_as_keys_and_rope_key_as_values():
     assert "cache.update_and_fetch(kv_latent, k_pe)" in src
     assert "traditional=True" in inspect.getsource(deepseek_v3.DeepseekV3Attention.__init__)
     assert "self.rope" not in inspect.getsource(kimi_linear.KimiMLAAttention.__call__)
+
+
+def test_generation_batch_steps_merged_copies_of_each_cache():
+    # serve's batches: one GenerationBatch per model, built from a conversation's cache
+    # (merged: a copy), extended by requests that join, filtered as they end
+    from mlx_lm.generate import GenerationBatch, StopSequences, greedy_sampler
+
+    params = list(inspect.signature(GenerationBatch.__init__).parameters)
+    assert params[1:] == ["model", "uids", "inputs", "prompt_cache", "tokens", "samplers",
+                          "fallback_sampler", "logits_processors", "stop_sequences",
+                          "max_tokens"]
+    assert all(hasattr(GenerationBatch, m) for m in ("next", "extend", "filter"))
+    assert callable(greedy_sampler) and StopSequences().matcher() is not None
+    for kind in (mlx_cache.BatchKVCache, mlx_cache.ArraysCache, mlx_cache.CacheList):
+        assert all(hasattr(kind, m) for m in ("merge", "extend", "filter", "extract"))
+    c = mlx_cache.KVCache()
+    c.update_and_fetch(mx.ones((1, 2, 3, 4)), mx.ones((1, 2, 3, 4)))
+    merged = type(c).merge([c])
+    assert isinstance(merged, mlx_cache.BatchKVCache)
+    merged.update_and_fetch(mx.zeros((1, 2, 1, 4)), mx.zeros((1, 2, 1, 4)))
+    assert c.offset == 3 and mx.array_equal(c.state[0][..., :3, :], mx.ones((1, 2, 3, 4)))

@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import openai
@@ -133,6 +134,33 @@ def test_streamed_chat_equals_the_plain_reply_and_reports_in_its_last_chunk(serv
     last = chunks[-1]
     assert last.choices == [] and last.usage.completion_tokens == plain.usage.completion_tokens
     assert report(last)["status"] == "reused"  # the same prompt: read but its last token
+
+
+def test_concurrent_requests_decode_together_and_answer_as_alone(served):
+    engine, url = served
+    asks = [(model, f"Note {i} for {model}: the {word} is {300117 * (i + 2)}.")
+            for i, word in enumerate(("kettle", "harbor", "lantern"))
+            for model in (HYBRID, FULL)]
+
+    def answer(i_asked, kind):
+        i, (model, text) = i_asked
+        reply = ask(client(url), model, [{"role": "user", "content": text}], max_tokens=16,
+                    conversation=f"{kind}-{i}")
+        return reply.choices[0].message.content, reply.usage.completion_tokens
+
+    alone = [answer(a, "alone") for a in enumerate(asks)]
+    counts = {m: (engine.metrics.value("kvtrans_decode_steps_total", model=m),
+                  engine.metrics.value("kvtrans_decode_step_tokens_total", model=m))
+              for m in (HYBRID, FULL)}
+    with ThreadPoolExecutor(len(asks)) as pool:
+        together = list(pool.map(lambda a: answer(a, "together"), enumerate(asks)))
+    assert together == alone  # the same replies and usage, greedy
+    steps = sum(engine.metrics.value("kvtrans_decode_steps_total", model=m) - counts[m][0]
+                for m in counts)
+    tokens = sum(engine.metrics.value("kvtrans_decode_step_tokens_total", model=m)
+                 - counts[m][1] for m in counts)
+    assert tokens == sum(n for _, n in together)  # every token decoded once, in some step
+    assert steps < tokens  # some steps decoded several requests
 
 
 def test_alternating_models_translate_and_match_the_session_api(served, zoo):

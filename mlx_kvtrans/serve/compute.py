@@ -1,5 +1,6 @@
-"""The server's one compute thread: MLX work runs on it alone, in the order it comes, with
-idle-time jobs (translating ahead) run when no request waits."""
+"""The server's one compute thread: MLX work runs on it alone, in the order it comes (a job may
+queue its continuation behind what waits), with idle-time jobs (reading a reply in, translating
+ahead) run when no job waits."""
 
 from __future__ import annotations
 
@@ -38,25 +39,44 @@ class ComputeThread:
             raise RuntimeError("the compute thread is closed")
         self._jobs.put((job, args))
 
+    def later(self, job: Callable, *args) -> None:
+        """From a job: run `job` after the jobs waiting now (the next part of a request, the
+        next decoding step), also once closed, which waits for it."""
+        self._jobs.put((job, args))
+
     def submit_idle(self, job: Callable, *args) -> None:
         """From a job: run `job` once no submitted job waits (and before any later idle job)."""
         if not self._closed:
             self._idle.append((job, args))
 
     def settle(self) -> None:
-        """Wait until every job and idle job submitted so far has run."""
+        """Wait until no job and no idle job is left, those they submit included."""
         done = threading.Event()
-        self._idle.append((done.set, ()))
+
+        def check():
+            if self._idle or not self._jobs.empty():
+                self._idle.append((check, ()))
+            else:
+                done.set()
+
+        self._idle.append((check, ()))
         self._jobs.put((lambda: None, ()))  # wakes the loop, which then runs the idle jobs
         done.wait()
 
     def close(self) -> None:
-        """Run what is queued, then take no more."""
+        """Run what is queued and what it continues with (`later`), then take no more."""
         if self._closed:
             return
         self._closed = True
         drained = threading.Event()
-        self._jobs.put((drained.set, ()))
+
+        def drain():
+            if self._jobs.empty():
+                drained.set()
+            else:
+                self._jobs.put((drain, ()))
+
+        self._jobs.put((drain, ()))
         drained.wait()
 
     def _loop(self) -> None:

@@ -1,12 +1,14 @@
 """The model side of `kvtrans serve`: resident models, the translators between them, the
-conversation store, and one worker thread that runs every request's compute in arrival order.
+conversation store, and one worker thread that runs every request's compute.
 
 MLX work stays on that one thread (one stream, no two forwards at once); the HTTP side only
 renders prompts and waits for events. A request's compute: take the entry holding the longest
 prefix of its prompt (`store`), hand it to the requested model when another model holds more
 (`Session.switch`, which runs `session.hand_over`: segment-wise translation, or a visible
-re-read), read the rest of the prompt (a hybrid takes a checkpoint at the end of the
-history), then decode, streaming text events.
+re-read), read the rest of the prompt but its last token in parts (a hybrid takes checkpoints),
+put the entry back, then decode in the model's batch with every other request decoding on it
+(`batching`), streaming text events. Reading parts and decoding steps take turns on the worker.
+After a reply, the model reads it into the entry, and idle time translates ahead.
 A fault fails that request only: its entry is not put back, every other stays as it was.
 """
 
@@ -21,16 +23,17 @@ import mlx.core as mx
 
 from ..session import Outcome, Session, SwitchStatus
 from .config import ServeConfig, context_length, find_translators, load_models, tokenizer_groups
+from .batching import Batches, Decoding
 from .compute import ComputeThread
 from .metrics import Metrics
 from .residency import Residency
 from .protocol import RequestError
-from .records import (Failed, Finished, Generation, Handoff, HandoffStatus, Started, StopText,
-                      Text)
+from .records import Failed, Finished, Generation, Handoff, HandoffStatus
 from .store import ConversationStore, Entry, Match, trimmable
 
 
 SNAPSHOT_EVERY = 1024  # tokens of a long read between a hybrid's snapshots
+READ_PART = 512  # tokens of a prompt read between two decoding steps
 
 
 class Engine:
@@ -73,6 +76,8 @@ class Engine:
             self._worker.every(min(1.0, self.config.idle_unload / 2), self.residency.unload_idle)
         self._waiting = 0
         self._waiting_lock = threading.Lock()
+        self.batches = Batches()
+        self._stepping = False  # a decoding step is queued
 
     @classmethod
     def from_config(cls, config: ServeConfig) -> "Engine":
@@ -192,43 +197,111 @@ class Engine:
         with self._waiting_lock:
             self._waiting += 1
         try:
-            self._worker.submit(self._run, job, emit, cancelled)
+            self._worker.submit(self._advance, self._start(job, emit, cancelled), job, emit)
         except RuntimeError:  # closed: the server is stopping
             with self._waiting_lock:
                 self._waiting -= 1
             raise
 
     # -- the worker ---------------------------------------------------------------------------
-    def _run(self, job: Generation, emit, cancelled: threading.Event) -> None:
+    def _advance(self, reading, job: Generation, emit) -> None:
+        """Run the next part of a request's reading (`_start`); the part after it goes to the
+        back of the queue, behind the decoding step, so a long prompt does not stall the
+        replies being decoded."""
+        try:
+            next(reading)
+        except StopIteration:
+            return
+        except Exception as e:
+            self.residency.release(job.model)
+            self.metrics.inc("kvtrans_generation_failures_total", model=job.model)
+            emit(Failed(e))
+            return
+        self._worker.later(self._advance, reading, job, emit)
+
+    def _start(self, job: Generation, emit, cancelled: threading.Event):
+        """A request up to its first token, in parts (a generator: each `next` is one part):
+        take its conversation, hand it to the model, read the prompt but its last token, put
+        the conversation back, and join the model's decoding batch.
+        A failure leaves the entry out of the store: its lines may be half-written."""
         with self._waiting_lock:
             self._waiting -= 1
         if cancelled.is_set():  # the client left while it waited
             return
-        try:
-            finished = self._generate(job, emit, cancelled)
-        except Exception as e:
-            self.metrics.inc("kvtrans_generation_failures_total", model=job.model)
-            emit(Failed(e))
-            return
-        self._count(job, finished)
-        emit(finished)
-        if self.config.translate and self.config.translate_ahead:
-            self._worker.submit_idle(self._translate_ahead, finished.entry, job)
-
-    def _generate(self, job: Generation, emit, cancelled: threading.Event) -> Finished:
         handoff = Handoff(queue_ms=(time.perf_counter() - job.arrived) * 1000)
         match = self.store.checkout(job.model, job.prompt, job.conversation)
         entry = match.entry
         handoff.conversation = entry.conversation or entry.id
-        # a failure below leaves `entry` out of the store: its lines may be half-written
         handoff.load_ms = self.residency.ensure(job.model, match.holder) * 1000
+        self.residency.hold(job.model)  # not unloaded while this request uses it
         self._hand_off(match, job.model, handoff)
         handoff.tokens_new = len(job.prompt) - match.position
-        self._read_prompt(entry, job)
-        reason, count = self._decode(entry, job, handoff, emit, cancelled)
-        self.residency.ensure(job.model, match.holder)  # used until now, not only at the start
+        yield from self._read_prompt(entry, job, cancelled)
+        line = entry.session.lines[job.model]
+        if line.cache is None:  # a one-token prompt: nothing read yet
+            from mlx_lm.models.cache import make_prompt_cache
+
+            line.cache = make_prompt_cache(line.lm.model)
+        self.residency.ensure(job.model, match.holder)
         self.store.checkin(entry, {job.model, match.holder})
-        return Finished(reason, len(job.prompt), count, handoff, entry)
+        if cancelled.is_set():
+            self.residency.release(job.model)
+            return
+        tok = self.models[job.model].tokenizer
+        decoding = Decoding(job, handoff, emit, cancelled, tok, self._tokenizer_locks[job.model],
+                            entry)
+        self.batches.join(line.lm.model, job.model, line.cache, job.prompt[-1], decoding)
+        if not self._stepping:
+            self._stepping = True
+            self._worker.later(self._step)
+
+    def _step(self) -> None:
+        """One token for every request decoding, on every model; again, after whatever came
+        meanwhile, while any request decodes."""
+        for model, size in self.batches.sizes().items():
+            self.metrics.inc("kvtrans_decode_steps_total", model=model)
+            self.metrics.inc("kvtrans_decode_step_tokens_total", size, model=model)
+        ended, failed = self.batches.step()
+        for decoding, error in failed:
+            self.residency.release(decoding.job.model)
+            self.metrics.inc("kvtrans_generation_failures_total", model=decoding.job.model)
+            decoding.emit(Failed(error))
+        for decoding in ended:
+            self._finish(decoding)
+        self._stepping = len(self.batches) > 0
+        if self._stepping:
+            self._worker.later(self._step)
+
+    def _finish(self, decoding: Decoding) -> None:
+        job = decoding.job
+        self.residency.release(job.model)
+        finished = Finished(decoding.reason, len(job.prompt), len(decoding.tokens),
+                            decoding.handoff, decoding.entry)
+        self._count(job, finished)
+        # queued before the reply goes out: a follow-up the client sends finds it read in
+        self._worker.later(self._read_reply, decoding.entry, job, decoding.tokens)
+        decoding.emit(finished)
+
+    def _read_reply(self, entry: Entry, job: Generation, reply: list[int]) -> None:
+        """The model reads its reply into the conversation's cache (the batch decoded on a
+        copy), recording what its translators need at prefill speed, so a follow-up that sends
+        the reply back reads only what is new; then, in idle time, the conversation is
+        translated ahead. Skipped when a request has taken the conversation or moved it on."""
+        if not self.store.take(entry):
+            return
+        session, line = entry.session, entry.session.lines[job.model]
+        if (session.tokens == job.prompt and line.seen == len(job.prompt) - 1
+                and self.residency.is_resident(job.model)):
+            try:
+                session.active = job.model
+                session.add(reply)
+                session.read(line, len(session.tokens) - 1, generated_from=len(job.prompt))
+            except Exception:  # the entry, half-written, is not put back
+                logging.getLogger(__name__).exception("reading a reply in failed")
+                return
+        self.store.checkin(entry, set())
+        if self.config.translate and self.config.translate_ahead:
+            self._worker.submit_idle(self._translate_ahead, entry, job)
 
     def _hand_off(self, match: Match, model: str, handoff: Handoff) -> None:
         """Make `model` the active model of the entry, holding `match.position` tokens."""
@@ -271,10 +344,10 @@ class Engine:
                                                           status.expected_agreement)
 
     def _translate_ahead(self, entry: Entry, job: Generation) -> None:
-        """Idle time after `job`: hand its conversation to the models it may go to next (the
-        one the request named, else every other model of its group a translator reaches), so
-        that the switch finds the translation made. Stops for any request that comes; the
-        lines it fills are the store's first to go."""
+        """Idle time after `job`'s reply: hand its conversation to the models it may go to next
+        (the one the request named, else every other model of its group a translator
+        reaches), so that the switch finds the translation made. Stops for any request that
+        comes; the lines it fills are the store's first to go."""
         session = entry.session
         targets = [job.next_model] if job.next_model else [
             t for t in session.lines if (job.model, t) in session.translators]
@@ -311,67 +384,31 @@ class Engine:
                             tokens_reprefilled=len(session.tokens),
                             translate_seconds=time.perf_counter() - started)
 
-    def _read_prompt(self, entry: Entry, job: Generation) -> None:
-        """Append the prompt's unread tokens. A model with fixed-size caches reads up to the
-        end of the history in parts, taking a snapshot after each: where the last message
-        begins (an edited turn re-reads only itself), every SNAPSHOT_EVERY tokens of a long
-        read, and at the end (the reply that follows comes back as text, and may not tokenise
-        to what was generated)."""
+    def _read_prompt(self, entry: Entry, job: Generation, cancelled: threading.Event):
+        """Read the prompt's unread tokens but the last (the batch reads it first), in parts
+        of READ_PART tokens (a generator: it yields between them). A model with fixed-size
+        caches takes a snapshot where the last message begins (an edited turn re-reads only
+        itself), every SNAPSHOT_EVERY tokens of a long read, and at the end (the reply that
+        follows comes back as text, and may not tokenise to what was generated)."""
         session = entry.session
-        end = len(job.prompt) - 1  # the generation reads the last token
-        seen = session.lines[job.model].seen
+        line = session.lines[job.model]
+        end = len(job.prompt) - 1
+        session.add(job.prompt[len(session.tokens):])
+        seen = line.seen
+        snapshots = set()
         if not self.trimmable[job.model] and seen < end:
             every = range((seen // SNAPSHOT_EVERY + 1) * SNAPSHOT_EVERY, end, SNAPSHOT_EVERY)
-            for stop in sorted({*every, *(b for b in job.boundaries if seen < b < end), end}):
-                session.add(job.prompt[len(session.tokens):stop])
-                for _ in session.generate(0):
-                    pass
+            snapshots = {*every, *(b for b in job.boundaries if seen < b < end), end}
+        for stop in sorted({*snapshots, *range(seen + READ_PART, end, READ_PART), end}):
+            if stop <= line.seen:
+                continue
+            session.read(line, stop)
+            if stop in snapshots:
                 entry.checkpoint(job.model)
-        session.add(job.prompt[len(session.tokens):])
-
-    def _decode(self, entry: Entry, job: Generation, handoff: Handoff, emit,
-                cancelled: threading.Event) -> tuple[str, int]:
-        tok = self.models[job.model].tokenizer
-        lock = self._tokenizer_locks[job.model]
-        eos = set(tok.eos_token_ids)
-        with lock:
-            detok = tok.detokenizer
-        stops = StopText(job.stop)
-        if job.seed is not None:
-            mx.random.seed(job.seed)
-        turn = entry.session.generate(job.max_tokens, job.temperature, stop=eos, top_p=job.top_p)
-        reason, count = "length", 0
-        try:
-            for token in turn:
-                count += 1
-                if count == 1:
-                    handoff.ttft_ms = (time.perf_counter() - job.arrived) * 1000
-                    emit(Started(handoff))
-                if token in eos:
-                    reason = "stop"
-                    break
-                with lock:
-                    detok.add_token(token)
-                    piece = detok.last_segment
-                text = stops.feed(piece)
-                if text:
-                    emit(Text(text))
-                if stops.stopped:
-                    reason = "stop"
-                    break
+            if stop < end:
+                yield
                 if cancelled.is_set():
-                    reason = "cancelled"
-                    break
-        finally:
-            turn.close()
-        if not stops.stopped and reason != "cancelled":
-            with lock:
-                detok.finalize()
-                piece = detok.last_segment
-            text = stops.feed(piece, final=True)
-            if text:
-                emit(Text(text))
-        return reason, count
+                    return
 
     def _count(self, job: Generation, done: Finished) -> None:
         h, m = done.handoff, self.metrics
@@ -396,6 +433,8 @@ class Engine:
                                         for n in self.models},
                 "kvtrans_cache_evictions_total": {(): stats["evictions"]},
                 "kvtrans_queue_depth": {(): self.queue_depth},
+                "kvtrans_decoding": {(("model", n),): float(k)
+                                     for n, k in self.batches.sizes().items()},
                 "kvtrans_model_resident": {(("model", n),): float(self.residency.is_resident(n))
                                            for n in self.models},
                 "kvtrans_model_loads_total": {(): self.residency.loads},

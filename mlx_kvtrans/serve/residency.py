@@ -17,6 +17,7 @@ All of it runs on the engine's compute thread.
 from __future__ import annotations
 
 import gc
+from collections import Counter
 import time
 from dataclasses import dataclass, field
 
@@ -44,6 +45,7 @@ class Residency:
     resident: dict = field(default_factory=dict)  # name -> time of its last use
     loads: int = 0
     unloads: int = 0
+    held: Counter = field(default_factory=Counter)  # name -> requests using it now
 
     def __post_init__(self):
         now = time.monotonic()
@@ -72,13 +74,24 @@ class Residency:
             self.resident[name] = time.monotonic()
         return loading
 
+    def hold(self, name: str) -> None:
+        """A request uses `name` from now until `release`: it is not unloaded meanwhile."""
+        self.held[name] += 1
+
+    def release(self, name: str) -> None:
+        self.held[name] -= 1
+        if self.held[name] <= 0:
+            del self.held[name]
+        if name in self.resident:
+            self.resident[name] = time.monotonic()
+
     def fit_budget(self, keep: set[str], adding: int = 0) -> None:
         """Unload the least recently used models outside `keep` until the resident weights
         and `adding` more fit the budget."""
         if self.budget_bytes is None:
             return
         while sum(self.sizes[n] for n in self.resident) + adding > self.budget_bytes:
-            others = [n for n in self.resident if n not in keep]
+            others = [n for n in self.resident if n not in keep and n not in self.held]
             if not others:
                 return
             self.unload(min(others, key=self.resident.get))
@@ -88,7 +101,8 @@ class Residency:
         if self.idle_unload is None:
             return []
         now = time.monotonic()
-        idle = [n for n, used in self.resident.items() if now - used >= self.idle_unload]
+        idle = [n for n, used in self.resident.items()
+                if now - used >= self.idle_unload and n not in self.held]
         for name in idle:
             self.unload(name)
         return idle

@@ -162,9 +162,9 @@ class Session:
 
     # -- the conversation ---------------------------------------------------------------------
     def read(self, line: CacheLine, upto: int, whole: bool = False,
-             split_at: int | None = None):
+             split_at: int | None = None, generated_from: int | None = None):
         """Let `line`'s model read conversation tokens [seen, upto) (see `decode.read`)."""
-        return decode.read(self, line, upto, whole, split_at)
+        return decode.read(self, line, upto, whole, split_at, generated_from)
 
     def _finish_turn(self) -> None:
         """End a generation whose iterator is still open (as closing it would)."""
