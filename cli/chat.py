@@ -37,6 +37,10 @@ def chat(source: str = typer.Option("kimi-linear", "--from", help="the model tha
          reread: int = typer.Option(None, help=REREAD_HELP),
          fidelity: float = typer.Option(None, help=FIDELITY_HELP),
          max_tokens: int = typer.Option(200, help="longest reply"),
+         translate_ahead: bool = typer.Option(
+             True, "--translate-ahead/--no-translate-ahead",
+             help="after each reply, translate the conversation for the other model, so a "
+                  "/switch has only the last turn left to give"),
          system: str = typer.Option(None, help="system prompt")):
     """Chat with one model and switch to the other mid-conversation without re-reading.
 
@@ -75,7 +79,8 @@ def chat(source: str = typer.Option("kimi-linear", "--from", help="the model tha
     except OSError as e:
         raise KvtransError(f"--transcript {transcript}: cannot write it ({e.strerror})") from None
     session = Session(models, translators, active=source, strategy=strategy, **dial)
-    conversation = Chat(session, log, max_tokens=max_tokens, system=system)
+    conversation = Chat(session, log, max_tokens=max_tokens, system=system,
+                        translate_ahead=translate_ahead)
     for pair, text, fallback in banner:
         out.print(f"{pair}: {text}", style="yellow" if fallback else None, markup=False,
                   highlight=False, soft_wrap=True)

@@ -130,9 +130,10 @@ class Chat:
     the chat as it was."""
 
     def __init__(self, session: Session, transcript: Transcript, max_tokens: int = 200,
-                 system: str | None = None):
+                 system: str | None = None, translate_ahead: bool = False):
         self.session, self.transcript, self.max_tokens = session, transcript, max_tokens
         self.system = system
+        self.translate_ahead = translate_ahead  # after each reply: see `prepare`
         self.messages: list[dict] = []  # what the conversation holds, as chat messages
 
     @property
@@ -226,7 +227,20 @@ class Chat:
             self.session.add(closing)
             self.messages.append({"role": "assistant", "content": reply.text})
             self.transcript.add("reply", **asdict(reply))
+            if self.translate_ahead and not interrupted:
+                self.prepare()
         return reply
+
+    def prepare(self) -> list[SwitchStatus]:
+        """Translate ahead (`Session.prepare`): give every other model a translator reaches
+        what the active model has read, while the user reads the reply, so a /switch has only
+        the last turn's few tokens left to give."""
+        active = self.session.active
+        done = [self.session.prepare(t) for t in self.session.lines
+                if t != active and (active, t) in self.session.translators]
+        for status in done:
+            self.transcript.add("prepared", **asdict(status))
+        return done
 
     # -- commands ---------------------------------------------------------------------------------
     def switch(self, target: str | None = None) -> SwitchStatus:
@@ -302,10 +316,12 @@ class Chat:
             s = self.switch(arg or None)
             detail = f" ({s.reason})" if s.reason else ""
             read = f", the last {s.tokens_read} read by {s.target}" if s.tokens_read else ""
+            ahead = (f" ({s.tokens_translated_ahead} of them ahead, "
+                     f"{s.ahead_seconds * 1000:.1f} ms)" if s.tokens_translated_ahead else "")
             return (f"switched {s.source} -> {s.target}: {s.status}{detail}; "
-                    f"{s.tokens_translated} tokens translated{read}, {s.tokens_reprefilled} "
-                    f"re-read, {s.translate_seconds * 1000:.1f} ms{dial_summary(s)}"
-                    f"{gate_summary(s)}")
+                    f"{s.tokens_translated} tokens translated{ahead}{read}, "
+                    f"{s.tokens_reprefilled} re-read, {s.translate_seconds * 1000:.1f} ms"
+                    f"{dial_summary(s)}{gate_summary(s)}")
         if word == "/who":
             if arg:
                 raise KvtransError("/who takes no argument")

@@ -404,3 +404,23 @@ def test_killed_chat_keeps_its_transcript(kimi_pair, tmp_path):
     assert code == 130, stderr[-2000:]
     assert "Traceback" not in stderr
     assert any(e["kind"] == "reply" for e in json.loads(transcript.read_text())["events"])
+
+
+def test_translating_ahead_leaves_a_switch_the_last_turn_and_gives_the_same_cache(zoo,
+                                                                                    tmp_path):
+    ahead = new_chat(zoo, tmp_path, max_tokens=6, translate_ahead=True)
+    (tmp_path / "plain").mkdir()
+    plain = new_chat(zoo, tmp_path / "plain", max_tokens=6)
+    for chat in (ahead, plain):
+        chat.say(FACT)
+    assert ahead.session.prepared[B].tokens_translated > 0 and not plain.session.prepared
+    shown = ahead.command("/switch")
+    status, alone = ahead.session.switches[-1], plain.switch()
+    assert status.tokens_translated_ahead > 0
+    assert f"{status.tokens_translated_ahead} of them ahead" in shown
+    # made ahead and now together: the span, outcome and reach of one switch made now
+    assert status.status == alone.status
+    assert (status.tokens_translated + status.tokens_read + status.tokens_reprefilled
+            == alone.tokens_translated + alone.tokens_read + alone.tokens_reprefilled)
+    assert ahead.session.lines[B].seen == plain.session.lines[B].seen
+    assert len(events(tmp_path / "chat.json", "prepared")) == 1
