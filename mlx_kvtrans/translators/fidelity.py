@@ -38,10 +38,13 @@ def agreement(a: list[int], b: list[int]) -> float:
 
 def fidelity(translator: Translator, source, target, token_ids: list[int],
              prefix_lengths: list[int], windows: int = 8, continuation: int = 64,
-             generated: int = 32, seed: int = 0, progress=None) -> list[dict]:
+             generated: int = 32, seed: int = 0, progress=None,
+             build_cache=None) -> list[dict]:
     """Per prefix length: KL and greedy agreement, translated and no-cache, over `windows`
     held-out windows of `token_ids`. `source` and `target` are mlx-lm models.
-    `progress(done, total, what)` follows the windows."""
+    `progress(done, total, what)` follows the windows. `build_cache(translator, source, target,
+    prefix)`: the target's cache of the prefix another way than translation (a baseline)."""
+    build_cache = build_cache or translate_cache
     rng = random.Random(seed)
     target_layout = layout_of(target)
     rows = []
@@ -62,13 +65,13 @@ def fidelity(translator: Translator, source, target, token_ids: list[int],
                 return capture(target, prefix, points=(CapturePoint.ENGINE,), layout=target_layout).engine
 
             native = target(inputs, cache=fresh_native())
-            translated = target(inputs, cache=translate_cache(translator, source, target, prefix))
+            translated = target(inputs, cache=build_cache(translator, source, target, prefix))
             no_context = target(inputs)  # no cache: the target has not read the prefix
             kls.append(float(kl_per_token(native, translated).mean()))
             floor_kls.append(float(kl_per_token(native, no_context).mean()))
             reference = greedy(target, last, fresh_native(), generated)
             agree.append(agreement(reference, greedy(
-                target, last, translate_cache(translator, source, target, prefix), generated)))
+                target, last, build_cache(translator, source, target, prefix), generated)))
             floor_agree.append(agreement(reference, greedy(target, last, None, generated)))
         rows.append({"prefix_length": length, "windows": windows,
                      "kl": sum(kls) / windows, "kl_no_cache": sum(floor_kls) / windows,

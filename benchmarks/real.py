@@ -1,0 +1,193 @@
+"""A real pretrained pair end to end: SmolLM2-135M-Instruct -> its depth-pruned, healed sibling
+(`kvtrans zoo real`), fitted, distilled, measured on held-out text, needles and a scripted chat.
+
+Steps, each skipped when its output exists in --workdir (default runs/real), so a stopped run
+resumes: the pair (`kvtrans zoo real`), stage 1 (`kvtrans fit` on the corpus's train split),
+stage 2 (`kvtrans distill`). Then, on the test split the project never tunes on:
+
+- KL of the target's next-token distributions over 64 continuation tokens after 256 and 512
+  prefix tokens, native cache against: the translated cache, the source's own cache copied layer
+  for layer (the identity map: the sibling's layer j is the parent's layer j, or j + the dropped
+  count after the cut) and no cache at all (the floor);
+- the frontier through a `Session` at R = 8 (teacher-forced agreement, greedy match, first
+  token, needle recall native / switched, the warm switch's speed-up over re-reading);
+- `kvtrans chat` on examples/handoff.txt with the pair and its translator.
+
+Writes benchmarks/results/real.{json,md}.
+
+    python benchmarks/real.py [--workdir runs/real] [--heal-steps 60] [--windows 128]
+                              [--distill-steps 20] [--kl-windows 4] [--prompts 8] [--needles 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import mlx_kvtrans as kv  # first: fast BLAS
+
+from mlx_kvtrans.blas import blas_report
+from mlx_kvtrans.evaluation import frontier as fr
+from mlx_kvtrans.models import held_out_split
+from mlx_kvtrans.translators import artifact
+from mlx_kvtrans.translators.distill import DistillConfig
+from mlx_kvtrans.translators.fidelity import fidelity
+from mlx_kvtrans.translators.fit import FitConfig
+from mlx_kvtrans.workflows import distill_translator, fit_translator
+from mlx_kvtrans.zoo.real import PARENT, SIBLING, RealPairConfig, build
+
+OUT = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parent.parent
+LENGTHS = [256, 512]
+
+
+def copied_layers(record: dict, target_layers: int) -> list[int]:
+    """The parent's layer each sibling layer was: the identity map."""
+    start, end = record["dropped"]
+    return [j if j < start else j + end - start + 1 for j in range(target_layers)]
+
+
+def copying(source, layers: list[int]):
+    """A cache builder for `fidelity`: the source reads the prefix, the target gets its
+    layers' caches as they are."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    def build_cache(translator, src, tgt, prefix):
+        cache = make_prompt_cache(source)
+        source(prefix, cache=cache)
+        return [cache[i] for i in layers]
+
+    return build_cache
+
+
+def scripted_chat(parent: Path, sibling: Path, translator: Path) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        transcript = Path(tmp) / "chat.json"
+        proc = subprocess.run([sys.executable, "-m", "mlx_kvtrans.cli", "chat", "--from",
+                               str(parent), "--to", str(sibling), "--translator",
+                               str(translator), "--script", str(ROOT / "examples/handoff.txt"),
+                               "--transcript", str(transcript), "--max-tokens", "24"],
+                              capture_output=True, text=True, timeout=1800)
+        if proc.returncode:
+            raise SystemExit(f"kvtrans chat failed: {proc.stderr[-1000:]}")
+        events = json.loads(transcript.read_text())["events"]
+    return {"switches": [e["status"] + (f" ({e['reason']})" if e.get("reason") else "")
+                         for e in events if e["kind"] == "switch"],
+            "replies": [{"model": Path(e["model"]).name, "text": e["text"]}
+                        for e in events if e["kind"] == "reply"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workdir", type=Path, default=Path("runs/real"))
+    parser.add_argument("--heal-steps", type=int, default=60)
+    parser.add_argument("--windows", type=int, default=128, help="fitting windows of 256")
+    parser.add_argument("--distill-steps", type=int, default=20)
+    parser.add_argument("--kl-windows", type=int, default=4, help="held-out windows per length")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--needles", type=int, default=8)
+    args = parser.parse_args()
+    started = time.perf_counter()
+    work = args.workdir
+    work.mkdir(parents=True, exist_ok=True)
+    record_file = work / "real-pair.json"
+    if not record_file.is_file():
+        build(work, RealPairConfig(heal_steps=args.heal_steps))
+    record = json.loads(record_file.read_text())
+    parent, sibling = work / PARENT, work / SIBLING
+    stage1, stage2 = work / "translator-stage1", work / "translator"
+    train, validation, test = (held_out_split(s) for s in ("train", "validation", "test"))
+    if not (stage1 / "weights.safetensors").is_file():
+        fit_translator(parent, sibling, [train], FitConfig(windows=args.windows),
+                       validation=validation, out=stage1, gate_windows=16)
+    if not (stage2 / "weights.safetensors").is_file():
+        run = distill_translator(stage1, [train], validation,
+                                 DistillConfig(steps=args.distill_steps, batch=4, max_prefix=256,
+                                               validation_windows=4),
+                                 out=stage2, workdir=work / "distill-checkpoints",
+                                 resume=(work / "distill-checkpoints" / "state.json").is_file(),
+                                 gate_windows=16)
+        if not run.finished:
+            raise SystemExit("the distillation stopped part-way; run again to resume")
+    src, tgt = kv.load(str(parent)), kv.load(str(sibling))
+    ids = tgt.tokenizer.encode(test.read_text())
+    layers = copied_layers(record, len(tgt.model.layers))
+    kl = {}
+    for name, directory in (("stage 1", stage1), ("stage 2", stage2)):
+        translator = artifact.load(directory, src, tgt)
+        kl[name] = fidelity(translator, src.model, tgt.model, ids, LENGTHS,
+                            windows=args.kl_windows)
+        print(f"{name}: {[(r['prefix_length'], round(r['kl'], 4)) for r in kl[name]]}",
+              flush=True)
+    identity = fidelity(translator, src.model, tgt.model, ids, LENGTHS, windows=args.kl_windows,
+                        build_cache=copying(src.model, layers))
+    frontier = fr.measure_translator(stage2, src, tgt, translator, ids, LENGTHS, [8],
+                                     args.prompts, args.needles, repeats=2)
+    chat = scripted_chat(parent, sibling, stage2)
+    report = blas_report()
+    results = {"pair": {k: v for k, v in record.items() if k != "heal"},
+               "heal_kl": [record["heal"][0]["kl"], record["heal"][-1]["kl"]]
+               if record["heal"] else [],
+               "fit": artifact.read_manifest(stage1)["fit"],
+               "distill": {k: v for k, v in artifact.read_manifest(stage2)["distill"].items()
+                           if k != "curve"},
+               "kl": {name: rows for name, rows in kl.items()}, "identity": identity,
+               "frontier": [row.to_json() for row in frontier.rows], "chat": chat,
+               "blas": f"{report.name}, float32 matmul {report.gflops:.0f} GFLOP/s",
+               "minutes": round((time.perf_counter() - started) / 60, 1)}
+    OUT.mkdir(exist_ok=True)
+    (OUT / "real.json").write_text(json.dumps(results, indent=2) + "\n")
+    write_markdown(results)
+    print(f"wrote {OUT / 'real.json'} and {OUT / 'real.md'}")
+
+
+def write_markdown(r: dict) -> None:
+    pair, fit = r["pair"], r["fit"]
+    start, end = pair["dropped"]
+    heal = (f"healed by {pair['config']['heal_steps']} steps of distillation from the parent "
+            f"(KL {r['heal_kl'][0]:.3f} -> {r['heal_kl'][1]:.3f} nats/token)"
+            if r["heal_kl"] else "not healed")
+    lines = ["# A real pretrained pair\n",
+             f"SmolLM2-135M-Instruct ({pair['source']}) -> the same model with layers {start}-"
+             f"{end} of 30 dropped (the block whose input and output are closest), {heal}: "
+             f"`kvtrans zoo real` ({pair['minutes']} min). Stage 1 on {fit['tokens']:,} tokens "
+             f"of the corpus's train split ({fit['seconds'] / 60:.1f} min), stage 2 "
+             f"{r['distill']['steps']} steps ({r['distill']['minutes']} min). Measured on the "
+             "test split. Regenerate with `python benchmarks/real.py`.\n",
+             f"BLAS: {r['blas']}.\n",
+             "KL (nats/token) of the target's next-token distributions over 64 continuation "
+             "tokens, the native cache against each other way to start, "
+             f"{r['kl']['stage 2'][0]['windows']} windows a length:\n",
+             "| prefix | no cache (floor) | identity map | stage 1 | stage 2 | floor / stage 2 "
+             "| identity / stage 2 |", "|---|---|---|---|---|---|---|"]
+    for i, length in enumerate(LENGTHS):
+        floor = r["kl"]["stage 2"][i]["kl_no_cache"]
+        ident, one, two = (r["identity"][i]["kl"], r["kl"]["stage 1"][i]["kl"],
+                           r["kl"]["stage 2"][i]["kl"])
+        lines.append(f"| {length} | {floor:.4f} | {ident:.4f} | {one:.4f} | {two:.4f} | "
+                     f"{floor / two:.1f}x | {ident / two:.1f}x |")
+    lines += ["", "Through a `Session` at R = 8 (`kvtrans eval frontier`'s measures; "
+              "recovered: the history's worth kept over what the last 16 tokens give):\n",
+              "| L | agreement | floor | recovered | match of 32 | first | recall native / "
+              "switched | applied | speed-up |", "|---|---|---|---|---|---|---|---|---|"]
+    for row in r["frontier"]:
+        recovered = row["history_recovered"]
+        lines.append(f"| {row['length']} | {row['agreement']:.3f} | "
+                     f"{row['agreement_last16']:.3f} | "
+                     f"{'-' if recovered is None else f'{recovered:.2f}'} | "
+                     f"{row['greedy_match']:.1f} | {row['first_token']:.2f} | "
+                     f"{row['recall_native']:.2f} / {row['recall_translated']:.2f} | "
+                     f"{row['applied']:.2f} | {row['speedup']:.2f}x |")
+    lines += ["", f"`kvtrans chat` on examples/handoff.txt: switches "
+              f"{', '.join(r['chat']['switches'])}; replies:\n"]
+    lines += [f"- {reply['model']}: {reply['text']!r}" for reply in r["chat"]["replies"]]
+    (OUT / "real.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
