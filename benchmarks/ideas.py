@@ -107,6 +107,12 @@ IDEAS = [
          DistillConfig(**{**SEQUENCE, "steps": 300, "max_prefix": 1024}),
          FitConfig(point=1, nu=2, token_identity="codebook", attention_weighted=8,
                    windows=4096, length=256, mix=tuple(ZOO_LENGTHS)), 0.5),
+    Idea("dsa-served-lengths", "qwen3.5-a__dsa-distilled",
+         "refit as shipped on 1M tokens in windows of 256-2,048, then 300 steps on greedy "
+         "continuations after an 8-token re-read, prefixes 32-1,024, half needles",
+         DistillConfig(**{**SEQUENCE, "steps": 300, "max_prefix": 1024}),
+         FitConfig(point=1, nu=2, features="all", token_identity="ids", attention_weighted=8,
+                   windows=4096, length=256, mix=tuple(ZOO_LENGTHS)), 0.5),
     Idea("dsa-every-idea", "qwen3.5-a__dsa",
          "refit with identity tables and a residual, 200 steps with attention rehearsal",
          DistillConfig(steps=200, attention_weight=1.0, needle_share=0.5), EVERY_IDEA, 0.5),
