@@ -4,8 +4,11 @@ through translated caches.
 - `store.py`: conversation caches shared by every model, keyed by token prefix, with
   checkpoints for hybrids and least-recently-used eviction under one byte budget;
 - `config.py`: what is served, and loading the models and translators between them;
-- `engine.py`: the resident models and translators, and the one worker thread that runs every
-  request's compute (handoff through `Session.switch`, prompt, decoding);
+- `engine.py`: the models and translators, and the one worker thread that runs every
+  request's compute (handoff through `Session.switch`, the prompt read in parts, decoding);
+- `batching.py`: the requests decoding on one model, stepped together; `compute.py`: the
+  worker thread; `residency.py`: which models are loaded, under a memory budget;
+  `records.py`: a request, the events of its answer and what happened to its history;
 - `protocol.py`: OpenAI's request bodies, replies, stream chunks and error objects;
 - `app.py`: the FastAPI routes and the uvicorn runner; `metrics.py`: Prometheus text.
 """
