@@ -159,11 +159,12 @@ def build(out: Path, config: RealPairConfig = RealPairConfig(), force: bool = Fa
     corpus's train split)."""
     from ..tools.gguf import load_gguf
 
-    source, text = require_gguf(), text or train_split()
+    source = require_gguf()
     paths = {name: out / name for name in (PARENT, SIBLING)}
     existing = [p for p in paths.values() if p.exists()]
     if existing and not force:
         raise KvtransError(f"{existing[0]} exists (--force replaces the pair)")
+    text = text or train_split()
     for path in existing:
         shutil.rmtree(path)
     started = time.perf_counter()
