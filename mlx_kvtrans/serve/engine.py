@@ -228,12 +228,13 @@ class Engine:
             self._waiting -= 1
         if cancelled.is_set():  # the client left while it waited
             return
+        # held from here, so that every way out (`_advance` on a failure) releases its own hold
+        self.residency.hold(job.model)
         handoff = Handoff(queue_ms=(time.perf_counter() - job.arrived) * 1000)
         match = self.store.checkout(job.model, job.prompt, job.conversation)
         entry = match.entry
         handoff.conversation = entry.conversation or entry.id
         handoff.load_ms = self.residency.ensure(job.model, match.holder) * 1000
-        self.residency.hold(job.model)  # not unloaded while this request uses it
         self._hand_off(match, job.model, handoff)
         handoff.tokens_new = len(job.prompt) - match.position
         yield from self._read_prompt(entry, job, cancelled)

@@ -25,7 +25,6 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_flatten
 
 from ..capture.instrument import hook_module, language_model
 from ..errors import KvtransError
@@ -64,13 +63,13 @@ def require_gguf() -> Path:
     return path
 
 
-def save_model(lm: LoadedModel, config: dict, out: Path) -> None:
-    """An mlx-lm checkpoint directory: config.json, model.safetensors, the tokenizer."""
-    out.mkdir(parents=True)
-    weights = dict(tree_flatten(lm.model.parameters()))
-    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    lm.tokenizer._tokenizer.save_pretrained(str(out))
+def save_checkpoint(lm: LoadedModel, config: dict, out: Path) -> None:
+    """An mlx-lm checkpoint directory (mlx-lm's own writers), with the tokenizer."""
+    from mlx_lm.utils import save_config, save_model
+
+    save_model(out, lm.model)
+    save_config(dict(config), out / "config.json")
+    lm.tokenizer.save_pretrained(str(out))
 
 
 def train_split() -> Path:
@@ -170,7 +169,7 @@ def build(out: Path, config: RealPairConfig = RealPairConfig(), force: bool = Fa
     started = time.perf_counter()
     mx.random.seed(config.seed)
     parent = load_gguf(source)
-    save_model(parent, parent.config, paths[PARENT])
+    save_checkpoint(parent, parent.config, paths[PARENT])
     layers = parent.config["num_hidden_layers"]
     drop = layers - config.keep
     windows = corpus_windows(parent.tokenizer, config.probe_windows + config.heal_steps
@@ -180,7 +179,8 @@ def build(out: Path, config: RealPairConfig = RealPairConfig(), force: bool = Fa
     sibling = load_gguf(source)
     prune(sibling.model, start, drop)
     curve = heal(sibling.model, parent.model, windows[config.probe_windows:], config, log)
-    save_model(sibling, {**parent.config, "num_hidden_layers": config.keep}, paths[SIBLING])
+    save_checkpoint(sibling, {**parent.config, "num_hidden_layers": config.keep},
+                    paths[SIBLING])
     record = {"parent": str(paths[PARENT]), "sibling": str(paths[SIBLING]),
               "source": f"{PACKAGE}=={VERSION}:{GGUF_FILE}", "config": asdict(config),
               "dropped": [start, start + drop - 1], "heal": curve,
