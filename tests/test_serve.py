@@ -396,6 +396,39 @@ def test_a_fault_inside_a_generation_is_a_500_and_every_cache_stays_usable(serve
     assert report(ask(c, HYBRID, kept))["status"] == "reused"
 
 
+def test_a_gate_fired_ahead_is_reread_in_parts_a_request_can_come_between(served, monkeypatch):
+    """Translating ahead that the gate refuses does not re-read the conversation in one job:
+    it reads READ_PART tokens per idle job (a request waits for one part at most), and the
+    next request finds the whole re-read made ahead, with the gate's reason."""
+    from mlx_kvtrans import gate
+    from mlx_kvtrans.serve import engine as engine_module
+
+    engine, url = served
+    monkeypatch.setattr(gate, "threshold", lambda *args, **kwargs: (-1e9, ""))
+    monkeypatch.setattr(engine_module, "READ_PART", 16)
+    parts = []
+    read_ahead = engine_module.Engine._read_ahead
+
+    def counted(self, *args):
+        parts.append(args[0].session.lines[FULL].seen)
+        return read_ahead(self, *args)
+
+    monkeypatch.setattr(engine_module.Engine, "_read_ahead", counted)
+    c = client(url)
+    messages = [{"role": "user", "content": "Refused ahead: the beacon is 415926. " * 6}]
+    first = c.chat.completions.create(
+        model=HYBRID, messages=messages, max_tokens=8, temperature=0,
+        extra_headers={"x-kvtrans-conversation": "refused", "x-kvtrans-next-model": FULL})
+    engine.settle()
+    read = first.usage.prompt_tokens + first.usage.completion_tokens - 1
+    assert len(parts) == -(-read // 16) and parts == list(range(0, read, 16))
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "And?"}]
+    fields = report(ask(c, FULL, messages, max_tokens=4, conversation="refused"))
+    assert fields["status"] == "fallback_reprefill" and "fidelity gate" in fields["reason"]
+    assert fields["tokens_reread"] == read and fields["ahead_ms"] > 0
+
+
 def test_a_failed_translation_falls_back_to_rereading_visibly(served, monkeypatch):
     _, url = served
     c = client(url)

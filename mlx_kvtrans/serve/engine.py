@@ -347,8 +347,9 @@ class Engine:
     def _translate_ahead(self, entry: Entry, job: Generation) -> None:
         """Idle time after `job`'s reply: hand its conversation to the models it may go to next
         (the one the request named, else every other model of its group a translator
-        reaches), so that the switch finds the translation made. Stops for any request that
-        comes; the lines it fills are the store's first to go."""
+        reaches), so that the switch finds the translation made. A hand-over that falls back
+        (the gate fired, the translator failed) is re-read in parts (`_read_ahead`). Stops for
+        any request that comes; the lines it fills are the store's first to go."""
         session = entry.session
         targets = [job.next_model] if job.next_model else [
             t for t in session.lines if (job.model, t) in session.translators]
@@ -361,16 +362,48 @@ class Engine:
             for target in targets:
                 if self.queue_depth:  # a request waits: it goes first
                     break
+                began = session.lines[target].seen
                 try:
-                    session.prepare(target)
+                    status = session.prepare(target, reread=False)
                 except Exception as e:  # as a failed switch: re-read (ahead), and say why
                     logging.getLogger(__name__).exception("translating ahead failed")
-                    active = session.active
-                    session.prepared[target] = self._reread(
-                        entry, target, f"translation failed: {type(e).__name__}: {e}")
-                    session.active = active
-                if not self.trimmable[target]:
+                    entry.drop(target)  # the failed switch may have written part of it
+                    status = SwitchStatus(session.active, target, Outcome.FALLBACK_REPREFILL,
+                                          f"translation failed: {type(e).__name__}: {e}")
+                if status.status == Outcome.FALLBACK_REPREFILL:
+                    began = min(began, session.lines[target].seen)
+                    self._worker.submit_idle(self._read_ahead, entry, target, status, began,
+                                             (session.active, len(session.tokens)))
+                elif not self.trimmable[target]:
                     entry.checkpoint(target)
+        finally:
+            self.store.checkin(entry, set())
+
+    def _read_ahead(self, entry: Entry, target: str, status: SwitchStatus, began: int,
+                    moment: tuple) -> None:
+        """One part, READ_PART tokens, of a re-read that translating ahead fell back to, then
+        the next part in later idle time: a request that comes waits for one part at most,
+        and its switch translates what is left. Stops once the conversation moved on from
+        `moment` (its active model and length)."""
+        session = entry.session
+        if (self.queue_depth or not self.residency.is_resident(target)
+                or not self.store.take(entry)):
+            return
+        try:
+            if (session.active, len(session.tokens)) != moment:
+                return
+            line, end = session.lines[target], session.lines[session.active].seen
+            started = time.perf_counter()
+            if line.seen < end:
+                session.read(line, min(end, line.seen + READ_PART))
+            status.translate_seconds += time.perf_counter() - started
+            if line.seen < end:
+                self._worker.submit_idle(self._read_ahead, entry, target, status, began, moment)
+                return
+            status.tokens_reprefilled = end - began
+            session.keep_ahead(target, status, began)
+            if not self.trimmable[target]:
+                entry.checkpoint(target)
         finally:
             self.store.checkin(entry, set())
 

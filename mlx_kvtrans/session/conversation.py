@@ -20,7 +20,7 @@ from ..layouts import CapturePoint
 from . import decode, dial
 from .handover import hand_over
 from .line import CacheLine, capture_bytes, fixed_slots
-from .status import SwitchStatus
+from .status import Outcome, SwitchStatus
 
 STRATEGIES = ("segment", "naive", "refresh")
 
@@ -193,17 +193,26 @@ class Session:
         self._turn = weakref.ref(turn)
         return turn
 
-    def prepare(self, target: str) -> SwitchStatus:
+    def prepare(self, target: str, reread: bool = True) -> SwitchStatus:
         """Translate ahead: give `target` what the active model has read, as a switch would
         (translated, judged by the gate, or re-read), without making it active; for the idle
         time between turns, when the next model is known or likely. A later `switch(target)`
-        gives only what came since."""
+        gives only what came since. `reread=False`: a hand-over that falls back reads nothing
+        and is not kept; the caller may read the target's line on (`read`) in its own time and
+        keep the status then (`keep_ahead`)."""
         if target not in self.lines:
             raise ValueError(f"unknown model {target!r}")
         self._finish_turn()
         # the source's recorded spans stay until a switch: a line filled ahead may be evicted
         began = self.lines[target].seen
-        status = hand_over(self, self.active, target)
+        status = hand_over(self, self.active, target, reread=reread)
+        if reread or status.status != Outcome.FALLBACK_REPREFILL:
+            self.keep_ahead(target, status, began)
+        return status
+
+    def keep_ahead(self, target: str, status: SwitchStatus, began: int) -> None:
+        """Keep `status`, a hand-over to `target` made ahead from `began` tokens, for the
+        switch to report (`joined`)."""
         if status.tokens_translated or status.tokens_reprefilled or status.tokens_read:
             earlier = self.prepared.get(target)
             if earlier is not None:  # ahead twice: one hand-over, made in two parts
@@ -214,7 +223,6 @@ class Session:
             else:
                 self.prepared_from[target] = began
             self.prepared[target] = status
-        return status
 
     def switch(self, target: str) -> SwitchStatus:
         """Make `target` the active model, giving it what it has not seen (`hand_over`). After

@@ -41,10 +41,12 @@ if TYPE_CHECKING:
     from .conversation import Session
 
 
-def hand_over(session: Session, source: str, target: str) -> SwitchStatus:
+def hand_over(session: Session, source: str, target: str, reread: bool = True
+              ) -> SwitchStatus:
     """Give `target` what `source` has read and it has not: translated (and judged by the
     gate), or re-read with the reason why. Only the target's line changes; the session's
-    active model, its dropped spans and its list of switches are the caller's."""
+    active model, its dropped spans and its list of switches are the caller's. `reread=False`:
+    a fallback reads nothing (the status says why and how much is left to read)."""
     src, tgt = session.lines[source], session.lines[target]
     n = src.seen
     status = SwitchStatus(source, target, Outcome.APPLIED, strategy=session.strategy)
@@ -57,29 +59,29 @@ def hand_over(session: Session, source: str, target: str) -> SwitchStatus:
     if source == target or n <= tgt.seen and session.strategy != "naive":
         pass  # nothing to give
     elif translator is None:
-        _fallback(session, tgt, n, status, "no translator for this pair")
+        _fallback(session, tgt, n, status, "no translator for this pair", read=reread)
     elif refresh:
         _fallback(session, tgt, n, status, f"refresh every {session.refresh_every} switches",
-                  full=True)
+                  full=True, read=reread)
     elif session.max_context is not None and n > session.max_context:
         _fallback(session, tgt, n, status, f"context {n} tokens is longer than the translator "
-                                           f"allows ({session.max_context})")
+                                           f"allows ({session.max_context})", read=reread)
     else:
         start = 0 if session.strategy == "naive" else tgt.seen
         if start < src.recorded_from:
             _fallback(session, tgt, n, status, "the source did not record the span the target "
-                                               "has not seen")
+                                               "has not seen", read=reread)
         else:
             # the frontier's L counts the token the target reads next: n + 1
             choice, why = dial.choose(translator, n + 1, session.reread, session.fidelity)
             if choice is None:
-                _fallback(session, tgt, n, status, why)
+                _fallback(session, tgt, n, status, why, read=reread)
             else:
                 status.reread, status.setting_note = choice.reread, choice.note
                 status.expected_agreement = choice.expected_agreement
                 status.expected_speedup = choice.expected_speedup
                 _translate_and_gate(session, translator, src, tgt, start, n, status,
-                                    choice.reread)
+                                    choice.reread, reread)
     status.translate_seconds = time.perf_counter() - started
     return status
 
@@ -105,9 +107,10 @@ def handoff_point(translator, src: CacheLine, start: int, n: int, r: int,
 
 
 def _translate_and_gate(session: Session, translator, src: CacheLine, tgt: CacheLine,
-                        start: int, n: int, status: SwitchStatus, reread: int = 0) -> None:
+                        start: int, n: int, status: SwitchStatus, reread: int = 0,
+                        read_fallback: bool = True) -> None:
     """Translate [start, C), let the target read [C, n), and let the gate judge its last
-    tokens: over its threshold, the target re-reads [start, n) instead."""
+    tokens: over its threshold, the target re-reads [start, n) instead (`read_fallback`)."""
     r = session.gate_tokens
     handoff, why = handoff_point(translator, src, start, n, max(r, reread), reread)
     if handoff == n and reread and why:  # no state to stop at: everything translated
@@ -117,10 +120,12 @@ def _translate_and_gate(session: Session, translator, src: CacheLine, tgt: Cache
         try:
             _translate(session, translator, src, tgt, start, handoff, status)
         except ValueError as e:  # the recorded span lacks what the translator reads
-            _fallback(session, tgt, n, status, f"cannot translate the source's cache: {e}")
+            _fallback(session, tgt, n, status, f"cannot translate the source's cache: {e}",
+                      read=read_fallback)
             return
         except NotFinite:
-            _fallback(session, tgt, n, status, "translated tensors are not finite")
+            _fallback(session, tgt, n, status, "translated tensors are not finite",
+                      read=read_fallback)
             return
         session.snapshot(tgt)
     if r == 0:
@@ -163,7 +168,8 @@ def _translate_and_gate(session: Session, translator, src: CacheLine, tgt: Cache
         _fallback(session, tgt, n, status, f"fidelity gate: the target's NLL on the last "
                                            f"{reading.tokens} tokens is {reading.gap:+.2f} "
                                            f"nats/token from the source's, over the "
-                                           f"translator's threshold {threshold:.2f}")
+                                           f"translator's threshold {threshold:.2f}",
+                  read=read_fallback)
 
 
 def _read_on(session: Session, tgt: CacheLine, n: int):
@@ -203,11 +209,12 @@ def _translate(session: Session, translator, src: CacheLine, tgt: CacheLine, sta
 
 
 def _fallback(session: Session, tgt: CacheLine, n: int, status: SwitchStatus, reason: str,
-              full: bool = False) -> None:
+              full: bool = False, read: bool = True) -> None:
     """Re-prefill: the target reads up to `n`, what it has not seen (everything, when
-    `full`)."""
+    `full`); without `read`, that is left to the caller."""
     status.status, status.reason = Outcome.FALLBACK_REPREFILL, reason
     if full:
         tgt.reset()
     status.tokens_reprefilled = n - tgt.seen
-    session.read(tgt, n)
+    if read:
+        session.read(tgt, n)
