@@ -234,9 +234,10 @@ class Chat:
     def prepare(self) -> list[SwitchStatus]:
         """Translate ahead (`Session.prepare`): give every other model a translator reaches
         what the active model has read, while the user reads the reply, so a /switch has only
-        the last turn's few tokens left to give."""
+        the last turn's few tokens left to give. A translation the gate refuses is not re-read
+        ahead: the prompt comes back at once, and only a /switch pays for the re-read."""
         active = self.session.active
-        done = [self.session.prepare(t) for t in self.session.lines
+        done = [self.session.prepare(t, reread=False) for t in self.session.lines
                 if t != active and (active, t) in self.session.translators]
         for status in done:
             self.transcript.add("prepared", **asdict(status))

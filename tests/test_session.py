@@ -86,6 +86,26 @@ def test_translating_ahead_is_the_switch_made_early(kimi_pair):
     assert replies[True] == replies[False]
 
 
+def test_translating_ahead_without_reread_leaves_a_refused_translation_to_the_switch(
+        kimi_pair, monkeypatch):
+    """`prepare(target, reread=False)`: a translation the gate refuses reads nothing and is not
+    kept; the target's line is as it was, and the switch then makes the whole hand-over."""
+    from mlx_kvtrans import gate
+
+    a, b, _ = kimi_pair
+    monkeypatch.setattr(gate, "threshold", lambda *args, **kwargs: (-1e9, ""))
+    s = session_for(kimi_pair)
+    s.add(list(range(60, 110)))
+    list(s.generate(5))
+    early = s.prepare(b.name, reread=False)
+    assert early.status == "fallback_reprefill" and "fidelity gate" in early.reason
+    assert early.tokens_reprefilled == len(s.tokens) - 1  # what is left to read
+    assert s.lines[b.name].seen == 0 and not s.prepared
+    status = s.switch(b.name)
+    assert status.status == "fallback_reprefill" and not status.tokens_translated_ahead
+    assert s.lines[b.name].seen == s.lines[a.name].seen == len(s.tokens) - 1
+
+
 def test_a_switch_reads_the_tail_and_the_next_prompt_in_one_forward(kimi_pair):
     """The target reads the span's last r tokens and what follows them (the next prompt) in
     one forward, and its first token comes from that forward's logits: the same answer and
