@@ -12,8 +12,8 @@ from rich.markup import escape
 import mlx_kvtrans
 from mlx_kvtrans.errors import KvtransError
 
-from .common import (FIDELITY_HELP, REREAD_HELP, app, default_translator, dial_options,
-                     in_range, out, print_error, refuse_existing, user_errors)
+from .common import (FIDELITY_HELP, REREAD_HELP, SINK_HELP, app, default_translator,
+                     dial_options, in_range, out, print_error, refuse_existing, user_errors)
 
 LEAVE = ("/quit", "/exit")
 
@@ -36,6 +36,7 @@ def chat(source: str = typer.Option("kimi-linear", "--from", help="the model tha
                                                            "it already exists."),
          reread: int = typer.Option(None, help=REREAD_HELP),
          fidelity: float = typer.Option(None, help=FIDELITY_HELP),
+         sink: int = typer.Option(0, min=0, help=SINK_HELP),
          max_tokens: int = typer.Option(200, help="longest reply"),
          translate_ahead: bool = typer.Option(
              True, "--translate-ahead/--no-translate-ahead",
@@ -55,7 +56,7 @@ def chat(source: str = typer.Option("kimi-linear", "--from", help="the model tha
     if strategy not in STRATEGIES:
         raise KvtransError(f"--strategy must be one of {', '.join(STRATEGIES)}")
     in_range("--max-tokens", max_tokens, 1)
-    dial = dial_options(reread, fidelity)
+    dial = dial_options(reread, fidelity, sink)
     if source == target:
         raise KvtransError("--from and --to name the same model")
     script_lines = _read_script(script) if script is not None else None

@@ -132,13 +132,17 @@ FIDELITY_HELP = ("held-out agreement each switch must meet: the cheapest re-read
                  "translator's frontier measured that meets it, else re-prefill")
 
 
-def dial_options(reread: int | None, fidelity: float | None) -> dict:
-    """--reread / --fidelity as Session options (one of them at most)."""
+SINK_HELP = ("the conversation's first tokens, which a model given it from its start reads "
+             "itself (the attention sink: 4 for a pretrained model, 0 for the zoo)")
+
+
+def dial_options(reread: int | None, fidelity: float | None, sink: int = 0) -> dict:
+    """--reread / --fidelity (one of them at most) and --sink as Session options."""
     from mlx_kvtrans.session import dial
 
     if dial.problem(reread, fidelity):
         raise KvtransError(dial.problem(reread, fidelity, "--"))
-    return {"reread": reread, "fidelity": fidelity}
+    return {"reread": reread, "fidelity": fidelity, "sink": sink}
 
 
 def refuse_existing(path: str | Path | None, force: bool, option: str = "--out") -> None:

@@ -11,8 +11,8 @@ import typer
 import mlx_kvtrans
 from mlx_kvtrans.errors import KvtransError
 
-from .common import (JSON_HELP, SEEDS, FitTable, Limit, default_translator, eval_app,
-                     in_range, int_list, load_translator_pair, model_configs, out,
+from .common import (JSON_HELP, SEEDS, SINK_HELP, FitTable, Limit, default_translator,
+                     eval_app, in_range, int_list, load_translator_pair, model_configs, out,
                      position_limit, progress_bar, text_file, translator_models, user_errors)
 
 # Positions each window continues over past its prefix (KL, greedy agreement).
@@ -86,6 +86,7 @@ def eval_fidelity(translator_dir: Path = typer.Option(..., "--translator",
                   windows: int = typer.Option(8, min=1, help="held-out windows per length"),
                   source: str = typer.Option(None, "--from", help="override the manifest's"),
                   target: str = typer.Option(None, "--to", help="override the manifest's"),
+                  sink: int = typer.Option(0, min=0, help=SINK_HELP),
                   as_json: bool = typer.Option(False, "--json", help=JSON_HELP)):
     """KL and greedy agreement of the target continuing from translated caches, with the
     no-cache floor beside them."""
@@ -100,7 +101,8 @@ def eval_fidelity(translator_dir: Path = typer.Option(..., "--translator",
     try:
         with progress_bar("fidelity") as progress:
             rows = fidelity(translator, src.model, tgt.model, ids, lengths, windows=windows,
-                            continuation=FIDELITY_CONTINUATION, progress=progress)
+                            continuation=FIDELITY_CONTINUATION, progress=progress,
+                            sink=sink)
     except ValueError as e:
         raise KvtransError(str(e))
     if as_json:

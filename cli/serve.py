@@ -6,8 +6,8 @@ from __future__ import annotations
 import typer
 from rich.markup import escape
 
-from .common import (FIDELITY_HELP, REREAD_HELP, app, dial_options, err, format_bytes, out,
-                     user_errors)
+from .common import (FIDELITY_HELP, REREAD_HELP, SINK_HELP, app, dial_options, err,
+                     format_bytes, out, user_errors)
 
 
 @app.command()
@@ -38,6 +38,7 @@ def serve(model: list[str] = typer.Option(
               None, metavar="SECONDS", help="unload a model unused this long (default: never)"),
           reread: int = typer.Option(None, help=REREAD_HELP),
           fidelity: float = typer.Option(None, help=FIDELITY_HELP),
+          sink: int = typer.Option(0, min=0, help=SINK_HELP),
           max_tokens: int = typer.Option(512, help="reply length when a request gives none"),
           max_body_bytes: str = typer.Option("8M", metavar="BYTES",
                                              help="largest request body accepted")):
@@ -51,7 +52,7 @@ def serve(model: list[str] = typer.Option(
                          memory_budget=None if memory_budget is None else parse_bytes(memory_budget),
                          idle_unload=idle_unload,
                          default_max_tokens=max_tokens, max_body_bytes=parse_bytes(max_body_bytes),
-                         **dial_options(reread, fidelity))
+                         **dial_options(reread, fidelity, sink))
     config.check()
     sock = listen(host, port)
     engine = Engine.from_config(config)

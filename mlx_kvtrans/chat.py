@@ -316,7 +316,9 @@ class Chat:
                 return f"already talking to {arg}"
             s = self.switch(arg or None)
             detail = f" ({s.reason})" if s.reason else ""
-            read = f", the last {s.tokens_read} read by {s.target}" if s.tokens_read else ""
+            own = ([f"the first {s.tokens_sink}"] if s.tokens_sink else []) + (
+                [f"the last {s.tokens_read}"] if s.tokens_read else [])
+            read = f", {' and '.join(own)} read by {s.target}" if own else ""
             ahead = (f" ({s.tokens_translated_ahead} of them ahead, "
                      f"{s.ahead_seconds * 1000:.1f} ms)" if s.tokens_translated_ahead else "")
             return (f"switched {s.source} -> {s.target}: {s.status}{detail}; "

@@ -213,6 +213,8 @@ CASES = {
                                        "--prefix-lengths", "64,x"], "--prefix-lengths"),
     "fidelity: prefix past the positions": (["eval", "fidelity", "--translator", PAIR,
                                              "--prefix-lengths", "16384"], "16,320"),
+    "fidelity: negative sink": (["eval", "fidelity", "--translator", PAIR, "--sink", "-1"],
+                                "--sink"),
     "fidelity: zero windows": (["eval", "fidelity", "--translator", PAIR, "--windows", "0"],
                                "--windows"),
     "fidelity: --text missing": (["eval", "fidelity", "--translator", PAIR, "--text",
@@ -319,6 +321,7 @@ CASES = {
     "chat: unknown strategy": (["chat", "--strategy", "bogus"], "--strategy"),
     "chat: script missing": (["chat", "--script", "{nowhere}"], "--script"),
     "chat: zero max tokens": (["chat", "--max-tokens", "0"], "--max-tokens"),
+    "chat: negative sink": (["chat", "--sink", "-1"], "--sink"),
     "chat: unknown model": (["chat", "--from", "no-such-model"], "no-such-model"),
 }
 

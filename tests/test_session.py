@@ -106,6 +106,27 @@ def test_translating_ahead_without_reread_leaves_a_refused_translation_to_the_sw
     assert s.lines[b.name].seen == s.lines[a.name].seen == len(s.tokens) - 1
 
 
+def test_a_target_given_the_conversation_from_its_start_reads_the_sink_itself(kimi_pair):
+    """`sink=s`: the target reads the first s tokens itself (its own cache there, exactly),
+    the translation covers the rest but the gate's tail; later switches have no sink to read."""
+    a, b, _ = kimi_pair
+    s = session_for(kimi_pair, sink=4)
+    s.add(list(range(60, 90)))
+    list(s.generate(4))
+    first = s.switch(b.name)
+    assert first.status == "applied" and first.tokens_sink == 4
+    assert (first.tokens_translated, first.tokens_read) == (s.lines[a.name].seen - 4 - 8, 8)
+    own = plain_reprefill(b, s.tokens[:4])
+    for mine, native in zip(s.lines[b.name].cache, own):
+        if hasattr(native, "keys") and native.keys is not None:
+            assert mx.array_equal(mine.keys[..., :4, :], native.keys[..., :4, :])
+    s.add(list(range(100, 120)))
+    list(s.generate(2))
+    s.switch(a.name)
+    s.add(list(range(130, 150)))
+    assert s.switch(b.name).tokens_sink == 0
+
+
 def test_a_switch_reads_the_tail_and_the_next_prompt_in_one_forward(kimi_pair):
     """The target reads the span's last r tokens and what follows them (the next prompt) in
     one forward, and its first token comes from that forward's logits: the same answer and

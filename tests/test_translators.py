@@ -523,3 +523,18 @@ def test_fit_reads_chat_logs_rendered_with_the_models_template(model_dirs, tmp_p
     held_out = runner.invoke(app, base + ["--data", str(log), "--validation", str(log),
                                           "--out", str(tmp_path / "tr2")])
     assert held_out.exit_code == 2 and "held-out text is a text file" in held_out.output
+
+
+@pytest.mark.parametrize("family", ["qwen3", "deepseek_v3", "kimi_linear"])
+def test_a_sink_read_natively_then_the_rest_translated_is_exact_on_itself(loaded, family):
+    """`sink`: the target reads the first tokens itself and the translation of the rest is
+    installed after them; on a model fitted to itself the cache still continues as native."""
+    model = loaded(family).model
+    layout = kv.layout_of(model)
+    tr = fit(model, model, batches(), plan(layout, layout, point=1, nu=1, features="all"),
+             FitConfig(point=1, ridge=1e-7))
+    toks = mx.random.randint(0, 259, (1, 56), key=mx.random.key(99))
+    for sink in (0, 4):
+        native = kv.capture(model, toks[:, :48]).engine  # each continuation grows it
+        translated = translate_cache(tr, model, model, toks[:, :48], sink=sink)
+        assert continuation_kl(model, native, translated, toks[:, 48:]) <= 1e-3

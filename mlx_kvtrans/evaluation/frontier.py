@@ -115,9 +115,10 @@ class SessionSwitch(Switch):
     hands it over to the target at the setting's R with the fidelity gate judging (a fired
     gate: the target re-reads). `statuses` keeps every switch's status."""
 
-    def __init__(self, translator, source, target, gate_tokens: int | None = None):
+    def __init__(self, translator, source, target, gate_tokens: int | None = None,
+                 sink: int = 0):
         super().__init__(translator, source.model, target.model)
-        self.lms, self.gate_tokens = (source, target), gate_tokens
+        self.lms, self.gate_tokens, self.sink = (source, target), gate_tokens, sink
         self.statuses: dict[Setting, list] = {}
         self._last = None  # (setting, prefix) -> its evaluated cache: one session per window
 
@@ -132,7 +133,7 @@ class SessionSwitch(Switch):
             options = {} if self.gate_tokens is None else {"gate_tokens": self.gate_tokens}
             session = Session({"source": self.lms[0], "target": self.lms[1]},
                               {("source", "target"): self.translator}, active="source",
-                              reread=setting.reread, **options)
+                              reread=setting.reread, sink=self.sink, **options)
             session.add(prefix)
             list(session.generate(0))  # the source reads the prefix
             self.statuses.setdefault(setting, []).append(session.switch("target"))
@@ -280,12 +281,12 @@ def measure(switch: Switch, encode, text_ids: list[int], plan: dict[int, list[Se
 def measure_translator(directory, source, target, translator, text_ids: list[int],
                        lengths: list[int] | None = None, rereads: list[int] | None = None,
                        prompts: int = 16, needles: int = 16, repeats: int = 3, seed: int = 0,
-                       progress=None) -> Frontier:
+                       progress=None, sink: int = 0) -> Frontier:
     """The frontier of a loaded translator (`source`, `target`: LoadedModels) from the
     translator directory `directory`: at `lengths` (default 1x-8x its fitting length) and
     R in `rereads` (default `default_rereads`); settings that translate nothing are left out.
     A session's switch reads the gate's r tokens whatever R asks, so R below r is measured,
-    timed and recorded as r."""
+    timed and recorded as r; and the target reads the first `sink` tokens itself."""
     directory = Path(directory)
     fit_length = fitting_length(translator.info)
     lengths = lengths or [fit_length * m for m in MULTIPLES]
@@ -298,7 +299,7 @@ def measure_translator(directory, source, target, translator, text_ids: list[int
     for n, settings in plan.items():
         if not settings:
             raise ValueError(f"no setting of R in {wanted} translates anything at {n} tokens")
-    switch = SessionSwitch(translator.prepare(), source, target)
+    switch = SessionSwitch(translator.prepare(), source, target, sink=sink)
     rows = measure(switch, target.tokenizer.encode, text_ids, plan, prompts, needles, repeats,
                    seed, progress)
     weights = directory / "weights.safetensors"

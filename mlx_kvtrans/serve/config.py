@@ -31,6 +31,7 @@ class ServeConfig:
     max_body_bytes: int = 8 << 20
     reread: int | None = None  # the fidelity dial (session/dial.py): a fixed R, or
     fidelity: float | None = None  # an agreement each switch meets
+    sink: int = 0  # first tokens a model given a conversation from its start reads itself
 
     def check(self) -> None:
         if not self.models:

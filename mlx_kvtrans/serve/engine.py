@@ -92,7 +92,8 @@ class Engine:
         used = {pair: tr for pair, tr in self.translators.items()
                 if pair[0] in names and pair[1] in names} if self.config.translate else {}
         return Session({n: self.models[n] for n in names}, used, active=model,
-                       reread=self.config.reread, fidelity=self.config.fidelity)
+                       reread=self.config.reread, fidelity=self.config.fidelity,
+                       sink=self.config.sink)
 
     def close(self) -> None:
         """Finish the queued requests, then stop the worker."""
@@ -320,7 +321,8 @@ class Engine:
             handoff.source_model = came_from
             # what was given ahead is in this model's line, but came from the switch
             handoff.tokens_reused = max(0, handoff.tokens_reused - (
-                ahead.tokens_translated + ahead.tokens_read + ahead.tokens_reprefilled))
+                ahead.tokens_translated + ahead.tokens_read + ahead.tokens_reprefilled
+                + ahead.tokens_sink))
         else:
             session.active = match.holder
             try:
@@ -335,8 +337,8 @@ class Engine:
         handoff.tokens_translated_ahead = status.tokens_translated_ahead
         handoff.ahead_ms = status.ahead_seconds * 1000
         handoff.tokens_translated = status.tokens_translated
-        # the span's last tokens, read on the translated cache for the gate, are read too
-        handoff.tokens_reread = status.tokens_reprefilled + status.tokens_read
+        # the first tokens (the sink) and the last (the gate's), read by the model itself
+        handoff.tokens_reread = status.tokens_reprefilled + status.tokens_read + status.tokens_sink
         handoff.translate_ms = status.translate_seconds * 1000
         handoff.gate, handoff.gate_gap = status.gate, status.gate_gap
         handoff.gate_threshold = status.gate_threshold

@@ -33,13 +33,15 @@ class Session:
     compares (0: no gate). The fidelity dial (`dial`): `reread` R, the span's last tokens the
     target reads itself at every switch (at least r), or `fidelity`, a held-out agreement
     each switch meets with the cheapest setting its translator's frontier measured; neither:
-    each translator's default setting.
+    each translator's default setting. `sink`: the conversation's first tokens, which a target
+    that receives it from its start reads itself (`handover`; `SINK_TOKENS` for a pretrained
+    target).
     """
 
     def __init__(self, models: dict, translators: dict | None = None, active: str | None = None,
                  strategy: str = "segment", refresh_every: int = 4, max_context: int | None = None,
                  gate_tokens: int = gate.GATE_TOKENS, reread: int | None = None,
-                 fidelity: float | None = None):
+                 fidelity: float | None = None, sink: int = 0):
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}")
         if gate_tokens < 0:
@@ -51,7 +53,9 @@ class Session:
         self.active = active or next(iter(models))
         self.strategy, self.refresh_every = strategy, refresh_every
         self.max_context = max_context
-        self.gate_tokens = gate_tokens
+        if sink < 0:
+            raise ValueError("sink must be 0 or more")
+        self.gate_tokens, self.sink = gate_tokens, sink
         self.reread, self.fidelity = reread, fidelity
         self.tokens: list[int] = []
         self.switches: list[SwitchStatus] = []
@@ -218,6 +222,7 @@ class Session:
             if earlier is not None:  # ahead twice: one hand-over, made in two parts
                 status.tokens_translated += earlier.tokens_translated
                 status.tokens_read += earlier.tokens_read
+                status.tokens_sink += earlier.tokens_sink
                 status.tokens_reprefilled += earlier.tokens_reprefilled
                 status.translate_seconds += earlier.translate_seconds
             else:
@@ -252,6 +257,7 @@ class Session:
                            tokens_translated_ahead=ahead.tokens_translated)
         now.tokens_translated += ahead.tokens_translated
         now.tokens_read += ahead.tokens_read
+        now.tokens_sink += ahead.tokens_sink
         now.tokens_reprefilled += ahead.tokens_reprefilled
         now.tokens_translated_ahead = ahead.tokens_translated
         now.ahead_seconds = ahead.translate_seconds

@@ -167,11 +167,28 @@ class Translator:
             for r in self.recipes)
 
 
-def translate_cache(translator: Translator, source_model, target_model, tokens) -> list:
-    """Prefill `tokens` on the source, translate, and install: mlx-lm caches for the target."""
+def translate_cache(translator: Translator, source_model, target_model, tokens,
+                    sink: int = 0) -> list:
+    """Prefill `tokens` on the source, translate, and install: mlx-lm caches for the target.
+    `sink` > 0: the target reads the first `sink` tokens itself and the translation covers the
+    rest, as a session's switch with that sink does (`session.handover`)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from ..session.line import join_recorded
+
     tokens = mx.array(tokens)
     tokens = tokens[None] if tokens.ndim == 1 else tokens
     source = capture(source_model, tokens, points=translator.source_points())
     target_layout = layout_of(target_model)
-    objects, points = translator.translate(source, target_model, target_layout, tokens)
-    return install(target_layout, objects, points)
+    if not 0 < sink < tokens.shape[1]:
+        objects, points = translator.translate(source, target_model, target_layout, tokens)
+        return install(target_layout, objects, points)
+    span = Capture(source.layout, tokens[:, sink:],
+                   join_recorded([source], sink, tokens.shape[1], 0), source.engine)
+    for found, whole in zip(span.objects, source.objects):  # engine objects: where it ends
+        found.update({k: v for k, v in whole.items() if k[1] == CapturePoint.ENGINE})
+    cache = make_prompt_cache(target_model)
+    target_model(tokens[:, :sink], cache=cache)
+    objects, points = translator.translate(span, target_model, target_layout, span.tokens,
+                                           all_rows=True)
+    return install(target_layout, objects, points, offset=sink, cache=cache)
