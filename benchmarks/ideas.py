@@ -120,6 +120,14 @@ IDEAS = [
          "refit with identity tables and a residual, 500 steps with attention rehearsal on "
          "greedy continuations after an 8-token re-read, prefixes 32-512, half needles",
          DistillConfig(**SEQUENCE, attention_weight=1.0), EVERY_IDEA, 0.5),
+    *[Idea(f"{name.split('__')[0]}-to-{name.split('__')[1].removesuffix('-distilled')}"
+           "-token-identity", name, "refit with token ids, identity tables, attention weights "
+           "and states copied, then 300 steps on greedy continuations after an 8-token re-read, "
+           f"prefixes 32-512, a quarter needles{f', lr {lr:g}' if lr else ''}",
+           DistillConfig(**{**SEQUENCE, "steps": 300, "needle_share": 0.25,
+                            **({"lr": lr} if lr else {})}),
+           replace(EVERY_IDEA, residual=0), 0.25)
+      for name, lr in [("qwen3.5-b__qwen3.5-a-distilled", 3e-5), ("qwen3.5-a__qwen3.5-b", None)]],
 ]
 
 
