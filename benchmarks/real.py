@@ -6,17 +6,20 @@ resumes: the pair (`kvtrans zoo real`), stage 1 (`kvtrans fit` on the corpus's t
 stage 2 (`kvtrans distill`). Then, on the test split the project never tunes on:
 
 - KL of the target's next-token distributions over 64 continuation tokens after 256 and 512
-  prefix tokens, native cache against: the translated cache, the source's own cache copied layer
-  for layer (the identity map: the sibling's layer j is the parent's layer j, or j + the dropped
-  count after the cut) and no cache at all (the floor);
-- the frontier through a `Session` at R = 8 (teacher-forced agreement, greedy match, first
-  token, needle recall native / switched, the warm switch's speed-up over re-reading);
-- `kvtrans chat` on examples/handoff.txt with the pair and its translator.
+  prefix tokens, native cache against: the translated cache, with the target reading the first
+  --sink tokens itself (the attention sink, `session.handover`) and without, the source's own
+  cache copied layer for layer (the identity map: the sibling's layer j is the parent's layer j,
+  or j + the dropped count after the cut) and no cache at all (the floor);
+- the frontier through a `Session` at R = 8, with the sink and without (teacher-forced
+  agreement, greedy match, first token, needle recall native / switched, the warm switch's
+  speed-up over re-reading);
+- `kvtrans chat --sink` on examples/handoff.txt with the pair and its translator.
 
 Writes benchmarks/results/real.{json,md}.
 
     python benchmarks/real.py [--workdir runs/real] [--heal-steps 60] [--windows 128]
                               [--distill-steps 20] [--kl-windows 4] [--prompts 8] [--needles 8]
+                              [--sink 4]
 """
 
 from __future__ import annotations
@@ -36,7 +39,9 @@ from mlx_kvtrans.evaluation import frontier as fr
 from mlx_kvtrans.models import held_out_split
 from mlx_kvtrans.translators import artifact
 from mlx_kvtrans.translators.distill import DistillConfig
+from mlx_kvtrans.session.handover import SINK_TOKENS
 from mlx_kvtrans.translators.fidelity import fidelity
+from mlx_kvtrans.translators.translator import translate_cache
 from mlx_kvtrans.translators.fit import FitConfig
 from mlx_kvtrans.workflows import distill_translator, fit_translator
 from mlx_kvtrans.zoo.real import PARENT, SIBLING, RealPairConfig, build
@@ -65,13 +70,22 @@ def copying(source, layers: list[int]):
     return build_cache
 
 
-def scripted_chat(parent: Path, sibling: Path, translator: Path) -> dict:
+def with_sink(sink: int):
+    """A cache builder for `fidelity`: the target reads the first `sink` tokens itself."""
+    def build_cache(translator, src, tgt, prefix):
+        return translate_cache(translator, src, tgt, prefix, sink=sink)
+
+    return build_cache
+
+
+def scripted_chat(parent: Path, sibling: Path, translator: Path, sink: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         transcript = Path(tmp) / "chat.json"
         proc = subprocess.run([sys.executable, "-m", "mlx_kvtrans.cli", "chat", "--from",
                                str(parent), "--to", str(sibling), "--translator",
                                str(translator), "--script", str(ROOT / "examples/handoff.txt"),
-                               "--transcript", str(transcript), "--max-tokens", "24"],
+                               "--transcript", str(transcript), "--max-tokens", "24",
+                               "--sink", str(sink)],
                               capture_output=True, text=True, timeout=1800)
         if proc.returncode:
             raise SystemExit(f"kvtrans chat failed: {proc.stderr[-1000:]}")
@@ -92,6 +106,8 @@ def main() -> None:
     parser.add_argument("--kl-windows", type=int, default=4, help="held-out windows per length")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--needles", type=int, default=8)
+    parser.add_argument("--sink", type=int, default=SINK_TOKENS,
+                        help="first tokens the target reads itself (the attention sink)")
     args = parser.parse_args()
     started = time.perf_counter()
     work = args.workdir
@@ -121,10 +137,12 @@ def main() -> None:
     kl = {}
     for name, directory in (("stage 1", stage1), ("stage 2", stage2)):
         translator = artifact.load(directory, src, tgt)
-        kl[name] = fidelity(translator, src.model, tgt.model, ids, LENGTHS,
-                            windows=args.kl_windows)
-        print(f"{name}: {[(r['prefix_length'], round(r['kl'], 4)) for r in kl[name]]}",
-              flush=True)
+        for sink in (0, args.sink):
+            label = name + (f", sink {sink}" if sink else "")
+            kl[label] = fidelity(translator, src.model, tgt.model, ids, LENGTHS,
+                                 windows=args.kl_windows, build_cache=with_sink(sink))
+            print(f"{label}: {[(r['prefix_length'], round(r['kl'], 4)) for r in kl[label]]}",
+                  flush=True)
     identity = fidelity(translator, src.model, tgt.model, ids, LENGTHS, windows=args.kl_windows,
                         build_cache=copying(src.model, layers))
     # stage 2 is kept where it lowered the validation split's KL (the test split decides
@@ -133,9 +151,10 @@ def main() -> None:
     kept = stage2 if distilled["validation_kl_after"] < distilled["validation_kl_before"] \
         else stage1
     translator = artifact.load(kept, src, tgt)
-    frontier = fr.measure_translator(kept, src, tgt, translator, ids, LENGTHS, [8],
-                                     args.prompts, args.needles, repeats=2)
-    chat = scripted_chat(parent, sibling, kept)
+    frontiers = {sink: fr.measure_translator(kept, src, tgt, translator, ids, LENGTHS, [8],
+                                             args.prompts, args.needles, repeats=2, sink=sink)
+                 for sink in (0, args.sink)}
+    chat = scripted_chat(parent, sibling, kept, args.sink)
     report = blas_report()
     results = {"pair": {k: v for k, v in record.items() if k != "heal"},
                "heal_kl": [record["heal"][0]["kl"], record["heal"][-1]["kl"]]
@@ -145,7 +164,9 @@ def main() -> None:
                "distill": {k: v for k, v in artifact.read_manifest(stage2)["distill"].items()
                            if k != "curve"},
                "kl": {name: rows for name, rows in kl.items()}, "identity": identity,
-               "frontier": [row.to_json() for row in frontier.rows], "chat": chat,
+               "sink": args.sink,
+               "frontier": {str(sink): [row.to_json() for row in f.rows]
+                            for sink, f in frontiers.items()}, "chat": chat,
                "blas": f"{report.name}, float32 matmul {report.gflops:.0f} GFLOP/s",
                "minutes": round((time.perf_counter() - started) / 60, 1)}
     OUT.mkdir(exist_ok=True)
@@ -175,29 +196,34 @@ def write_markdown(r: dict) -> None:
              "is kept where it lowered the validation split's KL: "
              f"{r['distill']['validation_kl_before']:.4f} -> "
              f"{r['distill']['validation_kl_after']:.4f}).\n",
-             "| prefix | no cache (floor) | identity map | stage 1 | stage 2 | floor / kept "
-             "| identity / kept |", "|---|---|---|---|---|---|---|"]
+             f"**Sink {r['sink']}**: the target reads the prefix's first {r['sink']} tokens "
+             "itself (its attention sink) and the translation covers the rest.\n",
+             "| prefix | no cache (floor) | identity map | stage 1 | stage 2 | stage 1, sink "
+             f"{r['sink']} | stage 2, sink {r['sink']} | floor / kept, sink | identity / kept, "
+             "sink |", "|---|---|---|---|---|---|---|---|---|"]
     for i, length in enumerate(LENGTHS):
         floor = r["kl"]["stage 2"][i]["kl_no_cache"]
-        ident, one, two = (r["identity"][i]["kl"], r["kl"]["stage 1"][i]["kl"],
-                           r["kl"]["stage 2"][i]["kl"])
-        kept = r["kl"][r["kept"]][i]["kl"]
+        ident = r["identity"][i]["kl"]
+        one, two, one_s, two_s = (r["kl"][name][i]["kl"] for name in (
+            "stage 1", "stage 2", f"stage 1, sink {r['sink']}", f"stage 2, sink {r['sink']}"))
+        kept = r["kl"][f"{r['kept']}, sink {r['sink']}"][i]["kl"]
         lines.append(f"| {length} | {floor:.4f} | {ident:.4f} | {one:.4f} | {two:.4f} | "
-                     f"{floor / kept:.1f}x | {ident / kept:.1f}x |")
-    lines += ["", "The kept translator through a `Session` at R = 8 (`kvtrans eval frontier`'s "
-              "measures; "
-              "recovered: the history's worth kept over what the last 16 tokens give):\n",
-              "| L | agreement | floor | recovered | match of 32 | first | recall native / "
-              "switched | applied | speed-up |", "|---|---|---|---|---|---|---|---|---|"]
-    for row in r["frontier"]:
-        recovered = row["history_recovered"]
-        lines.append(f"| {row['length']} | {row['agreement']:.3f} | "
-                     f"{row['agreement_last16']:.3f} | "
-                     f"{'-' if recovered is None else f'{recovered:.2f}'} | "
-                     f"{row['greedy_match']:.1f} | {row['first_token']:.2f} | "
-                     f"{row['recall_native']:.2f} / {row['recall_translated']:.2f} | "
-                     f"{row['applied']:.2f} | {row['speedup']:.2f}x |")
-    lines += ["", f"`kvtrans chat` on examples/handoff.txt: switches "
+                     f"{one_s:.4f} | {two_s:.4f} | {floor / kept:.1f}x | {ident / kept:.1f}x |")
+    lines += ["", "The kept translator through a `Session` at R = 8, without and with the sink "
+              "(`kvtrans eval frontier`'s measures; recovered: the history's worth kept over "
+              "what the last 16 tokens give):\n",
+              "| sink | L | agreement | floor | recovered | match of 32 | first | recall native "
+              "/ switched | applied | speed-up |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for sink, rows in r["frontier"].items():
+        for row in rows:
+            recovered = row["history_recovered"]
+            lines.append(f"| {sink} | {row['length']} | {row['agreement']:.3f} | "
+                         f"{row['agreement_last16']:.3f} | "
+                         f"{'-' if recovered is None else f'{recovered:.2f}'} | "
+                         f"{row['greedy_match']:.1f} | {row['first_token']:.2f} | "
+                         f"{row['recall_native']:.2f} / {row['recall_translated']:.2f} | "
+                         f"{row['applied']:.2f} | {row['speedup']:.2f}x |")
+    lines += ["", f"`kvtrans chat --sink {r['sink']}` on examples/handoff.txt: switches "
               f"{', '.join(r['chat']['switches'])}; replies:\n"]
     lines += [f"- {reply['model']}: {reply['text']!r}" for reply in r["chat"]["replies"]]
     (OUT / "real.md").write_text("\n".join(lines) + "\n")
