@@ -41,7 +41,6 @@ from mlx_kvtrans.translators import artifact
 from mlx_kvtrans.translators.distill import DistillConfig
 from mlx_kvtrans.session.handover import SINK_TOKENS
 from mlx_kvtrans.translators.fidelity import fidelity
-from mlx_kvtrans.translators.translator import translate_cache
 from mlx_kvtrans.translators.fit import FitConfig
 from mlx_kvtrans.workflows import distill_translator, fit_translator
 from mlx_kvtrans.zoo.real import PARENT, SIBLING, RealPairConfig, build
@@ -66,14 +65,6 @@ def copying(source, layers: list[int]):
         cache = make_prompt_cache(source)
         source(prefix, cache=cache)
         return [cache[i] for i in layers]
-
-    return build_cache
-
-
-def with_sink(sink: int):
-    """A cache builder for `fidelity`: the target reads the first `sink` tokens itself."""
-    def build_cache(translator, src, tgt, prefix):
-        return translate_cache(translator, src, tgt, prefix, sink=sink)
 
     return build_cache
 
@@ -140,7 +131,7 @@ def main() -> None:
         for sink in (0, args.sink):
             label = name + (f", sink {sink}" if sink else "")
             kl[label] = fidelity(translator, src.model, tgt.model, ids, LENGTHS,
-                                 windows=args.kl_windows, build_cache=with_sink(sink))
+                                 windows=args.kl_windows, sink=sink)
             print(f"{label}: {[(r['prefix_length'], round(r['kl'], 4)) for r in kl[label]]}",
                   flush=True)
     identity = fidelity(translator, src.model, tgt.model, ids, LENGTHS, windows=args.kl_windows,

@@ -262,17 +262,23 @@ def test_multiturn_dialogues_alternate_models_and_find_the_questions(kimi_pair):
     assert [r["gate"] for r in ungated] == ["", "off", "off", "off"]
 
 
-def test_naive_retranslates_the_whole_prefix_including_translated_spans(kimi_pair):
+@pytest.mark.parametrize("sink", [0, 4])
+def test_naive_retranslates_the_whole_prefix_including_translated_spans(kimi_pair, sink):
     a, b, _ = kimi_pair
-    s = session_for(kimi_pair, strategy="naive")
+    s = session_for(kimi_pair, strategy="naive", sink=sink)
     s.add(list(range(30, 50)))
-    for i in range(3):
+    for i in range(4):
         list(s.generate(3))
         status = s.switch(b.name if i % 2 == 0 else a.name)
         assert status.status == "applied", status.reason
         # every switch translates everything the source holds, its translated spans included
-        # (the gate's last tokens read by the target)
-        assert status.tokens_translated + status.tokens_read == s.lines[status.source].seen
+        # (the gate's last tokens read by the target; a first switch's sink too)
+        assert (status.tokens_sink + status.tokens_translated + status.tokens_read
+                == s.lines[status.source].seen)
+        assert status.tokens_sink == (sink if i == 0 else 0)  # b held nothing, a all it read
+        line = s.lines[status.target]
+        offsets = {c.offset for c in line.cache if hasattr(c, "offset")}
+        assert offsets == {line.seen}  # the caches hold what the line says
         s.add([1, 2])
 
 

@@ -124,7 +124,9 @@ def _translate_and_gate(session: Session, translator, src: CacheLine, tgt: Cache
     handoff, why = handoff_point(translator, src, start, n, max(r, reread), reread)
     if handoff == n and reread and why:  # no state to stop at: everything translated
         status.setting_note += f"; R not kept: {why}"
-    if start == 0 and 0 < session.sink < handoff:  # the attention sink, read natively
+    # the attention sink, read natively by a target that holds nothing yet (under `naive`
+    # a later switch starts at 0 too, over a line that holds the sink already)
+    if tgt.seen == 0 and 0 < session.sink < handoff:
         session.read(tgt, session.sink)
         start = status.tokens_sink = session.sink
     before = None if tgt.cache is None or start == 0 else fixed_slots(tgt.cache)
