@@ -396,37 +396,73 @@ def test_a_fault_inside_a_generation_is_a_500_and_every_cache_stays_usable(serve
     assert report(ask(c, HYBRID, kept))["status"] == "reused"
 
 
-def test_a_gate_fired_ahead_is_reread_in_parts_a_request_can_come_between(served, monkeypatch):
-    """Translating ahead that the gate refuses does not re-read the conversation in one job:
-    it reads READ_PART tokens per idle job (a request waits for one part at most), and the
-    next request finds the whole re-read made ahead, with the gate's reason."""
+def refused_ahead(served, monkeypatch, conversation: str, text: str, parts_run: int = 0):
+    """The gate forced to refuse, READ_PART 16: the hybrid answers `text` and its conversation
+    is translated ahead to the full-MLA model, refused, and re-read in parts (all of them, or
+    only the first `parts_run`: requests keep the worker busy after them). Returns (the reply,
+    the line's length at each part, the tokens read so far, the messages to send on)."""
     from mlx_kvtrans import gate
     from mlx_kvtrans.serve import engine as engine_module
 
     engine, url = served
     monkeypatch.setattr(gate, "threshold", lambda *args, **kwargs: (-1e9, ""))
     monkeypatch.setattr(engine_module, "READ_PART", 16)
-    parts = []
-    read_ahead = engine_module.Engine._read_ahead
+    parts, read_ahead = [], engine_module.Engine._read_ahead
 
     def counted(self, *args):
         parts.append(args[0].session.lines[FULL].seen)
-        return read_ahead(self, *args)
+        if not parts_run or len(parts) <= parts_run:
+            return read_ahead(self, *args)
 
     monkeypatch.setattr(engine_module.Engine, "_read_ahead", counted)
-    c = client(url)
-    messages = [{"role": "user", "content": "Refused ahead: the beacon is 415926. " * 6}]
-    first = c.chat.completions.create(
+    messages = [{"role": "user", "content": text}]
+    first = client(url).chat.completions.create(
         model=HYBRID, messages=messages, max_tokens=8, temperature=0,
-        extra_headers={"x-kvtrans-conversation": "refused", "x-kvtrans-next-model": FULL})
+        extra_headers={"x-kvtrans-conversation": conversation, "x-kvtrans-next-model": FULL})
     engine.settle()
     read = first.usage.prompt_tokens + first.usage.completion_tokens - 1
-    assert len(parts) == -(-read // 16) and parts == list(range(0, read, 16))
     messages += [{"role": "assistant", "content": first.choices[0].message.content},
                  {"role": "user", "content": "And?"}]
-    fields = report(ask(c, FULL, messages, max_tokens=4, conversation="refused"))
+    return first, parts, read, messages
+
+
+def test_a_gate_fired_ahead_is_reread_in_parts_a_request_can_come_between(served, monkeypatch):
+    """Translating ahead that the gate refuses does not re-read the conversation in one job:
+    it reads READ_PART tokens per idle job (a request waits for one part at most), and the
+    next request finds the whole re-read made ahead, with the gate's reason."""
+    _, parts, read, messages = refused_ahead(served, monkeypatch, "refused",
+                                             "Refused ahead: the beacon is 415926. " * 6)
+    assert len(parts) == -(-read // 16) and parts == list(range(0, read, 16))
+    fields = report(ask(client(served[1]), FULL, messages, max_tokens=4, conversation="refused"))
     assert fields["status"] == "fallback_reprefill" and "fidelity gate" in fields["reason"]
     assert fields["tokens_reread"] == read and fields["ahead_ms"] > 0
+
+
+def test_a_request_during_a_reread_ahead_reads_on_without_translating_again(served,
+                                                                           monkeypatch):
+    """A request that comes while a refused translation ahead is being re-read in parts: its
+    switch reads the rest itself, judged once, and reports every token re-read."""
+    engine, url = served
+    _, parts, read, messages = refused_ahead(served, monkeypatch, "read-on",
+                                             "Read on: the beacon is 271828. " * 6, parts_run=2)
+    assert parts == [0, 16, 32] and read > 32  # interrupted after 32 tokens
+    translations, translate = [], Translator.translate
+    full = engine.models[FULL].model
+
+    def counted(self, source, target, *args, **kwargs):
+        translations.append(target is full)  # translating ahead back after it may run too
+        return translate(self, source, target, *args, **kwargs)
+
+    monkeypatch.setattr(Translator, "translate", counted)
+    second = ask(client(url), FULL, messages, max_tokens=4, conversation="read-on")
+    fields = report(second)
+    engine.settle()
+    assert not any(translations)  # the gate refused it ahead: not translated again
+    assert fields["status"] == "fallback_reprefill" and "when translating ahead" in fields["reason"]
+    assert fields["ahead_ms"] > 0 and fields["tokens_translated"] == 0
+    # every prompt token counted once: re-read (ahead or now), or new since the reply
+    assert fields["tokens_reused"] == 0
+    assert fields["tokens_reread"] + fields["tokens_new"] == second.usage.prompt_tokens
 
 
 def test_a_failed_translation_falls_back_to_rereading_visibly(served, monkeypatch):

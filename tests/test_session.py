@@ -13,6 +13,7 @@ from mlx_kvtrans.session import Session
 from mlx_kvtrans.translators import artifact
 from mlx_kvtrans.translators.fit import FitConfig, fit
 from mlx_kvtrans.translators.plan import plan
+from mlx_kvtrans.translators.translator import Translator
 from mlx_kvtrans.tools.verify import max_abs_diff
 
 
@@ -89,21 +90,36 @@ def test_translating_ahead_is_the_switch_made_early(kimi_pair):
 def test_translating_ahead_without_reread_leaves_a_refused_translation_to_the_switch(
         kimi_pair, monkeypatch):
     """`prepare(target, reread=False)`: a translation the gate refuses reads nothing and is not
-    kept; the target's line is as it was, and the switch then makes the whole hand-over."""
+    kept; the target's line is as it was. What the caller re-reads of it in its own time, and
+    the rest that the switch re-reads without translating again, make one hand-over."""
     from mlx_kvtrans import gate
 
     a, b, _ = kimi_pair
     monkeypatch.setattr(gate, "threshold", lambda *args, **kwargs: (-1e9, ""))
-    s = session_for(kimi_pair)
-    s.add(list(range(60, 110)))
-    list(s.generate(5))
-    early = s.prepare(b.name, reread=False)
-    assert early.status == "fallback_reprefill" and "fidelity gate" in early.reason
-    assert early.tokens_reprefilled == len(s.tokens) - 1  # what is left to read
-    assert s.lines[b.name].seen == 0 and not s.prepared
-    status = s.switch(b.name)
-    assert status.status == "fallback_reprefill" and not status.tokens_translated_ahead
-    assert s.lines[b.name].seen == s.lines[a.name].seen == len(s.tokens) - 1
+    translations, translate = [], Translator.translate
+
+    def counted(*args, **kwargs):
+        translations.append(1)
+        return translate(*args, **kwargs)
+
+    monkeypatch.setattr(Translator, "translate", counted)
+    for part in (0, 20):
+        s = session_for(kimi_pair)
+        s.add(list(range(60, 110)))
+        list(s.generate(5))
+        early = s.prepare(b.name, reread=False)
+        assert early.status == "fallback_reprefill" and "fidelity gate" in early.reason
+        assert early.tokens_reprefilled == len(s.tokens) - 1  # what is left to read
+        assert s.lines[b.name].seen == 0 and not s.prepared
+        if part:  # the caller re-reads a part ahead, as the server does in idle time
+            s.read(s.lines[b.name], part)
+            early.tokens_reprefilled = part
+        translations.clear()
+        status = s.switch(b.name)
+        assert not translations  # judged once, ahead: the switch reads on
+        assert status.status == "fallback_reprefill" and "when translating ahead" in status.reason
+        assert status.tokens_reprefilled == len(s.tokens) - 1 and not status.tokens_translated
+        assert s.lines[b.name].seen == s.lines[a.name].seen == len(s.tokens) - 1
 
 
 def test_a_target_given_the_conversation_from_its_start_reads_the_sink_itself(kimi_pair):

@@ -308,7 +308,8 @@ class Engine:
     def _hand_off(self, match: Match, model: str, handoff: Handoff) -> None:
         """Make `model` the active model of the entry, holding `match.position` tokens."""
         session = match.entry.session
-        handoff.tokens_reused = match.own
+        # what was given to this model's line ahead, between turns, came from the hand-over
+        handoff.tokens_reused = max(0, match.own - session.given_ahead(model))
         if match.holder == model or match.position <= match.own:
             came_from, session.active = session.active, model
             # a conversation translated to this model ahead, between turns: its hand-over
@@ -319,10 +320,6 @@ class Engine:
                 return
             status = ahead
             handoff.source_model = came_from
-            # what was given ahead is in this model's line, but came from the switch
-            handoff.tokens_reused = max(0, handoff.tokens_reused - (
-                ahead.tokens_translated + ahead.tokens_read + ahead.tokens_reprefilled
-                + ahead.tokens_sink))
         else:
             session.active = match.holder
             try:

@@ -88,6 +88,7 @@ class Entry:
             return
         if keep <= self.session.prepared_from.get(name, 0):  # none of what was given ahead
             self.session.prepared.pop(name, None)
+        self.session.refused.pop(name, None)  # what it re-read ahead is cut: judge again
         if keep == 0:
             self.drop(name)
             return
@@ -119,6 +120,7 @@ class Entry:
     def drop(self, name: str) -> None:
         self.session.lines[name].reset()
         self.session.prepared.pop(name, None)
+        self.session.refused.pop(name, None)
         self.checkpoints.pop(name, None)
         self.marks.pop(name, None)
 
@@ -157,6 +159,8 @@ class Entry:
             twin.used[name] = self.used.get(name, 0)
             if name in self.session.prepared:  # a line translated ahead, in either copy
                 session.prepared[name] = self.session.prepared[name]
+            if name in self.session.refused:  # and one being re-read ahead
+                session.refused[name] = self.session.refused[name]
         return twin
 
 

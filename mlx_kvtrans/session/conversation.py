@@ -16,7 +16,9 @@ from typing import Iterator
 
 from .. import gate
 from ..capture import Capture
+from ..errors import UnsupportedModelError
 from ..layouts import CapturePoint
+from ..sharding import shards_of
 from . import decode, dial
 from .handover import hand_over
 from .line import CacheLine, capture_bytes, fixed_slots
@@ -48,6 +50,11 @@ class Session:
             raise ValueError("gate_tokens must be 0 (no gate) or more")
         if dial.problem(reread, fidelity):
             raise ValueError(dial.problem(reread, fidelity))
+        sharded = [name for name, lm in models.items() if shards_of(lm.model) is not None]
+        if sharded:
+            raise UnsupportedModelError(
+                f"{sharded[0]} is loaded sharded: a Session over a sharded model is not "
+                "supported yet (kvtrans.translate_cache takes a sharded target)")
         self.lines = {name: CacheLine(name, lm) for name, lm in models.items()}
         self.translators = {pair: tr.prepare() for pair, tr in (translators or {}).items()}
         self.active = active or next(iter(models))
@@ -61,6 +68,9 @@ class Session:
         self.switches: list[SwitchStatus] = []
         self.prepared: dict[str, SwitchStatus] = {}  # target -> its hand-over made ahead
         self.prepared_from: dict[str, int] = {}  # target -> where that hand-over began
+        # target -> (status, began) of a hand-over made ahead that fell back and is being
+        # re-read in the caller's time: the switch re-reads on instead of translating again
+        self.refused: dict[str, tuple[SwitchStatus, int]] = {}
         self._turn = None  # weak reference to a generation not yet finished
 
     # -- what is recorded ---------------------------------------------------------------------
@@ -212,11 +222,14 @@ class Session:
         status = hand_over(self, self.active, target, reread=reread)
         if reread or status.status != Outcome.FALLBACK_REPREFILL:
             self.keep_ahead(target, status, began)
+        else:
+            self.refused[target] = (status, began)
         return status
 
     def keep_ahead(self, target: str, status: SwitchStatus, began: int) -> None:
         """Keep `status`, a hand-over to `target` made ahead from `began` tokens, for the
         switch to report (`joined`)."""
+        self.refused.pop(target, None)
         if status.tokens_translated or status.tokens_reprefilled or status.tokens_read:
             earlier = self.prepared.get(target)
             if earlier is not None:  # ahead twice: one hand-over, made in two parts
@@ -229,13 +242,32 @@ class Session:
                 self.prepared_from[target] = began
             self.prepared[target] = status
 
+    def given_ahead(self, target: str) -> int:
+        """Tokens of `target`'s line that hand-overs made ahead gave it (translated, read or
+        re-read): what a switch reports as handed over, not as the line's own."""
+        if target in self.prepared:
+            s = self.prepared[target]
+            return s.tokens_translated + s.tokens_read + s.tokens_reprefilled + s.tokens_sink
+        if target in self.refused:
+            return self.lines[target].seen - self.refused[target][1]
+        return 0
+
     def switch(self, target: str) -> SwitchStatus:
         """Make `target` the active model, giving it what it has not seen (`hand_over`). After
         `prepare(target)` the status is the whole hand-over, made ahead and now (`joined`)."""
         if target not in self.lines:
             raise ValueError(f"unknown model {target!r}")
         self._finish_turn()
-        status = self.joined(target, hand_over(self, self.active, target))
+        refused = self.refused.pop(target, None)
+        if refused is not None and refused[0].source != self.active:
+            refused = None  # judged for another model's cache
+        if refused is not None:  # what the caller re-read of it ahead
+            refused[0].tokens_reprefilled = self.lines[target].seen - refused[1]
+        now = hand_over(self, self.active, target,
+                        refused=None if refused is None else refused[0].reason)
+        if refused is not None:  # what was re-read of it ahead is part of this hand-over
+            self.keep_ahead(target, *refused)
+        status = self.joined(target, now)
         self.active = target
         self._drop_received()
         status.recorded_bytes = sum(self.recorded_bytes().values())

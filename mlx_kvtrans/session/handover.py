@@ -50,12 +50,13 @@ if TYPE_CHECKING:
 SINK_TOKENS = 4  # StreamingLLM's sink: what `sink` a pretrained target wants
 
 
-def hand_over(session: Session, source: str, target: str, reread: bool = True
-              ) -> SwitchStatus:
+def hand_over(session: Session, source: str, target: str, reread: bool = True,
+              refused: str | None = None) -> SwitchStatus:
     """Give `target` what `source` has read and it has not: translated (and judged by the
     gate), or re-read with the reason why. Only the target's line changes; the session's
     active model, its dropped spans and its list of switches are the caller's. `reread=False`:
-    a fallback reads nothing (the status says why and how much is left to read)."""
+    a fallback reads nothing (the status says why and how much is left to read). `refused`:
+    why a hand-over made ahead fell back; the target reads on instead of translating again."""
     src, tgt = session.lines[source], session.lines[target]
     n = src.seen
     status = SwitchStatus(source, target, Outcome.APPLIED, strategy=session.strategy)
@@ -69,6 +70,8 @@ def hand_over(session: Session, source: str, target: str, reread: bool = True
         pass  # nothing to give
     elif translator is None:
         _fallback(session, tgt, n, status, "no translator for this pair", read=reread)
+    elif refused is not None:
+        _fallback(session, tgt, n, status, f"{refused} (when translating ahead)", read=reread)
     elif refresh:
         _fallback(session, tgt, n, status, f"refresh every {session.refresh_every} switches",
                   full=True, read=reread)

@@ -9,13 +9,13 @@ its own capture point; `install` then applies the target's own norm, RoPE and po
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Collection
 
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..capture import Capture, capture
-from ..install import install
+from ..errors import UnsupportedModelError
 from ..layouts import CapturePoint, ModelLayout, layout_of
 from ..models import input_embedding
 from . import fused
@@ -60,9 +60,10 @@ class Translator:
         return tree_unflatten([(k, v.astype(mx.float32)) for k, v in self.params.items()])
 
     # -- what it reads ----------------------------------------------------------------------
-    def feature_reads(self) -> set[tuple[int, tuple[str, ...]]]:
+    def feature_reads(self, recipes: list[Recipe] | None = None
+                      ) -> set[tuple[int, tuple[str, ...]]]:
         """(source layer, object kinds) pairs whose features the recipes read."""
-        return set().union(*(r.feature_reads() for r in self.recipes))
+        return set().union(*(r.feature_reads() for r in (self.recipes if recipes is None else recipes)))
 
     def source_points(self) -> set[CapturePoint]:
         """Capture points the source must be read at."""
@@ -82,11 +83,13 @@ class Translator:
                     out.add((layer, obj.name, self.source_point))
         return out | self.identity.reads(source_layout)
 
-    def features(self, source: Capture, params: dict | None = None) -> dict:
-        """(source layer, kinds) -> (B, T, D) features, compressed where fitting compressed."""
+    def features(self, source: Capture, params: dict | None = None,
+                 recipes: list[Recipe] | None = None) -> dict:
+        """(source layer, kinds) -> (B, T, D) features, compressed where fitting compressed
+        (those `recipes` read; default all)."""
         flat = self.params if params is None else params
         out = {}
-        for s, kinds in self.feature_reads():
+        for s, kinds in self.feature_reads(recipes):
             x = layer_features(source, s, self.source_point, kinds)
             projection = flat.get(projection_name(s))
             out[(s, kinds)] = x if projection is None else x @ projection
@@ -95,16 +98,19 @@ class Translator:
     # -- translating ------------------------------------------------------------------------
     def translate(self, source: Capture, target_model, target_layout: ModelLayout | None = None,
                   token_ids: mx.array | None = None, all_rows: bool = False,
-                  params: dict | None = None
+                  params: dict | None = None, layers: Collection[int] | None = None
                   ) -> tuple[list[dict[str, mx.array]], list[dict[str, int]]]:
         """(per target layer: object name -> tensor, per target layer: name -> capture point).
 
         `params`: parameters to translate with (flat or a tree; default the translator's own).
+        `layers`: only these target layers (a process of a pipeline-sharded target); the
+        others are left empty.
         Conv histories keep K-1 rows, so only those are mapped, unless `all_rows` (a session
         that keeps every token's objects, to translate them onwards later)."""
         target_layout = target_layout or layout_of(target_model)
         flat = self.params if params is None else dict(tree_flatten(params))
-        features = self.features(source, flat)
+        recipes = [r for r in self.recipes if layers is None or r.layer in layers]
+        features = self.features(source, flat, recipes)
         ids = self.identity.ids(source, token_ids)
         identity = None if ids is None else input_embedding(target_model)(ids).astype(mx.float32)
         objects = [{} for _ in target_layout.layers]
@@ -113,10 +119,10 @@ class Translator:
                                  source.tokens.shape[0],
                                  target_layout.layers[r.layer].cache.object(r.name), all_rows,
                                  ids)
-                  for r in self.recipes}
+                  for r in recipes}
         # maps of the same input run as one matmul (one GEMM at the matmul peak, not dozens)
         groups: dict[tuple, list[Recipe]] = {}
-        for r in self.recipes:
+        for r in recipes:
             key = r.fused_input(inputs[r])
             if key is not None:
                 groups.setdefault((key, r.reads_identity), []).append(r)
@@ -129,7 +135,7 @@ class Translator:
                 objects[r.layer][r.name] = r.from_parts(inputs[r], outputs[r])
                 points[r.layer][r.name] = r.point
         for layer in target_layout.layers:
-            for r in (r for r in self.recipes if r.layer == layer.index):
+            for r in (r for r in recipes if r.layer == layer.index):
                 if r.name not in objects[layer.index]:
                     objects[layer.index][r.name] = r.build(inputs[r], self.params_of(r, flat))
                     points[layer.index][r.name] = r.point
@@ -169,26 +175,28 @@ class Translator:
 
 def translate_cache(translator: Translator, source_model, target_model, tokens,
                     sink: int = 0) -> list:
-    """Prefill `tokens` on the source, translate, and install: mlx-lm caches for the target.
+    """Prefill `tokens` on the source, translate, and install: mlx-lm caches for the target
+    (whole, or this process's share of a target mlx-lm loaded sharded: `sharding`).
     `sink` > 0: the target reads the first `sink` tokens itself and the translation covers the
     rest, as a session's switch with that sink does (`session.handover`)."""
     from mlx_lm.models.cache import make_prompt_cache
 
     from ..session.line import join_recorded
+    from ..sharding import install_translation, shards_of
 
+    if shards_of(source_model) is not None:
+        raise UnsupportedModelError("a sharded source is not supported yet: load the source "
+                                    "whole on each process (the target may be sharded)")
     tokens = mx.array(tokens)
     tokens = tokens[None] if tokens.ndim == 1 else tokens
     source = capture(source_model, tokens, points=translator.source_points())
-    target_layout = layout_of(target_model)
     if not 0 < sink < tokens.shape[1]:
-        objects, points = translator.translate(source, target_model, target_layout, tokens)
-        return install(target_layout, objects, points)
+        return install_translation(translator, source, target_model, tokens)
     span = Capture(source.layout, tokens[:, sink:],
                    join_recorded([source], sink, tokens.shape[1], 0), source.engine)
     for found, whole in zip(span.objects, source.objects):  # engine objects: where it ends
         found.update({k: v for k, v in whole.items() if k[1] == CapturePoint.ENGINE})
     cache = make_prompt_cache(target_model)
     target_model(tokens[:, :sink], cache=cache)
-    objects, points = translator.translate(span, target_model, target_layout, span.tokens,
-                                           all_rows=True)
-    return install(target_layout, objects, points, offset=sink, cache=cache)
+    return install_translation(translator, span, target_model, span.tokens, offset=sink,
+                               cache=cache, all_rows=True)

@@ -1,0 +1,150 @@
+"""Targets that mlx-lm loaded sharded across the processes of an `mx.distributed` group.
+
+Tensor parallel (`model.shard(group)`): each process holds its share of every layer's heads.
+Pipeline (`model.model.pipeline(group)`): each process holds a run of consecutive layers.
+A translator is fitted for the whole model, so each process translates as for the whole
+model, only the layers it holds, brings the objects to (3) with the whole layer's norm and
+rotation, and keeps its share of the heads: the caches it installs are what the unsharded
+target would hold, split the way mlx-lm split the model.
+
+The whole model's layout comes from a skeleton of the model built from its config (lazy: its
+own weights are never computed); every weight the process holds whole is lent to it, so norms,
+rotations and replays run on the checkpoint's weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.nn.layers import distributed
+from mlx.utils import tree_flatten
+
+from .errors import UnsupportedModelError
+from .install import install, to_engine
+from .layouts import CapturePoint, ModelLayout, layout_of
+
+_TENSOR_SHARDED = (distributed.AllToShardedLinear, distributed.ShardedToAllLinear,
+                   distributed.QuantizedAllToShardedLinear,
+                   distributed.QuantizedShardedToAllLinear)
+# cache objects whose (3) form needs only weights a tensor-sharded layer holds whole (the key
+# norm and the rotation); a recurrent layer's replay reads its sharded projections
+_TENSOR_MIXERS = ("gqa",)
+
+
+@dataclass
+class Shards:
+    kind: str  # "tensor" or "pipeline"
+    rank: int
+    size: int
+    layers: range  # the whole model's layer indexes this process caches
+    whole: ModelLayout  # the unsharded model's layout
+    local: ModelLayout  # this process's layout (its caches, in `make_prompt_cache` order)
+    skeleton: nn.Module = field(repr=False)  # the whole model, this process's weights lent
+
+    def held(self) -> ModelLayout:
+        """The whole layout's layers this process caches."""
+        return ModelLayout(self.whole.model_type, self.whole.family,
+                           [self.whole.layers[i] for i in self.layers])
+
+    def split(self, engine: list[dict[str, mx.array]]) -> list[dict[str, mx.array]]:
+        """(3) objects of the held layers, whole -> this process's share of every object."""
+        out = []
+        for objects, whole, local in zip(engine, self.held().layers, self.local.layers):
+            out.append({name: self._share(value, whole.cache.object(name).engine_shape,
+                                          local.cache.object(name).engine_shape)
+                        for name, value in objects.items()})
+        return out
+
+    def _share(self, value: mx.array, whole: tuple, local: tuple) -> mx.array:
+        axes = [a for a, (w, s) in enumerate(zip(whole, local)) if w != s]
+        if not axes:
+            return value  # held whole by every process (a latent, a pipeline's layer)
+        (axis,) = axes  # mlx-lm's shard_linear: N contiguous blocks of one axis
+        step = local[axis]
+        return mx.take(value, mx.arange(self.rank * step, (self.rank + 1) * step), axis=axis)
+
+
+def shards_of(model: nn.Module) -> Shards | None:
+    """How `model` is sharded (None: held whole by this process); worked out once per model."""
+    found = model.__dict__.get("_kvtrans_shards", False)
+    if found is not False:
+        return found
+    found = _find_shards(model)
+    model.__dict__["_kvtrans_shards"] = found
+    return found
+
+
+def _find_shards(model: nn.Module) -> Shards | None:
+    from .capture.instrument import language_model
+
+    decoder = language_model(model).model
+    pipelined = getattr(decoder, "pipeline_size", 1) > 1
+    groups = [m.group for _, m in model.named_modules() if isinstance(m, _TENSOR_SHARDED)]
+    tensor = bool(groups) and groups[0].size() > 1
+    if not (pipelined or tensor):
+        return None
+    if pipelined and tensor:
+        raise UnsupportedModelError("a target sharded both by tensor and by pipeline is not "
+                                    "supported: shard it one way")
+    if any("scales" in m for _, m in model.named_modules() if isinstance(m, nn.Module)):
+        raise UnsupportedModelError("a sharded quantized target is not supported yet: load "
+                                    "it unquantized or whole")
+    if pipelined and any(layer is None for layer in model.layers):
+        raise UnsupportedModelError(
+            f"mlx-lm's {type(model).__module__.rsplit('.', 1)[-1]} does not run a pipeline's "
+            "layers alone (its cache covers every layer): load the target whole")
+    skeleton = _skeleton(model)
+    whole, local = layout_of(skeleton), layout_of(model)
+    if pipelined:
+        layers = range(decoder.start_idx, decoder.end_idx)
+        rank, size = decoder.pipeline_rank, decoder.pipeline_size
+    else:
+        layers = range(len(whole.layers))
+        rank, size = groups[0].rank(), groups[0].size()
+        mixers = {layer.mixer for layer in whole.layers} - set(_TENSOR_MIXERS)
+        if mixers:
+            raise UnsupportedModelError(
+                f"a tensor-sharded target with {', '.join(sorted(mixers))} layers is not "
+                "supported yet: shard it by pipeline (model.pipeline(group) on its decoder)")
+    return Shards("pipeline" if pipelined else "tensor", rank, size, layers, whole, local,
+                  skeleton)
+
+
+def _skeleton(model: nn.Module) -> nn.Module:
+    """The unsharded model of `model`'s config, with every weight `model` holds whole."""
+    args = getattr(model, "args", None)
+    if args is None:
+        raise UnsupportedModelError(f"{type(model).__name__} keeps no config (args) to see "
+                                    "the whole model from")
+    skeleton = type(model)(args)
+    held = dict(tree_flatten(model.parameters()))
+    lent = [(name, held[name]) for name, value in tree_flatten(skeleton.parameters())
+            if name in held and held[name].shape == value.shape]
+    skeleton.load_weights(lent, strict=False)
+    skeleton.eval()
+    return skeleton
+
+
+def install_translation(translator, source, target_model, tokens, offset: int = 0,
+                        cache: list | None = None, all_rows: bool = False,
+                        finite: bool = False) -> list:
+    """Translate `source` (a capture of the tokens from `offset` on) and install it for
+    `target_model`, whole or sharded: fresh caches, or `cache` grown in place."""
+    shards = shards_of(target_model)
+    if shards is None:
+        layout = layout_of(target_model)
+        objects, points = translator.translate(source, target_model, layout, tokens,
+                                               all_rows=all_rows)
+        return install(layout, objects, points, offset=offset, cache=cache, finite=finite)
+    objects, points = translator.translate(source, shards.skeleton, shards.whole, tokens,
+                                           all_rows=all_rows, layers=shards.layers)
+    held = shards.held()
+    previous = None
+    if cache is not None and shards.kind == "pipeline":  # its layers' states are whole
+        previous = [layer.cache.read_engine(c) for layer, c in zip(held.layers, cache)]
+    engine = to_engine(held, [objects[i] for i in shards.layers],
+                       [points[i] for i in shards.layers], offset, previous)
+    return install(shards.local, shards.split(engine), CapturePoint.ENGINE, offset=offset,
+                   cache=cache, finite=finite)

@@ -1,0 +1,89 @@
+"""One process of a sharded-target check, run by `tests/test_sharding.py` under `mlx.launch`.
+
+Every process loads the source whole and the target twice: whole, and sharded by mlx-lm
+(`tensor`: `shard(group)`; `pipeline`: `model.pipeline(group)`, on the language model). It installs the
+shipped translator's translation of a held-out prompt into both, checks its share of the
+sharded caches against the whole caches split the same way, decodes greedily from both and
+writes what it found to OUT/rank<R>.json.
+
+    python tests/sharded_worker.py tensor|pipeline SOURCE TARGET TRANSLATOR OUT [SINK]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import mlx_kvtrans  # noqa: F401  first: fast BLAS
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlx_kvtrans import KvtransError, Session, load, load_translator, translate_cache
+from mlx_kvtrans.capture.instrument import language_model
+from mlx_kvtrans.models import weights_dir
+from mlx_kvtrans.sharding import shards_of
+
+STEPS = 8
+
+
+def decode(model, cache, first: mx.array) -> tuple[list[int], list[mx.array]]:
+    tokens, logits, token = [], [], first
+    for _ in range(STEPS):
+        out = model(token.reshape(1, 1), cache=cache)[:, -1].astype(mx.float32)
+        token = out.argmax(-1)
+        mx.eval(out, token)
+        logits.append(out)
+        tokens.append(token.item())
+    return tokens, logits
+
+
+def main(kind: str, source: str, target: str, translator: str, out: str, sink: int = 0):
+    group = mx.distributed.init()
+    src, whole, sharded = load(source), load(target), load(target)
+    if kind == "tensor":
+        model = sharded.model
+        (model if hasattr(model, "shard") else language_model(model)).shard(group)
+    else:
+        language_model(sharded.model).model.pipeline(group)
+    shards = shards_of(sharded.model)
+    tr = load_translator(translator, src, whole)
+    text = (weights_dir() / "corpus" / "validation.txt").read_text()[:4000]
+    prompt = mx.array(whole.tokenizer.encode(text)[:300])
+    whole_cache = translate_cache(tr, src.model, whole.model, prompt, sink=sink)
+    sharded_cache = translate_cache(tr, src.model, sharded.model, prompt, sink=sink)
+    split = [make_prompt_cache(whole.model)[i] for i in shards.layers]
+    assert len(split) == len(sharded_cache)
+    cache_difference = 0.0
+    for i, mine in zip(shards.layers, sharded_cache):
+        theirs = whole_cache[i]
+        for a, b in zip(mine.state, theirs.state):
+            if not isinstance(a, mx.array):
+                continue
+            if a.shape != b.shape:  # heads split: this process's block of the head axis
+                axis = next(d for d in range(a.ndim) if a.shape[d] != b.shape[d])
+                b = mx.take(b, mx.arange(shards.rank * a.shape[axis],
+                                         (shards.rank + 1) * a.shape[axis]), axis=axis)
+            cache_difference = max(cache_difference, mx.abs(
+                a.astype(mx.float32) - b.astype(mx.float32)).max().item())
+    first = prompt[-1:]
+    tokens_whole, logits_whole = decode(whole.model, whole_cache, first)
+    tokens_sharded, logits_sharded = decode(sharded.model, sharded_cache, first)
+    logit_difference = max(mx.abs(a - b).max().item()
+                           for a, b in zip(logits_whole, logits_sharded))
+    try:
+        Session({"source": src, "target": sharded}, {("source", "target"): tr})
+        refused = ""
+    except KvtransError as e:
+        refused = str(e)
+    Path(out, f"rank{group.rank()}.json").write_text(json.dumps({
+        "session_refused": refused,
+        "kind": shards.kind, "rank": shards.rank, "size": shards.size,
+        "layers": list(shards.layers), "cache_difference": cache_difference,
+        "tokens_whole": tokens_whole, "tokens_sharded": tokens_sharded,
+        "logit_difference": logit_difference,
+        "offsets": [c.offset for c in sharded_cache if hasattr(c, "offset")]}))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:6], *map(int, sys.argv[6:7]))
