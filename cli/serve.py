@@ -36,6 +36,10 @@ def serve(model: list[str] = typer.Option(
                    "memory less --cache-bytes): past it the least recently used model unloads"),
           idle_unload: float = typer.Option(
               None, metavar="SECONDS", help="unload a model unused this long (default: never)"),
+          load_deadline: float = typer.Option(
+              30.0, metavar="SECONDS",
+              help="a request waits this long for its model to load, then gets a 503 with "
+                   "Retry-After (the load goes on)"),
           reread: int = typer.Option(None, help=REREAD_HELP),
           fidelity: float = typer.Option(None, help=FIDELITY_HELP),
           sink: int = typer.Option(0, min=0, help=SINK_HELP),
@@ -50,7 +54,7 @@ def serve(model: list[str] = typer.Option(
                          cache_bytes=parse_bytes(cache_bytes), translate=translate,
                          translate_ahead=translate_ahead,
                          memory_budget=None if memory_budget is None else parse_bytes(memory_budget),
-                         idle_unload=idle_unload,
+                         idle_unload=idle_unload, load_deadline=load_deadline,
                          default_max_tokens=max_tokens, max_body_bytes=parse_bytes(max_body_bytes),
                          **dial_options(reread, fidelity, sink))
     config.check()

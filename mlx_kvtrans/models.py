@@ -139,11 +139,12 @@ def check_model_dir(path: Path) -> dict[str, Any]:
     return config
 
 
-def load(name: str, dtype=None) -> LoadedModel:
+def load(name: str, dtype=None, lazy: bool = False) -> LoadedModel:
     """Load model `name` (zoo alias, directory or HF id) with mlx-lm.
 
     `dtype`: compute dtype. By default half-precision checkpoints compute in float32 on a CPU
-    (bf16 matmuls are ~8x slower there) and in their own dtype on a GPU.
+    (bf16 matmuls are ~8x slower there) and in their own dtype on a GPU. `lazy`: the weights
+    are read from disk only when first computed with (mlx-lm's `lazy`).
     """
     import mlx_lm
     from transformers.utils import logging as hf_logging
@@ -152,7 +153,7 @@ def load(name: str, dtype=None) -> LoadedModel:
     config = check_model_dir(path)
     hf_logging.set_verbosity_error()  # tokenizer loading warns about unrelated config fields
     try:
-        model, tokenizer = mlx_lm.load(str(path))
+        model, tokenizer = mlx_lm.load(str(path), lazy=lazy)
     except Exception as err:  # a malformed checkpoint is bad input, not an internal failure
         raise KvtransError(f"mlx-lm could not load {path}: {type(err).__name__}: {err}") from None
     if not tokenizer.encode("hello world"):

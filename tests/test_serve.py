@@ -622,7 +622,8 @@ def test_bad_cli_options_are_one_line_and_exit_2():
              ["--translator", "/no/such/translator"],
              ["--port", str(taken.getsockname()[1])], ["--max-tokens", "0"],
              ["--memory-budget", "0"], ["--memory-budget", "lots"], ["--memory-budget", "1M"],
-             ["--idle-unload", "0"], ["--idle-unload", "nan"], ["--sink", "-1"]]
+             ["--idle-unload", "0"], ["--idle-unload", "nan"], ["--sink", "-1"],
+             ["--load-deadline", "-1"], ["--load-deadline", "nan"]]
     try:
         for args in cases:
             result = CliRunner().invoke(cli, ["serve", *args])
@@ -712,6 +713,36 @@ def test_models_past_the_memory_budget_unload_and_come_back(zoo):
         else:
             assert engine.residency.unloads == 0 and not any(loads)
     assert answers[True] == answers[False]
+
+
+def test_models_past_the_budget_are_not_read_at_start_and_a_late_load_says_retry_after():
+    """Served models load lazily: at start only those that fit the budget read their weights.
+    A request that waits past --load-deadline for its model gets a 503 with Retry-After while
+    the load goes on; a client that honours it (openai's retries) gets its answer."""
+    from mlx_kvtrans.serve.residency import resident_bytes
+
+    names = [HYBRID, FULL, "qwen3-small"]
+    models = load_models(names)
+    sizes = {n: resident_bytes(lm.model) for n, lm in models.items()}
+    config = ServeConfig(models=names, memory_budget=sizes[HYBRID] + sizes[FULL],
+                         translate_ahead=False, load_deadline=0)
+    engine = Engine(models, {}, config)
+    assert [engine.residency.is_resident(n) for n in names] == [True, True, False]
+    assert resident_bytes(models["qwen3-small"].model) == 0  # its weights never read
+    messages = [{"role": "user", "content": "Late: the number 5150?"}]
+    with running(engine) as url:
+        listed = {m.id: m.model_extra["kvtrans"]["resident"] for m in client(url).models.list().data}
+        assert listed == {HYBRID: True, FULL: True, "qwen3-small": False}
+        with pytest.raises(openai.InternalServerError) as refused:
+            ask(client(url), "qwen3-small", messages, max_tokens=4)
+        response = refused.value.response
+        assert response.status_code == 503 and int(response.headers["retry-after"]) >= 1
+        assert response.json()["error"]["code"] == "model_loading"
+        patient = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=3)
+        raw = patient.chat.completions.with_raw_response.create(
+            model="qwen3-small", messages=messages, max_tokens=4, temperature=0)
+        assert raw.parse().choices[0].message.content
+        assert engine.residency.is_resident("qwen3-small") and engine.residency.loads == 1
 
 
 def test_a_model_unused_for_idle_unload_seconds_unloads(zoo):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import signal
 import socket
 import threading
@@ -32,8 +33,9 @@ NEXT_MODEL_HEADER = "x-kvtrans-next-model"  # where the conversation goes next: 
 PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
 
 
-def _error_response(e: RequestError) -> JSONResponse:
-    return JSONResponse(error_body(e.message, e.kind, e.param, e.code), status_code=e.status)
+def _error_response(e: RequestError, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(error_body(e.message, e.kind, e.param, e.code), status_code=e.status,
+                        headers=headers)
 
 
 def _failure(error: BaseException) -> JSONResponse:
@@ -131,13 +133,26 @@ async def _respond(engine: Engine, job: Generation, reply, stream: bool, include
         except RuntimeError:  # the event loop is gone (the server stopped)
             cancelled.set()
 
+    deadline = engine.config.load_deadline
+    loading = engine.waits_for_load(job.model) and math.isfinite(deadline)
     try:
         engine.submit(job, emit, cancelled)
     except RuntimeError:  # the worker has shut down
         return _error_response(RequestError("the server is shutting down", status=503,
                                             kind="server_error", code="shutting_down"))
     try:
-        first = await events.get()
+        if loading:  # its weights are read first: a deadline, then a 503 to retry after
+            first = await asyncio.wait_for(events.get(), deadline)
+        else:
+            first = await events.get()
+    except asyncio.TimeoutError:
+        cancelled.set()
+        seconds = engine.load_soon(job.model)  # a retry finds it loaded
+        return _error_response(
+            RequestError(f"the model {job.model!r} is loading (about {seconds:.0f} s): retry "
+                         "after the time Retry-After gives", status=503, kind="server_error",
+                         code="model_loading"),
+            headers={"retry-after": str(max(1, math.ceil(seconds)))})
     except asyncio.CancelledError:
         cancelled.set()
         raise

@@ -27,6 +27,9 @@ class ServeConfig:
     translate_ahead: bool = True  # between turns, hand conversations to the other models ahead
     memory_budget: int | None = None  # the models' weights together (None: the machine's memory
     idle_unload: float | None = None  # less the cache budget); seconds unused before unloading
+    # seconds a request waits for its model to load before a 503 with Retry-After (the load
+    # goes on, so the retry finds the model)
+    load_deadline: float = 30.0
     default_max_tokens: int = 512  # a chat reply's length when the request gives none
     max_body_bytes: int = 8 << 20
     reread: int | None = None  # the fidelity dial (session/dial.py): a fixed R, or
@@ -50,6 +53,8 @@ class ServeConfig:
             raise KvtransError(f"--memory-budget {self.memory_budget}: must be more than 0")
         if self.idle_unload is not None and not self.idle_unload > 0:
             raise KvtransError(f"--idle-unload {self.idle_unload}: seconds, more than 0")
+        if not self.load_deadline >= 0:
+            raise KvtransError(f"--load-deadline {self.load_deadline}: seconds, 0 or more")
         if dial.problem(self.reread, self.fidelity):
             raise KvtransError(dial.problem(self.reread, self.fidelity, "--"))
 
@@ -67,9 +72,11 @@ def parse_bytes(text: str) -> int:
 
 
 def load_models(names: list[str]) -> dict:
+    """The served models, their weights lazy: read from disk when the server makes them
+    resident (`Residency`), so no more than the budget is ever held."""
     from ..models import load
 
-    return {name: load(name) for name in names}
+    return {name: load(name, lazy=True) for name in names}
 
 
 def tokenizer_groups(models: dict) -> dict[str, str]:

@@ -49,10 +49,16 @@ class Engine:
         self.config = config or ServeConfig(models=list(models))
         self.models = models
         self.translators = {pair: tr.prepare() for pair, tr in translators.items()}
+        budget = self.config.memory_budget
+        if budget is None:  # what the machine holds, less the conversation caches' budget
+            from ..translators.cost import machine_memory
+
+            budget = max(machine_memory() - self.config.cache_bytes, 1)
+        # the models that fit read their weights now, the others on their first request
+        self.residency = Residency(models, budget, self.config.idle_unload)
         # MLX streams belong to threads: a lazy array left by loading here could not be
         # evaluated on the worker
-        mx.eval([lm.model.parameters() for lm in models.values()],
-                [tr.params for tr in self.translators.values()],
+        mx.eval([tr.params for tr in self.translators.values()],
                 [tr.identity.codebook for tr in self.translators.values()
                  if tr.identity.codebook is not None])
         self.notes = list(notes or [])
@@ -65,12 +71,6 @@ class Engine:
         # HF tokenizers may refuse concurrent use from two threads ("Already borrowed"): the
         # HTTP side renders prompts while the worker detokenises
         self._tokenizer_locks = {name: threading.Lock() for name in models}
-        budget = self.config.memory_budget
-        if budget is None:  # what the machine holds, less the conversation caches' budget
-            from ..translators.cost import machine_memory
-
-            budget = max(machine_memory() - self.config.cache_bytes, 1)
-        self.residency = Residency(models, budget, self.config.idle_unload)
         self._worker = ComputeThread()
         if self.config.idle_unload:
             self._worker.every(min(1.0, self.config.idle_unload / 2), self.residency.unload_idle)
@@ -94,6 +94,16 @@ class Engine:
         return Session({n: self.models[n] for n in names}, used, active=model,
                        reread=self.config.reread, fidelity=self.config.fidelity,
                        sink=self.config.sink)
+
+    def waits_for_load(self, model: str) -> bool:
+        """Whether a request for `model` now would wait for its weights to be read."""
+        return not self.residency.is_resident(model)
+
+    def load_soon(self, model: str) -> float:
+        """Queue the loading of `model` (a request gave up waiting for it); returns the seconds
+        it should take from its start."""
+        self._worker.submit(self.residency.ensure, model)
+        return self.residency.expected_load_seconds(model)
 
     def close(self) -> None:
         """Finish the queued requests, then stop the worker."""
@@ -236,6 +246,10 @@ class Engine:
         entry = match.entry
         handoff.conversation = entry.conversation or entry.id
         handoff.load_ms = self.residency.ensure(job.model, match.holder) * 1000
+        if cancelled.is_set():  # given up while its model loaded (a 503): nothing changed
+            self.store.checkin(entry, set())
+            self.residency.release(job.model)
+            return
         self._hand_off(match, job.model, handoff)
         handoff.tokens_new = len(job.prompt) - match.position
         yield from self._read_prompt(entry, job, cancelled)

@@ -2,9 +2,11 @@
 
 A 48B and a 16B model together are most of a Mac's memory, and a server may list more models
 than fit. Each served model keeps its module, tokenizer and config for the server's life; only
-its weights come and go. A request loads what it needs (the model it asks for, and the one its
-conversation is handed over from), unloading the least recently used others until the
-weights fit the budget; a model unused for `idle_unload` seconds is unloaded too. Weights go by
+its weights come and go. The models are loaded lazily: at start, those that fit the budget in
+the order given read their weights, the others none. A request loads what it needs (the model
+it asks for, and the one its conversation is handed over from), unloading the least recently
+used others until the weights fit the budget; a model unused for `idle_unload` seconds is
+unloaded too. Weights go by
 replacing every parameter with an empty array in place (the module objects, which cache
 layouts and hooks refer to, stay), then `mx.clear_cache()`; they come back by loading the
 checkpoint again and updating the same module. Conversation caches are not weights: a
@@ -46,18 +48,29 @@ class Residency:
     loads: int = 0
     unloads: int = 0
     held: Counter = field(default_factory=Counter)  # name -> requests using it now
+    loading: str | None = None  # the model whose weights are being read now
+    load_rate: float = 1e9  # bytes a second the last load read (a first guess before one)
 
     def __post_init__(self):
-        now = time.monotonic()
-        for name, lm in self.models.items():
-            self.sizes[name] = resident_bytes(lm.model)
-            self.resident[name] = now
+        # sizes from shapes: lazily loaded weights are not read for it
+        self.sizes = {name: resident_bytes(lm.model) for name, lm in self.models.items()}
         largest = sorted(self.sizes.values(), reverse=True)[:2]
         if self.budget_bytes is not None and self.budget_bytes < sum(largest):
             raise KvtransError(f"--memory-budget {self.budget_bytes / 2**30:.2f} GiB holds fewer "
                                f"than the two largest models' weights "
                                f"({sum(largest) / 2**30:.2f} GiB), which a switch needs")
-        self.fit_budget(keep=set())
+        now, held = time.monotonic(), 0
+        for name in self.models:  # the first that fit, in the order given
+            if self.budget_bytes is None or held + self.sizes[name] <= self.budget_bytes:
+                self.resident[name] = now
+                held += self.sizes[name]
+            else:
+                _empty(self.models[name].model)  # never read
+        mx.eval([self.models[name].model.parameters() for name in self.resident])
+
+    def expected_load_seconds(self, name: str) -> float:
+        """How long loading `name` should take, at the rate the last load read."""
+        return self.sizes[name] / self.load_rate
 
     def is_resident(self, name: str) -> bool:
         return name in self.resident
@@ -108,8 +121,7 @@ class Residency:
         return idle
 
     def unload(self, name: str) -> None:
-        model = self.models[name].model
-        model.update(tree_map(lambda v: mx.zeros((0,), v.dtype), model.parameters()))
+        _empty(self.models[name].model)
         del self.resident[name]
         gc.collect()
         mx.clear_cache()
@@ -118,8 +130,20 @@ class Residency:
     def _load(self, name: str) -> None:
         from ..models import load
 
-        fresh = load(self.models[name].name)
-        self.models[name].model.update(fresh.model.parameters())
-        mx.eval(self.models[name].model.parameters())
-        del fresh
+        self.loading, started = name, time.perf_counter()
+        try:
+            fresh = load(self.models[name].name)
+            self.models[name].model.update(fresh.model.parameters())
+            mx.eval(self.models[name].model.parameters())
+            del fresh
+        finally:
+            self.loading = None
+        self.load_rate = self.sizes[name] / max(time.perf_counter() - started, 1e-3)
         self.loads += 1
+
+
+def _empty(model) -> None:
+    """Replace every parameter of `model` by an empty array, in place (evaluated: an array
+    left lazy on one thread cannot be computed on another)."""
+    model.update(tree_map(lambda v: mx.zeros((0,), v.dtype), model.parameters()))
+    mx.eval(model.parameters())
