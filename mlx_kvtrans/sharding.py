@@ -1,11 +1,13 @@
-"""Targets that mlx-lm loaded sharded across the processes of an `mx.distributed` group.
+"""Models that mlx-lm loaded sharded across the processes of an `mx.distributed` group.
 
 Tensor parallel (`model.shard(group)`): each process holds its share of every layer's heads.
 Pipeline (`model.model.pipeline(group)`): each process holds a run of consecutive layers.
-A translator is fitted for the whole model, so each process translates as for the whole
-model, only the layers it holds, brings the objects to (3) with the whole layer's norm and
-rotation, and keeps its share of the heads: the caches it installs are what the unsharded
-target would hold, split the way mlx-lm split the model.
+A translator is fitted for the whole models. A sharded source's capture is made whole on
+every process: head shares gathered (`all_gather`), each layer's objects sent from the process
+that holds it (`all_sum` over zeros elsewhere). A sharded target's process translates as for
+the whole model, only the layers it holds, brings the objects to (3) with the whole layer's
+norm and rotation, and keeps its share of the heads: the caches it installs are what the
+unsharded target would hold, split the way mlx-lm split the model.
 
 The whole model's layout comes from a skeleton of the model built from its config (lazy: its
 own weights are never computed); every weight the process holds whole is lent to it, so norms,
@@ -21,9 +23,11 @@ import mlx.nn as nn
 from mlx.nn.layers import distributed
 from mlx.utils import tree_flatten
 
+from .capture import Capture, capture
 from .errors import UnsupportedModelError
 from .install import install, to_engine
 from .layouts import CapturePoint, ModelLayout, layout_of
+from .layouts.linear_attention import RecurrentInputs
 
 _TENSOR_SHARDED = (distributed.AllToShardedLinear, distributed.ShardedToAllLinear,
                    distributed.QuantizedAllToShardedLinear,
@@ -42,6 +46,7 @@ class Shards:
     whole: ModelLayout  # the unsharded model's layout
     local: ModelLayout  # this process's layout (its caches, in `make_prompt_cache` order)
     skeleton: nn.Module = field(repr=False)  # the whole model, this process's weights lent
+    group: mx.distributed.Group = field(repr=False)
 
     def held(self) -> ModelLayout:
         """The whole layout's layers this process caches."""
@@ -56,6 +61,34 @@ class Shards:
                                           local.cache.object(name).engine_shape)
                         for name, value in objects.items()})
         return out
+
+    def whole_capture(self, part: Capture) -> Capture:
+        """This process's capture of a prefill -> the whole model's, the same on every process."""
+        objects = [{} for _ in self.whole.layers]
+        if self.kind == "tensor":
+            for index, (found, whole, local) in enumerate(zip(part.objects, self.whole.layers,
+                                                              self.local.layers)):
+                for (name, point), value in found.items():
+                    a, b = (whole.cache.object(name).engine_shape,
+                            local.cache.object(name).engine_shape)
+                    if a == b:
+                        objects[index][(name, point)] = value
+                        continue
+                    axis = ([d for d, (x, y) in enumerate(zip(a, b)) if x != y][0]
+                            if point == CapturePoint.ENGINE else value.ndim - 1)
+                    objects[index][(name, point)] = self._gathered(value, axis)
+        else:
+            mine = {(i, name, point): value for i, found in zip(self.layers, part.objects)
+                    for (name, point), value in found.items()}
+            for (i, name, point), value in _from_owners(mine, self.group).items():
+                objects[i][(name, point)] = value
+        return Capture(self.whole, part.tokens, objects, part.engine, part.last_logits)
+
+    def _gathered(self, value: mx.array, axis: int) -> mx.array:
+        """Every process's share of `value` along `axis`, in rank order (mlx-lm's blocks)."""
+        moved = mx.moveaxis(value, axis, 0)
+        every = mx.distributed.all_gather(moved, group=self.group, stream=mx.cpu)
+        return mx.moveaxis(every, 0, axis)
 
     def _share(self, value: mx.array, whole: tuple, local: tuple) -> mx.array:
         axes = [a for a, (w, s) in enumerate(zip(whole, local)) if w != s]
@@ -108,8 +141,9 @@ def _find_shards(model: nn.Module) -> Shards | None:
             raise UnsupportedModelError(
                 f"a tensor-sharded target with {', '.join(sorted(mixers))} layers is not "
                 "supported yet: shard it by pipeline (model.pipeline(group) on its decoder)")
+    group = groups[0] if tensor else mx.distributed.init()
     return Shards("pipeline" if pipelined else "tensor", rank, size, layers, whole, local,
-                  skeleton)
+                  skeleton, group)
 
 
 def _skeleton(model: nn.Module) -> nn.Module:
@@ -148,3 +182,41 @@ def install_translation(translator, source, target_model, tokens, offset: int = 
                        [points[i] for i in shards.layers], offset, previous)
     return install(shards.local, shards.split(engine), CapturePoint.ENGINE, offset=offset,
                    cache=cache, finite=finite)
+
+
+def _from_owners(mine: dict, group) -> dict:
+    """{key: array or RecurrentInputs} each process holds for its own keys -> every key's on
+    every process: what each holds is described to all, then summed with zeros elsewhere."""
+    import json
+
+    import numpy as np
+
+    from .translators.shared_sums import gathered
+
+    def described(value):
+        arrays = value.arrays() if isinstance(value, RecurrentInputs) else [value]
+        return [[list(a.shape), str(a.dtype).rsplit(".", 1)[-1]] for a in arrays]
+
+    payload = json.dumps([[list(key), described(v), isinstance(v, RecurrentInputs)]
+                          for key, v in sorted(mine.items())]) + "\n"
+    lines = gathered([np.frombuffer(payload.encode(), np.uint8)], group)[0].tobytes()
+    out = {}
+    for line in lines.decode().splitlines():
+        for key, shapes, recurrent in json.loads(line):
+            key = tuple(key)
+            held = mine.get(key)
+            arrays = ([] if held is None else
+                      held.arrays() if isinstance(held, RecurrentInputs) else [held])
+            summed = [mx.distributed.all_sum(
+                arrays[j] if held is not None else mx.zeros(shape, getattr(mx, dtype)),
+                group=group, stream=mx.cpu) for j, (shape, dtype) in enumerate(shapes)]
+            out[key] = RecurrentInputs(*summed) if recurrent else summed[0]
+    mx.eval([v.arrays() if isinstance(v, RecurrentInputs) else v for v in out.values()])
+    return out
+
+
+def capture_whole(model: nn.Module, tokens, points) -> Capture:
+    """`capture` of a source whole or sharded: the whole model's objects on every process."""
+    shards = shards_of(model)
+    part = capture(model, tokens, points=points)
+    return part if shards is None else shards.whole_capture(part)

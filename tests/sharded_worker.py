@@ -1,12 +1,13 @@
-"""One process of a sharded-target check, run by `tests/test_sharding.py` under `mlx.launch`.
+"""One process of a sharded-model check, run by `tests/test_sharding.py` under `mlx.launch`.
 
-Every process loads the source whole and the target twice: whole, and sharded by mlx-lm
-(`tensor`: `shard(group)`; `pipeline`: `model.pipeline(group)`, on the language model). It installs the
-shipped translator's translation of a held-out prompt into both, checks its share of the
-sharded caches against the whole caches split the same way, decodes greedily from both and
-writes what it found to OUT/rank<R>.json.
+Every process loads the source and the target twice: whole, and (those SHARDED names: target,
+source or both) sharded by mlx-lm (`tensor`: `shard(group)`; `pipeline`: `model.pipeline(group)`,
+on the language model). It installs the shipped translator's translation of a held-out prompt
+from the whole source into the whole target and from the other pair, checks its share of the
+second's caches against the first's split the same way, decodes greedily from both and writes
+what it found to OUT/rank<R>.json.
 
-    python tests/sharded_worker.py tensor|pipeline SOURCE TARGET TRANSLATOR OUT [SINK]
+    python tests/sharded_worker.py tensor|pipeline SOURCE TARGET TRANSLATOR OUT SINK SHARDED
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from pathlib import Path
 
 import mlx_kvtrans  # noqa: F401  first: fast BLAS
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_kvtrans import KvtransError, Session, load, load_translator, translate_cache
 from mlx_kvtrans.capture.instrument import language_model
@@ -38,32 +38,42 @@ def decode(model, cache, first: mx.array) -> tuple[list[int], list[mx.array]]:
     return tokens, logits
 
 
-def main(kind: str, source: str, target: str, translator: str, out: str, sink: int = 0):
-    group = mx.distributed.init()
-    src, whole, sharded = load(source), load(target), load(target)
+def shard(model, kind: str, group) -> None:
     if kind == "tensor":
-        model = sharded.model
         (model if hasattr(model, "shard") else language_model(model)).shard(group)
     else:
-        language_model(sharded.model).model.pipeline(group)
+        language_model(model).model.pipeline(group)
+
+
+def main(kind: str, source: str, target: str, translator: str, out: str, sink: int,
+         which: str):
+    group = mx.distributed.init()
+    src, whole = load(source), load(target)
+    src_sharded, sharded = load(source), load(target)
+    if which in ("target", "both"):
+        shard(sharded.model, kind, group)
+    if which in ("source", "both"):
+        shard(src_sharded.model, kind, group)
+        assert shards_of(src_sharded.model) is not None
     shards = shards_of(sharded.model)
     tr = load_translator(translator, src, whole)
     text = (weights_dir() / "corpus" / "validation.txt").read_text()[:4000]
     prompt = mx.array(whole.tokenizer.encode(text)[:300])
     whole_cache = translate_cache(tr, src.model, whole.model, prompt, sink=sink)
-    sharded_cache = translate_cache(tr, src.model, sharded.model, prompt, sink=sink)
-    split = [make_prompt_cache(whole.model)[i] for i in shards.layers]
-    assert len(split) == len(sharded_cache)
+    sharded_cache = translate_cache(tr, src_sharded.model, sharded.model, prompt, sink=sink)
+    held = range(len(whole_cache)) if shards is None else shards.layers
+    rank = 0 if shards is None else shards.rank
+    assert len(held) == len(sharded_cache)
     cache_difference = 0.0
-    for i, mine in zip(shards.layers, sharded_cache):
+    for i, mine in zip(held, sharded_cache):
         theirs = whole_cache[i]
         for a, b in zip(mine.state, theirs.state):
             if not isinstance(a, mx.array):
                 continue
             if a.shape != b.shape:  # heads split: this process's block of the head axis
                 axis = next(d for d in range(a.ndim) if a.shape[d] != b.shape[d])
-                b = mx.take(b, mx.arange(shards.rank * a.shape[axis],
-                                         (shards.rank + 1) * a.shape[axis]), axis=axis)
+                b = mx.take(b, mx.arange(rank * a.shape[axis], (rank + 1) * a.shape[axis]),
+                            axis=axis)
             cache_difference = max(cache_difference, mx.abs(
                 a.astype(mx.float32) - b.astype(mx.float32)).max().item())
     first = prompt[-1:]
@@ -72,18 +82,18 @@ def main(kind: str, source: str, target: str, translator: str, out: str, sink: i
     logit_difference = max(mx.abs(a - b).max().item()
                            for a, b in zip(logits_whole, logits_sharded))
     try:
-        Session({"source": src, "target": sharded}, {("source", "target"): tr})
+        Session({"source": src_sharded, "target": sharded}, {("source", "target"): tr})
         refused = ""
     except KvtransError as e:
         refused = str(e)
     Path(out, f"rank{group.rank()}.json").write_text(json.dumps({
-        "session_refused": refused,
-        "kind": shards.kind, "rank": shards.rank, "size": shards.size,
-        "layers": list(shards.layers), "cache_difference": cache_difference,
+        "session_refused": refused, "rank": group.rank(), "size": group.size(),
+        "kind": None if shards is None else shards.kind, "layers": list(held),
+        "cache_difference": cache_difference,
         "tokens_whole": tokens_whole, "tokens_sharded": tokens_sharded,
         "logit_difference": logit_difference,
         "offsets": [c.offset for c in sharded_cache if hasattr(c, "offset")]}))
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:6], *map(int, sys.argv[6:7]))
+    main(*sys.argv[1:6], int(sys.argv[6]), sys.argv[7])

@@ -1,6 +1,6 @@
-"""A target loaded sharded by mlx-lm continues from a translated cache as its unsharded twin
-does: two processes under `mlx.launch --backend ring`, each installing its share
-(`tests/sharded_worker.py`)."""
+"""Models loaded sharded by mlx-lm translate as their unsharded twins: two processes under
+`mlx.launch --backend ring` capture a sharded source whole and install their share of a sharded
+target, which continues as the unsharded target does (`tests/sharded_worker.py`)."""
 
 from __future__ import annotations
 
@@ -34,17 +34,18 @@ def run_sharded(tmp_path: Path, port: int, *args: str) -> list[dict]:
 
 
 @pytest.mark.slow  # spawns processes through mlx.launch
-@pytest.mark.parametrize("kind, source, target, translator, sink, port", [
-    # every layer's heads split in two: each process holds 1 of qwen3-large's 2 KV heads
-    ("tensor", "qwen3-small", "qwen3-large", "qwen3-small__qwen3-large-distilled", 0, 47611),
+@pytest.mark.parametrize("kind, source, target, translator, sink, sharded, port", [
+    # every layer's heads split in two (qwen3-large's 2 KV heads: one each), both models
+    ("tensor", "qwen3-small", "qwen3-large", "qwen3-small__qwen3-large-distilled", 0, "both",
+     47611),
     # layers split in two: one process holds the GDN layers, the other the attention layers
-    ("pipeline", "qwen3.5-a", "qwen3.5-b", "qwen3.5-a__qwen3.5-b", 4, 47621),
+    ("pipeline", "qwen3.5-a", "qwen3.5-b", "qwen3.5-a__qwen3.5-b", 4, "both", 47621),
     # MLA latents and indexer keys, each on the process that holds their layer
-    ("pipeline", "qwen3.5-a", "dsa", "qwen3.5-a__dsa-distilled", 0, 47631),
+    ("pipeline", "qwen3.5-a", "dsa", "qwen3.5-a__dsa-distilled", 0, "target", 47631),
 ])
-def test_a_sharded_target_continues_as_its_unsharded_twin(tmp_path, kind, source, target,
-                                                          translator, sink, port):
-    ranks = run_sharded(tmp_path, port, kind, source, target, translator, str(sink))
+def test_sharded_models_translate_as_their_unsharded_twins(tmp_path, kind, source, target,
+                                                           translator, sink, sharded, port):
+    ranks = run_sharded(tmp_path, port, kind, source, target, translator, str(sink), sharded)
     held = [set(r["layers"]) for r in ranks]
     for rank in ranks:
         assert rank["kind"] == kind and rank["size"] == 2

@@ -54,7 +54,7 @@ class Session:
         if sharded:
             raise UnsupportedModelError(
                 f"{sharded[0]} is loaded sharded: a Session over a sharded model is not "
-                "supported yet (kvtrans.translate_cache takes a sharded target)")
+                "supported yet (kvtrans.translate_cache takes sharded models)")
         self.lines = {name: CacheLine(name, lm) for name, lm in models.items()}
         self.translators = {pair: tr.prepare() for pair, tr in (translators or {}).items()}
         self.active = active or next(iter(models))

@@ -14,8 +14,7 @@ from typing import Any, Collection
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..capture import Capture, capture
-from ..errors import UnsupportedModelError
+from ..capture import Capture
 from ..layouts import CapturePoint, ModelLayout, layout_of
 from ..models import input_embedding
 from . import fused
@@ -175,21 +174,19 @@ class Translator:
 
 def translate_cache(translator: Translator, source_model, target_model, tokens,
                     sink: int = 0) -> list:
-    """Prefill `tokens` on the source, translate, and install: mlx-lm caches for the target
-    (whole, or this process's share of a target mlx-lm loaded sharded: `sharding`).
+    """Prefill `tokens` on the source, translate, and install: mlx-lm caches for the target.
+    Either model may be loaded sharded by mlx-lm (`sharding`): every process then calls this,
+    and gets its share of the target's caches.
     `sink` > 0: the target reads the first `sink` tokens itself and the translation covers the
     rest, as a session's switch with that sink does (`session.handover`)."""
     from mlx_lm.models.cache import make_prompt_cache
 
     from ..session.line import join_recorded
-    from ..sharding import install_translation, shards_of
+    from ..sharding import capture_whole, install_translation
 
-    if shards_of(source_model) is not None:
-        raise UnsupportedModelError("a sharded source is not supported yet: load the source "
-                                    "whole on each process (the target may be sharded)")
     tokens = mx.array(tokens)
     tokens = tokens[None] if tokens.ndim == 1 else tokens
-    source = capture(source_model, tokens, points=translator.source_points())
+    source = capture_whole(source_model, tokens, translator.source_points())
     if not 0 < sink < tokens.shape[1]:
         return install_translation(translator, source, target_model, tokens)
     span = Capture(source.layout, tokens[:, sink:],
