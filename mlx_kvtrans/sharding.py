@@ -25,7 +25,7 @@ from mlx.utils import tree_flatten
 
 from .capture import Capture, capture
 from .errors import UnsupportedModelError
-from .install import install, to_engine
+from .install import NotFinite, all_finite, install, to_engine
 from .layouts import CapturePoint, ModelLayout, layout_of
 from .layouts.linear_attention import RecurrentInputs
 
@@ -60,6 +60,31 @@ class Shards:
             out.append({name: self._share(value, whole.cache.object(name).engine_shape,
                                           local.cache.object(name).engine_shape)
                         for name, value in objects.items()})
+        return out
+
+    def local_select(self, select: set | None) -> set | None:
+        """(whole model's layer, object, point) triples -> this process's layers' own."""
+        if select is None:
+            return None
+        start = self.layers.start
+        return {(i - start, name, point) for i, name, point in select if i in self.layers}
+
+    def whole_engine(self, objects: list[dict]) -> list[dict]:
+        """(3) objects read from this process's caches (its layers, its share of the heads) ->
+        the whole model's, on every process."""
+        return self.whole_capture(Capture(self.local, None, objects, None)).objects
+
+    def share_held(self, objects: list[dict]) -> list[dict]:
+        """Objects a translation gave the layers this process holds (the whole model's layers,
+        the others empty) -> every layer's, on every process (a pipeline's layers are each on
+        one process; tensor-parallel processes translate every layer whole)."""
+        if self.kind == "tensor":
+            return objects
+        mine = {(i, name, point): value for i in self.layers
+                for (name, point), value in objects[i].items()}
+        out = [{} for _ in self.whole.layers]
+        for (i, name, point), value in _from_owners(mine, self.group).items():
+            out[i][(name, point)] = value
         return out
 
     def whole_capture(self, part: Capture) -> Capture:
@@ -161,27 +186,43 @@ def _skeleton(model: nn.Module) -> nn.Module:
     return skeleton
 
 
-def install_translation(translator, source, target_model, tokens, offset: int = 0,
-                        cache: list | None = None, all_rows: bool = False,
-                        finite: bool = False) -> list:
+def translate_into(translator, source, target_model, tokens, offset: int = 0,
+                   cache: list | None = None, all_rows: bool = False, finite: bool = False
+                   ) -> tuple[list[dict], list[dict], list]:
     """Translate `source` (a capture of the tokens from `offset` on) and install it for
-    `target_model`, whole or sharded: fresh caches, or `cache` grown in place."""
+    `target_model`, whole or sharded: (the translated objects, their capture points, the
+    caches: fresh ones, or `cache` grown in place). For a sharded target the objects are the
+    whole model's layers this process holds (the others empty) and the caches its share;
+    `finite` raises `NotFinite` on every process when any process's share is not."""
     shards = shards_of(target_model)
     if shards is None:
         layout = layout_of(target_model)
         objects, points = translator.translate(source, target_model, layout, tokens,
                                                all_rows=all_rows)
-        return install(layout, objects, points, offset=offset, cache=cache, finite=finite)
+        return objects, points, install(layout, objects, points, offset=offset, cache=cache,
+                                        finite=finite)
     objects, points = translator.translate(source, shards.skeleton, shards.whole, tokens,
                                            all_rows=all_rows, layers=shards.layers)
     held = shards.held()
     previous = None
     if cache is not None and shards.kind == "pipeline":  # its layers' states are whole
         previous = [layer.cache.read_engine(c) for layer, c in zip(held.layers, cache)]
-    engine = to_engine(held, [objects[i] for i in shards.layers],
-                       [points[i] for i in shards.layers], offset, previous)
-    return install(shards.local, shards.split(engine), CapturePoint.ENGINE, offset=offset,
-                   cache=cache, finite=finite)
+    engine = shards.split(to_engine(held, [objects[i] for i in shards.layers],
+                                    [points[i] for i in shards.layers], offset, previous))
+    if finite:  # one verdict for all: a process alone falling back would leave the others
+        bad = mx.distributed.all_sum(mx.array(0.0 if all_finite(engine) else 1.0),
+                                     group=shards.group, stream=mx.cpu)
+        if bad.item():
+            raise NotFinite("objects to install are not finite")
+    return objects, points, install(shards.local, engine, CapturePoint.ENGINE, offset=offset,
+                                    cache=cache)
+
+
+def install_translation(translator, source, target_model, tokens, offset: int = 0,
+                        cache: list | None = None, all_rows: bool = False) -> list:
+    """`translate_into`'s caches."""
+    return translate_into(translator, source, target_model, tokens, offset, cache,
+                          all_rows)[2]
 
 
 def _from_owners(mine: dict, group) -> dict:

@@ -4,8 +4,9 @@ Every process loads the source and the target twice: whole, and (those SHARDED n
 source or both) sharded by mlx-lm (`tensor`: `shard(group)`; `pipeline`: `model.pipeline(group)`,
 on the language model). It installs the shipped translator's translation of a held-out prompt
 from the whole source into the whole target and from the other pair, checks its share of the
-second's caches against the first's split the same way, decodes greedily from both and writes
-what it found to OUT/rank<R>.json.
+second's caches against the first's split the same way and decodes greedily from both; then
+holds a conversation through a `Session` over each pair, switching both ways. It writes what it
+found to OUT/rank<R>.json.
 
     python tests/sharded_worker.py tensor|pipeline SOURCE TARGET TRANSLATOR OUT SINK SHARDED
 """
@@ -19,10 +20,11 @@ from pathlib import Path
 import mlx_kvtrans  # noqa: F401  first: fast BLAS
 import mlx.core as mx
 
-from mlx_kvtrans import KvtransError, Session, load, load_translator, translate_cache
+from mlx_kvtrans import Session, load, load_translator, translate_cache
 from mlx_kvtrans.capture.instrument import language_model
 from mlx_kvtrans.models import weights_dir
 from mlx_kvtrans.sharding import shards_of
+from mlx_kvtrans.translators import artifact
 
 STEPS = 8
 
@@ -36,6 +38,28 @@ def decode(model, cache, first: mx.array) -> tuple[list[int], list[mx.array]]:
         logits.append(out)
         tokens.append(token.item())
     return tokens, logits
+
+
+def conversation(pair, translator: str, prompt: mx.array, sink: int) -> dict:
+    """A session over `pair`: the source reads the prompt and replies, the conversation
+    switches to the target, which replies, and back (translated where a shipped translator
+    goes that way, else re-read): the tokens and what each switch did."""
+    source, target = pair
+    translators = {("source", "target"): load_translator(translator, source, target)}
+    back = artifact.shipped(target.name, source.name)
+    if back is not None:
+        translators[("target", "source")] = load_translator(back, target, source)
+    s = Session({"source": source, "target": target}, translators, sink=sink)
+    s.add(prompt.tolist())
+    list(s.generate(6))
+    switches = []
+    for model, words in (("target", "And the number?"), ("source", "Once more?")):
+        switches.append(s.switch(model))
+        s.add(source.tokenizer.encode(words))
+        list(s.generate(6))
+    return {"tokens": s.tokens[len(prompt):],
+            "switches": [[w.status, w.tokens_translated, w.tokens_read, w.tokens_reprefilled,
+                          str(w.gate)] for w in switches]}
 
 
 def shard(model, kind: str, group) -> None:
@@ -81,13 +105,10 @@ def main(kind: str, source: str, target: str, translator: str, out: str, sink: i
     tokens_sharded, logits_sharded = decode(sharded.model, sharded_cache, first)
     logit_difference = max(mx.abs(a - b).max().item()
                            for a, b in zip(logits_whole, logits_sharded))
-    try:
-        Session({"source": src_sharded, "target": sharded}, {("source", "target"): tr})
-        refused = ""
-    except KvtransError as e:
-        refused = str(e)
+    sessions = {name: conversation(pair, translator, prompt, sink)
+                for name, pair in (("whole", (src, whole)), ("sharded", (src_sharded, sharded)))}
     Path(out, f"rank{group.rank()}.json").write_text(json.dumps({
-        "session_refused": refused, "rank": group.rank(), "size": group.size(),
+        "sessions": sessions, "rank": group.rank(), "size": group.size(),
         "kind": None if shards is None else shards.kind, "layers": list(held),
         "cache_difference": cache_difference,
         "tokens_whole": tokens_whole, "tokens_sharded": tokens_sharded,

@@ -1,6 +1,7 @@
 """Models loaded sharded by mlx-lm translate as their unsharded twins: two processes under
 `mlx.launch --backend ring` capture a sharded source whole and install their share of a sharded
-target, which continues as the unsharded target does (`tests/sharded_worker.py`)."""
+target, which continues as the unsharded target does, and a `Session` over sharded models
+switches as over their twins (`tests/sharded_worker.py`)."""
 
 from __future__ import annotations
 
@@ -53,7 +54,9 @@ def test_sharded_models_translate_as_their_unsharded_twins(tmp_path, kind, sourc
         assert rank["cache_difference"] <= 1e-5
         assert rank["tokens_sharded"] == rank["tokens_whole"]
         assert rank["logit_difference"] <= 1e-3
-        assert "loaded sharded" in rank["session_refused"]  # said, not a traceback
+        # a Session over them switches as over their twins: same tokens, same outcomes
+        whole, split = rank["sessions"]["whole"], rank["sessions"]["sharded"]
+        assert split == whole and split["switches"][0][0] == "applied"
     if kind == "tensor":
         assert held[0] == held[1]  # every process caches every layer, half its heads
     else:

@@ -16,9 +16,7 @@ from typing import Iterator
 
 from .. import gate
 from ..capture import Capture
-from ..errors import UnsupportedModelError
 from ..layouts import CapturePoint
-from ..sharding import shards_of
 from . import decode, dial
 from .handover import hand_over
 from .line import CacheLine, capture_bytes, fixed_slots
@@ -50,11 +48,6 @@ class Session:
             raise ValueError("gate_tokens must be 0 (no gate) or more")
         if dial.problem(reread, fidelity):
             raise ValueError(dial.problem(reread, fidelity))
-        sharded = [name for name, lm in models.items() if shards_of(lm.model) is not None]
-        if sharded:
-            raise UnsupportedModelError(
-                f"{sharded[0]} is loaded sharded: a Session over a sharded model is not "
-                "supported yet (kvtrans.translate_cache takes sharded models)")
         self.lines = {name: CacheLine(name, lm) for name, lm in models.items()}
         self.translators = {pair: tr.prepare() for pair, tr in (translators or {}).items()}
         self.active = active or next(iter(models))

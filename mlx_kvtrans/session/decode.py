@@ -74,9 +74,11 @@ def _read_part(session: Session, line: CacheLine, upto: int, whole: bool = False
     with contextlib.ExitStack() as stack:
         rows = (stack.enter_context(recording_final_rows(line.lm.model, keep))
                 if session.gate_tokens or whole else None)
-        cap = capture(line.lm.model, session.tokens[start:upto], points=RECORD_POINTS,
-                      layout=line.layout, cache=line.cache,
-                      select=session.selection(line.name), chunk_size=PREFILL_CHUNK)
+        cap = line.whole(capture(line.lm.model, session.tokens[start:upto],
+                                 points=RECORD_POINTS, layout=line.local_layout,
+                                 cache=line.cache,
+                                 select=line.local_select(session.selection(line.name)),
+                                 chunk_size=PREFILL_CHUNK))
     if split_at is not None and start < split_at < upto:
         first, rest = split(cap, split_at - start)
         session.keep(line, start, first, own=True)
@@ -143,7 +145,8 @@ def _continue(session: Session, line: CacheLine, max_tokens: int, temperature: f
     tail_from = prompt_end - tail if tail and prompt_end - start > tail + 1 else start
     broken = False
     with contextlib.ExitStack() as stack:
-        rec = stack.enter_context(tapped(model, line.layout, set(RECORD_POINTS), select))
+        rec = stack.enter_context(tapped(model, line.local_layout, set(RECORD_POINTS),
+                                         line.local_select(select)))
         take_back = stack.enter_context(_taking_back(model, line.cache, rec))
         cuts = [start]
         if marks:
@@ -187,8 +190,9 @@ def _continue(session: Session, line: CacheLine, max_tokens: int, temperature: f
                 objects = rec.joined()
                 mx.eval([v.arrays() if isinstance(v, RecurrentInputs) else v
                          for layer in objects for v in layer.values()])
-                part = Capture(line.layout, mx.array([tokens[start:read_upto]]), objects,
-                               line.cache)
+                part = line.whole(Capture(line.local_layout,
+                                          mx.array([tokens[start:read_upto]]), objects,
+                                          line.cache))
                 session.keep(line, start, part, own=True)
                 line.seen = read_upto
                 if rows is not None:

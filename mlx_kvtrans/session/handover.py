@@ -38,7 +38,8 @@ from typing import TYPE_CHECKING
 
 from .. import gate
 from ..capture import PREFILL_CHUNK, Capture
-from ..install import NotFinite, install
+from ..install import NotFinite
+from ..sharding import translate_into
 from ..layouts import CapturePoint
 from . import dial
 from .line import CacheLine, covers, fixed_slots
@@ -207,11 +208,10 @@ def _translate(session: Session, translator, src: CacheLine, tgt: CacheLine, sta
     """Translate the source's recorded [start, stop) and install it after what the target
     holds (a fresh cache when it holds nothing, or under `naive`)."""
     span = src.span(session.tokens, start, stop)
-    objects, points = translator.translate(span, tgt.lm.model, tgt.layout, span.tokens,
-                                           all_rows=True)
     fresh = start == 0 or tgt.cache is None
-    cache = install(tgt.layout, objects, points, offset=start,
-                    cache=None if fresh else tgt.cache, finite=True)
+    objects, points, cache = translate_into(translator, span, tgt.lm.model, span.tokens,
+                                            offset=start, cache=None if fresh else tgt.cache,
+                                            all_rows=True, finite=True)
     if fresh:
         tgt.recorded, tgt.tail, tgt.states = [], None, {}
     # What the target now holds for the span, at the points the translator produced it and
@@ -220,6 +220,8 @@ def _translate(session: Session, translator, src: CacheLine, tgt: CacheLine, sta
     held = [{(name, points[i][name]): value for name, value in objs.items()
              if (i, name, points[i][name]) in select and covers(value, stop - start)}
             for i, objs in enumerate(objects)]
+    if tgt.shards is not None:  # each process translated the layers it holds
+        held = tgt.shards.share_held(held)
     session.keep(tgt, start, Capture(tgt.layout, span.tokens, held, cache), own=False)
     tgt.cache, tgt.seen = cache, stop
     status.tokens_translated = stop - start

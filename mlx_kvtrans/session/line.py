@@ -87,8 +87,28 @@ class CacheLine:
     next_logits: mx.array | None = field(default=None, repr=False)  # (vocab,) after token seen-1
 
     @cached_property
+    def shards(self):
+        """How mlx-lm sharded the model across processes (None: held whole here)."""
+        from ..sharding import shards_of
+
+        return shards_of(self.lm.model)
+
+    @cached_property
     def layout(self):
-        return layout_of(self.lm.model)
+        """The whole model's layout: what is recorded and translated, sharded or not."""
+        return layout_of(self.lm.model) if self.shards is None else self.shards.whole
+
+    @property
+    def local_layout(self):
+        """The layout of what this process runs and caches."""
+        return self.layout if self.shards is None else self.shards.local
+
+    def local_select(self, select: set | None) -> set | None:
+        return select if self.shards is None else self.shards.local_select(select)
+
+    def whole(self, part: Capture) -> Capture:
+        """A capture of this process's model -> the whole model's (sharded: a collective)."""
+        return part if self.shards is None else self.shards.whole_capture(part)
 
     def reset(self) -> None:
         """Forget everything: no cache, nothing read."""
@@ -159,11 +179,16 @@ class CacheLine:
                        join_recorded(self.recorded, start, stop, self.recorded_from), self.cache)
         snapshot = self.states.get(stop) if stop < self.seen else None
         engine = self.cache if snapshot is None else with_slots(self.cache, snapshot)
-        for found, layer, cache in zip(span.objects, self.layout.layers, engine):
+        read = [{} for _ in engine]
+        for found, layer, cache in zip(read, self.local_layout.layers, engine):
             if stop < self.seen and snapshot is None and not cache.is_trimmable():
                 continue  # no state there (a translator that reads it stops at a snapshot)
             for name, value in layer.cache.read_engine(cache).items():
                 found[(name, CapturePoint.ENGINE)] = value
+        if self.shards is not None:
+            read = self.shards.whole_engine(read)
+        for found, objects in zip(span.objects, read):
+            found.update(objects)
         return span
 
 
