@@ -343,6 +343,8 @@ def distill(translator_dir: Path = typer.Option(..., "--translator", help="stage
                                         "target's own greedy tokens (sequence level)"),
             reread: int = typer.Option(DISTILL.reread, min=0, help="the target reads the "
                                        "prefix's last R tokens itself, as a session at R does"),
+            sink: int = typer.Option(DISTILL.sink, min=0, help="the target reads the prefix's "
+                                     "first S tokens itself, as a session with --sink S does"),
             validate_every: int = typer.Option(DISTILL.validate_every, min=1,
                                                help="steps between held-out KL measurements"),
             validation_windows: int = typer.Option(DISTILL.validation_windows, min=1,
@@ -361,7 +363,7 @@ def distill(translator_dir: Path = typer.Option(..., "--translator", help="stage
                            max_prefix=max_prefix, continuation=continuation,
                            indexer_weight=indexer_weight, attention_weight=attention_weight,
                            needle_share=needle_share, greedy=greedy, reread=reread,
-                           validate_every=validate_every,
+                           sink=sink, validate_every=validate_every,
                            validation_windows=validation_windows, seed=seed)
     in_range("--max-prefix", max_prefix, min_prefix,
              position_limit(model_configs(*translator_models(translator_dir)), continuation,

@@ -141,6 +141,42 @@ def test_reread_tail_is_read_natively_and_not_scored(loaded, family):
     assert losses[0] > losses[1] > losses[2] > 0, losses
 
 
+@pytest.mark.parametrize("source, target", [("qwen3", "llama"), ("kimi_linear", "kimi_vl")])
+def test_a_sink_is_read_natively_and_the_loss_is_what_a_switch_with_it_gives(loaded, source,
+                                                                              target):
+    """With S = sink, the target reads the prefix's first S tokens itself and the translator
+    builds the rest: the loss is the KL of the target continuing from `translate_cache(...,
+    sink=S)`, and its gradient is exact (finite differences)."""
+    from mlx_kvtrans.translators.fidelity import kl_per_token
+
+    translator, S, T = tiny_translator(loaded, source, target)
+    windows = mx.random.randint(0, 259, (2, 40), key=mx.random.key(8))
+    with chunked_recurrence():
+        problem = Problem(translator, S, T, windows, 32, sink=4)
+        assert problem.translated_ids.shape[1] == 28
+        kl = float(problem.loss(translator.params)[1][0])
+        switched = []
+        for row in range(2):
+            cache = kv.translate_cache(translator, S, T, windows[row, :32], sink=4)
+            logits = T(windows[row:row + 1, 32:], cache=cache)
+            switched.append(kl_per_token(problem.native_logits[row:row + 1], logits).mean())
+        assert abs(kl - float(mx.stack(switched).mean())) <= 1e-4 * max(kl, 1.0), kl
+        params = dict(tree_flatten(translator.parameters()))
+        grads = mx.grad(lambda p: problem.loss(p)[0])(params)
+        direction = {k: mx.random.normal(v.shape, key=mx.random.key(i))
+                     for i, (k, v) in enumerate(params.items())}
+        eps = 1e-2 / sum(float((d * d).sum()) for d in direction.values()) ** 0.5
+
+        def at(sign):
+            return float(problem.loss({k: params[k] + sign * eps * direction[k]
+                                       for k in params})[0])
+
+        numeric = (at(1) - at(-1)) / (2 * eps)
+        analytic = sum(float((grads[k] * direction[k]).sum()) for k in params)
+        assert abs(analytic) > 1e-3  # a gradient there is
+        assert abs(numeric - analytic) <= 0.02 * abs(analytic) + 1e-4, (numeric, analytic)
+
+
 def ids_of(loaded, family):
     return loaded(family).tokenizer.encode(TEXT.read_text())
 

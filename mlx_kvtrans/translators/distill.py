@@ -16,7 +16,9 @@ supervises the keys, not only the output distribution.
 Two settings match the loss to what a user sees: `greedy` continues each window with the
 target's own greedy tokens (sequence-level distillation: the frontier's agreement is taken on
 them), and `reread` = R translates all but the prefix's last R tokens, which the target reads
-itself over the translated cache before the continuation, as a session switching at R does.
+itself over the translated cache before the continuation, as a session switching at R does;
+`sink` = S has the target read the prefix's first S tokens itself, the translation following
+them, as a session with that attention sink does.
 
 Recurrences run through the chunkwise-parallel gated delta rule (it has a backward pass on every
 device; the Metal kernel has none). Each step's batch depends only on (seed, step), and the
@@ -54,7 +56,7 @@ from ..capture.instrument import chunked_recurrence, recording_indexer_scores
 from ..layouts import CapturePoint, layout_of
 from .attention_weights import recording_attention_probabilities
 from .fidelity import kl_per_token
-from .translator import Translator
+from .translator import Translator, after
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,7 @@ class DistillConfig:
     needle_share: float = 0.0  # share of each batch's rows that are needles, answer at the end
     greedy: bool = False  # continue with the target's own greedy tokens (sequence level)
     reread: int = 0  # the target reads the prefix's last R tokens itself, as a session's dial
+    sink: int = 0  # and its first S tokens, as a session with that attention sink does
     validate_every: int = 50
     validation_windows: int = 16
     seed: int = 0
@@ -78,9 +81,9 @@ class DistillConfig:
     def __post_init__(self):
         if self.min_prefix > self.max_prefix:
             raise KvtransError("--min-prefix must not exceed --max-prefix")
-        if self.reread >= self.min_prefix:
-            raise KvtransError("--reread must be below --min-prefix: every prefix is partly "
-                               "translated")
+        if self.reread + self.sink >= self.min_prefix:
+            raise KvtransError("--reread and --sink together must be below --min-prefix: every "
+                               "prefix is partly translated")
 
     def fingerprint(self) -> str:
         fields = {k: v for k, v in asdict(self).items()  # settings added later, at their
@@ -88,7 +91,7 @@ class DistillConfig:
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 
-LATER_DEFAULTS = {"greedy": False, "reread": 0}
+LATER_DEFAULTS = {"greedy": False, "reread": 0, "sink": 0}
 
 
 def indexer_rehearsal(native: list[mx.array], translated: list[mx.array], prefix: int) -> mx.array:
@@ -112,16 +115,24 @@ class Problem:
     from which `loss(params)` measures a translator's parameters."""
 
     def __init__(self, translator: Translator, source, target, windows: mx.array, prefix: int,
-                 attention: bool = False, greedy: bool = False, reread: int = 0):
+                 attention: bool = False, greedy: bool = False, reread: int = 0,
+                 sink: int = 0):
         self.translator, self.target, self.attention = translator, target, attention
         self.layout = layout_of(target)
         self.prefix_ids = windows[:, :prefix]
         self.inputs = windows[:, prefix:]
         self.prefix = prefix
         translated = prefix - min(reread, prefix - 1)
-        self.translated_ids = self.prefix_ids[:, :translated]
+        self.sink = min(sink, translated - 1)
+        self.translated_ids = self.prefix_ids[:, self.sink:translated]
         self.tail = self.prefix_ids[:, translated:]
-        self.source = capture(source, self.translated_ids, points=translator.source_points())
+        self.source = capture(source, self.prefix_ids[:, :translated],
+                              points=translator.source_points())
+        self.sink_cache = None
+        if self.sink:  # the target's own cache of the first tokens, which the translation follows
+            self.source = after(self.source, self.sink)
+            self.sink_cache = capture(target, self.prefix_ids[:, :self.sink],
+                                      points=(CapturePoint.ENGINE,), layout=self.layout).engine
         native_cache = capture(target, self.prefix_ids, points=(CapturePoint.ENGINE,),
                                layout=self.layout).engine
         if greedy:  # on a copy: the native logits below read the prefix's cache as it is
@@ -152,8 +163,10 @@ class Problem:
         """(total, (KL, indexer rehearsal, attention rehearsal)) of `params` (a tree or flat)
         on this batch."""
         objects, points = self.translator.translate(self.source, self.target, self.layout,
-                                                    self.translated_ids, params=params)
-        cache = install(self.layout, objects, points)
+                                                    self.translated_ids, params=params,
+                                                    all_rows=self.sink > 0)
+        cache = install(self.layout, objects, points, offset=self.sink,
+                        cache=copy.deepcopy(self.sink_cache) if self.sink else None)
         n = self.inputs.shape[1]  # the re-read tail's positions are not scored
         with self._recording() as (scores, probs):
             logits = self.target(mx.concatenate([self.tail, self.inputs], axis=1),
@@ -280,7 +293,7 @@ class Distiller:
             with chunked_recurrence():
                 self._validation = [
                     Problem(self.translator, self.source, self.target, windows[i:i + c.batch],
-                            c.max_prefix, greedy=c.greedy, reread=c.reread)
+                            c.max_prefix, greedy=c.greedy, reread=c.reread, sink=c.sink)
                     for i in range(0, len(starts), c.batch)]
         return self._validation
 
@@ -300,7 +313,7 @@ class Distiller:
             c = self.config
             problem = Problem(self.translator, self.source, self.target, share, prefix,
                               attention=c.attention_weight > 0, greedy=c.greedy,
-                              reread=c.reread)
+                              reread=c.reread, sink=c.sink)
             (loss, (kl, rehearsal, attention)), grads = mx.value_and_grad(
                 lambda p: problem.loss(p, c.indexer_weight, c.attention_weight))(self.params)
         if self.size > 1:

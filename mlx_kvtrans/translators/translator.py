@@ -181,7 +181,6 @@ def translate_cache(translator: Translator, source_model, target_model, tokens,
     rest, as a session's switch with that sink does (`session.handover`)."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from ..session.line import join_recorded
     from ..sharding import capture_whole, install_translation
 
     tokens = mx.array(tokens)
@@ -189,11 +188,20 @@ def translate_cache(translator: Translator, source_model, target_model, tokens,
     source = capture_whole(source_model, tokens, translator.source_points())
     if not 0 < sink < tokens.shape[1]:
         return install_translation(translator, source, target_model, tokens)
-    span = Capture(source.layout, tokens[:, sink:],
-                   join_recorded([source], sink, tokens.shape[1], 0), source.engine)
-    for found, whole in zip(span.objects, source.objects):  # engine objects: where it ends
-        found.update({k: v for k, v in whole.items() if k[1] == CapturePoint.ENGINE})
+    span = after(source, sink)
     cache = make_prompt_cache(target_model)
     target_model(tokens[:, :sink], cache=cache)
     return install_translation(translator, span, target_model, span.tokens, offset=sink,
                                cache=cache, all_rows=True)
+
+
+def after(source: Capture, start: int) -> Capture:
+    """What `source` captured of its tokens from `start` on: the per-token objects from there,
+    the engine objects (where the prefill ended) as they are."""
+    from ..session.line import join_recorded
+
+    span = Capture(source.layout, source.tokens[:, start:],
+                   join_recorded([source], start, source.tokens.shape[1], 0), source.engine)
+    for found, whole in zip(span.objects, source.objects):
+        found.update({k: v for k, v in whole.items() if k[1] == CapturePoint.ENGINE})
+    return span
