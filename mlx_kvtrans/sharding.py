@@ -144,15 +144,15 @@ def _find_shards(model: nn.Module) -> Shards | None:
     if not (pipelined or tensor):
         return None
     if pipelined and tensor:
-        raise UnsupportedModelError("a target sharded both by tensor and by pipeline is not "
+        raise UnsupportedModelError("a model sharded both by tensor and by pipeline is not "
                                     "supported: shard it one way")
     if any("scales" in m for _, m in model.named_modules() if isinstance(m, nn.Module)):
-        raise UnsupportedModelError("a sharded quantized target is not supported yet: load "
+        raise UnsupportedModelError("a sharded quantized model is not supported yet: load "
                                     "it unquantized or whole")
     if pipelined and any(layer is None for layer in model.layers):
         raise UnsupportedModelError(
             f"mlx-lm's {type(model).__module__.rsplit('.', 1)[-1]} does not run a pipeline's "
-            "layers alone (its cache covers every layer): load the target whole")
+            "layers alone (its cache covers every layer): load the model whole")
     skeleton = _skeleton(model)
     whole, local = layout_of(skeleton), layout_of(model)
     if pipelined:
@@ -164,8 +164,9 @@ def _find_shards(model: nn.Module) -> Shards | None:
         mixers = {layer.mixer for layer in whole.layers} - set(_TENSOR_MIXERS)
         if mixers:
             raise UnsupportedModelError(
-                f"a tensor-sharded target with {', '.join(sorted(mixers))} layers is not "
+                f"a tensor-sharded model with {', '.join(sorted(mixers))} layers is not "
                 "supported yet: shard it by pipeline (model.pipeline(group) on its decoder)")
+    # mlx-lm's pipeline keeps its rank and size, not its group: the global one
     group = groups[0] if tensor else mx.distributed.init()
     return Shards("pipeline" if pipelined else "tensor", rank, size, layers, whole, local,
                   skeleton, group)
@@ -201,19 +202,27 @@ def translate_into(translator, source, target_model, tokens, offset: int = 0,
                                                all_rows=all_rows)
         return objects, points, install(layout, objects, points, offset=offset, cache=cache,
                                         finite=finite)
-    objects, points = translator.translate(source, shards.skeleton, shards.whole, tokens,
-                                           all_rows=all_rows, layers=shards.layers)
-    held = shards.held()
-    previous = None
-    if cache is not None and shards.kind == "pipeline":  # its layers' states are whole
-        previous = [layer.cache.read_engine(c) for layer, c in zip(held.layers, cache)]
-    engine = shards.split(to_engine(held, [objects[i] for i in shards.layers],
-                                    [points[i] for i in shards.layers], offset, previous))
-    if finite:  # one verdict for all: a process alone falling back would leave the others
-        bad = mx.distributed.all_sum(mx.array(0.0 if all_finite(engine) else 1.0),
-                                     group=shards.group, stream=mx.cpu)
-        if bad.item():
-            raise NotFinite("objects to install are not finite")
+    failed = None
+    try:
+        objects, points = translator.translate(source, shards.skeleton, shards.whole, tokens,
+                                               all_rows=all_rows, layers=shards.layers)
+        held = shards.held()
+        previous = None
+        if cache is not None and shards.kind == "pipeline":  # its layers' states are whole
+            previous = [layer.cache.read_engine(c) for layer, c in zip(held.layers, cache)]
+        engine = shards.split(to_engine(held, [objects[i] for i in shards.layers],
+                                        [points[i] for i in shards.layers], offset, previous))
+    except ValueError as e:  # the span lacks what this process's layers read
+        failed = e
+    # one verdict for all: a process that fell back alone would leave the others waiting
+    flags = mx.distributed.all_sum(
+        mx.array([float(failed is not None),
+                  float(failed is None and finite and not all_finite(engine))]),
+        group=shards.group, stream=mx.cpu).tolist()
+    if flags[0]:
+        raise failed or ValueError("another process could not translate its layers")
+    if flags[1]:
+        raise NotFinite("objects to install are not finite")
     return objects, points, install(shards.local, engine, CapturePoint.ENGINE, offset=offset,
                                     cache=cache)
 

@@ -465,6 +465,21 @@ def test_a_request_during_a_reread_ahead_reads_on_without_translating_again(serv
     assert fields["tokens_reread"] + fields["tokens_new"] == second.usage.prompt_tokens
 
 
+def test_a_reread_ahead_after_the_sink_counts_each_prompt_token_once(zoo, monkeypatch):
+    """With --sink 4 the target reads its sink before the gate refuses the translation ahead:
+    the handoff counts the sink and the re-read once each."""
+    models, translators = zoo
+    engine = Engine(models, translators, ServeConfig(models=list(models), sink=4))
+    with running(engine) as url:
+        _, parts, read, messages = refused_ahead((engine, url), monkeypatch, "sunk",
+                                                 "Sunk: the beacon is 161803. " * 6)
+        assert parts[0] == 4  # the sink was read before the first part
+        second = ask(client(url), FULL, messages, max_tokens=4, conversation="sunk")
+        fields = report(second)
+        assert fields["status"] == "fallback_reprefill" and fields["tokens_reused"] == 0
+        assert fields["tokens_reread"] + fields["tokens_new"] == second.usage.prompt_tokens
+
+
 def test_a_failed_translation_falls_back_to_rereading_visibly(served, monkeypatch):
     _, url = served
     c = client(url)

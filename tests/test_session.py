@@ -103,22 +103,23 @@ def test_translating_ahead_without_reread_leaves_a_refused_translation_to_the_sw
         return translate(*args, **kwargs)
 
     monkeypatch.setattr(Translator, "translate", counted)
-    for part in (0, 20):
-        s = session_for(kimi_pair)
+    for part, sink in ((0, 0), (20, 0), (20, 4)):
+        s = session_for(kimi_pair, sink=sink)
         s.add(list(range(60, 110)))
         list(s.generate(5))
         early = s.prepare(b.name, reread=False)
         assert early.status == "fallback_reprefill" and "fidelity gate" in early.reason
-        assert early.tokens_reprefilled == len(s.tokens) - 1  # what is left to read
-        assert s.lines[b.name].seen == 0 and not s.prepared
+        assert early.tokens_reprefilled == len(s.tokens) - 1 - sink  # what is left to read
+        assert s.lines[b.name].seen == sink and not s.prepared  # the sink it read stays
         if part:  # the caller re-reads a part ahead, as the server does in idle time
             s.read(s.lines[b.name], part)
-            early.tokens_reprefilled = part
         translations.clear()
         status = s.switch(b.name)
         assert not translations  # judged once, ahead: the switch reads on
         assert status.status == "fallback_reprefill" and "when translating ahead" in status.reason
-        assert status.tokens_reprefilled == len(s.tokens) - 1 and not status.tokens_translated
+        # every token once: the sink, then re-read (ahead or now)
+        assert status.tokens_sink == sink and not status.tokens_translated
+        assert status.tokens_reprefilled + status.tokens_sink == len(s.tokens) - 1
         assert s.lines[b.name].seen == s.lines[a.name].seen == len(s.tokens) - 1
 
 

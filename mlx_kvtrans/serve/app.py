@@ -142,7 +142,12 @@ async def _respond(engine: Engine, job: Generation, reply, stream: bool, include
                                             kind="server_error", code="shutting_down"))
     try:
         if loading:  # its weights are read first: a deadline, then a 503 to retry after
-            first = await asyncio.wait_for(events.get(), deadline)
+            try:
+                first = await asyncio.wait_for(events.get(), deadline)
+            except asyncio.TimeoutError:
+                if engine.waits_for_load(job.model):
+                    raise
+                first = await events.get()  # loaded: what follows is the request's own
         else:
             first = await events.get()
     except asyncio.TimeoutError:

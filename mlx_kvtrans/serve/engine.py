@@ -330,6 +330,7 @@ class Engine:
             ahead = session.joined(model) if came_from != model and match.own else None
             if ahead is None:
                 session.prepared.pop(model, None)
+                session.refused.pop(model, None)
                 handoff.status = HandoffStatus.REUSED if match.own else HandoffStatus.NONE
                 return
             status = ahead
@@ -413,7 +414,7 @@ class Engine:
             if line.seen < end:
                 self._worker.submit_idle(self._read_ahead, entry, target, status, began, moment)
                 return
-            status.tokens_reprefilled = end - began
+            status.tokens_reprefilled = end - began - status.tokens_sink  # the sink: its own
             session.keep_ahead(target, status, began)
             if not self.trimmable[target]:
                 entry.checkpoint(target)

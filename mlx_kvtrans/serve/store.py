@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 import itertools
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace, field
 from typing import Callable
 
 import numpy as np
@@ -159,8 +159,9 @@ class Entry:
             twin.used[name] = self.used.get(name, 0)
             if name in self.session.prepared:  # a line translated ahead, in either copy
                 session.prepared[name] = self.session.prepared[name]
-            if name in self.session.refused:  # and one being re-read ahead
-                session.refused[name] = self.session.refused[name]
+            if name in self.session.refused:  # and one being re-read ahead (its own counts)
+                status, began = self.session.refused[name]
+                session.refused[name] = (replace(status), began)
         return twin
 
 

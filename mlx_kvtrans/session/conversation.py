@@ -215,8 +215,8 @@ class Session:
         status = hand_over(self, self.active, target, reread=reread)
         if reread or status.status != Outcome.FALLBACK_REPREFILL:
             self.keep_ahead(target, status, began)
-        else:
-            self.refused[target] = (status, began)
+        else:  # a full fallback may have reset the line below where it began
+            self.refused[target] = (status, min(began, self.lines[target].seen))
         return status
 
     def keep_ahead(self, target: str, status: SwitchStatus, began: int) -> None:
@@ -254,8 +254,9 @@ class Session:
         refused = self.refused.pop(target, None)
         if refused is not None and refused[0].source != self.active:
             refused = None  # judged for another model's cache
-        if refused is not None:  # what the caller re-read of it ahead
-            refused[0].tokens_reprefilled = self.lines[target].seen - refused[1]
+        if refused is not None:  # what the caller re-read of it ahead (a sink read is its own)
+            refused[0].tokens_reprefilled = (self.lines[target].seen - refused[1]
+                                             - refused[0].tokens_sink)
         now = hand_over(self, self.active, target,
                         refused=None if refused is None else refused[0].reason)
         if refused is not None:  # what was re-read of it ahead is part of this hand-over
@@ -293,6 +294,7 @@ class Session:
         self._finish_turn()
         line = self.lines[name or self.active]
         self.prepared.pop(line.name, None)
+        self.refused.pop(line.name, None)
         line.reset()
         self.read(line, self.lines[self.active].seen if line.name != self.active
                   else len(self.tokens))
