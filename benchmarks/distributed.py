@@ -45,9 +45,10 @@ def fit(processes: int, threads: int, windows: int, length: int, gate_windows: i
     launcher = [] if processes == 1 else [
         shutil.which("mlx.launch", path=str(Path(sys.executable).parent)) or "mlx.launch",
         "-n", str(processes), "--backend", "ring", "--starting-port", "47911", "--"]
-    out = root / f"fit-{processes}x{threads}"
+    run = f"{processes}x{threads}"
+    out = root / f"fit-{run}"
     command = [*launcher, sys.executable, "-m", "mlx_kvtrans.cli", "fit", "--from", SOURCE,
-               "--to", TARGET, "--out", str(out), "--workdir", str(root / f"work-{processes}x{threads}"),
+               "--to", TARGET, "--out", str(out), "--workdir", str(root / f"work-{run}"),
                "--windows", str(windows), "--length", str(length),
                "--validation", str(weights_dir() / "corpus" / "validation.txt"),
                "--gate-windows", str(gate_windows), "--json"]
@@ -81,7 +82,8 @@ def markdown(result: dict) -> str:
         f"{result['blas']}), by one process and by two under `mlx.launch --backend ring` "
         "(`python benchmarks/distributed.py`):",
         "",
-        "| processes | threads each | wall s | largest weight difference from the two-process fit |",
+        "| processes | threads each | wall s | largest weight difference from the two-process "
+        "fit |",
         "|---|---|---|---|",
         *(f"| {r['processes']} | {r['threads_each']} | {r['wall_s']} | "
           + ("-" if r["processes"] == 2 else f"{r['max_weight_difference']:.2e}") + " |"

@@ -80,12 +80,7 @@ class Shards:
         one process; tensor-parallel processes translate every layer whole)."""
         if self.kind == "tensor":
             return objects
-        mine = {(i, name, point): value for i in self.layers
-                for (name, point), value in objects[i].items()}
-        out = [{} for _ in self.whole.layers]
-        for (i, name, point), value in _from_owners(mine, self.group).items():
-            out[i][(name, point)] = value
-        return out
+        return self._from_owners([objects[i] for i in self.layers])
 
     def whole_capture(self, part: Capture) -> Capture:
         """This process's capture of a prefill -> the whole model's, the same on every process."""
@@ -103,11 +98,18 @@ class Shards:
                             if point == CapturePoint.ENGINE else value.ndim - 1)
                     objects[index][(name, point)] = self._gathered(value, axis)
         else:
-            mine = {(i, name, point): value for i, found in zip(self.layers, part.objects)
-                    for (name, point), value in found.items()}
-            for (i, name, point), value in _from_owners(mine, self.group).items():
-                objects[i][(name, point)] = value
+            objects = self._from_owners(part.objects)
         return Capture(self.whole, part.tokens, objects, part.engine, part.last_logits)
+
+    def _from_owners(self, mine: list[dict]) -> list[dict]:
+        """Objects of the layers this process holds (in its own order) -> every layer's, on
+        every process."""
+        held = {(i, name, point): value for i, found in zip(self.layers, mine)
+                for (name, point), value in found.items()}
+        out = [{} for _ in self.whole.layers]
+        for (i, name, point), value in _from_owners(held, self.group).items():
+            out[i][(name, point)] = value
+        return out
 
     def _gathered(self, value: mx.array, axis: int) -> mx.array:
         """Every process's share of `value` along `axis`, in rank order (mlx-lm's blocks)."""
@@ -225,13 +227,6 @@ def translate_into(translator, source, target_model, tokens, offset: int = 0,
         raise NotFinite("objects to install are not finite")
     return objects, points, install(shards.local, engine, CapturePoint.ENGINE, offset=offset,
                                     cache=cache)
-
-
-def install_translation(translator, source, target_model, tokens, offset: int = 0,
-                        cache: list | None = None, all_rows: bool = False) -> list:
-    """`translate_into`'s caches."""
-    return translate_into(translator, source, target_model, tokens, offset, cache,
-                          all_rows)[2]
 
 
 def _from_owners(mine: dict, group) -> dict:

@@ -376,7 +376,6 @@ class Engine:
             for target in targets:
                 if self.queue_depth:  # a request waits: it goes first
                     break
-                began = session.lines[target].seen
                 try:
                     status = session.prepare(target, reread=False)
                 except Exception as e:  # as a failed switch: re-read (ahead), and say why
@@ -384,38 +383,36 @@ class Engine:
                     entry.drop(target)  # the failed switch may have written part of it
                     status = SwitchStatus(session.active, target, Outcome.FALLBACK_REPREFILL,
                                           f"translation failed: {type(e).__name__}: {e}")
+                    session.refuse(target, status, 0)
                 if status.status == Outcome.FALLBACK_REPREFILL:
-                    began = min(began, session.lines[target].seen)
-                    self._worker.submit_idle(self._read_ahead, entry, target, status, began,
+                    self._worker.submit_idle(self._read_ahead, entry, target,
                                              (session.active, len(session.tokens)))
                 elif not self.trimmable[target]:
                     entry.checkpoint(target)
         finally:
             self.store.checkin(entry, set())
 
-    def _read_ahead(self, entry: Entry, target: str, status: SwitchStatus, began: int,
-                    moment: tuple) -> None:
-        """One part, READ_PART tokens, of a re-read that translating ahead fell back to, then
-        the next part in later idle time: a request that comes waits for one part at most,
-        and its switch translates what is left. Stops once the conversation moved on from
-        `moment` (its active model and length)."""
+    def _read_ahead(self, entry: Entry, target: str, moment: tuple) -> None:
+        """One part, READ_PART tokens, of a re-read that translating ahead fell back to
+        (`Session.refuse`), then the next part in later idle time: a request that comes waits
+        for one part at most, and its switch re-reads what is left. Stops once the
+        conversation moved on from `moment` (its active model and length)."""
         session = entry.session
         if (self.queue_depth or not self.residency.is_resident(target)
                 or not self.store.take(entry)):
             return
         try:
-            if (session.active, len(session.tokens)) != moment:
+            if (session.active, len(session.tokens)) != moment or target not in session.refused:
                 return
             line, end = session.lines[target], session.lines[session.active].seen
             started = time.perf_counter()
             if line.seen < end:
                 session.read(line, min(end, line.seen + READ_PART))
-            status.translate_seconds += time.perf_counter() - started
+            session.refused[target][0].translate_seconds += time.perf_counter() - started
             if line.seen < end:
-                self._worker.submit_idle(self._read_ahead, entry, target, status, began, moment)
+                self._worker.submit_idle(self._read_ahead, entry, target, moment)
                 return
-            status.tokens_reprefilled = end - began - status.tokens_sink  # the sink: its own
-            session.keep_ahead(target, status, began)
+            session.keep_reread(target)
             if not self.trimmable[target]:
                 entry.checkpoint(target)
         finally:

@@ -215,9 +215,23 @@ class Session:
         status = hand_over(self, self.active, target, reread=reread)
         if reread or status.status != Outcome.FALLBACK_REPREFILL:
             self.keep_ahead(target, status, began)
-        else:  # a full fallback may have reset the line below where it began
-            self.refused[target] = (status, min(began, self.lines[target].seen))
+        else:
+            self.refuse(target, status, began)
         return status
+
+    def refuse(self, target: str, status: SwitchStatus, began: int) -> None:
+        """Hold `status`, a hand-over to `target` made ahead from `began` tokens that fell back
+        and that the caller re-reads in its own time (`read`, then `keep_reread`); a switch
+        before that is done re-reads the rest instead of translating again."""
+        # a full fallback may have reset the line below where it began
+        self.refused[target] = (status, min(began, self.lines[target].seen))
+
+    def keep_reread(self, target: str) -> None:
+        """Keep what the caller re-read of `target`'s refused hand-over (its line from where
+        that began, less the sink it read) as the hand-over made ahead (`keep_ahead`)."""
+        status, began = self.refused.pop(target)
+        status.tokens_reprefilled = self.lines[target].seen - began - status.tokens_sink
+        self.keep_ahead(target, status, began)
 
     def keep_ahead(self, target: str, status: SwitchStatus, began: int) -> None:
         """Keep `status`, a hand-over to `target` made ahead from `began` tokens, for the
@@ -251,17 +265,13 @@ class Session:
         if target not in self.lines:
             raise ValueError(f"unknown model {target!r}")
         self._finish_turn()
-        refused = self.refused.pop(target, None)
-        if refused is not None and refused[0].source != self.active:
-            refused = None  # judged for another model's cache
-        if refused is not None:  # what the caller re-read of it ahead (a sink read is its own)
-            refused[0].tokens_reprefilled = (self.lines[target].seen - refused[1]
-                                             - refused[0].tokens_sink)
-        now = hand_over(self, self.active, target,
-                        refused=None if refused is None else refused[0].reason)
-        if refused is not None:  # what was re-read of it ahead is part of this hand-over
-            self.keep_ahead(target, *refused)
-        status = self.joined(target, now)
+        refused = self.refused.get(target)
+        reason = None
+        if refused is not None and refused[0].source == self.active:  # judged for this cache
+            reason = refused[0].reason
+            self.keep_reread(target)  # what was re-read of it ahead is part of this hand-over
+        self.refused.pop(target, None)
+        status = self.joined(target, hand_over(self, self.active, target, refused=reason))
         self.active = target
         self._drop_received()
         status.recorded_bytes = sum(self.recorded_bytes().values())

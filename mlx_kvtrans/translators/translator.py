@@ -62,7 +62,8 @@ class Translator:
     def feature_reads(self, recipes: list[Recipe] | None = None
                       ) -> set[tuple[int, tuple[str, ...]]]:
         """(source layer, object kinds) pairs whose features the recipes read."""
-        return set().union(*(r.feature_reads() for r in (self.recipes if recipes is None else recipes)))
+        recipes = self.recipes if recipes is None else recipes
+        return set().union(*(r.feature_reads() for r in recipes))
 
     def source_points(self) -> set[CapturePoint]:
         """Capture points the source must be read at."""
@@ -181,18 +182,18 @@ def translate_cache(translator: Translator, source_model, target_model, tokens,
     rest, as a session's switch with that sink does (`session.handover`)."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from ..sharding import capture_whole, install_translation
+    from ..sharding import capture_whole, translate_into
 
     tokens = mx.array(tokens)
     tokens = tokens[None] if tokens.ndim == 1 else tokens
     source = capture_whole(source_model, tokens, translator.source_points())
     if not 0 < sink < tokens.shape[1]:
-        return install_translation(translator, source, target_model, tokens)
+        return translate_into(translator, source, target_model, tokens)[2]
     span = after(source, sink)
     cache = make_prompt_cache(target_model)
     target_model(tokens[:, :sink], cache=cache)
-    return install_translation(translator, span, target_model, span.tokens, offset=sink,
-                               cache=cache, all_rows=True)
+    return translate_into(translator, span, target_model, span.tokens, offset=sink, cache=cache,
+                          all_rows=True)[2]
 
 
 def after(source: Capture, start: int) -> Capture:
