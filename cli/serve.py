@@ -43,6 +43,10 @@ def serve(model: list[str] = typer.Option(
           reread: int = typer.Option(None, help=REREAD_HELP),
           fidelity: float = typer.Option(None, help=FIDELITY_HELP),
           sink: int = typer.Option(0, min=0, help=SINK_HELP),
+          shard: str = typer.Option(
+              None, metavar="tensor|pipeline",
+              help="under mlx.launch: shard every model across its processes this way (process "
+                   "0 answers HTTP; every model stays resident)"),
           max_tokens: int = typer.Option(512, help="reply length when a request gives none"),
           max_body_bytes: str = typer.Option("8M", metavar="BYTES",
                                              help="largest request body accepted")):
@@ -56,8 +60,14 @@ def serve(model: list[str] = typer.Option(
                          memory_budget=None if memory_budget is None else parse_bytes(memory_budget),
                          idle_unload=idle_unload, load_deadline=load_deadline,
                          default_max_tokens=max_tokens, max_body_bytes=parse_bytes(max_body_bytes),
-                         **dial_options(reread, fidelity, sink))
+                         shard=shard, **dial_options(reread, fidelity, sink))
     config.check()
+    if shard:
+        import mlx.core as mx
+
+        if mx.distributed.init().rank() != 0:  # runs process 0's compute in step, no HTTP
+            follow(Engine.from_config(config))
+            return
     sock = listen(host, port)
     engine = Engine.from_config(config)
     for note in engine.notes:
@@ -68,3 +78,20 @@ def serve(model: list[str] = typer.Option(
               f"translators: {pairs or 'none'} · cache {format_bytes(config.cache_bytes)}",
               highlight=False, soft_wrap=True)
     run(engine, sock)
+
+
+FOLLOWER_GRACE = 60.0  # seconds a sharded process waits, once told to stop, for process 0's end
+
+
+def follow(engine) -> None:
+    """A sharded process other than 0, until process 0 ends the server: Ctrl-C reaches every
+    process mlx.launch started and process 0's decides; SIGTERM (mlx.launch's, when another
+    process failed) ends it after a grace for process 0's own end."""
+    import os
+    import signal
+    import threading
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: threading.Timer(
+        FOLLOWER_GRACE, os._exit, (143,)).start())
+    engine.follow()

@@ -288,7 +288,9 @@ def calibrate(translator_dir: Path = typer.Option(..., "--translator", help="a t
                                          "translator already holds"),
               as_json: bool = typer.Option(False, "--json", help=JSON_HELP)):
     """Calibrate a translator's fidelity gate on held-out text and write it into its manifest
-    (its weights are not touched)."""
+    (its weights are not touched). Under mlx.launch the processes share the windows."""
+    import mlx.core as mx
+
     from mlx_kvtrans.calibrate import calibrate_directory
     from mlx_kvtrans.translators import artifact
 
@@ -298,6 +300,8 @@ def calibrate(translator_dir: Path = typer.Option(..., "--translator", help="a t
                            "(pass --force to replace it)")
     held_out = text_file("--validation", validation, "validation")
     record = calibrate_directory(path, held_out, windows=windows)
+    if mx.distributed.init().rank() != 0:  # under mlx.launch the first process reports
+        return
     if as_json:
         print(json.dumps(record, indent=2))
         return

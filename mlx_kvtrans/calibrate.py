@@ -71,13 +71,16 @@ def gap_summary(gaps: list[float]) -> dict:
 
 def calibrate(translator, source, target, token_ids: list[int], windows: int = WINDOWS,
               tail: int = GATE_TOKENS, bands=BANDS, seed: int = 0, quantile: float = QUANTILE,
-              margin: float = MARGIN, progress=None) -> dict:
+              margin: float = MARGIN, progress=None, group=None) -> dict:
     """The gate's calibration of `translator` (source -> target: mlx-lm models or LoadedModels)
     on held-out `token_ids`: per band of prefix lengths, the gap over `windows` windows of each
     kind and per kind the threshold quantile + margin. The record a manifest keeps under
-    "gate". `progress(done, total)` follows the windows. A text too short for a band cuts it
-    short or leaves it out."""
+    "gate". `progress(done, total)` follows the windows (this process's). A text too short for
+    a band cuts it short or leaves it out. With `group` (every process of an `mx.distributed`
+    group calls it), process r reads windows r, r + size, ... and the gaps are shared: every
+    process returns the record one process would."""
     started = time.perf_counter()
+    rank, size = (0, 1) if group is None else (group.rank(), group.size())
     # measured without a threshold, so that no window falls back before its gap is read
     bare = replace(translator, info={k: v for k, v in translator.info.items() if k != "gate"})
     rng = random.Random(seed)
@@ -89,21 +92,38 @@ def calibrate(translator, source, target, token_ids: list[int], windows: int = W
     bands = [(max(lo, 2 * tail + 1), min(hi, longest)) for lo, hi in bands if lo <= longest]
     digest = hashlib.sha256()
     record = {"tail": tail, "quantile": quantile, "margin": margin, "bands": []}
-    total, done = windows * len(KINDS) * len(bands), 0
+    count = windows * len(KINDS)
+    total, done = len(range(rank, count, size)) * len(bands), 0
     for lo, hi in bands:
-        gaps: dict[str, list[float]] = {kind: [] for kind in KINDS}
-        for i in range(windows * len(KINDS)):
-            kind = KINDS[i % len(KINDS)]
+        draws = []
+        for i in range(count):
             length = rng.randint(lo, hi)
             begin = rng.randrange(0, len(token_ids) - length - tail - 1)
-            window = token_ids[begin:begin + length + tail + 2]
-            digest.update(np.asarray(window, dtype=np.int32).tobytes())
-            status = window_switch(bare, source, target, window, length, kind, tail).switches[-1]
-            if status.gate_gap is not None:
-                gaps[kind].append(status.gate_gap)
-            done += 1
-            if progress:
-                progress(done, total)
+            draws.append((KINDS[i % len(KINDS)], length, token_ids[begin:begin + length + tail + 2]))
+            digest.update(np.asarray(draws[-1][2], dtype=np.int32).tobytes())
+        measured = np.full(count, np.nan)
+        failure = None
+        try:
+            for i in range(rank, count, size):
+                kind, length, window = draws[i]
+                status = window_switch(bare, source, target, window, length, kind,
+                                       tail).switches[-1]
+                if status.gate_gap is not None:
+                    measured[i] = status.gate_gap
+                done += 1
+                if progress:
+                    progress(done, total)
+        except Exception as e:  # the others wait for this process's gaps: tell them
+            failure = e
+        if group is not None:
+            measured, failed = _shared(measured, failure is not None, group)
+            if failed and failure is None:
+                raise KvtransError("another process failed to calibrate the gate (its error is "
+                                   "in its output)")
+        if failure is not None:
+            raise failure
+        gaps = {kind: [float(measured[i]) for i in range(count)
+                       if draws[i][0] == kind and not np.isnan(measured[i])] for kind in KINDS}
         if not all(gaps.values()):
             raise KvtransError("no window could be compared: the gate needs a translator a "
                                "session can hand over with")
@@ -114,14 +134,30 @@ def calibrate(translator, source, target, token_ids: list[int], windows: int = W
             "gap": {k: gap_summary(g) for k, g in gaps.items()}})
     record.update(seed=seed, data_sha256=digest.hexdigest(),
                   seconds=round(time.perf_counter() - started, 2))
+    if size > 1:
+        record["processes"] = size
     return record
+
+
+def _shared(measured: np.ndarray, failed: bool, group) -> tuple[np.ndarray, bool]:
+    """Every process's gaps (NaN where not read) -> all of them, on every process, and
+    whether any process failed."""
+    from .translators.shared_sums import summed
+
+    read = ~np.isnan(measured)
+    both = summed(np.concatenate([np.where(read, measured, 0.0), read, [failed]]), group)
+    n = len(measured)
+    return np.where(both[n:2 * n] > 0, both[:n], np.nan), bool(both[-1])
 
 
 def calibrate_directory(directory: str | Path, text: str | Path | None = None,
                         **options) -> dict:
     """Calibrate the gate of a translator directory (or shipped name) on held-out text
     (default: the zoo corpus's validation split) and write it into its manifest, replacing any
-    calibration there; its weights are not touched. Returns the calibration."""
+    calibration there; its weights are not touched. Returns the calibration. Under
+    `mlx.launch`, the windows are dealt among the processes and the first one writes."""
+    import mlx.core as mx
+
     from .models import held_out_split, load
     from .translators import artifact
 
@@ -132,6 +168,9 @@ def calibrate_directory(directory: str | Path, text: str | Path | None = None,
     if path is None:
         raise KvtransError("no held-out text to calibrate on: give one, or build the zoo corpus")
     ids = source.tokenizer.encode(path.read_text(errors="replace"))
-    record = calibrate(translator, source, target, ids, **options)
-    artifact.update_manifest(directory, gate=record)
+    group = mx.distributed.init()
+    group = group if group.size() > 1 else None
+    record = calibrate(translator, source, target, ids, group=group, **options)
+    if group is None or group.rank() == 0:
+        artifact.update_manifest(directory, gate=record)
     return record

@@ -126,6 +126,35 @@ class Shards:
         return mx.take(value, mx.arange(self.rank * step, (self.rank + 1) * step), axis=axis)
 
 
+def shard_model(model: nn.Module, kind: str, group: mx.distributed.Group,
+                name: str = "the model") -> Shards:
+    """Shard `model` (loaded whole or lazily) across `group` as mlx-lm does: "tensor" by its
+    `shard(group)`, "pipeline" by its decoder's `pipeline(group)`; returns how."""
+    from .capture.instrument import language_model
+
+    inner = language_model(model)
+    model_type = type(model).__module__.rsplit(".", 1)[-1]
+    holder = model if hasattr(model, "shard") else inner
+    can = {"tensor": hasattr(holder, "shard"), "pipeline": hasattr(inner.model, "pipeline")}
+    if kind not in can:
+        raise ValueError(f"sharding is tensor or pipeline, not {kind!r}")
+    if not can[kind]:
+        other = next((k for k, ok in can.items() if ok), None)
+        raise UnsupportedModelError(
+            f"{name}: mlx-lm's {model_type} has no {kind} parallelism"
+            + (f": try --shard {other}" if other else ": it cannot be sharded; serve it whole"))
+    if kind == "tensor":
+        holder.shard(group)
+    else:
+        inner.model.pipeline(group)
+    model.__dict__.pop("_kvtrans_shards", None)
+    found = shards_of(model)
+    if found is None:
+        raise UnsupportedModelError(f"{name}: sharding across {group.size()} process(es) "
+                                    "left it whole")
+    return found
+
+
 def shards_of(model: nn.Module) -> Shards | None:
     """How `model` is sharded (None: held whole by this process); worked out once per model."""
     found = model.__dict__.get("_kvtrans_shards", False)

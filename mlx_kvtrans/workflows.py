@@ -135,7 +135,8 @@ def fit_translator(source: str | Path | LoadedModel, target: str | Path | Loaded
     running sums are checkpointed there (Ctrl-C stops after the batch in flight, raising
     KeyboardInterrupt) and `resume` continues from them; the checkpoint goes once the
     translator is saved. Under `mlx.launch` the batches are dealt among the processes, each
-    checkpointing its own sums, and the first process calibrates and saves (`processes`).
+    checkpointing its own sums, the gate's windows are dealt among them too, and the first
+    process saves (`processes`).
     Bad input raises KvtransError before any heavy work it can precede."""
     if assign not in ASSIGNMENTS:
         raise KvtransError(f"--assign must be {' or '.join(ASSIGNMENTS)}, not {assign!r}")
@@ -201,21 +202,20 @@ def fit_translator(source: str | Path | LoadedModel, target: str | Path | Loaded
     translator.info["fit"]["processes"] = size
     if rank:
         translator.info["fit"]["rank"] = rank  # not saved: the first process saves
+    if validation is not None:  # every process calibrates its share of the windows
+        held_out = src.tokenizer.encode(Path(validation).read_text(errors="replace"))
+        translator.info["gate"] = gate_of(translator, src, tgt, held_out, gate_windows,
+                                          progress if rank == 0 else None, group)
     failure = None
-    if rank == 0:
+    if rank == 0 and out is not None:
         try:
-            if validation is not None:
-                held_out = src.tokenizer.encode(Path(validation).read_text(errors="replace"))
-                translator.info["gate"] = gate_of(translator, src, tgt, held_out, gate_windows,
-                                                  progress)
-            if out is not None:
-                artifact.save(translator, out, src, tgt)
+            artifact.save(translator, out, src, tgt)
         except BaseException as e:  # the others wait for it below: tell them, then raise
             failure = e
     if group is not None:  # every process keeps its sums until the translator is saved
         saved = summed(np.array([failure is None]), group)[0]
         if failure is None and saved < size:
-            raise KvtransError("the first process failed to calibrate or save the translator; "
+            raise KvtransError("the first process failed to save the translator; "
                                "every process's sums are kept in --workdir")
     if failure is not None:
         raise failure
@@ -233,13 +233,14 @@ def fit_group():
 
 
 def gate_of(translator: Translator, src: LoadedModel, tgt: LoadedModel, held_out: list[int],
-            windows: int = WINDOWS, progress: Progress | None = None) -> dict:
-    """The fidelity gate's calibration on held-out token ids, its windows followed."""
+            windows: int = WINDOWS, progress: Progress | None = None, group=None) -> dict:
+    """The fidelity gate's calibration on held-out token ids, its windows followed (dealt
+    among `group`'s processes, when given)."""
     def step(done: int, total: int) -> None:
         if progress:
             progress("calibrating", done, total, "held-out switches")
 
-    return calibrate(translator, src, tgt, held_out, windows=windows, progress=step)
+    return calibrate(translator, src, tgt, held_out, windows=windows, progress=step, group=group)
 
 
 # -- stage 2 ----------------------------------------------------------------------------------
@@ -298,7 +299,8 @@ def distill_translator(translator: str | Path, data: Sequence[str | Path], valid
     name) distilled on the `data` text files against the held-out `validation` file, with
     checkpoints in `workdir` (default `distill_paths`; one there is continued only with
     `resume`). Under `mlx.launch` the batch is shared among the processes. When the run
-    finishes, the gate is calibrated anew on `validation` and the translator saved to `out`
+    finishes, the gate is calibrated anew on `validation` (its windows dealt among the
+    processes) and the first process saves the translator to `out`
     (replacing what is there: a command refuses first). `note(text)` hears what a user
     should know on the way (a translator distilled again, a resumed run)."""
     import mlx.core as mx
@@ -332,14 +334,17 @@ def distill_translator(translator: str | Path, data: Sequence[str | Path], valid
     summary = run.run(on_step=on_step, max_minutes=max_minutes)
     result = Distillation(None, summary, workdir, Path(out) if out is not None else None,
                           resumed_at, main_process)
-    if not (result.finished and main_process):
+    if not result.finished:
         return result
     summary["data_sha256"] = hashlib.sha256(
         "".join(f"{len(t)}:{t}" for t in texts).encode()).hexdigest()
-    distilled = run.distilled()
+    distilled = run.distilled()  # the same on every process
     distilled.info["stage"] = 2
     distilled.info["distill"] = summary
-    distilled.info["gate"] = gate_of(distilled, src, tgt, validation_ids, gate_windows, report)
+    distilled.info["gate"] = gate_of(distilled, src, tgt, validation_ids, gate_windows, report,
+                                     run.group)
+    if not main_process:
+        return result
     if out is not None:
         artifact.save(distilled, out, src, tgt)
     result.translator = distilled

@@ -1,8 +1,12 @@
-"""Shared fixtures: tiny random-weight models of every supported family, built once per session."""
+"""Shared fixtures: tiny random-weight models of every supported family, built once per
+session; a server on a free port."""
 
 from __future__ import annotations
 
 import os
+import threading
+import time
+from contextlib import contextmanager
 
 import pytest
 
@@ -11,6 +15,24 @@ from mlx_kvtrans import blas
 from mlx_kvtrans.zoo.families import FAMILIES
 
 HYBRID_RECURRENT = ("kimi_linear", "qwen3_next", "qwen3_5")
+
+
+@contextmanager
+def running(engine):
+    """`engine` served on a free loopback port; yields the base URL."""
+    from mlx_kvtrans.serve import listen, server
+
+    sock = listen("127.0.0.1", 0)
+    srv = server(engine)
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not srv.started:
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        srv.should_exit = True
+        thread.join(30)
 
 
 def pytest_configure(config):

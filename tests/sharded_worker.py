@@ -21,9 +21,8 @@ import mlx_kvtrans  # noqa: F401  first: fast BLAS
 import mlx.core as mx
 
 from mlx_kvtrans import Session, load, load_translator, translate_cache
-from mlx_kvtrans.capture.instrument import language_model
 from mlx_kvtrans.models import weights_dir
-from mlx_kvtrans.sharding import shards_of
+from mlx_kvtrans.sharding import shard_model, shards_of
 from mlx_kvtrans.translators import artifact
 
 STEPS = 8
@@ -62,22 +61,15 @@ def conversation(pair, translator: str, prompt: mx.array, sink: int) -> dict:
                           str(w.gate)] for w in switches]}
 
 
-def shard(model, kind: str, group) -> None:
-    if kind == "tensor":
-        (model if hasattr(model, "shard") else language_model(model)).shard(group)
-    else:
-        language_model(model).model.pipeline(group)
-
-
 def main(kind: str, source: str, target: str, translator: str, out: str, sink: int,
          which: str):
     group = mx.distributed.init()
     src, whole = load(source), load(target)
     src_sharded, sharded = load(source), load(target)
     if which in ("target", "both"):
-        shard(sharded.model, kind, group)
+        shard_model(sharded.model, kind, group)
     if which in ("source", "both"):
-        shard(src_sharded.model, kind, group)
+        shard_model(src_sharded.model, kind, group)
         assert shards_of(src_sharded.model) is not None
     shards = shards_of(sharded.model)
     tr = load_translator(translator, src, whole)

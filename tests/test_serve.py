@@ -12,11 +12,9 @@ import json
 import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 
 import openai
 import pytest
@@ -24,29 +22,14 @@ from typer.testing import CliRunner
 
 from mlx_kvtrans.cli.main import app as cli
 from mlx_kvtrans.capture.instrument import hook_module
-from mlx_kvtrans.serve import Engine, ServeConfig, listen, server
+from mlx_kvtrans.serve import Engine, ServeConfig, listen
 from mlx_kvtrans.serve.config import find_translators, load_models
 from mlx_kvtrans.session import Session
 from mlx_kvtrans.translators.translator import Translator
+from conftest import running
 
 HYBRID, FULL = "kimi-linear", "kimi-vl"
 BODY_LIMIT = 1 << 20
-
-
-@contextmanager
-def running(engine):
-    """`engine` served on a free loopback port; yields the base URL."""
-    sock = listen("127.0.0.1", 0)
-    srv = server(engine)
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not srv.started:
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        srv.should_exit = True
-        thread.join(30)
 
 
 @pytest.fixture(scope="module")

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..capture import capture
@@ -183,10 +184,6 @@ def time_switch(switch: Switch, setting: Setting, tokens: list[int],
     return reprefill, statistics.median(times.get("switch", times["reprefill"]))
 
 
-def _mean(values: list) -> float:
-    return sum(values) / len(values)
-
-
 @dataclass
 class Reference:
     """One window as the native target continues it: `GENERATED` greedy tokens after the
@@ -225,22 +222,31 @@ def score(switch: Switch, setting: Setting, ref: Reference) -> dict:
             "exact": float(all(same)), "first": float(same[0])}
 
 
+SCORES = ("agree", "kl", "match", "exact", "first")  # per window and setting (`score`)
+
+
 def measure(switch: Switch, encode, text_ids: list[int], plan: dict[int, list[Setting]],
             prompts: int = 16, needles: int = 16, repeats: int = 3, seed: int = 0,
-            progress=None) -> list[Row]:
+            progress=None, group=None) -> list[Row]:
     """One row per (length, setting) of `plan` (prompt length -> settings), over `prompts`
     held-out windows of `text_ids` (`window_starts`) and `needles` held-out needles (0: no
     recall; seed 0: the needles every benchmark reads, another seed another draw of them).
-    `encode`: the target tokenizer's. `progress(done, total, what)` follows the windows."""
+    `encode`: the target tokenizer's. `progress(done, total, what)` follows the windows.
+    `group`: the processes of `mlx.launch`: each scores its share of the windows and needles,
+    the first alone times the switch, and every process returns the same rows."""
+    from ..translators.shared_sums import mine, summed
+
     target, rows = switch.target, []
     total, done = sum(len(s) for s in plan.values()) * (prompts + 2), 0
     filler = held_out_filler() if needles else None
+    timer = group is None or group.rank() == 0
     for length, settings in plan.items():
         starts = window_starts(text_ids, length, prompts, seed)
-        scores = {s: {k: [] for k in ("agree", "kl", "match", "exact", "first")}
-                  for s in settings}
+        scores = {s: {k: [] for k in SCORES} for s in settings}
         floor, own = [], []  # per window: the last-16 floor's agreement, native's own
         for w, start in enumerate(starts):
+            if not mine(w, group):
+                continue
             ref = reference(switch, list(text_ids[start:start + length]))
             floor.append(ref.floor)
             own.append(ref.own)
@@ -251,28 +257,34 @@ def measure(switch: Switch, encode, text_ids: list[int], plan: dict[int, list[Se
                 for key, value in score(switch, s, ref).items():
                     scores[s][key].append(value)
         needle_seed = HELD_OUT_SEED + seed * NEEDLE_DRAW  # seed 0: the held-out needles
-        native_recall = needle_report(target, encode, length, needles, filler,
-                                      needle_seed)["recall"] if needles else None
+        native_recall = needle_report(target, encode, length, needles, filler, needle_seed,
+                                      group=group)["recall"] if needles else None
         for s in settings:
             if progress:
                 progress(done, total, f"{length:,} tokens, needles and timing, {s.label()}")
             done += 2
             recall = needle_report(target, encode, length, needles, filler, needle_seed,
-                                   cache_for=lambda ids, s=s: switch.cache(s, ids))["recall"] \
-                if needles else None
-            got, floor_mean = scores[s], _mean(floor)
-            made = getattr(switch, "statuses", {}).pop(s, None)  # a session's switches
-            applied = _mean([st.status == "applied" for st in made]) if made else None
-            reprefill_s, switch_s = time_switch(switch, s, list(text_ids[starts[0]:starts[0]
-                                                                         + length]), repeats)
+                                   cache_for=lambda ids, s=s: switch.cache(s, ids),
+                                   group=group)["recall"] if needles else None
+            made = getattr(switch, "statuses", {}).pop(s, None) or []  # a session's switches
+            timed = time_switch(switch, s, list(text_ids[starts[0]:starts[0] + length]),
+                                repeats) if timer else (0.0, 0.0)
+            sums = [sum(scores[s][k]) for k in SCORES] + [
+                sum(floor), sum(own), sum(st.status == "applied" for st in made), len(made),
+                *timed]
+            if group is not None:
+                sums = summed(np.array(sums), group).tolist()
+            got = {k: v / prompts for k, v in zip(SCORES, sums)}
+            floor_sum, own_sum, applied, switches, reprefill_s, switch_s = sums[len(SCORES):]
             rows.append(Row(
-                length=length, setting=s, windows=prompts, agreement=_mean(got["agree"]),
-                agreement_last16=floor_mean, agreement_native=_mean(own),
-                history_recovered=history_recovered(_mean(got["agree"]), floor_mean),
-                greedy_match=_mean(got["match"]), greedy_exact=_mean(got["exact"]),
-                first_token=_mean(got["first"]), kl=_mean(got["kl"]), needles=needles,
+                length=length, setting=s, windows=prompts, agreement=got["agree"],
+                agreement_last16=floor_sum / prompts, agreement_native=own_sum / prompts,
+                history_recovered=history_recovered(got["agree"], floor_sum / prompts),
+                greedy_match=got["match"], greedy_exact=got["exact"],
+                first_token=got["first"], kl=got["kl"], needles=needles,
                 recall_native=native_recall, recall_translated=recall,
-                reprefill_s=reprefill_s, switch_s=switch_s, applied=applied))
+                reprefill_s=reprefill_s, switch_s=switch_s,
+                applied=applied / switches if switches else None))
     if progress:
         progress(total, total, "")
     return rows
@@ -281,12 +293,13 @@ def measure(switch: Switch, encode, text_ids: list[int], plan: dict[int, list[Se
 def measure_translator(directory, source, target, translator, text_ids: list[int],
                        lengths: list[int] | None = None, rereads: list[int] | None = None,
                        prompts: int = 16, needles: int = 16, repeats: int = 3, seed: int = 0,
-                       progress=None, sink: int = 0) -> Frontier:
+                       progress=None, sink: int = 0, group=None) -> Frontier:
     """The frontier of a loaded translator (`source`, `target`: LoadedModels) from the
     translator directory `directory`: at `lengths` (default 1x-8x its fitting length) and
     R in `rereads` (default `default_rereads`); settings that translate nothing are left out.
     A session's switch reads the gate's r tokens whatever R asks, so R below r is measured,
-    timed and recorded as r; and the target reads the first `sink` tokens itself."""
+    timed and recorded as r; and the target reads the first `sink` tokens itself. `group`: the
+    processes of `mlx.launch`, which share the windows and needles (`measure`)."""
     directory = Path(directory)
     fit_length = fitting_length(translator.info)
     lengths = lengths or [fit_length * m for m in MULTIPLES]
@@ -301,10 +314,12 @@ def measure_translator(directory, source, target, translator, text_ids: list[int
             raise ValueError(f"no setting of R in {wanted} translates anything at {n} tokens")
     switch = SessionSwitch(translator.prepare(), source, target, sink=sink)
     rows = measure(switch, target.tokenizer.encode, text_ids, plan, prompts, needles, repeats,
-                   seed, progress)
+                   seed, progress, group)
     weights = directory / "weights.safetensors"
-    return Frontier(directory.name, source.name, target.name, fit_length, rows,
-                    {"prompts": prompts, "needles": needles, "repeats": repeats, "seed": seed},
+    settings = {"prompts": prompts, "needles": needles, "repeats": repeats, "seed": seed}
+    if group is not None:
+        settings["processes"] = group.size()
+    return Frontier(directory.name, source.name, target.name, fit_length, rows, settings,
                     sha256_file(weights) if weights.is_file() else None)
 
 

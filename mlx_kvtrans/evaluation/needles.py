@@ -12,6 +12,7 @@ import random
 import re
 from pathlib import Path
 
+import numpy as np
 import mlx.core as mx
 
 from . import tasks
@@ -80,13 +81,19 @@ def needle_scores(model, encode, length: int, samples: int = 50, filler=None,
 
 
 def needle_report(model, encode, length: int, samples: int = 50, filler=None,
-                  seed: int = HELD_OUT_SEED, cache_for=None, progress=None) -> dict:
+                  seed: int = HELD_OUT_SEED, cache_for=None, progress=None,
+                  group=None) -> dict:
     """{"recall", "digit_nll", "digit_accuracy"} at one prompt length: exact recall, the answer
     digits' mean loss, and the share of answer digits whose greedy prediction is right (with
-    the earlier digits given)."""
+    the earlier digits given). `group`: the processes of `mlx.launch`, which read their share
+    of the needles each and all return the whole report."""
+    from ..translators.shared_sums import mine, summed
+
     filler = filler or held_out_filler()
     hits, nll, right, digits_seen = 0, 0.0, 0, 0
     for i in range(samples):
+        if not mine(i, group):
+            continue
         if progress:
             progress(i)
         prompt, answer = needle_prompt_tokens(encode, seed + i, length, filler)
@@ -104,6 +111,9 @@ def needle_report(model, encode, length: int, samples: int = 50, filler=None,
         hits += predicted == answer[:digits]
         right += sum(a == b for a, b in zip(predicted, answer[:digits]))
         digits_seen += digits
+    if group is not None:
+        hits, nll, right, digits_seen = summed(np.array([hits, nll, right, digits_seen]),
+                                               group).tolist()
     return {"recall": hits / samples, "digit_nll": nll / samples,
             "digit_accuracy": right / max(digits_seen, 1)}
 

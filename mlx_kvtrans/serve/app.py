@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException
 
 from ..errors import KvtransError
 from .engine import Engine
+from .metrics import engine_gauges
 from .records import Failed, Finished, Generation, Text
 from .protocol import (ChatReply, ChatRequest, CompletionRequest, RequestError, TextReply,
                        error_body, usage, validation_error)
@@ -250,7 +251,7 @@ def create_app(engine: Engine) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(engine.metrics.render(engine.gauges()),
+        return PlainTextResponse(engine.metrics.render(engine_gauges(engine)),
                                  media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/chat/completions")

@@ -1,6 +1,7 @@
 """The server's one compute thread: MLX work runs on it alone, in the order it comes (a job may
 queue its continuation behind what waits), with idle-time jobs (reading a reply in, translating
-ahead) run when no job waits."""
+ahead) run when no job waits. Over sharded models, the compute threads of every process run
+the same jobs in step (`lockstep.py`): what comes from outside is a named job, shared."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import threading
 import time
 from typing import Callable
 
+from .lockstep import Lockstep
+
 
 class ComputeThread:
     """One daemon thread that runs jobs in the order they come. It never ends: a thread that
@@ -17,15 +20,24 @@ class ComputeThread:
     thread-local compile cache needs the interpreter to go), so once closed it waits forever and
     goes with the process."""
 
-    def __init__(self, name: str = "kvtrans-compute"):
+    def __init__(self, name: str = "kvtrans-compute", named: dict[str, Callable] | None = None,
+                 lockstep: Lockstep | None = None):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._idle: list = []  # jobs for idle time, submitted from this thread only
+        self._named = dict(named or {})  # the jobs `share` submits by name
+        self._lockstep = lockstep
         self._closed = False
-        threading.Thread(target=self._loop, name=name, daemon=True).start()
+        self._closing = False  # in step, on process 0: the end is shared, nothing more is
+        self._ended = threading.Event()  # in step: every process ran its last job
+        threading.Thread(target=self._loop_in_step if lockstep else self._loop, name=name,
+                         daemon=True).start()
 
     def every(self, seconds: float, job: Callable) -> None:
         """Submit `job` every `seconds` from a thread of its own (which runs no MLX: the compute
         thread waits without a timeout, see above)."""
+        if self._lockstep is not None:
+            raise RuntimeError("in step, nothing may run on a clock")
+
         def tick():
             while not self._closed:
                 time.sleep(seconds)
@@ -35,9 +47,21 @@ class ComputeThread:
         threading.Thread(target=tick, name="kvtrans-tick", daemon=True).start()
 
     def submit(self, job: Callable, *args) -> None:
+        if self._lockstep is not None:
+            raise RuntimeError("in step, jobs from outside are shared by name (`share`)")
         if self._closed:
             raise RuntimeError("the compute thread is closed")
         self._jobs.put((job, args))
+
+    def share(self, name: str, *args) -> None:
+        """Submit the job named `name` with `args`; in step (from process 0 only), every
+        process runs it at the same point of its order (`args` picklable)."""
+        if self._closed or self._closing:
+            raise RuntimeError("the compute thread is closed")
+        if self._lockstep is None:
+            self._jobs.put((self._named[name], args))
+        else:
+            self._lockstep.post(name, *args)
 
     def later(self, job: Callable, *args) -> None:
         """From a job: run `job` after the jobs waiting now (the next part of a request, the
@@ -55,17 +79,29 @@ class ComputeThread:
 
         def check():
             if self._idle or not self._jobs.empty():
-                self._idle.append((check, ()))
+                later(check)
             else:
                 done.set()
 
-        self._idle.append((check, ()))
-        self._jobs.put((lambda: None, ()))  # wakes the loop, which then runs the idle jobs
+        if self._lockstep is None:
+            def later(job):
+                self._idle.append((job, ()))
+
+            later(check)
+            self._jobs.put((lambda: None, ()))  # wakes the loop, which then runs the idle jobs
+        else:  # checked between rounds, on process 0 alone
+            later = self._lockstep.post_local
+            later(check)
         done.wait()
 
     def close(self) -> None:
         """Run what is queued and what it continues with (`later`), then take no more."""
-        if self._closed:
+        if self._closed or self._closing:
+            return
+        if self._lockstep is not None:  # every process ends at the same round
+            self._closing = True
+            self._lockstep.post("")
+            self._ended.wait()
             return
         self._closed = True
         drained = threading.Event()
@@ -78,6 +114,36 @@ class ComputeThread:
 
         self._jobs.put((drain, ()))
         drained.wait()
+
+    def wait_ended(self) -> None:
+        """In step, on a process other than 0: wait until process 0 closed it and the last
+        job ran."""
+        self._ended.wait()
+
+    def _loop_in_step(self) -> None:
+        """Rounds: the messages shared at its top, then one job, the same on every process.
+        The end is the message named ""."""
+        self._lockstep.start()
+        while True:
+            busy = bool(self._idle) or not self._jobs.empty()
+            for name, args in self._lockstep.exchange(wait=not busy):
+                if name == "":
+                    self._closed = True  # on every process at this round: no idle job more
+                else:
+                    self._jobs.put((self._named[name], args))
+            if self._closed and self._jobs.empty():
+                self._ended.set()
+                threading.Event().wait()  # never returns (see the class)
+            if self._idle and self._jobs.empty():
+                job, args = self._idle.pop(0)
+            elif not self._jobs.empty():
+                job, args = self._jobs.get()
+            else:
+                continue
+            try:
+                job(*args)
+            except Exception:
+                logging.getLogger(__name__).exception("a compute job failed")
 
     def _loop(self) -> None:
         while True:

@@ -35,6 +35,7 @@ class ServeConfig:
     reread: int | None = None  # the fidelity dial (session/dial.py): a fixed R, or
     fidelity: float | None = None  # an agreement each switch meets
     sink: int = 0  # first tokens a model given a conversation from its start reads itself
+    shard: str | None = None  # under mlx.launch: "tensor" or "pipeline" (sharding.py)
 
     def check(self) -> None:
         if not self.models:
@@ -55,6 +56,12 @@ class ServeConfig:
             raise KvtransError(f"--idle-unload {self.idle_unload}: seconds, more than 0")
         if not self.load_deadline >= 0:
             raise KvtransError(f"--load-deadline {self.load_deadline}: seconds, 0 or more")
+        if self.shard not in (None, "tensor", "pipeline"):
+            raise KvtransError(f"--shard {self.shard}: tensor or pipeline")
+        if self.shard and (self.memory_budget is not None or self.idle_unload is not None):
+            raise KvtransError(f"--shard keeps every model resident on every process: "
+                               f"--{'memory-budget' if self.memory_budget is not None else 'idle-unload'}"
+                               f" cannot go with it")
         if dial.problem(self.reread, self.fidelity):
             raise KvtransError(dial.problem(self.reread, self.fidelity, "--"))
 
@@ -71,12 +78,22 @@ def parse_bytes(text: str) -> int:
     return int(value * units[unit])
 
 
-def load_models(names: list[str]) -> dict:
+def load_models(names: list[str], shard: str | None = None) -> dict:
     """The served models, their weights lazy: read from disk when the server makes them
-    resident (`Residency`), so no more than the budget is ever held."""
+    resident (`Residency`), so no more than the budget is ever held. With `shard`, each is
+    sharded across the processes of `mx.distributed` that way first, so a process reads only
+    its share."""
     from ..models import load
+    from ..sharding import shard_model
 
-    return {name: load(name, lazy=True) for name in names}
+    models = {name: load(name, lazy=True) for name in names}
+    if shard:
+        import mlx.core as mx
+
+        group = mx.distributed.init()
+        for name, lm in models.items():
+            shard_model(lm.model, shard, group, name)
+    return models
 
 
 def tokenizer_groups(models: dict) -> dict[str, str]:

@@ -21,10 +21,12 @@ from typing import Callable
 
 import mlx.core as mx
 
+from ..errors import KvtransError
 from ..session import Outcome, Session, SwitchStatus
 from .config import ServeConfig, context_length, find_translators, load_models, tokenizer_groups
 from .batching import Batches, Decoding
 from .compute import ComputeThread
+from .lockstep import Lockstep
 from .metrics import Metrics
 from .residency import Residency
 from .protocol import RequestError
@@ -43,14 +45,17 @@ class Engine:
     with `config.translate` off, none is used and every switch re-reads)."""
 
     def __init__(self, models: dict, translators: dict, config: ServeConfig | None = None,
-                 notes: list[str] | None = None):
+                 notes: list[str] | None = None, lockstep: Lockstep | None = None):
         from mlx_lm.models.cache import make_prompt_cache
 
         self.config = config or ServeConfig(models=list(models))
         self.models = models
         self.translators = {pair: tr.prepare() for pair, tr in translators.items()}
+        self._lockstep = lockstep
         budget = self.config.memory_budget
-        if budget is None:  # what the machine holds, less the conversation caches' budget
+        if lockstep is not None:  # in step, every model stays resident: no process unloads alone
+            budget = None
+        elif budget is None:  # what the machine holds, less the conversation caches' budget
             from ..translators.cost import machine_memory
 
             budget = max(machine_memory() - self.config.cache_bytes, 1)
@@ -71,7 +76,9 @@ class Engine:
         # HF tokenizers may refuse concurrent use from two threads ("Already borrowed"): the
         # HTTP side renders prompts while the worker detokenises
         self._tokenizer_locks = {name: threading.Lock() for name in models}
-        self._worker = ComputeThread()
+        self._worker = ComputeThread(named={"generate": self._generate_in_step,
+                                            "load": self.residency.ensure},
+                                     lockstep=lockstep)
         if self.config.idle_unload:
             self._worker.every(min(1.0, self.config.idle_unload / 2), self.residency.unload_idle)
         self._waiting = 0
@@ -81,10 +88,29 @@ class Engine:
 
     @classmethod
     def from_config(cls, config: ServeConfig) -> "Engine":
+        """The engine `config` describes. With `config.shard`, under `mlx.launch`: the models
+        sharded across its processes, whose engines run in step (`lockstep.py`); process 0
+        answers HTTP, the others `follow`."""
         config.check()
-        models = load_models(config.models)
+        lockstep = None
+        if config.shard:
+            group = mx.distributed.init()
+            if group.size() < 2:
+                raise KvtransError(f"--shard {config.shard}: run under mlx.launch with 2 or "
+                                   f"more processes (this is 1)")
+            lockstep = Lockstep(group)
+        models = load_models(config.models, config.shard)
         translators, notes = find_translators(models, config.translators)
-        return cls(models, translators, config, notes)
+        return cls(models, translators, config, notes, lockstep)
+
+    @property
+    def leader(self) -> bool:
+        """Whether this process answers requests (the only one, unless sharded)."""
+        return self._lockstep is None or self._lockstep.leader
+
+    def follow(self) -> None:
+        """On a sharded process other than 0: run process 0's jobs in step until it closes."""
+        self._worker.wait_ended()
 
     def _new_session(self, model: str) -> Session:
         group = self.groups[model]
@@ -102,7 +128,7 @@ class Engine:
     def load_soon(self, model: str) -> float:
         """Queue the loading of `model` (a request gave up waiting for it); returns the seconds
         it should take from its start."""
-        self._worker.submit(self.residency.ensure, model)
+        self._worker.share("load", model)
         return self.residency.expected_load_seconds(model)
 
     def close(self) -> None:
@@ -205,6 +231,9 @@ class Engine:
                cancelled: threading.Event) -> None:
         """Queue `job` on the worker; `emit` receives Started, Text..., then Finished or Failed
         (on the worker thread). Setting `cancelled` stops it at its next token."""
+        if self._lockstep is not None:  # every process starts it at the same round
+            self._worker.share("generate", self._lockstep.watch(cancelled, emit), job)
+            return
         with self._waiting_lock:
             self._waiting += 1
         try:
@@ -215,6 +244,13 @@ class Engine:
             raise
 
     # -- the worker ---------------------------------------------------------------------------
+    def _generate_in_step(self, rid: int, job: Generation) -> None:
+        """A request shared in step, on every process: queued as `submit` queues it."""
+        cancelled, emit = self._lockstep.request(rid)
+        with self._waiting_lock:
+            self._waiting += 1
+        self._worker.later(self._advance, self._start(job, emit, cancelled), job, emit)
+
     def _advance(self, reading, job: Generation, emit) -> None:
         """Run the next part of a request's reading (`_start`); the part after it goes to the
         back of the queue, behind the decoding step, so a long prompt does not stall the
@@ -293,7 +329,7 @@ class Engine:
         self.residency.release(job.model)
         finished = Finished(decoding.reason, len(job.prompt), len(decoding.tokens),
                             decoding.handoff, decoding.entry)
-        self._count(job, finished)
+        self.metrics.count_generation(job.model, finished)
         # queued before the reply goes out: a follow-up the client sends finds it read in
         self._worker.later(self._read_reply, decoding.entry, job, decoding.tokens)
         decoding.emit(finished)
@@ -454,33 +490,3 @@ class Engine:
                 yield
                 if cancelled.is_set():
                     return
-
-    def _count(self, job: Generation, done: Finished) -> None:
-        h, m = done.handoff, self.metrics
-        m.inc("kvtrans_handoffs_total", model=job.model, status=h.status)
-        m.inc("kvtrans_generations_total", model=job.model, finish=done.reason)
-        for kind, n in (("reused", h.tokens_reused), ("translated", h.tokens_translated),
-                        ("reread", h.tokens_reread), ("new", h.tokens_new),
-                        ("generated", done.completion_tokens)):
-            m.inc("kvtrans_tokens_total", n, model=job.model, kind=kind)
-        m.observe("kvtrans_time_to_first_token_seconds", h.ttft_ms / 1000, model=job.model)
-        if h.source_model:
-            m.observe("kvtrans_switch_seconds", h.translate_ms / 1000, status=h.status)
-        if h.gate:
-            m.inc("kvtrans_gate_total", model=job.model, verdict=h.gate)
-
-    def gauges(self) -> dict[str, dict[tuple, float]]:
-        stats = self.store.stats()
-        return {"kvtrans_cache_bytes": {(): stats["bytes"]},
-                "kvtrans_cache_budget_bytes": {(): self.store.budget_bytes},
-                "kvtrans_cache_conversations": {(): stats["conversations"]},
-                "kvtrans_cache_lines": {(("model", n),): stats["lines"].get(n, 0)
-                                        for n in self.models},
-                "kvtrans_cache_evictions_total": {(): stats["evictions"]},
-                "kvtrans_queue_depth": {(): self.queue_depth},
-                "kvtrans_decoding": {(("model", n),): float(k)
-                                     for n, k in self.batches.sizes.items()},
-                "kvtrans_model_resident": {(("model", n),): float(self.residency.is_resident(n))
-                                           for n in self.models},
-                "kvtrans_model_loads_total": {(): self.residency.loads},
-                "kvtrans_model_unloads_total": {(): self.residency.unloads}}

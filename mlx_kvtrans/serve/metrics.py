@@ -81,6 +81,21 @@ class Metrics:
             slot[-2] += value
             slot[-1] += 1
 
+    def count_generation(self, model: str, done) -> None:
+        """A finished generation (`records.Finished`): its handoff, tokens and first token."""
+        h = done.handoff
+        self.inc("kvtrans_handoffs_total", model=model, status=h.status)
+        self.inc("kvtrans_generations_total", model=model, finish=done.reason)
+        for kind, n in (("reused", h.tokens_reused), ("translated", h.tokens_translated),
+                        ("reread", h.tokens_reread), ("new", h.tokens_new),
+                        ("generated", done.completion_tokens)):
+            self.inc("kvtrans_tokens_total", n, model=model, kind=kind)
+        self.observe("kvtrans_time_to_first_token_seconds", h.ttft_ms / 1000, model=model)
+        if h.source_model:
+            self.observe("kvtrans_switch_seconds", h.translate_ms / 1000, status=h.status)
+        if h.gate:
+            self.inc("kvtrans_gate_total", model=model, verdict=h.gate)
+
     def value(self, name: str, **labels) -> float:
         with self._lock:
             return self._counters[name].get(tuple(sorted(labels.items())), 0.0)
@@ -105,3 +120,21 @@ class Metrics:
             for key, value in series.get(name, {}).items():
                 lines.append(f"{name}{_labels(key)} {_number(value)}")
         return "\n".join(lines) + "\n"
+
+
+def engine_gauges(engine) -> dict[str, dict[tuple, float]]:
+    """The gauges of an `Engine`, read at scrape time."""
+    stats = engine.store.stats()
+    models = engine.models
+    return {"kvtrans_cache_bytes": {(): stats["bytes"]},
+            "kvtrans_cache_budget_bytes": {(): engine.store.budget_bytes},
+            "kvtrans_cache_conversations": {(): stats["conversations"]},
+            "kvtrans_cache_lines": {(("model", n),): stats["lines"].get(n, 0) for n in models},
+            "kvtrans_cache_evictions_total": {(): stats["evictions"]},
+            "kvtrans_queue_depth": {(): engine.queue_depth},
+            "kvtrans_decoding": {(("model", n),): float(k)
+                                 for n, k in engine.batches.sizes.items()},
+            "kvtrans_model_resident": {(("model", n),): float(engine.residency.is_resident(n))
+                                       for n in models},
+            "kvtrans_model_loads_total": {(): engine.residency.loads},
+            "kvtrans_model_unloads_total": {(): engine.residency.unloads}}
