@@ -180,7 +180,9 @@ class Chat:
 
         Ctrl-C while it generates, or a KeyboardInterrupt raised by `on_token`, stops the reply
         where the session is consistent (a second Ctrl-C stops at once, and the model re-reads
-        the conversation next turn); the reply returned is marked interrupted."""
+        the conversation next turn); the reply returned is marked interrupted. Ctrl-C once the
+        reply is whole (the turn closing, translating ahead) waits for that to finish, then
+        raises KeyboardInterrupt, as a press between turns does."""
         if not text.strip():
             raise KvtransError("an empty line is not a turn")
         self.transcript.add("user", text=text)
@@ -209,7 +211,8 @@ class Chat:
                         break
             except KeyboardInterrupt:
                 interrupted = True
-        with interrupts_held():  # closing the turn records what was read: not to be cut short
+        # closing the turn records what was read, and translates ahead: not to be cut short
+        with interrupts_held() as late:
             if turn is not None:
                 turn.close()
             seconds = time.perf_counter() - start
@@ -229,6 +232,8 @@ class Chat:
             self.transcript.add("reply", **asdict(reply))
             if self.translate_ahead and not interrupted:
                 self.prepare()
+        if late and not interrupted:  # Ctrl-C once the reply was whole: as between turns
+            raise KeyboardInterrupt
         return reply
 
     def prepare(self) -> list[SwitchStatus]:

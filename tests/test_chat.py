@@ -209,6 +209,24 @@ def test_ctrl_c_in_a_reply_returns_to_the_prompt_at_a_terminal_and_stops_a_scrip
         assert code == 130 and len(replies) == 1
 
 
+def test_ctrl_c_while_translating_ahead_finishes_it_then_stops_the_chat(zoo, tmp_path):
+    """A press once the reply is whole is not lost: the translation ahead finishes, the reply
+    stays whole, and the chat stops as between turns (a script stops with 130)."""
+    chat = new_chat(zoo, tmp_path, max_tokens=6, translate_ahead=True)
+    prepare = chat.prepare
+
+    def pressed_meanwhile():
+        os.kill(os.getpid(), signal.SIGINT)
+        return prepare()
+
+    chat.prepare = pressed_meanwhile
+    with pytest.raises(KeyboardInterrupt):
+        converse(chat, [FACT, QUESTION], interactive=False)
+    replies = events(tmp_path / "chat.json", "reply")
+    assert len(replies) == 1 and replies[0]["interrupted"] is False
+    assert B in chat.session.lines and chat.session.lines[B].seen > 0  # translated ahead
+
+
 def test_terminal_lines_edit_keep_history_and_leave_on_an_empty_ctrl_c():
     import threading
     import time

@@ -148,6 +148,63 @@ def chunked_recurrence(chunk_size: int | None = None):
         yield
 
 
+# the model files whose MLA attention expands the latents when reading more than one token
+# (kimi_vl runs deepseek_v3's)
+MLA_MODULES = ("mlx_lm.models.deepseek_v3", "mlx_lm.models.deepseek_v32",
+               "mlx_lm.models.kimi_linear")
+
+
+def absorbed_wins(attention: nn.Module, length: int, context: int) -> bool:
+    """Whether `length` queries over `context` latents cost fewer FLOPs with the queries
+    absorbed into the latent space (mlx-lm's decode step) than with the latents expanded into
+    every head's keys and values (its prefill)."""
+    kv, nope, v = attention.kv_lora_rank, attention.qk_nope_head_dim, attention.v_head_dim
+    absorbed = length * (nope * kv + 2 * context * kv + kv * v)
+    expanded = context * kv * (nope + v) + length * context * (nope + v)
+    return absorbed < expanded
+
+
+@contextlib.contextmanager
+def absorbed_short_reads(model: nn.Module) -> Iterator[None]:
+    """Within the block, MLA attention reading a few tokens over a long cache (a new turn, the
+    gate's tail) attends in the latent space as mlx-lm's one-token decode step does, instead of
+    expanding every cached latent into keys and values (mlx-lm absorbs at one token only). The
+    same arithmetic reordered: mlx-lm's attention runs as it is, its expanded keys and values
+    are built lazily and, unused, never computed."""
+    attentions = model.__dict__.get("_kvtrans_mla")
+    if attentions is None:  # found once per model
+        attentions = model.__dict__["_kvtrans_mla"] = [
+            m for m in model.modules() if isinstance(getattr(m, "embed_q", None), nn.Module)
+            and hasattr(m, "unembed_out") and hasattr(m, "kv_lora_rank")]
+    if not attentions:
+        yield
+        return
+    pending: dict[str, tuple] = {}  # the latents an attention is about to expand
+
+    def latents_of(attention):
+        def before(module, args, kwargs):
+            if kwargs.get("transpose", True) is False:  # expanding the cached latents
+                pending["latents"] = (attention, args[0])
+        return before
+
+    from mlx_lm.models.base import scaled_dot_product_attention as attention_of
+
+    def attend(queries, keys, values, *args, **kwargs):
+        attention, latents = pending.pop("latents", (None, None))
+        if (attention is None or not isinstance(latents, mx.array)
+                or not absorbed_wins(attention, queries.shape[2], latents.shape[2])):
+            return attention_of(queries, keys, values, *args, **kwargs)
+        out = attention_of(attention.embed_q(queries), latents, latents, *args, **kwargs)
+        return attention.unembed_out(out)
+
+    with contextlib.ExitStack() as stack:
+        for attention in attentions:
+            stack.enter_context(hook_module(attention.embed_q, before=latents_of(attention)))
+        for name in MLA_MODULES:
+            stack.enter_context(replace_function(name, "scaled_dot_product_attention", attend))
+        yield
+
+
 def fastest_recurrence():
     """Context in which linear-attention layers run the fastest recurrence here: mlx-lm's own
     Metal kernel on a Mac (nothing to change), the chunkwise-parallel form elsewhere."""
