@@ -100,8 +100,9 @@ def test_indexer_scores_select_what_mlx_lms_indexer_selects(loaded):
 @pytest.mark.parametrize("name", ["kimi-vl", "dsa", "kimi-linear"])
 def test_short_reads_over_mla_attend_in_the_latent_space_as_mlx_lm_does(name):
     """A few tokens over a long MLA cache: the queries absorbed into the latent space, as in
-    mlx-lm's decode step (the expanded keys and values are never computed), give mlx-lm's
-    own logits; a long read keeps mlx-lm's expanded form."""
+    mlx-lm's decode step (the expanded keys and values are never computed), and every head
+    attending as rows of one, give mlx-lm's own logits, as does a one-token step; a long read
+    keeps mlx-lm's expanded form."""
     from mlx_lm.models.cache import make_prompt_cache
 
     from mlx_kvtrans.capture.instrument import absorbed_short_reads, absorbed_wins
@@ -111,18 +112,23 @@ def test_short_reads_over_mla_attend_in_the_latent_space_as_mlx_lm_does(name):
     attention = next(m for m in model.modules() if hasattr(m, "embed_q"))
     assert absorbed_wins(attention, 9, 291) and not absorbed_wins(attention, 290, 290)
     unembedded = []  # the length of what each unembed_out call reads
-    for length in (9, 290):
+    heads = set()  # (read length, heads of the queries mlx-lm's attention was given)
+    for length in (1, 9, 290):
         plain, short = make_prompt_cache(model), make_prompt_cache(model)
         model(ids[:, :300 - length], cache=plain)
         model(ids[:, :300 - length], cache=short)
         expected = model(ids[:, 300 - length:], cache=plain)
         with hook_module(attention.unembed_out,
-                         before=lambda m, args, kwargs: unembedded.append(args[0].shape[2])):
+                         before=lambda m, args, kwargs: unembedded.append(args[0].shape[2])), \
+                observe_function("mlx_lm.models.base", "scaled_dot_product_attention",
+                                 lambda q, *args, **kwargs: heads.add((length, q.shape[1]))):
             with absorbed_short_reads(model):
                 got = model(ids[:, 300 - length:], cache=short)
         assert max_abs_diff(expected, got) < 1e-4
         assert bool((mx.argmax(expected, -1) == mx.argmax(got, -1)).all())
-    # the short read unembeds the attention output (9 rows), the long one the 300 cached
-    # latents, in mlx-lm's own expanded form; every hook left
-    assert set(unembedded) == {9, 300}
+    # the short reads unembed the attention output (1 and 9 rows), the long one the 300
+    # cached latents, in mlx-lm's own expanded form; every hook left
+    assert set(unembedded) == {1, 9, 300}
+    # in the latent space every head is a row of one
+    assert heads == {(1, 1), (9, 1), (290, attention.num_heads)}
     assert "_kvtrans_hooks" not in type(attention.embed_q).__dict__

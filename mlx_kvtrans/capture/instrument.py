@@ -168,9 +168,10 @@ def absorbed_wins(attention: nn.Module, length: int, context: int) -> bool:
 def absorbed_short_reads(model: nn.Module) -> Iterator[None]:
     """Within the block, MLA attention reading a few tokens over a long cache (a new turn, the
     gate's tail) attends in the latent space as mlx-lm's one-token decode step does, instead of
-    expanding every cached latent into keys and values (mlx-lm absorbs at one token only). The
-    same arithmetic reordered: mlx-lm's attention runs as it is, its expanded keys and values
-    are built lazily and, unused, never computed."""
+    expanding every cached latent into keys and values (mlx-lm absorbs at one token only), and
+    attention in the latent space runs every head as rows of one. The same arithmetic
+    reordered: mlx-lm's attention runs as it is, its expanded keys and values are built lazily
+    and, unused, never computed."""
     attentions = model.__dict__.get("_kvtrans_mla")
     if attentions is None:  # found once per model
         attentions = model.__dict__["_kvtrans_mla"] = [
@@ -189,13 +190,26 @@ def absorbed_short_reads(model: nn.Module) -> Iterator[None]:
 
     from mlx_lm.models.base import scaled_dot_product_attention as attention_of
 
-    def attend(queries, keys, values, *args, **kwargs):
+    def attend(queries, keys, values, *args, mask=None, **kwargs):
         attention, latents = pending.pop("latents", (None, None))
-        if (attention is None or not isinstance(latents, mx.array)
-                or not absorbed_wins(attention, queries.shape[2], latents.shape[2])):
-            return attention_of(queries, keys, values, *args, **kwargs)
-        out = attention_of(attention.embed_q(queries), latents, latents, *args, **kwargs)
-        return attention.unembed_out(out)
+        if (attention is not None and isinstance(latents, mx.array)
+                and absorbed_wins(attention, queries.shape[2], latents.shape[2])):
+            return attention.unembed_out(
+                one_head(attention.embed_q(queries), latents, *args, mask=mask, **kwargs))
+        if keys is values and isinstance(keys, mx.array) and keys.shape[1] == 1:
+            return one_head(queries, keys, *args, mask=mask, **kwargs)  # a decode step
+        return attention_of(queries, keys, values, *args, mask=mask, **kwargs)
+
+    def one_head(queries, latents, *args, mask, **kwargs):
+        """Every head's queries as rows of one head over the latents that all heads share:
+        one matrix product instead of a product per head (MLX's attention outside its fused
+        kernels, as on a CPU, reads the keys once per head)."""
+        b, h, n, d = queries.shape
+        if not isinstance(mask, mx.array) or mask.shape != (b, h, n, latents.shape[2]):
+            return attention_of(queries, latents, latents, *args, mask=mask, **kwargs)
+        out = attention_of(queries.reshape(b, 1, h * n, d), latents, latents, *args,
+                           mask=mask.reshape(b, 1, h * n, -1), **kwargs)
+        return out.reshape(b, h, n, -1)
 
     with contextlib.ExitStack() as stack:
         for attention in attentions:
