@@ -232,7 +232,7 @@ class Chat:
             self.transcript.add("reply", **asdict(reply))
             if self.translate_ahead and not interrupted:
                 self.prepare()
-        if late and not interrupted:  # Ctrl-C once the reply was whole: as between turns
+        if (late or pressed) and not interrupted:  # Ctrl-C once the reply was whole
             raise KeyboardInterrupt
         return reply
 

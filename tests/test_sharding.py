@@ -105,6 +105,32 @@ def test_jobs_in_step_draw_from_the_shared_seed_on_the_compute_thread():
     assert drawn[0] == drawn[1]
 
 
+def test_settle_in_step_returns_once_every_continuation_ran():
+    """`settle` checks between rounds; a check that finds work left looks again next round,
+    after a job ran, and returns once none is left."""
+    import threading
+
+    from mlx_kvtrans.serve.compute import ComputeThread
+    from mlx_kvtrans.serve.lockstep import Lockstep
+
+    ran = []
+    worker = None
+
+    def chain(n: int) -> None:
+        ran.append(n)
+        if n:
+            worker.later(chain, n - 1)
+
+    lockstep = Lockstep(mx.distributed.init())
+    worker = ComputeThread(named={"chain": chain}, lockstep=lockstep)
+    lockstep.post("chain", 20)  # often shared in the round of the settle's first check
+    settled = threading.Thread(target=worker.settle, daemon=True)
+    settled.start()
+    settled.join(30)
+    assert not settled.is_alive() and ran == list(range(20, -1, -1))
+    worker.close()
+
+
 def _conversation(url: str, small: str, large: str, settle) -> list[tuple[str, str]]:
     """A conversation over OpenAI's API that moves from `small` to `large` and back, with a
     client that leaves mid-reply and a sampled reply between: each greedy reply and how its

@@ -131,6 +131,7 @@ class ComputeThread:
                     self._closed = True  # on every process at this round: no idle job more
                 else:
                     self._jobs.put((self._named[name], args))
+            self._lockstep.run_local()
             if self._closed and self._jobs.empty():
                 self._ended.set()
                 threading.Event().wait()  # never returns (see the class)

@@ -36,6 +36,7 @@ class Lockstep:
         self._watched: dict[int, tuple] = {}  # process 0: id -> (client's event, its emit)
         self._cancelled: dict[int, threading.Event] = {}  # id -> the event jobs read
         self._left_early: set[int] = set()  # ids cancelled before their job started
+        self._local: list[Callable] = []  # process 0: this round's `post_local` jobs
         # one random seed everywhere: a sampled token is the same token on every process
         state = mx.distributed.all_sum(mx.random.state[0], group=group)
         self.seed = state.view(mx.uint64).item()
@@ -53,7 +54,8 @@ class Lockstep:
         self._inbox.put((name, args))
 
     def post_local(self, job: Callable) -> None:
-        """Process 0: run `job` (no MLX) at the top of the next round, on this process only."""
+        """Process 0: run `job` (no MLX) at the top of the next round, on this process only,
+        once that round's shared jobs are queued (`run_local`)."""
         self._inbox.put((job, None))
 
     def watch(self, cancelled: threading.Event, emit: Callable) -> int:
@@ -92,24 +94,31 @@ class Lockstep:
         for one when `wait` (nothing else to run); the others wait for process 0."""
         if not self.leader:
             return self._apply(self._share(None))
-        messages = []
-        try:
-            item = self._inbox.get() if wait else self._inbox.get_nowait()
+        items, messages = [], []
+        try:  # what is there now: a local job that posts itself again runs next round
+            items.append(self._inbox.get() if wait else self._inbox.get_nowait())
             while True:
-                job, args = item
-                if args is None:
-                    job()
-                else:
-                    messages.append(item)
-                item = self._inbox.get_nowait()
+                items.append(self._inbox.get_nowait())
         except queue.Empty:
             pass
+        for job, args in items:
+            if args is None:
+                self._local.append(job)
+            else:
+                messages.append((job, args))
         with self._lock:
             for rid, (event, _) in list(self._watched.items()):
                 if event.is_set():
                     messages.append((CANCEL, (rid,)))
                     del self._watched[rid]
         return self._apply(self._share(messages))
+
+    def run_local(self) -> None:
+        """Process 0: run the jobs `post_local` gave this round, after its shared jobs were
+        queued (a check of what is left sees them)."""
+        local, self._local = self._local, []
+        for job in local:
+            job()
 
     def _apply(self, messages: list) -> list:
         jobs = []
