@@ -756,3 +756,26 @@ def test_a_model_unused_for_idle_unload_seconds_unloads(zoo):
         again = ask(c, FULL, [{"role": "user", "content": "Idle: the kettle?"}], max_tokens=4)
         assert again.choices[0].message.content == first.choices[0].message.content
         assert engine.residency.is_resident(FULL) and engine.residency.loads == 1
+
+
+def test_eviction_in_step_weighs_each_line_by_what_the_processes_share(zoo):
+    """Sharded in step, each line's bytes are its mean over the processes (a pipeline's
+    processes hold different layers), so every process evicts the same lines: here a shared
+    figure twice this process's own evicts under a budget its own bytes fit."""
+    models, translators = zoo
+    engine = Engine(models, translators, ServeConfig(models=list(models),
+                                                     max_body_bytes=BODY_LIMIT))
+    with running(engine) as url:
+        api = client(url)
+        for i in range(3):
+            api.chat.completions.create(model=HYBRID, max_tokens=4, messages=[
+                {"role": "user", "content": f"Conversation {i}: the number for copper?"}])
+        engine.settle()
+    store = engine.store
+    held, evictions = store.stats()["bytes"], store.evictions
+    store.budget_bytes = held  # this process's own bytes fit
+    store._evict()
+    assert store.evictions == evictions
+    store.shared_sizes = lambda sizes: [2.0 * s for s in sizes]
+    store._evict()
+    assert store.evictions > evictions and store.stats()["bytes"] <= held // 2

@@ -72,7 +72,8 @@ class Engine:
         self.trimmable = {name: trimmable(make_prompt_cache(lm.model))
                           for name, lm in models.items()}
         self.metrics = Metrics()
-        self.store = ConversationStore(self._new_session, self.groups, self.config.cache_bytes)
+        self.store = ConversationStore(self._new_session, self.groups, self.config.cache_bytes,
+                                       None if lockstep is None else lockstep.mean)
         # HF tokenizers may refuse concurrent use from two threads ("Already borrowed"): the
         # HTTP side renders prompts while the worker detokenises
         self._tokenizer_locks = {name: threading.Lock() for name in models}

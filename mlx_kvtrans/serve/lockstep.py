@@ -20,6 +20,7 @@ import threading
 from typing import Callable
 
 import mlx.core as mx
+import numpy as np
 
 CANCEL = "cancel"  # a message the lockstep applies itself: (CANCEL, request id)
 
@@ -112,6 +113,14 @@ class Lockstep:
                     messages.append((CANCEL, (rid,)))
                     del self._watched[rid]
         return self._apply(self._share(messages))
+
+    def mean(self, values: list[float]) -> list[float]:
+        """In a shared job, on every process: each value's mean over the processes."""
+        from ..translators.shared_sums import summed
+
+        if not values:
+            return []
+        return (summed(np.array(values, np.float64), self.group) / self.group.size()).tolist()
 
     def run_local(self) -> None:
         """Process 0: run the jobs `post_local` gave this round, after its shared jobs were

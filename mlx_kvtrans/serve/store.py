@@ -182,8 +182,11 @@ class ConversationStore:
     group. Entries are checked out for the length of a request and checked in after it."""
 
     def __init__(self, new_session: Callable[[str], Session], group_of: dict[str, str],
-                 budget_bytes: int):
+                 budget_bytes: int, shared_sizes: Callable[[list[int]], list[float]] | None = None):
         self.new_session, self.group_of, self.budget_bytes = new_session, group_of, budget_bytes
+        # sharded in step: each line's bytes averaged over the processes, so that every
+        # process evicts the same lines (a pipeline's processes hold different layers)
+        self.shared_sizes = shared_sizes
         self.evictions = 0
         self._entries: list[Entry] = []
         self._lock = threading.Lock()  # the worker changes entries; /metrics reads them
@@ -253,11 +256,16 @@ class ConversationStore:
             self._entries.clear()
 
     def _evict(self) -> None:
-        total = sum(e.nbytes for e in self._entries)
+        lines = [(e, n) for e in self._entries for n in e.live()]
+        sizes = [e.line_bytes(n) for e, n in lines]
+        if self.shared_sizes is not None:
+            sizes = self.shared_sizes(sizes)
+        size_of = {(id(e), n): size for (e, n), size in zip(lines, sizes)}
+        total = sum(sizes)
         while total > self.budget_bytes:
             entry, name = min(((e, n) for e in self._entries for n in e.live()),
                               key=lambda pair: pair[0].used.get(pair[1], 0))
-            total -= entry.line_bytes(name)
+            total -= size_of[(id(entry), name)]
             entry.drop(name)
             self.evictions += 1
             if not entry.live():
