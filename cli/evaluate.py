@@ -351,7 +351,7 @@ def eval_frontier(translator_dir: Path = typer.Option(..., "--translator",
     speed-up over re-prefill, on held-out text and needles."""
     from mlx_kvtrans.evaluation import frontier as fr
     from mlx_kvtrans.translators import artifact
-    from mlx_kvtrans.workflows import fit_group
+    from mlx_kvtrans.translators.shared_sums import launched_group
 
     from .common import refuse_existing
 
@@ -376,7 +376,7 @@ def eval_frontier(translator_dir: Path = typer.Option(..., "--translator",
     src, tgt = mlx_kvtrans.load(names[0]), mlx_kvtrans.load(names[1])
     translator = artifact.load(directory, src, tgt)
     ids = tgt.tokenizer.encode(text.read_text(errors="replace"))
-    group = fit_group()  # under mlx.launch: the windows and needles are shared out
+    group = launched_group()  # under mlx.launch: the windows and needles are shared out
     try:
         with progress_bar("frontier") as progress:  # silent under mlx.launch (no terminal)
             frontier = fr.measure_translator(directory, src, tgt, translator, ids, sizes,

@@ -240,9 +240,9 @@ def fit(source: str = typer.Option(..., "--from", help="source model"),
 def _resumable(workdir: Path, resume: bool, run, *args, **kwargs):
     """`run` (`fit_translator`) checkpointing in `workdir`; Ctrl-C says how to continue."""
     from mlx_kvtrans.translators.fit_checkpoint import check_directory, holds_checkpoint, state_file
-    from mlx_kvtrans.workflows import fit_group
+    from mlx_kvtrans.translators.shared_sums import launched_group
 
-    group = fit_group()
+    group = launched_group()
     check_directory(workdir, resume, state_file(*((group.rank(), group.size()) if group
                                                   else (0, 1))))
     try:

@@ -156,10 +156,9 @@ def calibrate_directory(directory: str | Path, text: str | Path | None = None,
     (default: the zoo corpus's validation split) and write it into its manifest, replacing any
     calibration there; its weights are not touched. Returns the calibration. Under
     `mlx.launch`, the windows are dealt among the processes and the first one writes."""
-    import mlx.core as mx
-
     from .models import held_out_split, load
     from .translators import artifact
+    from .translators.shared_sums import launched_group
 
     manifest = artifact.read_manifest(directory)
     source, target = load(manifest["source"]["name"]), load(manifest["target"]["name"])
@@ -168,8 +167,7 @@ def calibrate_directory(directory: str | Path, text: str | Path | None = None,
     if path is None:
         raise KvtransError("no held-out text to calibrate on: give one, or build the zoo corpus")
     ids = source.tokenizer.encode(path.read_text(errors="replace"))
-    group = mx.distributed.init()
-    group = group if group.size() > 1 else None
+    group = launched_group()
     record = calibrate(translator, source, target, ids, group=group, **options)
     if group is None or group.rank() == 0:
         artifact.update_manifest(directory, gate=record)

@@ -34,7 +34,7 @@ from .translators import artifact
 from .translators.distill import CHECKPOINT_FILES, DistillConfig, Distiller
 from .translators.fit import FIT_BATCH, FitConfig, fit, mixed_windows, token_windows
 from .translators.fit_checkpoint import FitCheckpoint
-from .translators.shared_sums import summed
+from .translators.shared_sums import launched_group, summed
 from .tokens import plain_text
 from .translators.translator import Translator
 
@@ -192,7 +192,7 @@ def fit_translator(source: str | Path | LoadedModel, target: str | Path | Loaded
             progress("fitting", done, len(batches), f"{tokens:,} tokens{rate}, peak "
                      f"{mx.get_peak_memory() / 2**30:.1f} GiB")
 
-    group = fit_group()
+    group = launched_group()
     rank, size = (0, 1) if group is None else (group.rank(), group.size())
     checkpoint = None if workdir is None else FitCheckpoint(
         workdir, resume, context=json.dumps([model_identity(lm) for lm in (src, tgt)],
@@ -222,14 +222,6 @@ def fit_translator(source: str | Path | LoadedModel, target: str | Path | Loaded
     if checkpoint is not None:
         checkpoint.clear()
     return translator
-
-
-def fit_group():
-    """The processes `mlx.launch` started for this fit, or None when it runs alone."""
-    import mlx.core as mx
-
-    group = mx.distributed.init()
-    return group if group.size() > 1 else None
 
 
 def gate_of(translator: Translator, src: LoadedModel, tgt: LoadedModel, held_out: list[int],

@@ -135,24 +135,20 @@ class ComputeThread:
             if self._closed and self._jobs.empty():
                 self._ended.set()
                 threading.Event().wait()  # never returns (see the class)
-            if self._idle and self._jobs.empty():
-                job, args = self._idle.pop(0)
-            elif not self._jobs.empty():
-                job, args = self._jobs.get()
-            else:
-                continue
-            try:
-                job(*args)
-            except Exception:
-                logging.getLogger(__name__).exception("a compute job failed")
+            if self._idle or not self._jobs.empty():
+                self._run_next()
 
     def _loop(self) -> None:
         while True:
-            if self._idle and self._jobs.empty():
-                job, args = self._idle.pop(0)
-            else:
-                job, args = self._jobs.get()
-            try:
-                job(*args)
-            except Exception:  # jobs report their own failures; this one could not
-                logging.getLogger(__name__).exception("a compute job failed")
+            self._run_next()
+
+    def _run_next(self) -> None:
+        """The next job (an idle job when none waits; else waits for one), run."""
+        if self._idle and self._jobs.empty():
+            job, args = self._idle.pop(0)
+        else:
+            job, args = self._jobs.get()
+        try:
+            job(*args)
+        except Exception:  # jobs report their own failures; this one could not
+            logging.getLogger(__name__).exception("a compute job failed")

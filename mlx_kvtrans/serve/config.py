@@ -78,19 +78,16 @@ def parse_bytes(text: str) -> int:
     return int(value * units[unit])
 
 
-def load_models(names: list[str], shard: str | None = None) -> dict:
+def load_models(names: list[str], shard: str | None = None, group=None) -> dict:
     """The served models, their weights lazy: read from disk when the server makes them
     resident (`Residency`), so no more than the budget is ever held. With `shard`, each is
-    sharded across the processes of `mx.distributed` that way first, so a process reads only
-    its share."""
+    sharded that way across the processes of `group` first, so a process reads only its
+    share."""
     from ..models import load
     from ..sharding import shard_model
 
     models = {name: load(name, lazy=True) for name in names}
     if shard:
-        import mlx.core as mx
-
-        group = mx.distributed.init()
         for name, lm in models.items():
             shard_model(lm.model, shard, group, name)
     return models

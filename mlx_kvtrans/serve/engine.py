@@ -93,21 +93,16 @@ class Engine:
         sharded across its processes, whose engines run in step (`lockstep.py`); process 0
         answers HTTP, the others `follow`."""
         config.check()
-        lockstep = None
+        lockstep = group = None
         if config.shard:
             group = mx.distributed.init()
             if group.size() < 2:
                 raise KvtransError(f"--shard {config.shard}: run under mlx.launch with 2 or "
                                    f"more processes (this is 1)")
             lockstep = Lockstep(group)
-        models = load_models(config.models, config.shard)
+        models = load_models(config.models, config.shard, group)
         translators, notes = find_translators(models, config.translators)
         return cls(models, translators, config, notes, lockstep)
-
-    @property
-    def leader(self) -> bool:
-        """Whether this process answers requests (the only one, unless sharded)."""
-        return self._lockstep is None or self._lockstep.leader
 
     def follow(self) -> None:
         """On a sharded process other than 0: run process 0's jobs in step until it closes."""

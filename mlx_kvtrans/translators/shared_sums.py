@@ -20,6 +20,12 @@ from .identity_tables import TableMoments
 from .stats import Moments, SharedMoments
 
 
+def launched_group():
+    """The processes `mlx.launch` started for this command, or None when it runs alone."""
+    group = mx.distributed.init()
+    return group if group.size() > 1 else None
+
+
 def mine(index: int, group) -> bool:
     """Whether batch `index` is this process's: batches are dealt round-robin."""
     return group is None or index % group.size() == group.rank()
