@@ -5,10 +5,12 @@ Training: forward and forward+backward of the bare recurrence, and a whole train
 a switch into a linear-attention target runs, at real checkpoints' layer sizes (Kimi-Linear-48B's
 KDA, 32 heads of 128; Qwen3.5's GDN, 16 key and 32 value heads of 128) with decay rates as a
 trained model starts from (`zoo.realistic.trained_dt_bias`), per chunk size (the sweep behind
-`default_chunk_size`), with the largest difference from the token loop. Prints tables and
-writes benchmarks/results/recurrence.json.
+`default_chunk_size`), with the largest difference from the token loop. State only: a replay
+that rebuilds only the final state (what installing a translated cache runs), its chunks
+composed one after another or as a tree (`TREE_RATIO`), at the zoo's KDA sizes and real ones.
+Prints tables and writes benchmarks/results/recurrence.json.
 
-    python benchmarks/recurrence.py [--repeats N] [--lengths 1024,4096] [--only replay]
+    python benchmarks/recurrence.py [--repeats N] [--lengths 1024,4096] [--only replay|state]
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
 
 from mlx_kvtrans.blas import blas_report, median_seconds
 from mlx_kvtrans.capture.instrument import chunked_recurrence
-from mlx_kvtrans.layouts.gated_delta import default_chunk_size, gated_delta_update_chunked
+from mlx_kvtrans.layouts.gated_delta import (TREE_RATIO, default_chunk_size, gated_delta_chunked,
+                                             gated_delta_update_chunked, log_decay)
 from mlx_kvtrans.zoo.families import tiny_config
 from mlx_kvtrans.zoo.random_model import build_model
 from mlx_kvtrans.zoo.realistic import trained_dt_bias
@@ -69,6 +72,21 @@ def replay(T, H, D, per_channel, repeats, Hk=None, chunk_sizes=(16, 32, 64)):
     return row
 
 
+def state_only(T, H, D, repeats):
+    """A KDA replay that keeps only the final state: the chunk loop beside the tree."""
+    q, k, v, a, b, A_log, dt_bias = recurrence_inputs(1, T, H, D, True, True)
+    log_g, beta = log_decay(A_log, a, dt_bias), mx.sigmoid(b)
+    mx.eval(q, k, v, log_g, beta)
+    run = {tree: (lambda tree=tree: gated_delta_chunked(q, k, v, log_g, beta, state_only=True,
+                                                        tree=tree)[1])
+           for tree in (False, True)}
+    loop, tree = run[False](), run[True]()
+    return {"loop_s": median_seconds(lambda: mx.eval(run[False]()), repeats),
+            "tree_s": median_seconds(lambda: mx.eval(run[True]()), repeats),
+            "max_state_diff": float(mx.abs(tree - loop).max()),
+            "tree_by_default": D <= TREE_RATIO * default_chunk_size(True)}
+
+
 def bare_recurrence(B, T, H, D, per_channel, repeats):
     q, k, v, a, b, A_log, dt_bias = recurrence_inputs(B, T, H, D, per_channel)
     impls = {"loop": lambda *x: gated_delta_update(*x, A_log, dt_bias, use_kernel=False),
@@ -106,19 +124,20 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--lengths", default="1024,4096", help="replay lengths")
-    parser.add_argument("--only", choices=("training", "replay"), default=None)
+    parser.add_argument("--only", choices=("training", "replay", "state"), default=None)
     args = parser.parse_args()
     blas = blas_report()
     results = {"blas": blas.name, "matmul_float32_gflops": round(blas.gflops, 1),
                "dtype": "float32", "device": str(mx.default_device()),
                "default_chunk_size": {"gdn": default_chunk_size(False),
                                       "kda": default_chunk_size(True)},
-               "rows": [], "replay": []}
-    if RESULTS.exists():  # a partial run keeps the other table
+               "rows": [], "replay": [], "state_only": []}
+    if RESULTS.exists():  # a partial run keeps the other tables
         previous = json.loads(RESULTS.read_text())
-        results["rows"], results["replay"] = previous.get("rows", []), previous.get("replay", [])
+        for table in ("rows", "replay", "state_only"):
+            results[table] = previous.get(table, [])
     print(f"BLAS {blas.name}, {blas.gflops:.0f} GFLOP/s float32, {mx.default_device()}")
-    if args.only != "replay":
+    if args.only in (None, "training"):
         results["rows"] = []
         print(f"{'case':44s} {'loop s':>9s} {'chunked s':>10s} {'speed-up':>9s}")
         cases = [("recurrence GDN fwd+bwd B8 T512 H4 D32",
@@ -135,7 +154,17 @@ def main():
             results["rows"].append(row)
             print(f"{name:44s} {row['loop_train_s']:9.3f} {row['chunked_train_s']:10.3f} "
                   f"{row['train_speedup']:8.1f}x")
-    if args.only != "training":
+    if args.only in (None, "state"):
+        results["state_only"] = []
+        print(f"{'state-only replay (KDA)':44s} {'loop s':>9s} {'tree s':>9s} {'max diff':>9s} "
+              "default")
+        for name, H, D in [("zoo kimi-linear H4 D32", 4, 32), ("Kimi-Linear-48B H32 D128", 32, 128)]:
+            for T in (int(x) for x in args.lengths.split(",")):
+                row = {"case": f"{name} T{T}", "length": T, **state_only(T, H, D, args.repeats)}
+                results["state_only"].append(row)
+                print(f"{row['case']:44s} {row['loop_s']:9.3f} {row['tree_s']:9.3f} "
+                      f"{row['max_state_diff']:9.1e} {'tree' if row['tree_by_default'] else 'loop'}")
+    if args.only in (None, "replay"):
         results["replay"] = []
         print(f"{'replay':44s} {'loop s':>9s} {'C':>4s} {'chunked s':>10s} {'speed-up':>9s} "
               f"{'max diff':>9s}")

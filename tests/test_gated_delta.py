@@ -40,9 +40,10 @@ def test_chunked_equals_recurrence(per_channel, T, with_state, weak_decay):
         y, s = gated_delta_update_chunked(q, k, v, a, b, A_log, dt_bias, state, chunk_size=chunk)
         assert max_abs_diff(y, y_ref) <= 2e-5
         assert max_abs_diff(s, s_ref) <= 2e-5
-        none, s = gated_delta_update_chunked(q, k, v, a, b, A_log, dt_bias, state,
-                                             chunk_size=chunk, state_only=True)
-        assert none is None and max_abs_diff(s, s_ref) <= 2e-5
+        for tree in (False, True):  # the chunks one after another, or composed as a tree
+            none, s = gated_delta_update_chunked(q, k, v, a, b, A_log, dt_bias, state,
+                                                 chunk_size=chunk, state_only=True, tree=tree)
+            assert none is None and max_abs_diff(s, s_ref) <= 2e-5
 
 
 def test_kda_chunks_that_decay_fast_are_summed_apart():
@@ -75,6 +76,17 @@ def test_chunked_gradients_equal_recurrence_gradients(per_channel, decay):
     for g, r in zip(got, ref):
         assert mx.all(mx.isfinite(g)).item()  # a decay of e^-50 has a finite gradient too
         assert max_abs_diff(g, r) <= 1e-4 * max(1.0, float(mx.abs(r).max()))
+
+    def state_loss(update):  # what distilling through a replayed state differentiates
+        return mx.grad(lambda *x: (update(*x[:5], A_log, dt_bias, x[5])[1] ** 2).sum(),
+                       argnums=(0, 1, 2, 3, 4, 5))
+    ref = state_loss(lambda *x: gated_delta_update(*x, use_kernel=False))(q, k, v, a, b, state)
+    for tree in (False, True):
+        got = state_loss(lambda *x, tree=tree: gated_delta_update_chunked(
+            *x, state_only=True, tree=tree))(q, k, v, a, b, state)
+        for g, r in zip(got[1:], ref[1:]):  # q does not reach the state
+            assert mx.all(mx.isfinite(g)).item()
+            assert max_abs_diff(g, r) <= 1e-4 * max(1.0, float(mx.abs(r).max()))
 
 
 @pytest.mark.parametrize("family", ["kimi_linear", "qwen3_next", "qwen3_5"])

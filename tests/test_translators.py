@@ -17,7 +17,8 @@ from mlx_kvtrans.translators.fit import FitConfig, fit
 from mlx_kvtrans.translators.plan import plan, relative_depth
 from mlx_kvtrans.translators.recipes import BuildInputs
 from mlx_kvtrans.translators.recipes.state import bilinear_r2, fit_bilinear
-from mlx_kvtrans.translators.token_identity import build_codebook, decode_ids
+from mlx_kvtrans.translators.token_identity import (build_codebook, confirm_ids, decode_ids,
+                                                    first_duplicates)
 from mlx_kvtrans.translators.translator import translate_cache
 from mlx_kvtrans.tools.verify import max_abs_diff
 
@@ -103,6 +104,29 @@ def test_codebook_decodes_layer0_latents(loaded):
     toks = mx.random.randint(0, 259, (2, 30), key=mx.random.key(1))
     cap = kv.capture(model, toks, points=(2,))
     assert bool((decode_ids(cap.objects[0][("latent", 2)], book) == toks).all())
+
+
+def test_known_ids_confirmed_against_the_cache_give_what_decoding_gives(loaded):
+    """A switch knows the ids: checking each against its codebook row gives `decode_ids`'s
+    answer, for ids the cache holds, for duplicated codebook rows (decoding's first of a tie)
+    and for known ids that are wrong (decoded instead)."""
+    model = loaded("kimi_vl").model
+    rows = np.array(build_codebook(model, 259))
+    rows[[200, 250]] = rows[17]  # ids 17, 200 and 250 now share one row
+    book = mx.array(rows)
+    first = first_duplicates(book)
+    assert first[200].item() == 17 and first[250].item() == 17 and first[3].item() == 3
+    toks = mx.random.randint(0, 259, (2, 40), key=mx.random.key(2))
+    # ids 200 and 250 whose latents the model computes are no longer in the book: decoded
+    toks = toks.at[0, :3].add(mx.array([200, 250, 17]) - toks[0, :3])
+    latent = kv.capture(model, toks, points=(2,)).objects[0][("latent", 2)]
+    latent = mx.concatenate([latent[:, :3], mx.broadcast_to(book[200], (2, 2, 32)),
+                             latent[:, 5:]], axis=1)  # the duplicated row, at other ids
+    wrong = toks.at[1, 5:9].add(1)  # ids the cache does not hold
+    decoded = decode_ids(latent, book)
+    assert decoded[0, 2:5].tolist() == [17] * 3 and 200 not in decoded[0, :2].tolist()
+    for known in (toks, wrong):
+        assert confirm_ids(latent, book, known, first).tolist() == decoded.tolist()
 
 
 def test_token_identity_appends_the_target_embedding_and_codebook_equals_ids(loaded):

@@ -105,13 +105,13 @@ def _factored_products(q: mx.array | None, k: mx.array, gamma: mx.array, grow: m
 
 
 def gated_delta_chunked(q, k, v, log_g, beta, state=None, chunk_size: int | None = None,
-                        state_only: bool = False):
+                        state_only: bool = False, tree: bool | None = None):
     """Chunkwise gated delta rule.
 
     q, k: (B, T, Hk, Dk); v: (B, T, Hv, Dv); log_g: (B, T, Hv) or (B, T, Hv, Dk);
     beta: (B, T, Hv); state: (B, Hv, Dv, Dk) or None. Returns (y (B, T, Hv, Dv), state);
     `state_only`: (None, state), skipping the outputs' arithmetic (a replay that rebuilds a
-    state).
+    state), the chunks composed as a tree where `tree` says (default: by `TREE_RATIO`).
     """
     B, T, Hk, Dk = k.shape
     Hv, Dv = v.shape[2:]
@@ -155,6 +155,14 @@ def gated_delta_chunked(q, k, v, log_g, beta, state=None, chunk_size: int | None
 
     S = (mx.zeros((B, Hv, Dk, Dv), mx.float32) if state is None
          else mx.swapaxes(state.astype(mx.float32), -1, -2))
+    if state_only and (Dk <= TREE_RATIO * C if tree is None else tree):
+        # S_(c+1) = M_c S_c + N_c: M_c = diag(e^gamma_C) - K_end^T U_state, N_c = K_end^T U_v
+        k_end_t = mx.swapaxes(k_to_end, -1, -2)  # (B, H, n, Dk, C)
+        eye = mx.eye(Dk, dtype=mx.float32)
+        M = chunk_decay * eye - k_end_t @ u_from_state
+        N = k_end_t @ u_from_v
+        M, N = _compose_chunks(M, N)
+        return None, mx.swapaxes(M @ S + N, -1, -2)
     outputs = []
     for c in range(n):
         U = u_from_v[:, :, c] - u_from_state[:, :, c] @ S
@@ -168,11 +176,33 @@ def gated_delta_chunked(q, k, v, log_g, beta, state=None, chunk_size: int | None
     return mx.swapaxes(y, 1, 2).astype(dtype), mx.swapaxes(S, -1, -2)
 
 
+# A replay that rebuilds only the final state composes the chunks' affine maps as a tree: log2 n
+# batched steps in place of n small dependent ones, at Dk / C times the arithmetic (Dk = Dv). At
+# the zoo's sizes (Dk = 32, C = 16) the n small steps' overhead dominates and the tree is faster
+# (`benchmarks/recurrence.py`); at a real checkpoint's Dk = 128 the arithmetic does.
+TREE_RATIO = 2
+
+
+def _compose_chunks(M: mx.array, N: mx.array) -> tuple[mx.array, mx.array]:
+    """The affine maps S -> M_c S + N_c of chunks c = 0..n-1 (axis 2) composed in order, as a
+    tree of batched matmuls (log2 n steps, not n dependent ones): (M, N) of shape (B, H, Dk,
+    Dk) and (B, H, Dk, Dv)."""
+    while M.shape[2] > 1:
+        if M.shape[2] % 2:  # the last chunk waits a round: compose it with the identity
+            M = mx.concatenate([M, mx.broadcast_to(mx.eye(M.shape[-1], dtype=M.dtype),
+                                                   M[:, :, :1].shape)], axis=2)
+            N = mx.concatenate([N, mx.zeros_like(N[:, :, :1])], axis=2)
+        first, then = M[:, :, 0::2], M[:, :, 1::2]
+        M, N = then @ first, then @ N[:, :, 0::2] + N[:, :, 1::2]
+    return M[:, :, 0], N[:, :, 0]
+
+
 def gated_delta_update_chunked(q, k, v, a, b, A_log, dt_bias, state=None, mask=None, *,
                                use_kernel=True, lower_bound=None, allow_neg_eigval=False,
-                               chunk_size: int | None = None, state_only: bool = False):
+                               chunk_size: int | None = None, state_only: bool = False,
+                               tree: bool | None = None):
     """Drop-in for mlx-lm's `gated_delta_update` (same arguments), computed chunkwise;
-    `state_only`: (None, state)."""
+    `state_only`: (None, state), `tree` as `gated_delta_chunked` takes it."""
     if mask is not None or lower_bound is not None:
         return reference_update(q, k, v, a, b, A_log, dt_bias, state, mask,
                                 use_kernel=use_kernel, lower_bound=lower_bound,
@@ -181,7 +211,7 @@ def gated_delta_update_chunked(q, k, v, a, b, A_log, dt_bias, state=None, mask=N
     if allow_neg_eigval:
         beta = beta * 2.0
     return gated_delta_chunked(q, k, v, log_decay(A_log, a, dt_bias), beta, state,
-                               chunk_size=chunk_size, state_only=state_only)
+                               chunk_size=chunk_size, state_only=state_only, tree=tree)
 
 
 def metal_recurrence_available() -> bool:

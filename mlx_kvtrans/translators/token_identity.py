@@ -83,6 +83,40 @@ def decode_ids(latents: mx.array, codebook: mx.array, chunk: int = 1024) -> mx.a
     return mx.concatenate(out).reshape(B, T)
 
 
+def first_duplicates(codebook: mx.array) -> mx.array:
+    """(vocab,) the lowest id whose codebook row equals each id's, bit for bit: the id
+    `decode_ids` returns for a latent equal to that row (argmin takes the first of a tie)."""
+    import numpy as np
+
+    rows = np.asarray(codebook.astype(mx.float32))
+    _, index, inverse = np.unique(rows, axis=0, return_index=True, return_inverse=True)
+    return mx.array(index[inverse.reshape(-1)].astype(np.int32))
+
+
+MATCH_TOLERANCE = 1e-4  # squared distance to the known id's row, relative to its squared norm
+
+
+def confirm_ids(latents: mx.array, codebook: mx.array, known: mx.array, first: mx.array,
+                chunk: int = 1024) -> mx.array:
+    """`decode_ids`, given ids that the positions should hold: where a latent is its known
+    id's codebook row (to rounding), that id (its first duplicate, as decoding gives) at the
+    cost of one row per position instead of a search of the whole vocabulary; elsewhere (a
+    known id that is not what the cache holds) decoded."""
+    B, T, r = latents.shape
+    flat = latents.reshape(-1, r).astype(mx.float32)
+    ids = known.reshape(-1).astype(mx.int32)
+    rows = codebook[ids].astype(mx.float32)
+    miss = ((flat - rows) ** 2).sum(-1) > MATCH_TOLERANCE * (rows * rows).sum(-1)
+    out = first[ids]
+    if bool(miss.any()):
+        import numpy as np
+
+        where = mx.array(np.nonzero(np.asarray(miss))[0].astype(np.int32))
+        decoded = decode_ids(flat[where][None], codebook, chunk)[0]
+        out = out.at[where].add(decoded.astype(mx.int32) - out[where])
+    return out.reshape(B, T)
+
+
 @dataclass
 class TokenIdentity:
     """How a translator knows which token each position holds: `off`, `ids` (given by the
@@ -91,6 +125,7 @@ class TokenIdentity:
 
     mode: str = "off"
     codebook: mx.array | None = field(default=None, repr=False)
+    first: mx.array | None = field(default=None, repr=False)  # `first_duplicates` of it
     load_codebook: Callable[[], mx.array] | None = field(default=None, repr=False)
 
     def __post_init__(self):
@@ -123,6 +158,11 @@ class TokenIdentity:
             self.codebook = self.load_codebook()
         return self.codebook
 
+    def first_ids(self) -> mx.array:
+        if self.first is None:
+            self.first = first_duplicates(self.book())
+        return self.first
+
     def ids(self, source: Capture, known_ids: mx.array | None) -> mx.array | None:
         """Token ids of the source capture's positions (None when off). Decoding reads the
         source's layer-0 latent; a span the source holds by translation has no latent it
@@ -138,4 +178,6 @@ class TokenIdentity:
             if known_ids is None:
                 raise ValueError("the source's capture lacks the layer-0 latent to decode")
             return known_ids
-        return decode_ids(latent, self.book())
+        if known_ids is None:
+            return decode_ids(latent, self.book())
+        return confirm_ids(latent, self.book(), known_ids, self.first_ids())

@@ -45,7 +45,7 @@ class Translator:
     def prepare(self) -> "Translator":
         """Load what is loaded lazily (a source's codebook), so no switch pays for it."""
         if self.identity.mode == "codebook":
-            self.identity.book()
+            self.identity.first_ids()
         return self
 
     def params_of(self, recipe: Recipe, params: dict | None = None) -> dict[str, mx.array]:
