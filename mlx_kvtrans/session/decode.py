@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Callable, Iterator
 import mlx.core as mx
 
 from ..capture import PREFILL_CHUNK, Capture, capture, tapped
-from ..capture.instrument import absorbed_short_reads, hook_module, recording_final_rows
+from ..capture.instrument import (absorbed_short_reads, fastest_recurrence, hook_module,
+                                  recording_final_rows)
 from ..layouts import CapturePoint
 from ..layouts.linear_attention import RecurrentInputs
 from ..gate import Tail, tail_of
@@ -75,6 +76,8 @@ def _read_part(session: Session, line: CacheLine, upto: int, whole: bool = False
         rows = (stack.enter_context(recording_final_rows(line.lm.model, keep))
                 if session.gate_tokens or whole else None)
         stack.enter_context(absorbed_short_reads(line.lm.model))  # a turn, the gate's tail
+        # linear attention over a read of many tokens: chunkwise off a Mac, not token by token
+        stack.enter_context(fastest_recurrence())
         cap = line.whole(capture(line.lm.model, session.tokens[start:upto],
                                  points=RECORD_POINTS, layout=line.local_layout,
                                  cache=line.cache,
