@@ -52,10 +52,12 @@ def tabulate():
     lines = ["# Time to first token after a switch\n",
              "Prompts are held-out text for the zoo's models, random ids for `realistic-*`. "
              "Warm switch: translate the source's cache and install it, then the target's first "
-             "decode step. Gated switch: what a session does, all but the last r tokens "
-             "translated, the target reading those r and the prompt's last token in one forward "
-             "whose last logits give the first token, the fidelity gate comparing its NLL on "
-             "the r with the source's; a gated switch whose gate fired is marked (fell back): "
+             "decode step. Gated switch: what a session does, all but the last R tokens "
+             "translated (R: the gate's tail r = 8, or the fidelity dial's default setting "
+             "where that is longer; column `read`), the target reading those R and the "
+             "prompt's last token in one forward whose last logits give the first token, the "
+             "fidelity gate comparing its NLL on the last r with the source's; a gated switch "
+             "whose gate fired is marked (fell back): "
              "its time is a re-prefill's. Cold switch: a user's first, the translator loaded "
              "and run for the first time (the source has read the prompt). Prefill + switch: "
              "the source's recording prefill and the warm switch (fastest recurrence on the "
@@ -71,10 +73,10 @@ def tabulate():
              "real; its fit is listed below the table). "
              "Regenerate with `python benchmarks/switch.py`.\n",
              "| pair | dtype | BLAS (peak GFLOP/s) | tokens | re-prefill ms | re-prefill "
-             "chunked ms | warm switch ms | speed-up | gated switch ms | speed-up | bound ms | "
+             "chunked ms | warm switch ms | speed-up | gated switch ms | read | speed-up | bound ms | "
              "warm / bound | cold switch ms | speed-up | prefill + switch ms | speed-up | "
              "translate GFLOP/s | peak MB switch / prefill |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def ms(value):  # results written before a column existed show "-"
         return "-" if value is None else f"{value * 1000:.1f}"
@@ -99,6 +101,7 @@ def tabulate():
                 f"{ms(row.get('reprefill_chunked_s'))} | "
                 f"{ms(row['warm_switch_s'])} | x{row['speedup_warm']:.1f} | "
                 f"{ms(row.get('gated_switch_s'))}{fell_back} | "
+                f"{row.get('gated_read') or row.get('gate_tokens') or '-'} | "
                 f"{times(row.get('speedup_gated'))} | "
                 f"{ms(row.get('bound_s'))} | {times(row.get('warm_over_bound'))} | "
                 f"{ms(cold)} | {times(cold and row['reprefill_s'] / cold)} | "

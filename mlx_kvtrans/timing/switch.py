@@ -72,6 +72,7 @@ class BenchRow:
     # those itself, the fidelity gate compares its NLL on them with the source's, first token
     gated_switch_s: float | None = None
     gate_tokens: int = 0
+    gated_read: int = 0  # tokens its target read itself: the gate's or the dial's R, if more
     # what the gated switch did: "applied" (its gate's verdict after a colon) or why it fell
     # back; a fallback times a re-prefill, not a switch
     gated_outcome: str | None = None
@@ -283,6 +284,7 @@ def bench_switch(translator: Translator, source, target, lengths: list[int], rep
         t_prefill_switch, _ = _median(prefill_and_switch, repeats)
         tail = min(gate_tokens, prompt.shape[1] - 1)
         t_gated = outcome = None
+        read = 0
         if tail:
             step("gated switch", length)
             session = gated_session(translator, source, target, prompt[0].tolist(),
@@ -292,6 +294,7 @@ def bench_switch(translator: Translator, source, target, lengths: list[int], rep
                        if status.status == Outcome.APPLIED else
                        f"{status.status.value}: {status.reason}")
             t_gated, _ = _median(lambda: gated_switch(session), repeats)
+            read = status.tokens_read
         step("re-prefill", length)
         t_full, peak_full = _median(reprefill, repeats)
         if target_is_hybrid:
@@ -305,7 +308,7 @@ def bench_switch(translator: Translator, source, target, lengths: list[int], rep
             first_step_s=t_step, flops_at_peak_s=flops / (peak * 1e9),
             bytes_at_bandwidth_s=install_bytes / (bandwidth * 1e9),
             install_bytes=install_bytes, matmul_peak_gflops=peak, bandwidth_gbs=bandwidth,
-            reprefill_chunked_s=t_chunked, gated_switch_s=t_gated, gate_tokens=tail,
+            reprefill_chunked_s=t_chunked, gated_switch_s=t_gated, gate_tokens=tail, gated_read=read,
             gated_outcome=outcome, prompt="held-out text" if from_text else "random ids",
             prefill_and_switch_s=t_prefill_switch))
         step("done", length)
