@@ -17,9 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import mlx.core as mx
-import mlx.nn as nn
 
-from .recipes.base import Recipe
+from .recipes.base import Recipe, gelu
 
 
 @dataclass
@@ -37,7 +36,7 @@ class FusedMaps:
             now, before = self.tables
             features += [now[ids], mx.pad(before[ids[:, :-1]], [(0, 0), (1, 0), (0, 0)])]
         if self.up is not None:
-            features.append(nn.gelu(mx.fast.rms_norm(x, None, 1e-6) @ self.up.T))
+            features.append(gelu(mx.fast.rms_norm(x, None, 1e-6) @ self.up.T))
         x = features[0] if len(features) == 1 else mx.concatenate(features, axis=-1)
         return x @ self.weight + self.bias
 

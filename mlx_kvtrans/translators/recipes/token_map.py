@@ -17,7 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 
 from ...capture import capture
@@ -25,7 +24,8 @@ from ...layouts import CapturePoint, ObjectKind, layout_of
 from ..features import layer_features
 from ..identity_tables import LAGS, TableMoments, table_offsets, table_shapes
 from ..stats import LinearFit, Moments, solve
-from .base import BuildInputs, FitBatch, PlanContext, Recipe, RecipeError, concat_features
+from .base import (BuildInputs, FitBatch, PlanContext, Recipe, RecipeError, concat_features,
+                   gelu)
 
 PER_TOKEN = {ObjectKind.TOKEN_KEY, ObjectKind.TOKEN_VALUE, ObjectKind.MLA_LATENT,
              ObjectKind.ROPE_KEY, ObjectKind.INDEXER_KEY}
@@ -154,7 +154,7 @@ class TokenMap(Recipe):
         if self.tables:
             y = y + table_offsets(params, inputs.ids)
         if self.residual:
-            hidden = nn.gelu(mx.fast.rms_norm(x, None, 1e-6) @ params["residual.up"].T)
+            hidden = gelu(mx.fast.rms_norm(x, None, 1e-6) @ params["residual.up"].T)
             y = y + hidden @ params["residual.down"].T
         if obj.kind == ObjectKind.CONV_HISTORY and not inputs.all_rows:
             y = y[:, -(obj.engine_shape[1]):]  # only the rows the history keeps
