@@ -128,6 +128,13 @@ IDEAS = [
                             **({"lr": lr} if lr else {})}),
            replace(EVERY_IDEA, residual=0), 0.25)
       for name, lr in [("qwen3.5-b__qwen3.5-a-distilled", 3e-5), ("qwen3.5-a__qwen3.5-b", None)]],
+    # a nonlinear map in closed form: every source layer and 1,024 random features of them
+    # (benchmarks/results/capacity.md), stage 2 as shipped
+    Idea("qwen3-large-to-qwen3-small-random-features", "qwen3-large__qwen3-small-distilled",
+         "refit with every source layer, token ids and 1,024 random features, needle-weighted, "
+         "then 200 steps as shipped", DistillConfig(steps=200, lr=3e-5, needle_share=0.5),
+         FitConfig(point=1, nu=5, token_identity="ids", attention_weighted=8,
+                   random_features=1024), 0.5),
 ]
 
 

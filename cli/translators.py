@@ -190,6 +190,9 @@ def fit(source: str = typer.Option(..., "--from", help="source model"),
                                             "--token-identity)"),
         residual: int = typer.Option(FIT.residual, min=0, help="H > 0: every map adds a "
                                      "residual nonlinearity of H units, zero until distilled"),
+        random_features: int = typer.Option(FIT.random_features, min=0, help="H > 0: every "
+                                            "map's input gains H random features, fitted in "
+                                            "closed form (a nonlinear map)"),
         needle_share: float = typer.Option(0.0, min=0.0, max=1.0, callback=finite,
                                            help="about this share of the fitting windows are "
                                            "synthetic needles, question and answer last (with "
@@ -218,7 +221,7 @@ def fit(source: str = typer.Option(..., "--from", help="source model"),
                          points={k: int(v) for k, v in points.items()}, split_kv=split_kv,
                          headwise=headwise, ridge=ridge, attention_weighted=attention_weighted,
                          identity_tables=identity_tables, residual=residual,
-                         windows=windows, length=length, mix=tuple(
+                         random_features=random_features, windows=windows, length=length, mix=tuple(
                              int_list("--mix-lengths", mix_lengths, 2) if mix_lengths else ()))
     for n in (length, *config.mix):
         in_range("--length" if n == length else "--mix-lengths", n, 2,

@@ -173,6 +173,45 @@ def test_artifact_round_trip(saved_translator):
     assert manifest["fit"]["data_sha256"] and manifest["objects"][0]["sources"]
 
 
+def test_random_features_widen_every_map_and_fit_closer(model_dirs, tmp_path):
+    """Random features append H columns to every map's input, drawn again (not stored) when
+    the translator is loaded; fitted in closed form they fit the training data closer than
+    the linear map (the same ridge over more columns); the fused translation equals each
+    map built alone; a hybrid target's replay maps take them too."""
+    from mlx_kvtrans.translators.random_features import RandomFeatures
+
+    for source, target in (("qwen3", "llama"), ("qwen3", "qwen3_next")):
+        src, tgt = kv.load(str(model_dirs(source))), kv.load(str(model_dirs(target)))
+        data = batches(3)
+        linear = fit(src.model, tgt.model, data, config=FitConfig(point=1, features="all"))
+        wide = fit(src.model, tgt.model, data,
+                   config=FitConfig(point=1, features="all", random_features=16))
+        assert wide.expansion == RandomFeatures(16)
+        for key in (k for k in linear.params if k.endswith("weight")):
+            assert wide.params[key].shape == (linear.params[key].shape[0],
+                                              linear.params[key].shape[1] + 16), key
+        r2 = lambda t: [v["r2"] for v in t.info["metrics"].values()]  # noqa: E731
+        assert all(w >= l - 1e-4 for w, l in zip(r2(wide), r2(linear)))
+        assert sum(r2(wide)) > sum(r2(linear))
+        path = artifact.save(wide, tmp_path / target, src, tgt)
+        again = artifact.load(path, src, tgt)
+        assert again.expansion == wide.expansion and "random_features" in json.loads(
+            (path / "manifest.json").read_text())
+        toks = mx.random.randint(0, 259, (1, 24), key=mx.random.key(3))
+        rec = kv.capture(src.model, toks, points=wide.source_points())
+        fused, _ = again.translate(rec, tgt.model)
+        alone = {r: r.build(BuildInputs(rec, again.features(rec), None, 1,
+                                        kv.layout_of(tgt.model).layers[r.layer].cache.object(
+                                            r.name), False, None, again.expansion),
+                            again.params_of(r)) for r in again.recipes}
+        for r, built in alone.items():
+            got = fused[r.layer][r.name]
+            pairs = (zip(built.arrays(), got.arrays()) if hasattr(built, "arrays")
+                     else [(built, got)])
+            for a, b in pairs:
+                assert mx.allclose(a, b, atol=1e-4), (r.layer, r.name)
+
+
 def test_tampered_artifact_is_refused(saved_translator):
     path, src, tgt, _ = saved_translator
     weights = path / "weights.safetensors"

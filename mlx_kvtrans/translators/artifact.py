@@ -26,6 +26,7 @@ from ..layouts import CapturePoint
 from ..models import model_identity, same_lineage
 from . import frontier
 from .recipes import recipe_from_json
+from .random_features import RandomFeatures
 from .token_identity import TokenIdentity
 from .translator import Translator
 
@@ -48,6 +49,7 @@ def save(translator: Translator, directory: str | Path, source, target) -> Path:
         "source_point": int(translator.source_point),
         "token_identity": translator.identity.mode,
         "objects": [recipe.to_json() for recipe in translator.recipes],
+        **({"random_features": translator.expansion.to_json()} if translator.expansion else {}),
         **{k: v for k, v in translator.info.items() if k in INFO_FIELDS
            and k not in ("source", "target")},
     }
@@ -206,13 +208,14 @@ def load(directory: str | Path, source=None, target=None) -> Translator:
         identity = TokenIdentity(manifest["token_identity"])
         recipes = [recipe_from_json(entry) for entry in manifest["objects"]]
         point = CapturePoint(manifest["source_point"])
+        expansion = RandomFeatures.from_json(manifest.get("random_features"))
     except (KeyError, TypeError, ValueError) as e:
         raise KvtransError(f"translator {directory}: its manifest is incomplete or garbled "
                            f"({type(e).__name__}: {e})")
     if source is not None:
         identity.bind(source)
     info = {k: manifest[k] for k in INFO_FIELDS if k in manifest}
-    translator = Translator(point, identity, recipes, params, info)
+    translator = Translator(point, identity, recipes, params, info, expansion=expansion)
     if conversion:
         translator.info["fitted_on"] = conversion
     if (directory / frontier.FILE).is_file():  # what the fidelity dial chooses from

@@ -57,7 +57,7 @@ def feature_width(layout: ModelLayout, layer: int, point: int, kinds=()) -> int:
 
 
 def layout_widths(source: ModelLayout, target: ModelLayout, recipes: list[Recipe], point: int,
-                  identity_width: int = 0) -> Widths:
+                  identity_width: int = 0, expansion_width: int = 0) -> Widths:
     """The `Widths` that `translator.measure_widths` measures, from the layouts alone."""
     reads = set().union(*(r.feature_reads() for r in recipes))
     features = {(s, kinds): feature_width(source, s, point, kinds) for s, kinds in reads}
@@ -69,7 +69,7 @@ def layout_widths(source: ModelLayout, target: ModelLayout, recipes: list[Recipe
             if obj.kind == ObjectKind.RECURRENT_STATE:
                 samples[(layer.index, obj.name, CapturePoint.NORMED)] = _sample(
                     layer, obj, CapturePoint.NORMED)
-    return Widths(features, identity_width, samples)
+    return Widths(features, identity_width, samples, expansion=expansion_width)
 
 
 @dataclass
@@ -209,7 +209,8 @@ def forward_bytes_per_token(lm) -> float:
 
 def plan_cost(source_lm, target_lm, recipes: list[Recipe], point: int,
               identity_width: int = 0, gflops: float = 100.0, bandwidth_gbs: float = 20.0,
-              lengths=(1024, 4096), memory_bytes: int | None = None) -> PlanCost:
+              lengths=(1024, 4096), memory_bytes: int | None = None,
+              expansion_width: int = 0) -> PlanCost:
     """Project what fitting and using `recipes` costs (`source_lm`, `target_lm`: LoadedModels,
     weights or not). `gflops` / `bandwidth_gbs` / `memory_bytes`: the machine's matmul rate,
     bandwidth and memory (default memory: this machine's)."""
@@ -217,7 +218,7 @@ def plan_cost(source_lm, target_lm, recipes: list[Recipe], point: int,
 
     source_model, target_model = source_lm.model, target_lm.model
     source, target = layout_of(source_model), layout_of(target_model)
-    widths = layout_widths(source, target, recipes, point, identity_width)
+    widths = layout_widths(source, target, recipes, point, identity_width, expansion_width)
     widths.vocab = input_embedding(target_model).weight.shape[0]
     maps, sets = [], {}
     params = translation = tables = 0.0

@@ -27,6 +27,7 @@ from .fit_checkpoint import FitCheckpoint, held_interrupt
 from .plan import plan
 from .recipes import FitBatch, Recipe, RecipeError, TokenMap
 from .shared_sums import check_batches, combine, mine, summed
+from .random_features import RandomFeatures
 from .stats import Covariance, SharedMoments
 from .token_identity import TokenIdentity
 from .translator import Translator
@@ -50,6 +51,7 @@ class FitConfig:
     attention_weighted: int = 0  # c > 0: weight prefix tokens by the last c tokens' attention
     identity_tables: int = 0  # r > 0: every token map gets rank-r identity tables (t, t-1)
     residual: int = 0  # h > 0: every token map gets a residual nonlinearity (stage 2 trains it)
+    random_features: int = 0  # H > 0: every map's input gains H random features (random_features)
     share_moments: bool = True  # maps reading the same features share one moment matrix
     windows: int = 256  # fitting windows (the command line's data)
     length: int = 256  # tokens per window
@@ -109,7 +111,9 @@ def fit(source_model, target_model, batches: Iterable[mx.array],
     recipes = recipes if recipes is not None else config.plan(source_layout, target_layout)
     identity = TokenIdentity(config.token_identity, codebook)
     shell = Translator(CapturePoint(config.point), identity, recipes, {},
-                       {"features": {"mode": config.features, "width": config.width}})
+                       {"features": {"mode": config.features, "width": config.width}},
+                       expansion=(RandomFeatures(config.random_features)
+                                  if config.random_features else None))
     compress = compressed_layers(source_layout, recipes, config)
     group = group if group is not None and group.size() > 1 else None
     resumed = None
@@ -183,7 +187,7 @@ def _fit_batch(source_model, target_model, source_layout, target_layout, tokens,
         decoded_right += int((ids == tokens).sum())
     batch = FitBatch(src, tgt, shell.features(src),
                      None if ids is None else embed(ids).astype(mx.float32), attention,
-                     shared, ids, embed.weight.shape[0])
+                     shared, ids, embed.weight.shape[0], shell.expansion)
     for recipe in recipes:
         recipe.accumulate(batch, stats)
     if shared is not None:

@@ -20,6 +20,7 @@ from ..models import input_embedding
 from . import fused
 from .features import feature_point, layer_features, projection_name
 from .fused import FusedMaps
+from .random_features import RandomFeatures
 from .recipes import BuildInputs, Recipe
 from .recipes.base import concat_features
 from .token_identity import TokenIdentity
@@ -32,6 +33,7 @@ class Translator:
     recipes: list[Recipe]
     params: dict[str, mx.array]  # flat: "layer<L>.<object>.<name>"
     info: dict[str, Any] = field(default_factory=dict)  # manifest fields (pair, fit, metrics)
+    expansion: RandomFeatures | None = None  # random features of every map's input
     # its measured fidelity per setting (frontier.json beside its weights), for the dial
     frontier: Any = field(default=None, compare=False, repr=False)
     # fused group -> its FusedMaps, built on first use: a switch then reads the weights once
@@ -118,7 +120,7 @@ class Translator:
         inputs = {r: BuildInputs(source, features, identity if r.reads_identity else None,
                                  source.tokens.shape[0],
                                  target_layout.layers[r.layer].cache.object(r.name), all_rows,
-                                 ids)
+                                 ids, self.expansion)
                   for r in recipes}
         # maps of the same input run as one matmul (one GEMM at the matmul peak, not dozens)
         groups: dict[tuple, list[Recipe]] = {}
@@ -129,7 +131,8 @@ class Translator:
         for key, group in groups.items():
             (sources, kinds), _ = key
             maps = self._fused_maps(key, group, flat, keep=params is None)
-            x = concat_features(features, sources, kinds, inputs[group[0]].identity)
+            x = concat_features(features, sources, kinds, inputs[group[0]].identity,
+                                self.expansion)
             outputs = maps.split(maps(x, inputs[group[0]].ids))
             for r in group:
                 objects[r.layer][r.name] = r.from_parts(inputs[r], outputs[r])
@@ -168,7 +171,14 @@ class Translator:
         shapes = self.param_shapes()
         compression = sum(2.0 * w.shape[0] * w.shape[1] * length
                           for name, w in self.params.items() if name.startswith("features."))
-        return compression + sum(
+        expansion = 0.0
+        if self.expansion is not None:  # one projection per distinct input
+            inputs = {r.feature_key(): shape[1] for r in self.recipes
+                      if hasattr(r, "feature_key")
+                      for name, shape in shapes[r].items() if name.endswith("weight")}
+            H = self.expansion.width
+            expansion = sum(2.0 * (din - H) * H * length for din in inputs.values())
+        return compression + expansion + sum(
             r.flops(length, shapes[r], target_layout.layers[r.layer].cache.object(r.name))
             for r in self.recipes)
 

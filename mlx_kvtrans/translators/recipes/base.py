@@ -48,6 +48,7 @@ class FitBatch:
     shared: Any = None  # stats.SharedMoments: maps reading the same features share moments
     ids: mx.array | None = None  # (B, T) token ids, with token identity on
     vocab: int = 0  # the target's vocabulary (identity tables' rows)
+    expand: Any = None  # RandomFeatures appended to every map's input, or None
 
 
 @dataclass
@@ -61,6 +62,7 @@ class BuildInputs:
     target_object: CacheObject
     all_rows: bool = False  # conv histories: every row, not only the K-1 the engine keeps
     ids: mx.array | None = None  # (B, T) token ids, with token identity on
+    expand: Any = None  # RandomFeatures appended to every map's input, or None
 
 
 # Abramowitz & Stegun 7.1.28: erf(z) = 1 - (1 + a1 z + ... + a6 z^6)^-16 for z >= 0, error <= 3e-7
@@ -89,10 +91,11 @@ def gelu(x: mx.array) -> mx.array:
     return 0.5 * x * (1.0 + erf)
 
 
-def concat_features(features: dict, sources, kinds, identity) -> mx.array:
-    """A map's input: the features of its source layers, then the token identity."""
-    parts = [features[(s, kinds)] for s in sources]
-    return mx.concatenate(parts + ([identity] if identity is not None else []), axis=-1)
+def concat_features(features: dict, sources, kinds, identity, expand=None) -> mx.array:
+    """A map's input: the features of its source layers, then the token identity, then (with
+    `expand`, a `RandomFeatures`) random features of them."""
+    parts = [features[(s, kinds)] for s in sources] + ([identity] if identity is not None else [])
+    return mx.concatenate(parts + ([expand(parts)] if expand is not None else []), axis=-1)
 
 
 @dataclass(frozen=True)
@@ -210,3 +213,4 @@ class Widths:
     identity: int  # width of the token-identity embedding (0 when off)
     target: dict[tuple[int, str, int], Any]  # (layer, object, point) -> its value on 8 tokens
     vocab: int = 0  # the target's vocabulary (identity tables)
+    expansion: int = 0  # random features appended to every map's input (0: none)

@@ -49,7 +49,8 @@ class Replay(Recipe):
         return Replay(self.layer, self.name, self.point, self.sources, shapes)
 
     def accumulate(self, batch, stats):
-        x = concat_features(batch.features, self.sources, (), batch.identity)
+        x = concat_features(batch.features, self.sources, (), batch.identity,
+                            batch.expand)
         inputs = batch.target.objects[self.layer][(self.name, CapturePoint.NORMED)]
         entry = stats.setdefault(self.key, {"recipe": self.with_shapes(inputs), "moments": {},
                                             "shared": batch.shared is not None})
@@ -86,7 +87,8 @@ class Replay(Recipe):
 
     def build(self, inputs, params):
         """Predicted per-token recurrence inputs (2); install replays the target's recurrence."""
-        x = concat_features(inputs.features, self.sources, (), inputs.identity)
+        x = concat_features(inputs.features, self.sources, (), inputs.identity,
+                            inputs.expand)
         return self.from_parts(inputs, {name: x @ weight.T + bias
                                         for name, weight, bias in self.linear_parts(params)})
 
@@ -107,7 +109,8 @@ class Replay(Recipe):
         return RecurrentInputs(mx.zeros_like(k), k, pred["v"], pred["a"], pred["b"])
 
     def param_shapes(self, widths):
-        din = sum(widths.features[(s, ())] for s in self.sources) + widths.identity
+        din = (sum(widths.features[(s, ())] for s in self.sources) + widths.identity
+               + widths.expansion)
         inputs = widths.target[(self.layer, self.name, CapturePoint.NORMED)]
         out = {}
         for name in REPLAY_INPUTS:

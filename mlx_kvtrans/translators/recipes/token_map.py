@@ -92,7 +92,8 @@ class TokenMap(Recipe):
         return (self.sources, self.source_kinds)
 
     def accumulate(self, batch: FitBatch, stats: dict) -> None:
-        x = concat_features(batch.features, self.sources, self.source_kinds, batch.identity)
+        x = concat_features(batch.features, self.sources, self.source_kinds, batch.identity,
+                            batch.expand)
         y = per_token_rows(batch.target.objects[self.layer][(self.name, self.point)])
         per_layer = batch.features[(self.sources[0], self.source_kinds)].shape[-1]
         weights = batch.attention.get(self.layer)
@@ -149,7 +150,8 @@ class TokenMap(Recipe):
     # -- translating ------------------------------------------------------------------------
     def build(self, inputs: BuildInputs, params):
         obj = inputs.target_object
-        x = concat_features(inputs.features, self.sources, self.source_kinds, inputs.identity)
+        x = concat_features(inputs.features, self.sources, self.source_kinds, inputs.identity,
+                            inputs.expand)
         y = x @ params["weight"].T + params["bias"]
         if self.tables:
             y = y + table_offsets(params, inputs.ids)
@@ -185,7 +187,7 @@ class TokenMap(Recipe):
 
     def param_shapes(self, widths):
         din = sum(widths.features[(s, self.source_kinds)] for s in self.sources)
-        din += widths.identity
+        din += widths.identity + widths.expansion
         dout = per_token_rows(widths.target[(self.layer, self.name, self.point)]).shape[-1]
         shapes = {"weight": (dout, din), "bias": (dout,)}
         if self.tables:

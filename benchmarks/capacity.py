@@ -1,0 +1,245 @@
+"""How much of the history a token-wise map can carry: the capacity of stage 1's map family.
+
+Every shipped translator builds each target position's keys and values from that position's
+source features alone (per-token maps). This probe asks whether a richer map of the same
+inputs would keep more of the history: on attention pairs (GQA keys and values, capture point
+(1)), maps fitted by ridge regression on the train split from
+
+- the 2 source layers nearest each target layer's depth, with the target's embedding of the
+  token id (the shipped plan's features, without needle windows or attention weighting);
+- every source layer and the token id;
+- every source layer and the token id, plus H random ReLU features of them (relu(x P), P fixed
+  Gaussian): a closed-form nonlinear map, H = 1,024 and 4,096,
+
+each measured on held-out windows of the validation split: held-out R^2 of the keys and
+values, and the history's worth recovered, (agreement - floor) / (1 - floor), with the
+target reading the last R = 0, 8 and 32 prompt tokens itself (`evaluation.frontier`'s
+measures, teacher-forced on the native greedy continuation). Fits here are stage 1 only.
+
+    python benchmarks/capacity.py [--pairs qwen3-large:qwen3-small,...] [--windows 256]
+                                  [--prompts 32]
+
+Writes benchmarks/results/capacity.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import mlx_kvtrans as kv  # first: fast BLAS
+import mlx.core as mx
+import numpy as np
+
+from mlx_kvtrans.blas import blas_report
+from mlx_kvtrans.capture import capture
+from mlx_kvtrans.evaluation import frontier as fr
+from mlx_kvtrans.install import install
+from mlx_kvtrans.layouts import layout_of
+from mlx_kvtrans.models import held_out_split, input_embedding
+from mlx_kvtrans.translators.plan import relative_depth
+
+OUT = Path(__file__).resolve().parent / "results"
+LENGTH = 256  # fitting and measuring windows, the shipped translators' fitting length
+REREADS = (0, 8, 32)
+SEED = 7  # validation windows: not any other benchmark's draw
+RIDGE = 1e-3  # relative to the mean diagonal of the features' second moments
+# (name, source layers: "nearest" 2 or "every", random ReLU features)
+VARIANTS = [("linear, 2 nearest layers", "nearest", 0), ("linear, every layer", "every", 0),
+            ("1,024 random ReLU features, every layer", "every", 1024),
+            ("4,096 random ReLU features, every layer", "every", 4096)]
+
+
+def per_token(cap, layer: int) -> list[np.ndarray]:
+    """A capture's keys and values of `layer` at (1), (T, width) each."""
+    objects = cap.layer(layer, 1)
+    return [np.array(objects[name][0], dtype=np.float32) for name in ("keys", "values")]
+
+
+class Pair:
+    def __init__(self, source: str, target: str):
+        self.src, self.tgt = kv.load(source), kv.load(target)
+        self.name = f"{source} -> {target}"
+        self.tl = layout_of(self.tgt.model)
+        self.n_source = len(layout_of(self.src.model).layers)
+        self.n_target = len(self.tl.layers)
+        self.embed = input_embedding(self.tgt.model)
+        probe = capture(self.tgt.model, mx.array([[0, 1]]), points=(1,))
+        self.key_widths = [per_token(probe, j)[0].shape[1] for j in range(self.n_target)]
+
+    def features(self, ids: list[int]) -> tuple[list[np.ndarray], np.ndarray]:
+        """(per source layer (T, width), the token ids' target embedding (T, d))."""
+        w = mx.array(ids)[None]
+        cap = capture(self.src.model, w, points=(1,))
+        layers = [np.concatenate(per_token(cap, s), -1) for s in range(self.n_source)]
+        return layers, np.array(self.embed(w)[0].astype(mx.float32))
+
+    def targets(self, ids: list[int]) -> list[np.ndarray]:
+        cap = capture(self.tgt.model, mx.array(ids)[None], points=(1,))
+        return [np.concatenate(per_token(cap, j), -1) for j in range(self.n_target)]
+
+    def sources(self, layer: int, which: str) -> tuple[int, ...]:
+        if which == "every":
+            return tuple(range(self.n_source))
+        return relative_depth(self.n_source, self.n_target, layer, 2)
+
+
+class Map:
+    """Per target layer, a ridge fit of keys and values on the variant's features."""
+
+    def __init__(self, pair: Pair, which: str, hidden: int, data):
+        self.pair, self.which, self.hidden = pair, which, hidden
+        layers, identity, targets = data
+        self.norms, self.proj, self.weights = {}, {}, {}
+        for j in range(pair.n_target):
+            x = self._raw(layers, identity, j)
+            mean, std = x.mean(0), x.std(0) + 1e-6
+            self.norms[j] = (mean, std)
+            if hidden:
+                rng = np.random.default_rng(j)
+                self.proj[j] = (rng.standard_normal((x.shape[1], hidden)) /
+                                np.sqrt(x.shape[1])).astype(np.float32)
+            f = self._expand(x, j)
+            gram = (f.T @ f).astype(np.float64)
+            gram += RIDGE * np.trace(gram) / len(gram) * np.eye(len(gram))
+            self.weights[j] = np.linalg.solve(gram, (f.T @ targets[j]).astype(np.float64)
+                                              ).astype(np.float32)
+
+    def _raw(self, layers, identity, j):
+        return np.concatenate([layers[s] for s in self.pair.sources(j, self.which)]
+                              + [identity], -1)
+
+    def _expand(self, x, j):
+        mean, std = self.norms[j]
+        z = (x - mean) / std
+        parts = [z] + ([np.maximum(z @ self.proj[j], 0)] if self.hidden else [])
+        return np.concatenate(parts + [np.ones((len(z), 1), np.float32)], -1)
+
+    def predict(self, layers, identity) -> list[np.ndarray]:
+        return [self._expand(self._raw(layers, identity, j), j) @ self.weights[j]
+                for j in range(self.pair.n_target)]
+
+    def cache(self, ids: list[int]) -> list:
+        """The target's cache of `ids`, keys and values from the map."""
+        out = self.predict(*self.pair.features(ids))
+        objects, points = [], []
+        for y, width in zip(out, self.pair.key_widths):
+            objects.append({"keys": mx.array(y[None, :, :width]),
+                            "values": mx.array(y[None, :, width:])})
+            points.append({"keys": 1, "values": 1})
+        return install(self.pair.tl, objects, points)
+
+
+def windows_of(text_ids: list[int], count: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [text_ids[s:s + LENGTH] for s in rng.integers(0, len(text_ids) - LENGTH, count)]
+
+
+def stacked(pair: Pair, windows: list[list[int]]):
+    layers, identity, targets = None, [], None
+    for w in windows:
+        f, e = pair.features(w)
+        t = pair.targets(w)
+        layers = [[x] for x in f] if layers is None else [a + [x] for a, x in zip(layers, f)]
+        targets = [[y] for y in t] if targets is None else [a + [y] for a, y in zip(targets, t)]
+        identity.append(e)
+    return ([np.concatenate(a) for a in layers], np.concatenate(identity),
+            [np.concatenate(a) for a in targets])
+
+
+def r2(pred: list[np.ndarray], truth: list[np.ndarray]) -> float:
+    """Mean over target layers of 1 - residual / total sum of squares."""
+    return float(np.mean([1 - ((p - y) ** 2).sum() / ((y - y.mean(0)) ** 2).sum()
+                          for p, y in zip(pred, truth)]))
+
+
+def measure(pair: Pair, args) -> dict:
+    train_ids = pair.tgt.tokenizer.encode(Path("runs/corpus/train.txt").read_text())
+    val_ids = pair.tgt.tokenizer.encode(held_out_split("validation").read_text())
+    start = time.perf_counter()
+    data = stacked(pair, windows_of(train_ids, args.windows, 0))
+    held = stacked(pair, windows_of(val_ids, 16, 1))
+    switch = fr.Switch(None, pair.src.model, pair.tgt.model)
+    prompts = [list(val_ids[s:s + LENGTH])
+               for s in fr.window_starts(val_ids, LENGTH, args.prompts, SEED)]
+    refs = [fr.reference(switch, p) for p in prompts]
+    floor = float(np.mean([r.floor for r in refs]))
+    rows = []
+    for name, which, hidden in VARIANTS:
+        began = time.perf_counter()
+        fitted = Map(pair, which, hidden, data)
+        row = {"variant": name, "fit_s": round(time.perf_counter() - began, 1),
+               "r2_train": r2(fitted.predict(data[0], data[1]), data[2]),
+               "r2_held_out": r2(fitted.predict(held[0], held[1]), held[2])}
+        for R in REREADS:
+            agree = []
+            for ref in refs:
+                n = len(ref.prefix) - R
+                cache = fitted.cache(ref.prefix[:n])
+                if R:
+                    pair.tgt.model(mx.array(ref.prefix[n:])[None], cache=cache)
+                logits = pair.tgt.model(ref.inputs, cache=cache)[0]
+                agree.append(float((mx.argmax(logits, -1) == mx.array(ref.tokens)).mean()))
+            share = [(a - floor) / (1 - floor) for a in agree]
+            row[f"recovered_R{R}"] = float(np.mean(share))
+            row[f"recovered_R{R}_se"] = float(np.std(share) / np.sqrt(len(share)))
+        rows.append(row)
+        print(f"{pair.name}: {name}: R^2 {row['r2_train']:.3f} / {row['r2_held_out']:.3f}, "
+              + ", ".join(f"R={R} {row[f'recovered_R{R}']:.2f}" for R in REREADS), flush=True)
+    return {"pair": pair.name, "windows": args.windows, "tokens": args.windows * LENGTH,
+            "prompts": args.prompts, "floor": floor, "rows": rows,
+            "minutes": round((time.perf_counter() - start) / 60, 1)}
+
+
+def tabulate(results: dict) -> str:
+    lines = ["# Capacity of token-wise maps\n",
+             "Can a richer map of the same per-token inputs carry more of the history? Stage-1 "
+             "maps of attention pairs' keys and values (capture point (1)) fitted by ridge "
+             "regression on windows of 256 tokens of the train split, from the source layers "
+             "named, the token id's target embedding beside them, and for the nonlinear rows H "
+             "random ReLU features of those inputs. **R^2**: mean over target layers, fitting "
+             "windows / 16 held-out windows. **Recovered**: the history's worth kept, "
+             "(agreement - floor) / (1 - floor), teacher-forced on the native greedy "
+             "continuation of held-out prompts of 256 tokens (validation split) with the target "
+             "reading the last R prompt tokens itself (mean over prompts, standard error in "
+             "brackets). Regenerate with `python benchmarks/capacity.py`.\n",
+             f"BLAS: {results['blas']}\n"]
+    for p in results["pairs"]:
+        lines += [f"## {p['pair']}\n",
+                  f"{p['tokens']:,} fitting tokens, {p['prompts']} prompts, floor "
+                  f"{p['floor']:.3f}; {p['minutes']} min.\n",
+                  "| map | R^2 fit / held out | " + " | ".join(f"recovered, R = {R}"
+                                                            for R in REREADS) + " |",
+                  "|---|---|" + "---|" * len(REREADS)]
+        for r in p["rows"]:
+            lines.append(f"| {r['variant']} | {r['r2_train']:.3f} / {r['r2_held_out']:.3f} | "
+                         + " | ".join(f"{r[f'recovered_R{R}']:.2f} "
+                                      f"({r[f'recovered_R{R}_se']:.2f})" for R in REREADS)
+                         + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pairs", default="qwen3-large:qwen3-small,qwen3-small:qwen3-large")
+    parser.add_argument("--windows", type=int, default=256, help="fitting windows of 256")
+    parser.add_argument("--prompts", type=int, default=32, help="held-out prompts")
+    args = parser.parse_args()
+    if not Path("runs/corpus/train.txt").is_file():
+        raise SystemExit("no train split: build the zoo corpus with `kvtrans zoo corpus`")
+    blas = blas_report()
+    results = {"blas": f"{blas.name}, float32 matmul {blas.gflops:.0f} GFLOP/s", "pairs": []}
+    for spec in args.pairs.split(","):
+        source, target = spec.split(":")
+        results["pairs"].append(measure(Pair(source, target), args))
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "capacity.json").write_text(json.dumps(results, indent=1) + "\n")
+    (OUT / "capacity.md").write_text(tabulate(results))
+    print(f"wrote {OUT / 'capacity.md'}")
+
+
+if __name__ == "__main__":
+    main()
