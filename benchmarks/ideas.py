@@ -61,7 +61,7 @@ class Idea:
     name: str
     start: str  # the shipped translator it is measured against (and distils, without `fit`)
     what: str  # in a few words, for the table
-    config: DistillConfig
+    config: DistillConfig | None  # None: stage 1 alone (with `fit`)
     fit: FitConfig | None = None  # fit the pair afresh so, then distil
     fit_needle_share: float = 0.0
 
@@ -135,6 +135,10 @@ IDEAS = [
          "then 200 steps as shipped", DistillConfig(steps=200, lr=3e-5, needle_share=0.5),
          FitConfig(point=1, nu=5, token_identity="ids", attention_weighted=8,
                    random_features=1024), 0.5),
+    Idea("qwen3-large-to-qwen3-small-random-features-stage1", "qwen3-large__qwen3-small-distilled",
+         "the same fit, not distilled", None,
+         FitConfig(point=1, nu=5, token_identity="ids", attention_weighted=8,
+                   random_features=1024), 0.5),
 ]
 
 
@@ -165,22 +169,25 @@ def run_idea(idea: Idea, models: dict, args) -> dict:
                            [held_out_split("train")], idea.fit,
                            validation=held_out_split("validation"), out=start,
                            needle_share=idea.fit_needle_share, gate_windows=32)
-    if not (out / "weights.safetensors").is_file():
+    if idea.config is None:  # measured as fitted
+        out = start
+    elif not (out / "weights.safetensors").is_file():
         resume = (workdir / "state.json").is_file()
         run = distill_translator(start, [held_out_split("train")],
                                  held_out_split("validation"), idea.config, out=out,
                                  workdir=workdir, resume=resume, gate_windows=32)
         if not run.finished:
             raise SystemExit(f"{idea.name} stopped part-way; run again to resume")
-    minutes = artifact.read_manifest(out)["distill"]["minutes"]
+    minutes = artifact.read_manifest(out).get("distill", {}).get("minutes", 0.0)
     result = measure(idea.name, out, models, args)
-    return {**result, "start": idea.start, "what": idea.what, "config": asdict(idea.config),
+    return {**result, "start": idea.start, "what": idea.what,
+            "config": asdict(idea.config) if idea.config else None,
             "distill_minutes": minutes,
             "measure_minutes": round((time.perf_counter() - started) / 60, 2)}
 
 
 def ship(idea: Idea, models: dict) -> Path:
-    built = RUNS / idea.name
+    built = RUNS / (idea.name if idea.config else f"{idea.name}-stage1")
     if not (built / "weights.safetensors").is_file():
         raise SystemExit(f"{idea.name} is not built: run --ideas {idea.name} first")
     manifest = artifact.read_manifest(built)
