@@ -191,8 +191,7 @@ def fit(source: str = typer.Option(..., "--from", help="source model"),
         residual: int = typer.Option(FIT.residual, min=0, help="H > 0: every map adds a "
                                      "residual nonlinearity of H units, zero until distilled"),
         random_features: int = typer.Option(FIT.random_features, min=0, help="H > 0: every "
-                                            "map's input gains H random features, fitted in "
-                                            "closed form (a nonlinear map)"),
+                                            "map's input gains H random features (nonlinear)"),
         needle_share: float = typer.Option(0.0, min=0.0, max=1.0, callback=finite,
                                            help="about this share of the fitting windows are "
                                            "synthetic needles, question and answer last (with "
@@ -227,9 +226,8 @@ def fit(source: str = typer.Option(..., "--from", help="source model"),
         in_range("--length" if n == length else "--mix-lengths", n, 2,
                  position_limit(model_configs(source, target)))
     shortest = min((length, *config.mix))
-    in_range("--attention-weighted", attention_weighted, 0,
-             Limit(shortest - 1, f"a window of {shortest} tokens keeps a token before its last "
-                                 "C"))
+    in_range("--attention-weighted", attention_weighted, 0, Limit(
+        shortest - 1, f"a window of {shortest} tokens keeps a token before its last C"))
     files = text_files("--data", data, "train")
     held_out = text_file("--validation", validation, "validation")
     workdir = output_dir("--workdir", workdir or Path("runs") / "fit" / out_dir.resolve().name)
