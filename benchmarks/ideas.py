@@ -139,6 +139,11 @@ IDEAS = [
          "the same fit, not distilled", None,
          FitConfig(point=1, nu=5, token_identity="ids", attention_weighted=8,
                    random_features=1024), 0.5),
+    Idea("qwen3-large-to-qwen3-small-random-features-gentle", "qwen3-large__qwen3-small-distilled",
+         "the same fit, then 200 steps at a third of the shipped rate (lr 1e-05)",
+         DistillConfig(steps=200, lr=1e-5, needle_share=0.5),
+         FitConfig(point=1, nu=5, token_identity="ids", attention_weighted=8,
+                   random_features=1024), 0.5),
 ]
 
 
