@@ -29,6 +29,7 @@ FEATURES_HELP = ("what the maps read: attention (the source's attention objects;
 WIDTH_HELP = "features all: compress linear-attention rows to this many principal directions"
 RECIPE_HELP = "OBJECT=RECIPE, e.g. recurrent_state=bilinear (repeatable)"
 IDENTITY_HELP = "which token each position holds: codebook, ids or off"
+RANDOM_FEATURES_HELP = "H > 0: every map's input gains H random features (a nonlinear map)"
 JSON_HELP = "print the result as JSON"
 GATE_WINDOWS_HELP = ("held-out windows of each kind (the source's text, its own reply) and band "
                      "of prefix lengths the fidelity gate is calibrated on")
@@ -89,6 +90,8 @@ def plan_command(source: str = typer.Option(..., "--from", help="source: zoo ali
                  width: int = typer.Option(FIT.width, min=0, help=WIDTH_HELP),
                  recipe: list[str] = typer.Option(None, help=RECIPE_HELP),
                  token_identity: str = typer.Option(FIT.token_identity, help=IDENTITY_HELP),
+                 random_features: int = typer.Option(FIT.random_features, min=0,
+                                                     help=RANDOM_FEATURES_HELP),
                  tokens: int = typer.Option(FIT.windows * FIT.length, min=1,
                                             help="fitting tokens to project the time for"),
                  machine_name: str = typer.Option(None, "--machine", help="plan for this Mac "
@@ -108,7 +111,8 @@ def plan_command(source: str = typer.Option(..., "--from", help="source: zoo ali
     from mlx_kvtrans.translators.cost import fits
     from mlx_kvtrans.workflows import plan_and_cost, refuse_unless_it_fits
 
-    config = _fit_config(capture_point, nu, features, width, recipe, token_identity)
+    config = _fit_config(capture_point, nu, features, width, recipe, token_identity,
+                         random_features=random_features)
     machine = machine_for(machine_name, memory, matmul_tflops, bandwidth)
     src, tgt = load_config_only(source), load_config_only(target)
     _, cost = plan_and_cost(src, tgt, config, machine)
@@ -190,8 +194,8 @@ def fit(source: str = typer.Option(..., "--from", help="source model"),
                                             "--token-identity)"),
         residual: int = typer.Option(FIT.residual, min=0, help="H > 0: every map adds a "
                                      "residual nonlinearity of H units, zero until distilled"),
-        random_features: int = typer.Option(FIT.random_features, min=0, help="H > 0: every "
-                                            "map's input gains H random features (nonlinear)"),
+        random_features: int = typer.Option(FIT.random_features, min=0,
+                                            help=RANDOM_FEATURES_HELP),
         needle_share: float = typer.Option(0.0, min=0.0, max=1.0, callback=finite,
                                            help="about this share of the fitting windows are "
                                            "synthetic needles, question and answer last (with "

@@ -93,7 +93,8 @@ def plan_and_cost(src: LoadedModel, tgt: LoadedModel, config: FitConfig,
         if config.token_identity != "off" else 0
     machine = machine or this_machine()
     return recipes, plan_cost(src, tgt, recipes, config.point, identity, machine.matmul_gflops,
-                              machine.bandwidth_gbs, memory_bytes=machine.memory_bytes)
+                              machine.bandwidth_gbs, memory_bytes=machine.memory_bytes,
+                              expansion_width=config.random_features)
 
 
 def refuse_unless_it_fits(src: LoadedModel, tgt: LoadedModel, config: FitConfig, cost,

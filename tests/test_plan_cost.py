@@ -72,6 +72,23 @@ def test_projected_moments_and_parameters_are_the_fits(loaded, source, target):
     assert projected.translation_flops_per_token * 100 == tr.flops(100, kv.layout_of(T.model))
 
 
+def test_random_features_are_projected_as_fitted(loaded):
+    """A plan with random features projects the fit's moments, parameters and translation
+    FLOPs (the projection included)."""
+    from mlx_kvtrans.translators.fit import FitConfig
+
+    S, T = loaded("qwen3"), loaded("llama")
+    config = FitConfig(point=1, random_features=24)
+    recipes = config.plan(kv.layout_of(S.model), kv.layout_of(T.model))
+    tr = fit(S.model, T.model, batches(1), recipes, config)
+    projected = plan_cost(S, T, recipes, 1, expansion_width=24)
+    assert projected.moments_bytes == tr.info["fit"]["moments_bytes"]
+    assert projected.parameters == sum(v.size for v in tr.params.values())
+    assert projected.translation_flops_per_token * 100 == tr.flops(100, kv.layout_of(T.model))
+    assert projected.translation_flops_per_token > plan_cost(
+        S, T, recipes, 1).translation_flops_per_token
+
+
 def test_plan_command_runs_from_zoo_aliases():
     result = CliRunner().invoke(app, ["plan", "--from", "kimi-linear", "--to", "kimi-vl",
                                       "--json"])
