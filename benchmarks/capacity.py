@@ -14,7 +14,10 @@ inputs would keep more of the history: on attention pairs (GQA keys and values, 
 each measured on held-out windows of the validation split: held-out R^2 of the keys and
 values, and the history's worth recovered, (agreement - floor) / (1 - floor), with the
 target reading the last R = 0, 8 and 32 prompt tokens itself (`evaluation.frontier`'s
-measures, teacher-forced on the native greedy continuation). Fits here are stage 1 only.
+measures, teacher-forced on the native greedy continuation). Fits here are stage 1 only. This
+probes the map family with plain ridge regression and z-scored ReLU features; the library's
+own option (`kvtrans fit --random-features`, `translators/random_features.py`) is measured
+through a session by `benchmarks/ideas.py`.
 
     python benchmarks/capacity.py [--pairs qwen3-large:qwen3-small,...] [--windows 256]
                                   [--prompts 32]
@@ -138,15 +141,11 @@ def windows_of(text_ids: list[int], count: int, seed: int) -> list[list[int]]:
 
 
 def stacked(pair: Pair, windows: list[list[int]]):
-    layers, identity, targets = None, [], None
-    for w in windows:
-        f, e = pair.features(w)
-        t = pair.targets(w)
-        layers = [[x] for x in f] if layers is None else [a + [x] for a, x in zip(layers, f)]
-        targets = [[y] for y in t] if targets is None else [a + [y] for a, y in zip(targets, t)]
-        identity.append(e)
-    return ([np.concatenate(a) for a in layers], np.concatenate(identity),
-            [np.concatenate(a) for a in targets])
+    """(per source layer, the identity, per target layer): every window's rows stacked."""
+    read = [(*pair.features(w), pair.targets(w)) for w in windows]
+    return ([np.concatenate(x) for x in zip(*(f for f, _, _ in read))],
+            np.concatenate([e for _, e, _ in read]),
+            [np.concatenate(y) for y in zip(*(t for _, _, t in read))])
 
 
 def r2(pred: list[np.ndarray], truth: list[np.ndarray]) -> float:

@@ -105,15 +105,13 @@ def report_table(result: dict) -> tuple[str, list[str], list[list[str]], list[st
              "cold switch = a user's first: the translator loaded, then its first translation "
              "(the source has read the prompt)"]
     if gated:
-        read = {r.get("gated_read") or r["gate_tokens"] for r in rows}
-        what = (f"the last {read.pop()}" if len(read) == 1 else
-                "the last " + " / ".join(str(r.get("gated_read") or r["gate_tokens"])
-                                         for r in rows))
-        notes.append(f"gated switch = what a session does (the same hand-over): all but {what} "
-                     "tokens translated (the gate's tail, or the fidelity dial's default R where "
-                     "it is longer), the target reads those itself and the fidelity gate "
-                     "compares its NLL on the last of them with the source's, then the first "
-                     "token")
+        read = [r.get("gated_read") or r["gate_tokens"] for r in rows]
+        what = str(read[0]) if len(set(read)) == 1 else " / ".join(map(str, read))
+        notes.append("gated switch = what a session does (the same hand-over): all but the "
+                     f"last {what} tokens translated (the gate's tail, or the fidelity dial's "
+                     "default R where it is longer), the target reads those itself and the "
+                     "fidelity gate compares its NLL on the last of them with the source's, "
+                     "then the first token")
         notes += [f"{r['length']} tokens: the gated switch did not translate ({outcome}); its "
                   f"time is a re-prefill's" for r in rows
                   if (outcome := r.get("gated_outcome")) and not outcome.startswith("applied")]

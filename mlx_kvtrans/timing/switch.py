@@ -68,8 +68,9 @@ class BenchRow:
     matmul_peak_gflops: float  # measured in this row, in the bench's dtype
     bandwidth_gbs: float  # measured in this row (bytes read + written)
     reprefill_chunked_s: float | None = None  # target prefill, chunkwise recurrence
-    # the switch a Session makes: translate all but the last `gate_tokens`, the target reads
-    # those itself, the fidelity gate compares its NLL on them with the source's, first token
+    # the switch a Session makes: translate all but the last `gated_read` tokens (the gate's
+    # `gate_tokens`, or the dial's R where longer), the target reads those itself, the
+    # fidelity gate compares its NLL on the last `gate_tokens` with the source's, first token
     gated_switch_s: float | None = None
     gate_tokens: int = 0
     gated_read: int = 0  # tokens its target read itself: the gate's or the dial's R, if more
@@ -308,8 +309,8 @@ def bench_switch(translator: Translator, source, target, lengths: list[int], rep
             first_step_s=t_step, flops_at_peak_s=flops / (peak * 1e9),
             bytes_at_bandwidth_s=install_bytes / (bandwidth * 1e9),
             install_bytes=install_bytes, matmul_peak_gflops=peak, bandwidth_gbs=bandwidth,
-            reprefill_chunked_s=t_chunked, gated_switch_s=t_gated, gate_tokens=tail, gated_read=read,
-            gated_outcome=outcome, prompt="held-out text" if from_text else "random ids",
+            reprefill_chunked_s=t_chunked, gated_switch_s=t_gated, gate_tokens=tail,
+            gated_read=read, gated_outcome=outcome, prompt="held-out text" if from_text else "random ids",
             prefill_and_switch_s=t_prefill_switch))
         step("done", length)
     if progress:

@@ -243,9 +243,11 @@ def plan_cost(source_lm, target_lm, recipes: list[Recipe], point: int,
             entry[2] += 1
     feature_sets = [FeatureSetCost(k[0], k[1], d, o, m, 8 * d * (d + o))
                     for k, (d, o, m) in sets.items()]
-    # random features: each feature set's projection, once per token
-    translation += sum(2.0 * (f.inputs - expansion_width) * expansion_width
-                       for f in feature_sets)
+    if expansion_width:  # random features: each feature set's projection
+        from .random_features import RandomFeatures
+
+        translation += sum(map(RandomFeatures(expansion_width).flops,
+                               (f.inputs for f in feature_sets)))
     moments = sum(f.moments_bytes for f in feature_sets) + tables
     accumulate_flops = sum(2.0 * f.inputs * (f.inputs + f.outputs) for f in feature_sets)
     prefill_flops = 2.0 * (active_parameters(source_lm) + active_parameters(target_lm))

@@ -44,6 +44,10 @@ class RandomFeatures:
         z = mx.concatenate([mx.fast.rms_norm(p, None, 1e-6) for p in parts], axis=-1)
         return gelu(z @ self.projection(z.shape[-1]))
 
+    def flops(self, din: int) -> float:
+        """Per token, the projection of an input of `din` columns (H of them its features)."""
+        return 2.0 * (din - self.width) * self.width
+
     def to_json(self) -> dict:
         return {"width": self.width, "seed": self.seed}
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 import mlx.core as mx
+import numpy as np
 
 from ..capture import Capture, capture
 from ..layouts import CapturePoint, ObjectKind, layout_of
@@ -86,8 +87,6 @@ def decode_ids(latents: mx.array, codebook: mx.array, chunk: int = 1024) -> mx.a
 def first_duplicates(codebook: mx.array) -> mx.array:
     """(vocab,) the lowest id whose codebook row equals each id's, bit for bit: the id
     `decode_ids` returns for a latent equal to that row (argmin takes the first of a tie)."""
-    import numpy as np
-
     rows = np.asarray(codebook.astype(mx.float32))
     _, index, inverse = np.unique(rows, axis=0, return_index=True, return_inverse=True)
     return mx.array(index[inverse.reshape(-1)].astype(np.int32))
@@ -107,14 +106,11 @@ def confirm_ids(latents: mx.array, codebook: mx.array, known: mx.array, first: m
     ids = known.reshape(-1).astype(mx.int32)
     rows = codebook[ids].astype(mx.float32)
     miss = ((flat - rows) ** 2).sum(-1) > MATCH_TOLERANCE * (rows * rows).sum(-1)
-    out = first[ids]
-    if bool(miss.any()):
-        import numpy as np
-
-        where = mx.array(np.nonzero(np.asarray(miss))[0].astype(np.int32))
-        decoded = decode_ids(flat[where][None], codebook, chunk)[0]
-        out = out.at[where].add(decoded.astype(mx.int32) - out[where])
-    return out.reshape(B, T)
+    out = np.array(first[ids])
+    where = np.nonzero(np.asarray(miss))[0]
+    if where.size:
+        out[where] = np.asarray(decode_ids(flat[mx.array(where)][None], codebook, chunk)[0])
+    return mx.array(out).reshape(B, T)
 
 
 @dataclass

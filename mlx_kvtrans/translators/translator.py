@@ -176,8 +176,7 @@ class Translator:
             inputs = {r.feature_key(): shape[1] for r in self.recipes
                       if hasattr(r, "feature_key")
                       for name, shape in shapes[r].items() if name.endswith("weight")}
-            H = self.expansion.width
-            expansion = sum(2.0 * (din - H) * H * length for din in inputs.values())
+            expansion = length * sum(map(self.expansion.flops, inputs.values()))
         return compression + expansion + sum(
             r.flops(length, shapes[r], target_layout.layers[r.layer].cache.object(r.name))
             for r in self.recipes)
