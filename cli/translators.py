@@ -279,7 +279,11 @@ def _print_fit(translator, title: str, out_dir: Path, as_json: bool) -> None:
               f"({fit_info['tokens_per_second']:,.0f} tokens/s) · peak memory "
               f"{fit_info['peak_memory_bytes'] / 2**20:,.0f} MiB, moments "
               f"{fit_info['moments_bytes'] / 2**20:,.0f} MiB{extra} · wrote {out_dir}")
-    out.print(_gate_line(translator.info["gate"]))
+    if "alignment" in translator.info:
+        out.print(f"across tokenizers: each target token reads its group's source tokens "
+                  f"pooled ({translator.info['alignment']['pooling']}); no fidelity gate yet")
+    else:
+        out.print(_gate_line(translator.info["gate"]))
 
 
 @app.command()

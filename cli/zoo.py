@@ -67,8 +67,10 @@ def zoo_train(alias: str = typer.Argument(..., help="a zoo alias (see `kvtrans z
               max_minutes: float = typer.Option(None, callback=positive,
                                                 help="stop (resumable) after this long"),
               eval_samples: int = typer.Option(50, min=1, help="held-out needles per length"),
+              out_dir: Path = typer.Option(None, "--out", help="write the trained model "
+                                           "here instead of weights/ALIAS"),
               force: bool = typer.Option(False, "--force", help="Replace weights/ALIAS (the "
-                                         "shipped model) when training ends.")):
+                                         "shipped model), or --out, when training ends.")):
     """Train ALIAS from its curriculum (seeded; resumes from its checkpoint) into
     weights/ALIAS."""
     from mlx_kvtrans.models import weights_dir
@@ -76,7 +78,10 @@ def zoo_train(alias: str = typer.Argument(..., help="a zoo alias (see `kvtrans z
 
     _curriculum(alias)
     output_dir("--workdir", workdir)
-    _refuse_shipped(alias, force)
+    if out_dir is None:
+        _refuse_shipped(alias, force)
+    else:
+        refuse_existing(output_dir("--out", out_dir), force)
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                                TimeElapsedColumn, TimeRemainingColumn)
 
@@ -90,7 +95,7 @@ def zoo_train(alias: str = typer.Argument(..., help="a zoo alias (see `kvtrans z
 
         log = out.print if not out.is_terminal else (lambda line: None)
         manifest = train(alias, workdir, weights_dir(), log=log, eval_samples=eval_samples,
-                         max_minutes=max_minutes, on_step=on_step)
+                         max_minutes=max_minutes, on_step=on_step, out=out_dir)
     if manifest is None:
         out.print(f"{alias}: stopped after {max_minutes} minutes; run again to resume")
     else:

@@ -66,14 +66,15 @@ def read_ids(tokenizer, files: Sequence[str | Path], progress: Progress | None =
     return ids
 
 
-def training_needles(encode, texts: Sequence[str], length: int, count: int = 2000
-                     ) -> list[list[int]]:
+def training_needles(encode, texts: Sequence[str], length: int, count: int = 2000,
+                     as_text: bool = False) -> list[list[int]] | list[str]:
     """Synthetic needles (training seeds) of at least `length` tokens, their filler sentences
     drawn from the training `texts`: the rows `needle_share` mixes into fitting windows and
-    distillation batches, question and answer last."""
-    from .evaluation.needles import filler_sentences, needle_rows
+    distillation batches, question and answer last (`as_text`: the needles' text)."""
+    from .evaluation.needles import filler_sentences, needle_rows, needle_texts
 
-    return needle_rows(encode, filler_sentences(list(texts), limit=20_000), length, count=count)
+    make = needle_texts if as_text else needle_rows
+    return make(encode, filler_sentences(list(texts), limit=20_000), length, count=count)
 
 
 # -- stage 1 ----------------------------------------------------------------------------------
@@ -122,6 +123,28 @@ def refuse_unless_it_fits(src: LoadedModel, tgt: LoadedModel, config: FitConfig,
                        f"{gib(cost.machine_bytes)}; {hint}")
 
 
+def across_tokenizers(src: LoadedModel, tgt: LoadedModel, config: FitConfig,
+                      assign: str) -> FitConfig:
+    """The fit of a pair that tokenizes differently (`translators.cross_tokenizer`): its
+    recurrent states replayed unless a recipe is named; what it cannot do yet refused."""
+    from .alignment import POOLINGS
+    from .layouts import layout_of
+    from .translators.cross_tokenizer import RECIPES
+
+    refused = [what for what, asked in (
+        ("--mix-lengths", config.mix),
+        ("--assign best", assign == "best"),
+        ("--token-identity codebook", config.token_identity == "codebook")) if asked]
+    if refused:
+        raise KvtransError(f"{src.name} and {tgt.name} tokenize differently, and "
+                           f"{', '.join(refused)} is not supported across tokenizers yet")
+    if config.pooling not in POOLINGS:
+        raise KvtransError(f"pooling must be {', '.join(POOLINGS)}, not {config.pooling!r}")
+    kinds = {o.kind.value for layer in layout_of(tgt.model).layers for o in layer.objects}
+    replayed = {kind: recipe for kind, recipe in RECIPES.items() if kind in kinds}
+    return replace(config, recipes={**replayed, **config.recipes})
+
+
 def fit_translator(source: str | Path | LoadedModel, target: str | Path | LoadedModel,
                    data: Sequence[str | Path], config: FitConfig = FitConfig(), *,
                    validation: str | Path | None = None, out: str | Path | None = None,
@@ -137,14 +160,16 @@ def fit_translator(source: str | Path | LoadedModel, target: str | Path | Loaded
     KeyboardInterrupt) and `resume` continues from them; the checkpoint goes once the
     translator is saved. Under `mlx.launch` the batches are dealt among the processes, each
     checkpointing its own sums, the gate's windows are dealt among them too, and the first
-    process saves (`processes`).
+    process saves (`processes`). Models that tokenize differently each read their own tokens
+    of every window's text (`across_tokenizers`); no gate is calibrated across tokenizers
+    yet, and the manifest's `alignment` records how the groups were pooled.
     Bad input raises KvtransError before any heavy work it can precede."""
     if assign not in ASSIGNMENTS:
         raise KvtransError(f"--assign must be {' or '.join(ASSIGNMENTS)}, not {assign!r}")
     src, tgt = loaded(source), loaded(target)
-    if not same_tokenizer(src, tgt):
-        raise KvtransError(f"{src.name} and {tgt.name} do not share a tokenizer; translation "
-                           "between tokenizers is not supported yet")
+    across = not same_tokenizer(src, tgt)
+    if across:
+        config = across_tokenizers(src, tgt, config, assign)
     recipes, cost = plan_and_cost(src, tgt, config)
     refuse_unless_it_fits(src, tgt, config, cost)  # before the text is even read
     codebook = None
@@ -155,14 +180,22 @@ def fit_translator(source: str | Path | LoadedModel, target: str | Path | Loaded
             codebook = codebook_of(src)
         except ValueError as e:
             raise KvtransError(str(e))
-    ids = read_ids(src.tokenizer, data, progress)
-    texts = [plain_text(f) for f in data] if needle_share else []
+    ids = [] if across else read_ids(src.tokenizer, data, progress)
+    texts = [plain_text(f) for f in data] if needle_share or across else []
 
     def needles_of(length: int, windows: int) -> list[list[int]] | None:
         return training_needles(src.tokenizer.encode, texts, length,
                                 count=max(1, round(windows * needle_share))) if texts else None
     try:
-        if config.mix:  # the lengths served: the same tokens, spread over every length
+        if across:  # each model reads its own tokens of each window's text
+            from .translators.cross_tokenizer import aligned_windows
+
+            needles = training_needles(tgt.tokenizer.encode, texts, config.length, max(
+                1, round(config.windows * needle_share)), as_text=True) if needle_share else None
+            batches = aligned_windows(src.tokenizer, tgt.tokenizer, "\n".join(texts),
+                                      config.windows, config.length, config.pooling, needles,
+                                      needle_share)
+        elif config.mix:  # the lengths served: the same tokens, spread over every length
             tokens = config.windows * config.length
             batches = mixed_windows(
                 ids, config.mix, tokens, FIT_BATCH * min(config.mix),
@@ -203,7 +236,11 @@ def fit_translator(source: str | Path | LoadedModel, target: str | Path | Loaded
     translator.info["fit"]["processes"] = size
     if rank:
         translator.info["fit"]["rank"] = rank  # not saved: the first process saves
-    if validation is not None:  # every process calibrates its share of the windows
+    if across:
+        translator.info["alignment"] = {"pooling": config.pooling,
+                                        "source_vocabulary": len(src.tokenizer.get_vocab()),
+                                        "target_vocabulary": len(tgt.tokenizer.get_vocab())}
+    elif validation is not None:  # every process calibrates its share of the windows
         held_out = src.tokenizer.encode(Path(validation).read_text(errors="replace"))
         translator.info["gate"] = gate_of(translator, src, tgt, held_out, gate_windows,
                                           progress if rank == 0 else None, group)

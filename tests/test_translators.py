@@ -13,6 +13,7 @@ import mlx_kvtrans as kv
 from mlx_kvtrans.errors import KvtransError
 from mlx_kvtrans.models import input_embedding
 from mlx_kvtrans.translators import artifact
+from mlx_kvtrans.translators.cross_tokenizer import aligned_text, translate_text
 from mlx_kvtrans.translators.fit import FitConfig, fit
 from mlx_kvtrans.translators.plan import plan, relative_depth
 from mlx_kvtrans.translators.recipes import BuildInputs
@@ -272,15 +273,34 @@ def test_cli_fit_then_fidelity_and_refusals(model_dirs, tmp_path):
     result = runner.invoke(app, ["eval", "fidelity", "--translator", str(tampered), "--text",
                                  str(text)])
     assert result.exit_code == 2 and "SHA256SUMS" in result.output and "Traceback" not in result.output
-    # models that do not share a tokenizer are refused
+    # models that tokenize differently: each reads its own tokens of the text; what the fit
+    # cannot do across tokenizers yet is refused in one line
     other = tmp_path / "other_tok"
     shutil.copytree(model_dirs("qwen3"), other)
     tok = json.loads((other / "tokenizer.json").read_text())
     tok["added_tokens"][0]["content"] = "<|other|>"
     (other / "tokenizer.json").write_text(json.dumps(tok))
-    result = runner.invoke(app, ["fit", "--from", str(other), "--to", tgt, "--data", str(text),
-                                 "--out", str(tmp_path / "x")])
-    assert result.exit_code == 2 and "tokenizer" in result.output
+    across = ["fit", "--from", str(other), "--to", tgt, "--data", str(text), "--windows", "4",
+              "--length", "48"]
+    result = runner.invoke(app, across + ["--out", str(tmp_path / "across"), "--needle-share",
+                                          "0.5", "--attention-weighted", "4"])
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((tmp_path / "across" / "manifest.json").read_text())
+    assert manifest["alignment"]["pooling"] == "mean" and "gate" not in manifest
+    # what reads one token list for both models refuses it in one line; translating texts takes it
+    result = runner.invoke(app, ["eval", "fidelity", "--translator", str(tmp_path / "across"),
+                                 "--text", str(text)])
+    assert result.exit_code == 2 and "across tokenizers" in result.output
+    src_lm, tgt_lm = kv.load(str(other)), kv.load(tgt)
+    across_translator = kv.load_translator(tmp_path / "across", src_lm, tgt_lm,
+                                           across_tokenizers=True)
+    prompt = aligned_text(src_lm.tokenizer, tgt_lm.tokenizer, text.read_text()[:200])
+    cache = translate_text(across_translator, src_lm.model, tgt_lm.model, prompt)
+    assert bool(mx.isfinite(tgt_lm.model(prompt.target[:, -1:], cache=cache)).all())
+    with pytest.raises(ValueError, match="across tokenizers"):
+        kv.Session({"a": src_lm, "b": tgt_lm}, {("a", "b"): across_translator})
+    result = runner.invoke(app, across + ["--out", str(tmp_path / "x"), "--mix-lengths", "48,64"])
+    assert result.exit_code == 2 and "tokenize differently" in result.output
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "kimi_linear"])

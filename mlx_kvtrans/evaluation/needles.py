@@ -121,14 +121,20 @@ def needle_report(model, encode, length: int, samples: int = 50, filler=None,
 def needle_rows(encode, filler: list[str], length: int, count: int = 2000,
                 seed: int = NEEDLE_SEED) -> list[list[int]]:
     """`count` needles (prompt + answer) of at least `length` tokens each, as token ids."""
-    rows = []
+    return [encode(text) for text in needle_texts(encode, filler, length, count, seed)]
+
+
+def needle_texts(encode, filler: list[str], length: int, count: int = 2000,
+                 seed: int = NEEDLE_SEED) -> list[str]:
+    """`needle_rows` as text (prompt + answer), at least `length` tokens of `encode` each."""
+    texts = []
     for i in range(count):
         n_chars = int(length * 4.5)
         while True:
             sample = tasks.needle(seed + i, n_chars=n_chars, filler=filler)
-            ids = encode(sample.prompt + sample.answer)
-            if len(ids) >= length:
+            text = sample.prompt + sample.answer
+            if len(encode(text)) >= length:
                 break
             n_chars = int(n_chars * 1.3)
-        rows.append(ids)
-    return rows
+        texts.append(text)
+    return texts

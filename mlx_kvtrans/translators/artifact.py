@@ -33,7 +33,8 @@ from .translator import Translator
 FORMAT = "mlx-kvtrans-translator"
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
-INFO_FIELDS = ("fit", "metrics", "source", "target", "stage", "distill", "features", "gate")
+INFO_FIELDS = ("fit", "metrics", "source", "target", "stage", "distill", "features", "gate",
+               "alignment")
 FILES = ("weights.safetensors", "manifest.json")
 
 
@@ -186,11 +187,19 @@ def _conversion(identity: dict) -> str:
             f"{q.get('group_size', '?')})")
 
 
-def load(directory: str | Path, source=None, target=None) -> Translator:
+def load(directory: str | Path, source=None, target=None, across_tokenizers: bool = False
+         ) -> Translator:
     """Load a verified translator. With `source` (a LoadedModel) a codebook translator loads
-    the source's codebook when first needed; with `target` too, the pair is checked."""
+    the source's codebook when first needed; with `target` too, the pair is checked. A
+    translator between models that tokenize differently loads only when `across_tokenizers`
+    says the caller translates texts (`cross_tokenizer.translate_text`): sessions, calibration,
+    distillation and the evaluations read one token list for both models."""
     directory = resolve(directory)
     manifest = read_manifest(directory)
+    if "alignment" in manifest and not across_tokenizers:
+        raise KvtransError(f"translator {directory} translates across tokenizers, which only "
+                           "translators.cross_tokenizer.translate_text takes yet (sessions, "
+                           "chat, serve, distill, calibrate and eval read one token list)")
     conversion = ""
     if source is not None and target is not None:
         try:

@@ -22,6 +22,7 @@ from ..capture.instrument import fastest_recurrence
 from ..layouts import CapturePoint, ObjectKind, layout_of
 from ..models import input_embedding
 from .attention_weights import recording_attention
+from .cross_tokenizer import AlignedText, batch_ids, realigned
 from .features import layer_features, projection_name
 from .fit_checkpoint import FitCheckpoint, held_interrupt
 from .plan import plan
@@ -56,6 +57,7 @@ class FitConfig:
     windows: int = 256  # fitting windows (the command line's data)
     length: int = 256  # tokens per window
     mix: tuple[int, ...] = ()  # windows of these lengths instead, windows x length tokens in all
+    pooling: str = "mean"  # across tokenizers: how a group's source tokens feed its target tokens
 
     def plan(self, source_layout, target_layout) -> list[Recipe]:
         recipes = plan(source_layout, target_layout, self.point, self.nu, self.recipes,
@@ -89,7 +91,8 @@ def fit(source_model, target_model, batches: Iterable[mx.array],
         recipes: list[Recipe] | None = None, config: FitConfig = FitConfig(),
         codebook: mx.array | None = None, progress=None,
         checkpoint: FitCheckpoint | None = None, group=None) -> Translator:
-    """Fit `recipes` (default: `config`'s plan) on token `batches` ((B, T) id arrays).
+    """Fit `recipes` (default: `config`'s plan) on token `batches` ((B, T) id arrays, or
+    `AlignedText`s for models that tokenize differently).
 
     `codebook`: the source's codebook, for `token_identity="codebook"`. The translator has no
     fidelity-gate calibration (`calibrate.calibrate` adds one; `workflows.fit_translator` does
@@ -145,11 +148,14 @@ def fit(source_model, target_model, batches: Iterable[mx.array],
     with held_interrupt() if checkpoint is not None else contextlib.nullcontext(
             lambda: False) as interrupted:
         for i, tokens in enumerate(batches):
-            data_hash.update(np.asarray(tokens, dtype=np.int32).tobytes())
+            aligned = isinstance(tokens, AlignedText)
+            for ids in batch_ids(tokens):
+                data_hash.update(np.asarray(ids, dtype=np.int32).tobytes())
             if i < done or not mine(i, group):
                 continue
             tokens_seen, decoded_right = _fit_batch(
-                source_model, target_model, source_layout, target_layout, mx.array(tokens),
+                source_model, target_model, source_layout, target_layout,
+                tokens if aligned else mx.array(tokens),
                 shell, recipes, target_points, config, identity, embed, shared, stats,
                 tokens_seen, decoded_right)
             if progress:
@@ -171,11 +177,16 @@ def fit(source_model, target_model, batches: Iterable[mx.array],
 def _fit_batch(source_model, target_model, source_layout, target_layout, tokens, shell,
                recipes, target_points, config, identity, embed, shared, stats, tokens_seen,
                decoded_right) -> tuple[int, int]:
-    """Capture one batch through both models and stream it into every recipe's sums."""
+    """Capture one batch through both models and stream it into every recipe's sums (an
+    `AlignedText`: each model reads its own tokens, the source's pooled onto the target's)."""
+    aligned = tokens if isinstance(tokens, AlignedText) else None
     # the fastest recurrence also holds the least: the token loop keeps every step's state
     with fastest_recurrence():
-        src = capture(source_model, tokens, points=shell.source_points(),
-                      layout=source_layout)
+        src = capture(source_model, tokens if aligned is None else aligned.source,
+                      points=shell.source_points(), layout=source_layout)
+    if aligned is not None:
+        tokens = aligned.target
+        src = realigned(src, aligned)
     with contextlib.ExitStack() as stack:
         stack.enter_context(fastest_recurrence())
         attention = (stack.enter_context(recording_attention(target_model, target_layout,

@@ -26,6 +26,7 @@ import numpy as np
 
 from .._version import __version__
 from ..errors import KvtransError
+from .cross_tokenizer import batch_ids
 
 FILE = "fit-state.pkl"
 
@@ -75,8 +76,9 @@ class FitCheckpoint:
         state to continue from when resuming, None when starting."""
         h = hashlib.sha256(json.dumps([config_json, recipes_json, self.context, __version__],
                                       sort_keys=True, default=str).encode())
-        for tokens in batches:
-            h.update(np.asarray(tokens, dtype=np.int32).tobytes())
+        for batch in batches:
+            for tokens in batch_ids(batch):
+                h.update(np.asarray(tokens, dtype=np.int32).tobytes())
         self.key = h.hexdigest()
         check_directory(self.directory, self.resume, self.name)
         if not self.resume:

@@ -12,6 +12,10 @@ from dataclasses import asdict, dataclass, field
 from .data import Mix
 
 VOCAB = 4096
+# weights/NAME/ -> (vocabulary size, merges kept within words). "tokenizer" is the one the zoo
+# shares; "tokenizer-xt" splits the same text differently (fewer entries, other merges)
+# for the pairs that translate across tokenizers.
+TOKENIZERS = {"tokenizer": (VOCAB, True), "tokenizer-xt": (3072, True)}
 
 _MLA = dict(num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=64, q_lora_rank=64,
             qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, rope_theta=10000.0,
@@ -55,6 +59,11 @@ class Curriculum:
     # linear-attention gates: "mlx-lm" (its constructors' A_log / dt_bias) or "reference"
     # (dt log-uniform in [1e-3, 1e-1], A in [1, 16]; see zoo.gates)
     gate_init: str = "mlx-lm"
+    tokenizer: str | None = None  # its directory under weights/ (`TOKENIZERS`); None: "tokenizer"
+
+    @property
+    def tokenizer_name(self) -> str:
+        return self.tokenizer or "tokenizer"
 
     def shape_at(self, step: int) -> tuple[int, int]:
         """(batch, row length) of training step `step`."""
@@ -83,6 +92,13 @@ def _base(hidden, layers, **extra):
 
 # q and k are RMS-normed per head in qwen3 / qwen3_5 attention, so a head's sharpest attention
 # grows with sqrt(head_dim): 64 rather than 32 lets a copying head single out one token of 256.
+_QWEN35 = dict(model_type="qwen3_5", **_base(128, 4), num_attention_heads=4,
+               num_key_value_heads=2, head_dim=64, linear_num_value_heads=4,
+               linear_num_key_heads=2, linear_key_head_dim=32, linear_value_head_dim=32,
+               linear_conv_kernel_dim=4, full_attention_interval=4,
+               rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                "partial_rotary_factor": 0.25})
+
 CURRICULA = {c.alias: c for c in [
     # The first model (32 rows of 64 tokens, then 16 x 128, then 8 x 256; 2,500 steps, 37 min on
     # the corpus's first build) recalled 0.94 / 0.48 at 256 / 512. Rows of 512 and 1,024 for its
@@ -132,16 +148,17 @@ CURRICULA = {c.alias: c for c in [
                                     "num_heads": 4, "head_dim": 32, "short_conv_kernel_size": 4}),
            seed=14, steps=1200, length_schedule=((540, 4), (900, 2)), gate_init="reference"),
     Curriculum("qwen3.5-a", "qwen3_5", "GQA + Gated DeltaNet hybrid (Pair B, Pair C source)",
-           dict(model_type="qwen3_5", **_base(128, 4), num_attention_heads=4,
-                num_key_value_heads=2, head_dim=64, linear_num_value_heads=4,
-                linear_num_key_heads=2, linear_key_head_dim=32, linear_value_head_dim=32,
-                linear_conv_kernel_dim=4, full_attention_interval=4,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                 "partial_rotary_factor": 0.25}),
-           seed=15, steps=1300, length_schedule=((600, 4), (1000, 2)), gate_init="reference"),
+           _QWEN35, seed=15, steps=1300, length_schedule=((600, 4), (1000, 2)),
+           gate_init="reference"),
     Curriculum("qwen3.5-b", "qwen3_5", "same geometry, next generation: qwen3.5-a trained on (Pair B)",
            {}, seed=16, steps=600, lr=5e-4, warmup=50, init_from="qwen3.5-a",
            mix=Mix(text=0.35, needle=0.3, kv=0.1, dialogue=0.2, copy=0.05, digits=0.05)),
+    # the same geometry and schedule as qwen3.5-a, reading the corpus through another tokenizer:
+    # the pair that translates across tokenizers
+    Curriculum("qwen3.5-xt", "qwen3_5", "GQA + Gated DeltaNet hybrid with its own tokenizer "
+           "(the cross-tokenizer pair's target)",
+           _QWEN35, seed=18, steps=1300, length_schedule=((600, 4), (1000, 2)),
+           gate_init="reference", tokenizer="tokenizer-xt"),
     # Full MLA learns recall late (kimi-vl: after ~2,400 steps); trained from scratch with a
     # sparse phase, 3,200 steps (56 min) reached recall 0.18. So, as DeepSeek-V3.2 was continued
     # from V3.1, dsa continues kimi-vl (same MLA geometry) with an indexer that starts fresh.

@@ -28,7 +28,7 @@ from ..layouts.indexer import indexer_keys, indexer_scores
 from .corpus import HELD_OUT, build_corpus, check_against
 from .data import SampleMaker, TokenStream, make_batch, needle_filler
 from .gates import reference_gate_init
-from .curricula import CURRICULA, VOCAB, Curriculum
+from .curricula import CURRICULA, TOKENIZERS, Curriculum
 from .tokenizer import save_tokenizer, special_token_ids, train_bpe
 
 RECURRENT = ("qwen3_5", "qwen3_next", "kimi_linear")
@@ -56,15 +56,16 @@ def ensure_corpus(workdir: Path, progress=print, record: bool = False) -> Path:
     return corpus
 
 
-def ensure_tokenizer(weights: Path, corpus: Path):
-    """The zoo's shared tokenizer: `weights/tokenizer/`, trained on the corpus once."""
+def ensure_tokenizer(weights: Path, corpus: Path, name: str = "tokenizer"):
+    """A zoo tokenizer (`TOKENIZERS`): `weights/NAME/`, trained on the corpus once."""
     from tokenizers import Tokenizer
 
     from .corpus import read_split
 
-    path = weights / "tokenizer" / "tokenizer.json"
+    path = weights / name / "tokenizer.json"
     if not path.exists():
-        tok = train_bpe(read_split(corpus, "train"), VOCAB)
+        vocab, within_words = TOKENIZERS[name]
+        tok = train_bpe(read_split(corpus, "train"), vocab, within_words)
         save_tokenizer(tok, path.parent)
     return Tokenizer.from_file(str(path))
 
@@ -175,8 +176,9 @@ def _schedule(c: Curriculum):
 
 
 def train(alias: str, workdir: Path, weights: Path, log=print, eval_samples: int = 50,
-          max_minutes: float | None = None, on_step=None) -> dict | None:
-    """Train (or resume) `alias`; when done, write `weights/alias` with its manifest.
+          max_minutes: float | None = None, on_step=None, out: Path | None = None
+          ) -> dict | None:
+    """Train (or resume) `alias`; when done, write `weights/alias` (or `out`) with its manifest.
 
     `log(line)` gets a line every 25 steps; `on_step(step, total, record)` every step.
     Returns the manifest, or None when `max_minutes` ran out first (the checkpoint is kept).
@@ -186,7 +188,7 @@ def train(alias: str, workdir: Path, weights: Path, log=print, eval_samples: int
     curriculum = CURRICULA[alias]
     mx.random.seed(curriculum.seed)
     corpus = ensure_corpus(workdir, progress=log)
-    tok = ensure_tokenizer(weights, corpus)
+    tok = ensure_tokenizer(weights, corpus, curriculum.tokenizer_name)
     stream = TokenStream(corpus, "train", tok)
     maker = SampleMaker(tok, needle_filler(corpus))
     config = build_config(curriculum, tok, weights)
@@ -284,15 +286,16 @@ def train(alias: str, workdir: Path, weights: Path, log=print, eval_samples: int
                     and state["step"] < curriculum.steps:
                 save_checkpoint()
                 return None
-    return ship(alias, workdir, weights, eval_samples)
+    return ship(alias, workdir, weights, eval_samples, out)
 
 
 SHIPPED_DTYPE = mx.bfloat16  # half the bytes of float32; computed in float32 on a CPU
 
 
-def ship(alias: str, workdir: Path, weights: Path, samples: int = 50) -> dict:
-    """Write `weights/alias` (bf16 weights, config, tokenizer) from the finished checkpoint, then
-    measure the shipped files as a user loads them and write the manifest."""
+def ship(alias: str, workdir: Path, weights: Path, samples: int = 50, out: Path | None = None
+         ) -> dict:
+    """Write `weights/alias` or `out` (bf16 weights, config, tokenizer) from the finished
+    checkpoint, then measure the written files as a user loads them and write the manifest."""
     from mlx_lm.utils import _get_classes, save_config, save_model
 
     from ..models import cast_parameters, load
@@ -303,20 +306,20 @@ def ship(alias: str, workdir: Path, weights: Path, samples: int = 50) -> dict:
     if state["step"] < curriculum.steps:
         raise RuntimeError(f"{alias} has trained {state['step']} of {curriculum.steps} steps")
     corpus = ensure_corpus(workdir)
-    tok = ensure_tokenizer(weights, corpus)
+    tok = ensure_tokenizer(weights, corpus, curriculum.tokenizer_name)
     config = build_config(curriculum, tok, weights)
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
     model.load_weights(str(run / "model.safetensors"))
     cast_parameters(model, SHIPPED_DTYPE)
-    out = weights / alias
+    out = Path(out) if out is not None else weights / alias
     if out.exists():
         shutil.rmtree(out)
     save_model(out, model)
     (out / "model.safetensors.index.json").unlink(missing_ok=True)  # one shard: not needed
     save_config(dict(config), out / "config.json")
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(weights / "tokenizer" / name, out / name)
+        shutil.copy(weights / curriculum.tokenizer_name / name, out / name)
     shipped = load(str(out)).model
     manifest = evaluate_and_describe(alias, shipped, tok, corpus,
                                      TokenStream(corpus, "train", tok), state, samples)
