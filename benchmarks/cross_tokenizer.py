@@ -4,9 +4,9 @@ geometry trained on another tokenizer of the same corpus), in both directions.
 Each direction is fitted in closed form (stage 1, through `workflows.fit_translator`, what
 `kvtrans fit` runs) on windows of the train split, each model reading its own tokens of the
 window's text, for each variant: a way of pooling a group's source tokens onto its target tokens
-(mean, first, last; `mlx_kvtrans.translators.cross_tokenizer`), "+needles" and "+tables" for
-the fits that keep recall elsewhere. Then, on held-out prose of the test split, at 256 and 512
-target tokens: KL of the target's continuation from the translated cache against its
+(mean, first, last; `mlx_kvtrans.translators.cross_tokenizer`), "+needles", "+tables" and
+"+layers" for the fits that keep recall elsewhere. Then, on held-out prose of the test split, at
+256 and 512 target tokens: KL of the target's continuation from the translated cache against its
 continuation from its own, beside the no-cache floor; teacher-forced agreement with native's
 next-token argmax beside the last-16-tokens floor (the history's worth recovered); exact recall
 of held-out needles, native and translated; and the switch's time (the source having read the
@@ -37,6 +37,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_kvtrans.alignment import align, char_spans
 from mlx_kvtrans.blas import blas_report
+from mlx_kvtrans.layouts import layout_of
 from mlx_kvtrans.evaluation.needles import HELD_OUT_SEED, held_out_filler, needle_prompt_tokens
 from mlx_kvtrans.models import held_out_split
 from mlx_kvtrans.sharding import capture_whole
@@ -61,6 +62,7 @@ CONFIG = FitConfig(point=1, nu=2, features="all", token_identity="ids")
 NEEDLE_SHARE = 0.5
 NEEDLE_FIT = dict(attention_weighted=8)
 TABLES = dict(identity_tables=32)  # "+tables": rank-32 tables of the target's ids at t, t-1
+# "+layers": every source layer's features, not the 2 nearest a target layer's depth
 RUNS = Path("runs/cross_tokenizer")  # the fitted translators
 
 
@@ -166,7 +168,8 @@ def measure_direction(source: str, target: str, args, train_file: Path, test_tex
         started = time.perf_counter()
         config = replace(CONFIG, pooling=how, windows=args.windows, length=args.length,
                          **(NEEDLE_FIT if needles else {}),
-                         **(TABLES if "tables" in more else {}))
+                         **(TABLES if "tables" in more else {}),
+                         **({"nu": len(layout_of(src.model).layers)} if "layers" in more else {}))
         translator = fit_translator(src, tgt, [train_file], config,
                                     needle_share=NEEDLE_SHARE if needles else 0.0,
                                     out=RUNS / f"{source}__{target}-{variant}")
@@ -196,7 +199,8 @@ def write_markdown(results: dict) -> None:
              "split, each model reading its own tokens, each target token reading its group's "
              "source tokens pooled (**fit**: mean, first or last; +needles: half the windows "
              "needles, the prefix weighted by the attention the answer pays it; +tables: rank-32 "
-             "tables of the target's ids at t and t-1 added to every map). "
+             "tables of the target's ids at t and t-1 added to every map; +layers: every map "
+             "reads every source layer, not the two nearest its depth). "
              f"On held-out prose of the test split ({results['prompts']} windows per length): "
              "**KL** of the target's next 32 tokens from the translated cache against its own "
              "cache (nats/token), beside **floor**, the target with no cache; **recovered**: "
@@ -231,9 +235,10 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=256, help="fitting windows")
     parser.add_argument("--length", type=int, default=256, help="target tokens a window")
     parser.add_argument("--variants",
-                        default="mean,first,last,mean+needles,mean+needles+tables",
+                        default="mean,first,last,mean+needles,mean+needles+tables,"
+                        "mean+needles+tables+layers",
                         help="pooling of each fit; +needles: needle-weighted, +tables: identity "
-                        "tables as well")
+                        "tables, +layers: every source layer, as well")
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--needles", type=int, default=16)
     parser.add_argument("--corpus", default="runs/corpus", help="the train split's directory")
