@@ -38,6 +38,7 @@ GATE_WINDOWS_HELP = ("held-out windows of each kind (the source's text, its own 
 def _fit_config(capture_point: int, nu: int, features: str, width: int, recipe: list[str],
                 token_identity: str, **more) -> FitConfig:
     """The FitConfig `plan` and `fit` build from their options, each name checked."""
+    from mlx_kvtrans.alignment import POOLINGS
     from mlx_kvtrans.translators.plan import FEATURES
     from mlx_kvtrans.translators.token_identity import MODES
 
@@ -45,6 +46,8 @@ def _fit_config(capture_point: int, nu: int, features: str, width: int, recipe: 
         raise KvtransError(f"--token-identity must be {', '.join(MODES)}, not {token_identity!r}")
     if features not in FEATURES:
         raise KvtransError(f"--features must be {', '.join(FEATURES)}, not {features!r}")
+    if more.get("pooling", FitConfig.pooling) not in POOLINGS:
+        raise KvtransError(f"--pooling must be {', '.join(POOLINGS)}, not {more['pooling']!r}")
     return FitConfig(point=capture_point, nu=nu, features=features, width=width,
                      recipes=key_values("--recipe", recipe, "recurrent_state=bilinear"),
                      token_identity=token_identity, **more)
@@ -206,6 +209,9 @@ def fit(source: str = typer.Option(..., "--from", help="source model"),
                                         "lengths, windows x length tokens split evenly"),
         ridge: float = typer.Option(FIT.ridge, min=0.0, callback=finite,
                                     help="ridge strength, relative to the data scale"),
+        pooling: str = typer.Option(FIT.pooling, help="models that tokenize differently: what "
+                                    "each target token reads of its group's source tokens "
+                                    "(mean, first or last)"),
         workdir: Path = typer.Option(None, help="checkpoints (default: runs/fit/NAME of --out)"),
         resume: bool = typer.Option(False, help="continue the fit checkpointed in --workdir"),
         as_json: bool = typer.Option(False, "--json", help=JSON_HELP)):
@@ -225,13 +231,9 @@ def fit(source: str = typer.Option(..., "--from", help="source model"),
                          headwise=headwise, ridge=ridge, attention_weighted=attention_weighted,
                          identity_tables=identity_tables, residual=residual,
                          random_features=random_features, windows=windows, length=length, mix=tuple(
-                             int_list("--mix-lengths", mix_lengths, 2) if mix_lengths else ()))
-    for n in (length, *config.mix):
-        in_range("--length" if n == length else "--mix-lengths", n, 2,
-                 position_limit(model_configs(source, target)))
-    shortest = min((length, *config.mix))
-    in_range("--attention-weighted", attention_weighted, 0, Limit(
-        shortest - 1, f"a window of {shortest} tokens keeps a token before its last C"))
+                             int_list("--mix-lengths", mix_lengths, 2) if mix_lengths else ()),
+                         pooling=pooling)
+    _check_window_lengths(config, source, target)
     files = text_files("--data", data, "train")
     held_out = text_file("--validation", validation, "validation")
     workdir = output_dir("--workdir", workdir or Path("runs") / "fit" / out_dir.resolve().name)
@@ -240,6 +242,17 @@ def fit(source: str = typer.Option(..., "--from", help="source model"),
                             needle_share=needle_share, gate_windows=gate_windows)
     _print_fit(translator, f"{source} -> {target} (stage 1, capture ({capture_point}), nu={nu})",
                out_dir, as_json)
+
+
+def _check_window_lengths(config, source: str, target: str) -> None:
+    """--length and --mix-lengths within both models' positions; --attention-weighted C leaves
+    the shortest window a token before its last C."""
+    for n in (config.length, *config.mix):
+        in_range("--length" if n == config.length else "--mix-lengths", n, 2,
+                 position_limit(model_configs(source, target)))
+    shortest = min((config.length, *config.mix))
+    in_range("--attention-weighted", config.attention_weighted, 0, Limit(
+        shortest - 1, f"a window of {shortest} tokens keeps a token before its last C"))
 
 
 def _resumable(workdir: Path, resume: bool, run, *args, **kwargs):
