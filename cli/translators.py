@@ -112,12 +112,13 @@ def plan_command(source: str = typer.Option(..., "--from", help="source: zoo ali
     from mlx_kvtrans.machines import machine_for
     from mlx_kvtrans.models import load_config_only
     from mlx_kvtrans.translators.cost import fits
-    from mlx_kvtrans.workflows import plan_and_cost, refuse_unless_it_fits
+    from mlx_kvtrans.workflows import for_pair, plan_and_cost, refuse_unless_it_fits
 
     config = _fit_config(capture_point, nu, features, width, recipe, token_identity,
                          random_features=random_features)
     machine = machine_for(machine_name, memory, matmul_tflops, bandwidth)
     src, tgt = load_config_only(source), load_config_only(target)
+    config = for_pair(src, tgt, config)
     _, cost = plan_and_cost(src, tgt, config, machine)
     timed = fit_time(src, tgt, cost, config, tokens, timed=machine.measured)
     refuse_a_fit_too_long(timed, tokens)

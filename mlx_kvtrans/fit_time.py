@@ -75,7 +75,8 @@ def fit_time(source_lm, target_lm, cost: PlanCost, config: FitConfig,
     if timed and all(parameter_count(lm.model) <= TIMED_PARAMETERS
                      for lm in (source_lm, target_lm)):
         source, target = source_lm.model, target_lm.model
-        vocab = input_embedding(source).weight.shape[0]
+        # ids both models read (across tokenizers a token costs the same whichever it is)
+        vocab = min(input_embedding(m).weight.shape[0] for m in (source, target))
         width = max(config.length, prefix + 2 * GATE_TOKENS)
         ids = mx.random.randint(0, vocab, (FIT_BATCH, width))
         batch = ids[:, :config.length]

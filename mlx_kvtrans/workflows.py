@@ -48,7 +48,21 @@ def loaded(model: str | Path | LoadedModel) -> LoadedModel:
 
 
 def same_tokenizer(a: LoadedModel, b: LoadedModel) -> bool:
+    """Whether two models read the same token ids. From configs alone (no tokenizer loaded,
+    `models.load_config_only`), vocabularies of different sizes cannot be the same one, and
+    equal sizes are taken to be."""
+    if a.tokenizer is None or b.tokenizer is None:
+        from .models import input_embedding
+
+        return (input_embedding(a.model).weight.shape[0]
+                == input_embedding(b.model).weight.shape[0])
     return a.tokenizer.get_vocab() == b.tokenizer.get_vocab()
+
+
+def for_pair(src: LoadedModel, tgt: LoadedModel, config: FitConfig, assign: str = "relative"
+             ) -> FitConfig:
+    """`config` as a fit of this pair runs it: across tokenizers, `across_tokenizers`'s."""
+    return config if same_tokenizer(src, tgt) else across_tokenizers(src, tgt, config, assign)
 
 
 def read_ids(tokenizer, files: Sequence[str | Path], progress: Progress | None = None
@@ -168,8 +182,7 @@ def fit_translator(source: str | Path | LoadedModel, target: str | Path | Loaded
         raise KvtransError(f"--assign must be {' or '.join(ASSIGNMENTS)}, not {assign!r}")
     src, tgt = loaded(source), loaded(target)
     across = not same_tokenizer(src, tgt)
-    if across:
-        config = across_tokenizers(src, tgt, config, assign)
+    config = for_pair(src, tgt, config, assign)
     recipes, cost = plan_and_cost(src, tgt, config)
     refuse_unless_it_fits(src, tgt, config, cost)  # before the text is even read
     codebook = None

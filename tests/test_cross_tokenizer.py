@@ -1,6 +1,8 @@
 """Translating across tokenizers: the source's capture pooled onto the target's tokens, fitted
 and translated as a same-tokenizer pair is."""
 
+import json
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -89,3 +91,25 @@ def test_a_translator_fitted_across_tokenizers_builds_the_target_cache(pair):
     assert all(c.offset == 120 for c in cache if hasattr(c, "offset") and c.offset)
     logits = target(mx.array([[ord("a")]]), cache=cache)
     assert logits.shape[1] == 1 and bool(mx.isfinite(logits).all())
+
+
+def test_a_plan_across_tokenizers_replays_states_and_times_a_fit(tmp_path):
+    """From configs alone, vocabularies of different sizes mean different tokenizers: the plan
+    replays the recurrent states a same-geometry pair would copy, and its timed fit feeds each
+    model ids it has."""
+    from typer.testing import CliRunner
+
+    from mlx_kvtrans.cli.main import app
+    from mlx_kvtrans.zoo.random_model import write_random_model
+
+    ours = write_random_model("qwen3_5", tmp_path / "ours", seed=1)
+    other = write_random_model("qwen3_5", tmp_path / "other", seed=2,
+                               config=tiny_config("qwen3_5", VOCAB))
+    for source, target in ((other, ours), (ours, other)):
+        result = CliRunner().invoke(app, ["plan", "--from", str(source), "--to", str(target),
+                                          "--json"])
+        assert result.exit_code == 0, result.output
+        recipes = json.loads(result.output)["config"]["recipes"]
+        assert recipes == {"recurrent_state": "replay"}
+    same = CliRunner().invoke(app, ["plan", "--from", str(ours), "--to", str(ours), "--json"])
+    assert json.loads(same.output)["config"]["recipes"] == {}
