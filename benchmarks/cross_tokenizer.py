@@ -54,8 +54,9 @@ PAIR = ("qwen3.5-a", "runs/zoo/qwen3.5-xt")
 LENGTHS = (256, 512)
 CONTINUATION = 32
 FLOOR_TOKENS = 16
-# the fit qwen3.5-a -> dsa ships with (features of every nearby layer, the target's token ids),
-# recurrent states replayed over the target's own tokens
+# per-token features of the two source layers nearest each target layer's depth, linear
+# attention's included, and the target's token ids; recurrent states replayed over the target's
+# own tokens (`across_tokenizers`)
 CONFIG = FitConfig(point=1, nu=2, features="all", token_identity="ids")
 # "+needles": half the windows are needles, every prefix token weighted by the attention of
 # the answer's positions (as the shipped translators that keep recall were fitted)
@@ -192,7 +193,8 @@ def write_markdown(results: dict) -> None:
     source, target = (Path(name).name for name in results["pair"])
     lines = ["# Translation across tokenizers\n",
              f"{source} reads the zoo's tokenizer, {target} another one trained on the same "
-             "corpus (fewer entries, so other merges): the same text splits differently. Each "
+             "corpus with fewer entries (fewer of nearly the same merges): some of the same text "
+             "splits into more tokens. Each "
              "direction is fitted in closed form (stage 1, no distillation; "
              "`kvtrans fit`'s path) on "
              f"{results['windows']} windows of {results['length']} target tokens of the train "

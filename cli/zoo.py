@@ -72,7 +72,7 @@ def zoo_train(alias: str = typer.Argument(..., help="a zoo alias (see `kvtrans z
               force: bool = typer.Option(False, "--force", help="Replace weights/ALIAS (the "
                                          "shipped model), or --out, when training ends.")):
     """Train ALIAS from its curriculum (seeded; resumes from its checkpoint) into
-    weights/ALIAS."""
+    weights/ALIAS, or --out."""
     from mlx_kvtrans.models import weights_dir
     from mlx_kvtrans.zoo.train import train
 
@@ -82,6 +82,10 @@ def zoo_train(alias: str = typer.Argument(..., help="a zoo alias (see `kvtrans z
         _refuse_shipped(alias, force)
     else:
         refuse_existing(output_dir("--out", out_dir), force)
+        held = [p for p in (workdir, weights_dir()) if out_dir.resolve() in
+                (p.resolve(), *p.resolve().parents)]
+        if held:  # --force replaces --out whole when training ends
+            raise KvtransError(f"--out {out_dir} holds {held[0]}: give a directory of its own")
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                                TimeElapsedColumn, TimeRemainingColumn)
 

@@ -79,6 +79,7 @@ def calibrate(translator, source, target, token_ids: list[int], windows: int = W
     a band cuts it short or leaves it out. With `group` (every process of an `mx.distributed`
     group calls it), process r reads windows r, r + size, ... and the gaps are shared: every
     process returns the record one process would."""
+    translator.refuse_across_tokenizers("the gate's calibration")
     started = time.perf_counter()
     rank, size = (0, 1) if group is None else (group.rank(), group.size())
     # measured without a threshold, so that no window falls back before its gap is read

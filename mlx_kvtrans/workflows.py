@@ -140,20 +140,22 @@ def refuse_unless_it_fits(src: LoadedModel, tgt: LoadedModel, config: FitConfig,
 def across_tokenizers(src: LoadedModel, tgt: LoadedModel, config: FitConfig,
                       assign: str) -> FitConfig:
     """The fit of a pair that tokenizes differently (`translators.cross_tokenizer`): its
-    recurrent states replayed unless a recipe is named; what it cannot do yet refused."""
-    from .alignment import POOLINGS
+    recurrent states replayed; what it cannot do refused. Capture point 3 holds keys rotated
+    at the source's own positions, which pooling would mix."""
     from .layouts import layout_of
     from .translators.cross_tokenizer import RECIPES
 
+    state_recipe = config.recipes.get("recurrent_state", "replay")
     refused = [what for what, asked in (
         ("--mix-lengths", config.mix),
         ("--assign best", assign == "best"),
-        ("--token-identity codebook", config.token_identity == "codebook")) if asked]
+        ("--token-identity codebook", config.token_identity == "codebook"),
+        ("--capture 3 or --point ...=3", 3 in (int(config.point), *config.points.values())),
+        (f"--recipe recurrent_state={state_recipe}", state_recipe in ("copy", "bilinear")))
+        if asked]
     if refused:
         raise KvtransError(f"{src.name} and {tgt.name} tokenize differently, and "
-                           f"{', '.join(refused)} is not supported across tokenizers yet")
-    if config.pooling not in POOLINGS:
-        raise KvtransError(f"pooling must be {', '.join(POOLINGS)}, not {config.pooling!r}")
+                           f"{', '.join(refused)} is not supported across tokenizers")
     kinds = {o.kind.value for layer in layout_of(tgt.model).layers for o in layer.objects}
     replayed = {kind: recipe for kind, recipe in RECIPES.items() if kind in kinds}
     return replace(config, recipes={**replayed, **config.recipes})

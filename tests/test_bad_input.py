@@ -318,6 +318,8 @@ CASES = {
                                  "{truncated}"], "--force"),
     "zoo train: --out a file": (["zoo", "train", "kimi-vl", "--workdir", "{dir}", "--out",
                                  "{text}"], "is a file"),
+    "zoo train: --out holds the workdir": (["zoo", "train", "kimi-vl", "--workdir", "{dir}",
+                                            "--out", "{dir}", "--force"], "of its own"),
     "chat: transcript exists": (["chat", "--transcript", "{text}"], "--force"),
     "chat: transcript in a missing directory": (["chat", "--transcript", "{nowhere}/t.json"],
                                                 "no directory"),

@@ -9,10 +9,12 @@ import pytest
 
 from mlx_kvtrans.alignment import POOLINGS, align, char_spans
 from mlx_kvtrans.capture import capture
+from mlx_kvtrans.errors import KvtransError
 from mlx_kvtrans.layouts import CapturePoint
 from mlx_kvtrans.translators.cross_tokenizer import (RECIPES, aligned_text, realigned,
                                                      translate_text)
 from mlx_kvtrans.translators.fit import FitConfig, fit
+from mlx_kvtrans.translators.translator import translate_cache
 from mlx_kvtrans.zoo.families import tiny_config
 from mlx_kvtrans.zoo.random_model import build_model
 from mlx_kvtrans.zoo.tokenizer import byte_tokenizer, train_bpe
@@ -91,6 +93,10 @@ def test_a_translator_fitted_across_tokenizers_builds_the_target_cache(pair):
     assert all(c.offset == 120 for c in cache if hasattr(c, "offset") and c.offset)
     logits = target(mx.array([[ord("a")]]), cache=cache)
     assert logits.shape[1] == 1 and bool(mx.isfinite(logits).all())
+    # the fit records what it was fitted on, and what reads one token list refuses it
+    assert translator.info["alignment"] == {"pooling": "mean"}
+    with pytest.raises(KvtransError, match="across tokenizers"):
+        translate_cache(translator, source, target, prompt.target)
 
 
 def test_a_plan_across_tokenizers_replays_states_and_times_a_fit(tmp_path):

@@ -294,13 +294,18 @@ def test_cli_fit_then_fidelity_and_refusals(model_dirs, tmp_path):
     src_lm, tgt_lm = kv.load(str(other)), kv.load(tgt)
     across_translator = kv.load_translator(tmp_path / "across", src_lm, tgt_lm,
                                            across_tokenizers=True)
-    prompt = aligned_text(src_lm.tokenizer, tgt_lm.tokenizer, text.read_text()[:200])
+    prompt = aligned_text(src_lm.tokenizer, tgt_lm.tokenizer, text.read_text()[:200], "last")
     cache = translate_text(across_translator, src_lm.model, tgt_lm.model, prompt)
     assert bool(mx.isfinite(tgt_lm.model(prompt.target[:, -1:], cache=cache)).all())
-    with pytest.raises(ValueError, match="across tokenizers"):
+    with pytest.raises(ValueError, match="fitted on last"):  # pooled as it was fitted, or not at all
+        translate_text(across_translator, src_lm.model, tgt_lm.model, aligned_text(
+            src_lm.tokenizer, tgt_lm.tokenizer, text.read_text()[:200]))
+    with pytest.raises(KvtransError, match="across tokenizers"):
         kv.Session({"a": src_lm, "b": tgt_lm}, {("a", "b"): across_translator})
-    result = runner.invoke(app, across + ["--out", str(tmp_path / "x"), "--mix-lengths", "48,64"])
-    assert result.exit_code == 2 and "tokenize differently" in result.output
+    for refused in (["--mix-lengths", "48,64"], ["--capture", "3"],
+                    ["--recipe", "recurrent_state=copy"]):
+        result = runner.invoke(app, across + ["--out", str(tmp_path / "x"), *refused])
+        assert result.exit_code == 2 and "tokenize differently" in result.output, refused
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "kimi_linear"])

@@ -48,12 +48,8 @@ class Session:
             raise ValueError("gate_tokens must be 0 (no gate) or more")
         if dial.problem(reread, fidelity):
             raise ValueError(dial.problem(reread, fidelity))
-        across = [f"{s} -> {t}" for (s, t), tr in (translators or {}).items()
-                  if "alignment" in getattr(tr, "info", {})]
-        if across:  # one token list per conversation: both models must read the same ids
-            raise ValueError(f"a session switches between models that share a tokenizer; "
-                             f"{', '.join(across)} translates across tokenizers "
-                             "(translators.cross_tokenizer.translate_text takes it)")
+        for translator in (translators or {}).values():  # one token list per conversation
+            translator.refuse_across_tokenizers("a session")
         self.lines = {name: CacheLine(name, lm) for name, lm in models.items()}
         self.translators = {pair: tr.prepare() for pair, tr in (translators or {}).items()}
         self.active = active or next(iter(models))

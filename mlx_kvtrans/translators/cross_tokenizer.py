@@ -40,6 +40,7 @@ class AlignedText:
     sources: mx.array
     weights: mx.array
     one_to_one: float  # share of groups one token on each side
+    how: str = "mean"  # the pooling (`POOLINGS`)
 
     def pooling_matrix(self) -> np.ndarray:
         """(T_target, T_source): the same pooling as one dense matrix (for small texts)."""
@@ -58,7 +59,7 @@ def aligned_text(source_tokenizer, target_tokenizer, text: str, how: str = "mean
                  target_tokens: int | None = None) -> AlignedText:
     """`text` tokenized by both tokenizers (no special tokens added), with its pooling.
     `target_tokens`: only the first that many of the target's tokens, and the source's tokens
-    of the text they cover (the text as it stood when the target had read them)."""
+    of the characters they cover (all of a character whose bytes the cut splits)."""
     target_ids, target_spans = char_spans(target_tokenizer, text)
     if target_tokens is not None:
         target_ids, target_spans = target_ids[:target_tokens], target_spans[:target_tokens]
@@ -67,7 +68,7 @@ def aligned_text(source_tokenizer, target_tokenizer, text: str, how: str = "mean
     alignment = align(source_spans, target_spans)
     sources, weights = pooling(alignment, how)
     return AlignedText(mx.array([source_ids]), mx.array([target_ids]), mx.array(sources),
-                       mx.array(weights), alignment.one_to_one())
+                       mx.array(weights), alignment.one_to_one(), how)
 
 
 def aligned_windows(source_tokenizer, target_tokenizer, text: str, windows: int, length: int,
@@ -77,11 +78,15 @@ def aligned_windows(source_tokenizer, target_tokenizer, text: str, windows: int,
     models read them (each window's text tokenized afresh by both); with `needles` (texts
     ending in their answer), that share of the windows are needles' last `length` target
     tokens, as `fit.token_windows` mixes them."""
-    pieces, stride = [], max(1, len(text) // max(1, windows))
-    for start in range(0, len(text), stride):  # no tokenizing the whole text
+    first = _first_tokens(target_tokenizer, text, length)
+    room = len(text) - 2 * len(first or "")  # starts past it may not hold a whole window
+    pieces, stride = [], max(1, room // max(1, windows))
+    for start in range(0, max(1, room), stride):  # no tokenizing the whole text
         piece = _first_tokens(target_tokenizer, text[start:], length)
-        if piece is not None and len(pieces) < windows:
+        if piece is not None:
             pieces.append(piece)
+        if len(pieces) == windows:
+            break
     if not pieces:
         raise ValueError(f"the fitting text holds fewer than {length} target tokens")
     if needles and needle_share:
@@ -123,7 +128,7 @@ def pooling(alignment, how: str = "mean") -> tuple[np.ndarray, np.ndarray]:
         weights = (slot < count[:, None]) / count[:, None]
     else:
         weights = slot == (0 if how == "first" else count[:, None] - 1)
-    return sources.astype(np.int32), weights.astype(np.float32)
+    return sources.astype(np.int32), np.broadcast_to(weights, sources.shape).astype(np.float32)
 
 
 def realigned(capture: Capture, text: AlignedText) -> Capture:
@@ -165,4 +170,8 @@ def translate_captured(translator, source: Capture, target_model, text: AlignedT
     does once the source has read the text)."""
     from ..sharding import translate_into
 
+    fitted = translator.info.get("alignment", {}).get("pooling", text.how)
+    if fitted != text.how:
+        raise ValueError(f"the text's groups are pooled by {text.how}; the translator was "
+                         f"fitted on {fitted} (aligned_text(..., how={fitted!r}))")
     return translate_into(translator, realigned(source, text), target_model, text.target)[2]

@@ -225,6 +225,7 @@ class Distiller:
     def __init__(self, translator: Translator, source, target, train_ids, validation_ids,
                  config: DistillConfig, workdir: Path, group=None,
                  needles: list[list[int]] | None = None):
+        translator.refuse_across_tokenizers("distillation")
         self.translator, self.source, self.target = translator, source, target
         if config.needle_share and not needles:
             raise KvtransError("needle_share needs needle rows (workflows.training_needles)")

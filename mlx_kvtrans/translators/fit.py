@@ -136,7 +136,7 @@ def fit(source_model, target_model, batches: Iterable[mx.array],
     shared = SharedMoments() if config.share_moments else None
     stats: dict = {"shared": shared} if resumed is None else resumed["stats"]
     shared = stats["shared"]
-    data_hash = hashlib.sha256()
+    data_hash, across = hashlib.sha256(), False
     done, tokens_seen, decoded_right = (0, 0, 0) if resumed is None else (
         resumed["batches"], resumed["tokens"], resumed["decoded_right"])
     embed = input_embedding(target_model)
@@ -149,6 +149,7 @@ def fit(source_model, target_model, batches: Iterable[mx.array],
             lambda: False) as interrupted:
         for i, tokens in enumerate(batches):
             aligned = isinstance(tokens, AlignedText)
+            across |= aligned
             for ids in batch_ids(tokens):
                 data_hash.update(np.asarray(ids, dtype=np.int32).tobytes())
             if i < done or not mine(i, group):
@@ -171,7 +172,7 @@ def fit(source_model, target_model, batches: Iterable[mx.array],
         tokens_seen, decoded_right = (int(n) for n in summed(
             np.array([tokens_seen, decoded_right]), group))
     return _solved(shell, recipes, stats, config, started, tokens_seen, decoded_right,
-                   data_hash)
+                   data_hash, across)
 
 
 def _fit_batch(source_model, target_model, source_layout, target_layout, tokens, shell,
@@ -207,7 +208,7 @@ def _fit_batch(source_model, target_model, source_layout, target_layout, tokens,
 
 
 def _solved(shell, recipes, stats, config, started, tokens_seen, decoded_right,
-            data_hash) -> Translator:
+            data_hash, across: bool = False) -> Translator:
     """Solve every recipe from its sums; the fit's record in `info`."""
     params, metrics = dict(shell.params), {}
     fitted = [recipe.fitted(stats) for recipe in recipes]
@@ -226,6 +227,8 @@ def _solved(shell, recipes, stats, config, started, tokens_seen, decoded_right,
                          "peak_memory_bytes": mx.get_peak_memory(),
                          "moments_bytes": moments_bytes(stats)}
     shell.info["metrics"] = metrics
+    if across:  # what reads one token list for both models refuses it (`across_tokenizers`)
+        shell.info["alignment"] = {"pooling": config.pooling}
     if config.token_identity == "codebook":
         shell.info["fit"]["codebook_decode_accuracy"] = round(decoded_right / tokens_seen, 5)
     return shell
@@ -239,7 +242,8 @@ def principal_directions(source_model, source_layout, batches, shell: Translator
         if not mine(i, group):
             continue
         with fastest_recurrence():
-            src = capture(source_model, mx.array(tokens), points={shell.source_point},
+            src = capture(source_model, tokens.source if isinstance(tokens, AlignedText)
+                          else mx.array(tokens), points={shell.source_point},
                           layout=source_layout)
         for layer in layers:
             x = layer_features(src, layer, shell.source_point)

@@ -44,6 +44,16 @@ class Translator:
     def token_identity(self) -> str:
         return self.identity.mode
 
+    def refuse_across_tokenizers(self, what: str) -> None:
+        """Raise for `what`, which reads one token list for both models, when this translator
+        was fitted between models that tokenize differently (it translates texts:
+        `cross_tokenizer.translate_text`)."""
+        if "alignment" in self.info:
+            from ..errors import KvtransError
+
+            raise KvtransError(f"{what} reads one token list for both models; this translator "
+                               "translates across tokenizers (cross_tokenizer.translate_text)")
+
     def prepare(self) -> "Translator":
         """Load what is loaded lazily (a source's codebook), so no switch pays for it."""
         if self.identity.mode == "codebook":
@@ -193,6 +203,7 @@ def translate_cache(translator: Translator, source_model, target_model, tokens,
 
     from ..sharding import capture_whole, translate_into
 
+    translator.refuse_across_tokenizers("translate_cache")
     tokens = mx.array(tokens)
     tokens = tokens[None] if tokens.ndim == 1 else tokens
     source = capture_whole(source_model, tokens, translator.source_points())

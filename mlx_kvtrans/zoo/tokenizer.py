@@ -30,21 +30,19 @@ def byte_tokenizer():
     return tok
 
 
-def train_bpe(texts, vocab_size: int = 4096, within_words: bool = True):
+def train_bpe(texts, vocab_size: int = 4096):
     """A byte-level BPE trained on `texts` (an iterator of strings), every digit its own token.
 
     Single-digit tokens make a six-digit code exactly six tokens, so copying it is measurable
     digit by digit. 4,096 rather than 8K entries: at hidden 128 the tied embedding of an 8K
     vocabulary would be half of a zoo model's weights and most of its output-layer time.
-    `within_words=False`: merges may cross spaces and punctuation (no GPT-2 word split), so
-    the same text splits differently from a tokenizer that keeps within words.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=within_words),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
     ])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,

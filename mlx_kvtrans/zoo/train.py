@@ -64,8 +64,7 @@ def ensure_tokenizer(weights: Path, corpus: Path, name: str = "tokenizer"):
 
     path = weights / name / "tokenizer.json"
     if not path.exists():
-        vocab, within_words = TOKENIZERS[name]
-        tok = train_bpe(read_split(corpus, "train"), vocab, within_words)
+        tok = train_bpe(read_split(corpus, "train"), TOKENIZERS[name])
         save_tokenizer(tok, path.parent)
     return Tokenizer.from_file(str(path))
 
