@@ -49,7 +49,9 @@ class Session:
         if dial.problem(reread, fidelity):
             raise ValueError(dial.problem(reread, fidelity))
         for translator in (translators or {}).values():  # one token list per conversation
-            translator.refuse_across_tokenizers("a session")
+            refuse = getattr(translator, "refuse_across_tokenizers", None)  # duck-typed
+            if refuse is not None:
+                refuse("a session")
         self.lines = {name: CacheLine(name, lm) for name, lm in models.items()}
         self.translators = {pair: tr.prepare() for pair, tr in (translators or {}).items()}
         self.active = active or next(iter(models))
