@@ -38,7 +38,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_kvtrans.alignment import align, char_spans
 from mlx_kvtrans.blas import blas_report
 from mlx_kvtrans.layouts import layout_of
-from mlx_kvtrans.evaluation.needles import HELD_OUT_SEED, held_out_filler, needle_prompt_tokens
+from mlx_kvtrans.evaluation.needles import needle_report
 from mlx_kvtrans.models import held_out_split
 from mlx_kvtrans.sharding import capture_whole
 from mlx_kvtrans.translators.cross_tokenizer import (aligned_text, translate_captured,
@@ -67,13 +67,9 @@ TABLES = dict(identity_tables=32)  # "+tables": rank-32 tables of the target's i
 RUNS = Path("runs/cross_tokenizer")  # the fitted translators
 
 
-def spans(tokenizer, text: str):
-    return char_spans(tokenizer, text)
-
-
 def group_statistics(source_tok, target_tok, text: str) -> dict:
-    s_ids, s_spans = spans(source_tok, text)
-    t_ids, t_spans = spans(target_tok, text)
+    s_ids, s_spans = char_spans(source_tok, text)
+    t_ids, t_spans = char_spans(target_tok, text)
     alignment = align(s_spans, t_spans)
     sizes_s, sizes_t = np.diff(alignment.source_starts), np.diff(alignment.target_starts)
     return {"source_tokens": len(s_ids), "target_tokens": len(t_ids),
@@ -82,16 +78,16 @@ def group_statistics(source_tok, target_tok, text: str) -> dict:
 
 
 def prose_windows(target_tok, text: str, length: int, count: int, seed: int):
-    """(window text, target ids, target spans) of `count` windows of `length` +
-    CONTINUATION target tokens."""
-    ids, target_spans = spans(target_tok, text)
+    """(window text, its target ids) of `count` windows of `length` + CONTINUATION target
+    tokens."""
+    ids, target_spans = char_spans(target_tok, text)
     rng = random.Random(seed + length)
     out = []
     for _ in range(count):
         s = rng.randrange(0, len(ids) - length - CONTINUATION)
         start, end = target_spans[s][0], target_spans[s + length + CONTINUATION - 1][1]
         window = text[start:end]
-        out.append((window, spans(target_tok, window)[0]))
+        out.append((window, char_spans(target_tok, window)[0]))
     return out
 
 
@@ -113,9 +109,8 @@ def prose_scores(translator, src, tgt, windows, length: int, how: str) -> dict:
         seconds.append(time.perf_counter() - started)
         moved = tgt.model(follow, cache=cache)
         bare = tgt.model(follow)
-        tail_cache = make_prompt_cache(tgt.model)
-        tail = tgt.model(mx.concatenate([text.target[:, -FLOOR_TOKENS:], follow], axis=1),
-                         cache=tail_cache)[:, FLOOR_TOKENS:]
+        tail = tgt.model(mx.concatenate([text.target[:, -FLOOR_TOKENS:], follow],
+                                        axis=1))[:, FLOOR_TOKENS:]
         kls.append(float(kl_per_token(native, moved).mean()))
         floors.append(float(kl_per_token(native, bare).mean()))
         best = mx.argmax(native, axis=-1)
@@ -129,31 +124,22 @@ def prose_scores(translator, src, tgt, windows, length: int, how: str) -> dict:
 
 
 def needle_recall(translator, src, tgt, length: int, count: int, how: str) -> tuple[float, float]:
-    """(native, translated) exact recall of held-out needles of `length` target tokens."""
-    filler, native_hits, moved_hits = held_out_filler(), 0, 0
-    for i in range(count):
-        texts = {}
+    """(native, translated) exact recall of held-out needles of `length` target tokens: the
+    translated cache of a needle's prompt is built from its text, which both models read."""
+    texts = {}  # a prompt's target ids but its last -> its text
 
-        def encode(text):
-            ids = tgt.tokenizer.encode(text, add_special_tokens=False)
-            texts[len(texts)] = text
-            return ids
-        prompt, answer = needle_prompt_tokens(encode, HELD_OUT_SEED + i, length, filler)
-        prompt_text = texts[len(texts) - 2]
-        digits = len(answer) - 1
-        x = mx.array([prompt[-1:] + answer[:digits - 1]])
-        native_cache = make_prompt_cache(tgt.model)
-        tgt.model(mx.array([prompt[:-1]]), cache=native_cache)
-        text = aligned_text(src.tokenizer, tgt.tokenizer, prompt_text, how,
-                            target_tokens=len(prompt) - 1)
-        for cache, hit in ((native_cache, "native"),
-                           (translate_text(translator, src.model, tgt.model, text), "moved")):
-            right = mx.argmax(tgt.model(x, cache=cache)[0], axis=-1).tolist() == answer[:digits]
-            if hit == "native":
-                native_hits += right
-            else:
-                moved_hits += right
-    return native_hits / count, moved_hits / count
+    def encode(text):
+        ids = tgt.tokenizer.encode(text, add_special_tokens=False)
+        texts[tuple(ids[:-1])] = text
+        return ids
+
+    def translated(prefix: list[int]):
+        text = aligned_text(src.tokenizer, tgt.tokenizer, texts[tuple(prefix)], how,
+                            target_tokens=len(prefix))
+        return translate_text(translator, src.model, tgt.model, text)
+
+    native = needle_report(tgt.model, encode, length, count)["recall"]
+    return native, needle_report(tgt.model, encode, length, count, cache_for=translated)["recall"]
 
 
 def measure_direction(source: str, target: str, args, train_file: Path, test_text: str

@@ -59,10 +59,10 @@ def same_tokenizer(a: LoadedModel, b: LoadedModel) -> bool:
     return a.tokenizer.get_vocab() == b.tokenizer.get_vocab()
 
 
-def for_pair(src: LoadedModel, tgt: LoadedModel, config: FitConfig, assign: str = "relative"
-             ) -> FitConfig:
+def for_pair(src: LoadedModel, tgt: LoadedModel, config: FitConfig) -> FitConfig:
     """`config` as a fit of this pair runs it: across tokenizers, `across_tokenizers`'s."""
-    return config if same_tokenizer(src, tgt) else across_tokenizers(src, tgt, config, assign)
+    return config if same_tokenizer(src, tgt) else across_tokenizers(src, tgt, config,
+                                                                     "relative")
 
 
 def read_ids(tokenizer, files: Sequence[str | Path], progress: Progress | None = None
@@ -184,7 +184,8 @@ def fit_translator(source: str | Path | LoadedModel, target: str | Path | Loaded
         raise KvtransError(f"--assign must be {' or '.join(ASSIGNMENTS)}, not {assign!r}")
     src, tgt = loaded(source), loaded(target)
     across = not same_tokenizer(src, tgt)
-    config = for_pair(src, tgt, config, assign)
+    if across:
+        config = across_tokenizers(src, tgt, config, assign)
     recipes, cost = plan_and_cost(src, tgt, config)
     refuse_unless_it_fits(src, tgt, config, cost)  # before the text is even read
     codebook = None
@@ -251,11 +252,7 @@ def fit_translator(source: str | Path | LoadedModel, target: str | Path | Loaded
     translator.info["fit"]["processes"] = size
     if rank:
         translator.info["fit"]["rank"] = rank  # not saved: the first process saves
-    if across:
-        translator.info["alignment"] = {"pooling": config.pooling,
-                                        "source_vocabulary": len(src.tokenizer.get_vocab()),
-                                        "target_vocabulary": len(tgt.tokenizer.get_vocab())}
-    elif validation is not None:  # every process calibrates its share of the windows
+    if validation is not None and not across:  # every process calibrates its share
         held_out = src.tokenizer.encode(Path(validation).read_text(errors="replace"))
         translator.info["gate"] = gate_of(translator, src, tgt, held_out, gate_windows,
                                           progress if rank == 0 else None, group)

@@ -42,13 +42,6 @@ class AlignedText:
     one_to_one: float  # share of groups one token on each side
     how: str = "mean"  # the pooling (`POOLINGS`)
 
-    def pooling_matrix(self) -> np.ndarray:
-        """(T_target, T_source): the same pooling as one dense matrix (for small texts)."""
-        matrix = np.zeros((self.target.shape[1], self.source.shape[1]), dtype=np.float32)
-        rows = np.arange(matrix.shape[0])[:, None].repeat(self.sources.shape[1], 1)
-        np.add.at(matrix, (rows, np.array(self.sources)), np.array(self.weights))
-        return matrix
-
 
 def batch_ids(batch) -> tuple:
     """The token ids a fitting batch names (both sides of an `AlignedText`), for hashing."""
@@ -80,13 +73,13 @@ def aligned_windows(source_tokenizer, target_tokenizer, text: str, windows: int,
     tokens, as `fit.token_windows` mixes them."""
     first = _first_tokens(target_tokenizer, text, length)
     room = len(text) - 2 * len(first or "")  # starts past it may not hold a whole window
-    pieces, stride = [], max(1, room // max(1, windows))
-    for start in range(0, max(1, room), stride):  # no tokenizing the whole text
+    pieces, stride = [first] if first else [], max(1, room // max(1, windows))
+    for start in range(stride, max(1, room), stride):  # no tokenizing the whole text
+        if len(pieces) == windows:
+            break
         piece = _first_tokens(target_tokenizer, text[start:], length)
         if piece is not None:
             pieces.append(piece)
-        if len(pieces) == windows:
-            break
     if not pieces:
         raise ValueError(f"the fitting text holds fewer than {length} target tokens")
     if needles and needle_share:

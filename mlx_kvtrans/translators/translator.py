@@ -15,6 +15,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..capture import Capture
+from ..errors import KvtransError
 from ..layouts import CapturePoint, ModelLayout, layout_of
 from ..models import input_embedding
 from . import fused
@@ -49,8 +50,6 @@ class Translator:
         was fitted between models that tokenize differently (it translates texts:
         `cross_tokenizer.translate_text`)."""
         if "alignment" in self.info:
-            from ..errors import KvtransError
-
             raise KvtransError(f"{what} reads one token list for both models; this translator "
                                "translates across tokenizers (cross_tokenizer.translate_text)")
 
