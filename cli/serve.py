@@ -91,7 +91,14 @@ def follow(engine) -> None:
     import signal
     import threading
 
+    def grace(*_):  # a daemon: a process that ended in the grace must not wait it out
+        timer = threading.Timer(FOLLOWER_GRACE, os._exit, (143,))
+        timer.daemon = True
+        timer.start()
+
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, lambda *_: threading.Timer(
-        FOLLOWER_GRACE, os._exit, (143,)).start())
-    engine.follow()
+    signal.signal(signal.SIGTERM, grace)
+    broken = engine.follow()
+    if broken is not None:  # process 0 is gone without ending the server: say so, end at once
+        err.print(f"[red]the sharded server's group broke: {escape(broken)}[/]", highlight=False)
+        raise typer.Exit(1)

@@ -189,9 +189,7 @@ def test_a_sharded_server_answers_as_its_unsharded_twin(tmp_path, kind, small, l
     shares in step; the replies and handoffs are the unsharded server's, also after a client
     left mid-reply and a sampled reply, and Ctrl-C ends every process."""
     import signal
-    import socket
     import time
-    import urllib.request
 
     from conftest import running
     from mlx_kvtrans.serve import Engine, ServeConfig
@@ -204,6 +202,40 @@ def test_a_sharded_server_answers_as_its_unsharded_twin(tmp_path, kind, small, l
         expected = _conversation(twin, small, large, engine.settle)
     assert [h for _, h in expected][:4] == ["none", "applied", "reused", "applied"]
 
+    group, url = _launch_server(tmp_path, port, [small, large], kind)
+    try:  # the zoo's idle work takes well under a second
+        answered = _conversation(url, small, large, lambda: time.sleep(1.0))
+        assert answered == expected
+    finally:
+        os.killpg(group.pid, signal.SIGINT)  # Ctrl-C: every process of the group gets it
+    # process 0 shares the end with the others: none is left behind
+    _assert_ends(group, tmp_path, "after Ctrl-C")
+
+
+@pytest.mark.slow  # spawns processes through mlx.launch
+@pytest.mark.parametrize("rank, port", [(0, 47661), (1, 47671)])
+def test_a_sharded_server_ends_when_one_of_its_processes_dies(tmp_path, rank, port):
+    """A process killed outright breaks the group: the others end at once, saying why, rather
+    than wait in a collective or out the follower's grace."""
+    import signal
+
+    group, _ = _launch_server(tmp_path, port, ["qwen3.5-a"], "pipeline")
+    try:
+        os.kill(_rank_pid(group.pid, rank), signal.SIGKILL)
+    except BaseException:
+        os.killpg(group.pid, signal.SIGKILL)
+        raise
+    _assert_ends(group, tmp_path, f"after process {rank} was killed", within=30)
+    if rank == 0:
+        assert "the sharded server's group broke" in (tmp_path / "serve.log").read_text()
+
+
+def _launch_server(tmp_path: Path, port: int, models: list[str], kind: str):
+    """`mlx.launch -n 2 kvtrans serve --shard KIND`, once it answers: (its process, its URL)."""
+    import socket
+    import time
+    import urllib.request
+
     with socket.socket() as free:
         free.bind(("127.0.0.1", 0))
         http_port = free.getsockname()[1]
@@ -212,34 +244,56 @@ def test_a_sharded_server_answers_as_its_unsharded_twin(tmp_path, kind, small, l
     log = (tmp_path / "serve.log").open("w")
     group = subprocess.Popen(
         [launcher, "-n", "2", "--backend", "ring", "--starting-port", str(port), "--",
-         kvtrans, "serve", "--model", small, "--model", large, "--shard", kind,
+         kvtrans, "serve", *(a for m in models for a in ("--model", m)), "--shard", kind,
          "--port", str(http_port)],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         env={**os.environ, "OPENBLAS_NUM_THREADS": "1"})
     url = f"http://127.0.0.1:{http_port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert group.poll() is None, (tmp_path / "serve.log").read_text()[-2000:]
+    deadline = time.monotonic() + 180
+    while True:
+        if group.poll() is not None or time.monotonic() > deadline:
+            _assert_ends(group, tmp_path, "", within=0)
+            pytest.fail((tmp_path / "serve.log").read_text()[-2000:])
+        try:
+            urllib.request.urlopen(f"{url}/health", timeout=5)
+            return group, url
+        except OSError:
+            time.sleep(0.5)
+
+
+def _rank_pid(launcher_pid: int, rank: int) -> int:
+    """The pid of the process mlx.launch started as `rank` (its MLX_RANK)."""
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
             try:
-                urllib.request.urlopen(f"{url}/health", timeout=5)
-                break
+                env = (proc / "environ").read_bytes().split(b"\0")
+                parent = (proc / "stat").read_text().rsplit(")", 1)[1].split()[1]
             except OSError:
-                assert time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-2000:]
-                time.sleep(0.5)
-        # the zoo's idle work takes well under a second
-        answered = _conversation(url, small, large, lambda: time.sleep(1.0))
-        assert answered == expected
-    finally:
-        os.killpg(group.pid, signal.SIGINT)  # Ctrl-C: every process of the group gets it
-    deadline = time.monotonic() + 60
-    while True:  # process 0 shares the end with the others: none is left behind
+                continue
+            if int(parent) == launcher_pid and f"MLX_RANK={rank}".encode() in env:
+                return int(proc.name)
+    raise AssertionError(f"no process of rank {rank} under mlx.launch {launcher_pid}")
+
+
+def _assert_ends(group, tmp_path: Path, when: str, within: float = 60) -> None:
+    """Every process of `group`'s process group ends `within` seconds; else all are killed and
+    the test fails with what was left and the server's log."""
+    import signal
+    import time
+
+    deadline = time.monotonic() + within
+    while True:
         group.poll()
         try:
             os.killpg(group.pid, 0)
         except ProcessLookupError:
-            break
+            return
         if time.monotonic() > deadline:
+            left = subprocess.run(["ps", "-o", "pid,stat,args", "-g", str(group.pid)],
+                                  capture_output=True, text=True).stdout
             os.killpg(group.pid, signal.SIGKILL)
-            pytest.fail("a process of the sharded server did not end after Ctrl-C")
+            if when:
+                log = (tmp_path / "serve.log").read_text()[-2000:]
+                pytest.fail(f"a process of the sharded server did not end {when}:\n{left}\n{log}")
+            return
         time.sleep(0.2)

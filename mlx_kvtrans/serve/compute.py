@@ -29,6 +29,7 @@ class ComputeThread:
         self._closed = False
         self._closing = False  # in step, on process 0: the end is shared, nothing more is
         self._ended = threading.Event()  # in step: every process ran its last job
+        self.broken: str | None = None  # in step: why the group can no longer run a job
         threading.Thread(target=self._loop_in_step if lockstep else self._loop, name=name,
                          daemon=True).start()
 
@@ -126,7 +127,14 @@ class ComputeThread:
         self._lockstep.start()
         while True:
             busy = bool(self._idle) or not self._jobs.empty()
-            for name, args in self._lockstep.exchange(wait=not busy):
+            try:
+                shared = self._lockstep.exchange(wait=not busy)
+            except Exception as e:  # a process of the group is gone: no sharded forward can run
+                self.broken = str(e) or type(e).__name__
+                self._closed = True
+                self._ended.set()
+                threading.Event().wait()  # never returns (see the class)
+            for name, args in shared:
                 if name == "":
                     self._closed = True  # on every process at this round: no idle job more
                 else:

@@ -104,9 +104,11 @@ class Engine:
         translators, notes = find_translators(models, config.translators)
         return cls(models, translators, config, notes, lockstep)
 
-    def follow(self) -> None:
-        """On a sharded process other than 0: run process 0's jobs in step until it closes."""
+    def follow(self) -> str | None:
+        """On a sharded process other than 0: run process 0's jobs in step until it closes;
+        returns why the group broke instead, if it did (a process is gone)."""
         self._worker.wait_ended()
+        return self._worker.broken
 
     def _new_session(self, model: str) -> Session:
         group = self.groups[model]
