@@ -199,8 +199,8 @@ def eval_ablate(model: str = typer.Option(None, "--model", help="zoo alias, dire
                 as_json: bool = typer.Option(False, "--json", help=JSON_HELP)):
     """What each cache object carries: per layer and object, the model continuing from its own
     cache with that object zeroed (and, with --translator, with only it, only its layer or
-    everything translated): KL against native, greedy agreement and needle recall, beside the
-    no-cache floor."""
+    everything translated): KL against native, greedy agreement, the history's worth recovered
+    (the fidelity bars' measure) and needle recall, beside the no-cache floor."""
     from mlx_kvtrans.evaluation.ablate import ablate
 
     if (model is None) == (translator_dir is None):
@@ -230,13 +230,14 @@ def eval_ablate(model: str = typer.Option(None, "--model", help="zoo alias, dire
     # each prompt length heads its cases, so more lengths add rows, not columns
     table = FitTable(f"ablation · {model} · {windows} windows, {needles} needles per length")
     table.add_column("case")
-    for col in ("KL", "greedy agreement", "needle recall"):
+    for col in ("KL", "greedy agreement", "recovered", "needle recall"):
         table.add_column(col, right=True)
     for n in sizes:
         table.add_row(f"{n:,} tokens", style="bold")
         for r in rows:
-            table.add_row(r["label"], *(f"{r['lengths'][str(n)][k]:.{3 if k == 'kl' else 2}f}"
-                                        for k in ("kl", "agreement", "recall")),
+            table.add_row(r["label"], *("-" if r["lengths"][str(n)][k] is None else
+                                        f"{r['lengths'][str(n)][k]:.{3 if k == 'kl' else 2}f}"
+                                        for k in ("kl", "agreement", "recovered", "recall")),
                           style="not bold")
     out.print(table)
 
