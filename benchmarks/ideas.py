@@ -144,6 +144,12 @@ IDEAS = [
          DistillConfig(steps=200, lr=1e-5, needle_share=0.5),
          FitConfig(point=1, nu=5, token_identity="ids", attention_weighted=8,
                    random_features=1024), 0.5),
+    Idea("qwen3-large-to-qwen3-small-random-features-4096-stage1",
+         "qwen3-large__qwen3-small-distilled",
+         "refit with every source layer, token ids, identity tables and 4,096 random features, "
+         "needle-weighted, not distilled", None,
+         FitConfig(point=1, nu=5, token_identity="ids", attention_weighted=8, identity_tables=32,
+                   random_features=4096), 0.5),
     Idea("kimi-vl-to-kimi-linear-random-features-stage1", "kimi-vl__kimi-linear-distilled",
          "refit as shipped with every source layer and 1,024 random features, not distilled",
          None, FitConfig(point=1, nu=6, token_identity="codebook", attention_weighted=8,
