@@ -99,6 +99,6 @@ def follow(engine) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, grace)
     broken = engine.follow()
-    if broken is not None:  # process 0 is gone without ending the server: say so, end at once
+    if broken is not None:  # a process of the group is gone: say so, end at once
         err.print(f"[red]the sharded server's group broke: {escape(broken)}[/]", highlight=False)
         raise typer.Exit(1)

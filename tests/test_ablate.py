@@ -83,13 +83,14 @@ def test_zeroing_every_object_of_a_linear_attention_model_is_the_no_cache_floor(
 
 
 def test_the_recovered_share_is_one_natively_and_falls_without_the_history():
-    """The fidelity bars' measure per case: the native cache predicts its own greedy
-    continuation exactly (1), reading nothing recovers less than the last 16 tokens do (< 0),
-    and a zeroed retrieval layer lies between."""
+    """The frontier's measure per case: the native cache predicts its own greedy continuation
+    (1 but for ties), reading nothing recovers less than the last 16 tokens do (< 0), and one
+    layer's zeroed keys lie between."""
     lm = kv.load("qwen3-large")
-    rows = {r["label"]: r["lengths"]["64"] for r in ablate(
+    rows = {r["label"]: r["lengths"]["64"]["recovered"] for r in ablate(
         lm.model, lm.tokenizer.encode, lm.tokenizer.encode(TEXT), [64], windows=2, needles=1,
         only={"native", "no cache", "zero 2.keys"})}
-    assert rows["native"]["recovered"] == 1.0
-    assert rows["no cache"]["recovered"] < 0.0
-    assert rows["no cache"]["recovered"] < rows["zero 2.keys"]["recovered"] < 1.0
+    assert None not in rows.values()  # the floor does not already agree everywhere
+    assert rows["native"] >= 0.9
+    assert rows["no cache"] < 0.0
+    assert rows["no cache"] < rows["zero 2.keys"] < rows["native"]

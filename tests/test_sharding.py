@@ -213,21 +213,22 @@ def test_a_sharded_server_answers_as_its_unsharded_twin(tmp_path, kind, small, l
 
 
 @pytest.mark.slow  # spawns processes through mlx.launch
+@pytest.mark.skipif(sys.platform != "linux", reason="finds a rank's process in /proc")
 @pytest.mark.parametrize("rank, port", [(0, 47661), (1, 47671)])
 def test_a_sharded_server_ends_when_one_of_its_processes_dies(tmp_path, rank, port):
-    """A process killed outright breaks the group: the others end at once, saying why, rather
-    than wait in a collective or out the follower's grace."""
+    """A process killed outright breaks the group: the other ends at once and says why (the
+    follower as it exits, process 0 in its log), rather than wait in a collective or out the
+    follower's grace."""
     import signal
 
     group, _ = _launch_server(tmp_path, port, ["qwen3.5-a"], "pipeline")
     try:
         os.kill(_rank_pid(group.pid, rank), signal.SIGKILL)
     except BaseException:
-        os.killpg(group.pid, signal.SIGKILL)
+        _kill_group(group)
         raise
     _assert_ends(group, tmp_path, f"after process {rank} was killed", within=30)
-    if rank == 0:
-        assert "the sharded server's group broke" in (tmp_path / "serve.log").read_text()
+    assert "the sharded server's group broke" in (tmp_path / "serve.log").read_text()
 
 
 def _launch_server(tmp_path: Path, port: int, models: list[str], kind: str):
@@ -252,7 +253,7 @@ def _launch_server(tmp_path: Path, port: int, models: list[str], kind: str):
     deadline = time.monotonic() + 180
     while True:
         if group.poll() is not None or time.monotonic() > deadline:
-            _assert_ends(group, tmp_path, "", within=0)
+            _kill_group(group)
             pytest.fail((tmp_path / "serve.log").read_text()[-2000:])
         try:
             urllib.request.urlopen(f"{url}/health", timeout=5)
@@ -278,7 +279,6 @@ def _rank_pid(launcher_pid: int, rank: int) -> int:
 def _assert_ends(group, tmp_path: Path, when: str, within: float = 60) -> None:
     """Every process of `group`'s process group ends `within` seconds; else all are killed and
     the test fails with what was left and the server's log."""
-    import signal
     import time
 
     deadline = time.monotonic() + within
@@ -291,9 +291,16 @@ def _assert_ends(group, tmp_path: Path, when: str, within: float = 60) -> None:
         if time.monotonic() > deadline:
             left = subprocess.run(["ps", "-o", "pid,stat,args", "-g", str(group.pid)],
                                   capture_output=True, text=True).stdout
-            os.killpg(group.pid, signal.SIGKILL)
-            if when:
-                log = (tmp_path / "serve.log").read_text()[-2000:]
-                pytest.fail(f"a process of the sharded server did not end {when}:\n{left}\n{log}")
-            return
+            _kill_group(group)
+            log = (tmp_path / "serve.log").read_text()[-2000:]
+            pytest.fail(f"a process of the sharded server did not end {when}:\n{left}\n{log}")
         time.sleep(0.2)
+
+
+def _kill_group(group) -> None:
+    import signal
+
+    try:
+        os.killpg(group.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass

@@ -3,11 +3,11 @@
 For each layer and cache object of a model: the model continues held-out text (and answers
 held-out needles) from its own cache with that one object zeroed, and, given a translator into
 the model, from its own cache with only that object translated. Each case reports the KL against
-the native continuation (nats/token), greedy agreement, the history's worth recovered (the
-fidelity bars' measure: teacher-forced agreement with the native greedy continuation above what
-the last 16 prompt tokens alone give, as the frontier takes it) and exact needle recall; the
-no-cache floor sits beside them. This is the hybrid-translation paper's swap-in analysis for any model or
-pair.
+the native continuation (nats/token), greedy agreement, the history's worth recovered and exact
+needle recall; the no-cache floor sits beside them. Recovered is the frontier's measure, taken
+as it takes it: teacher-forced agreement with the native target's `GENERATED` greedy tokens,
+above what the last `FLOOR_TOKENS` prompt tokens alone give. This is the hybrid-translation
+paper's swap-in analysis for any model or pair.
 
 Zeroing a recurrent state or a conv history is exactly "no history" for that object. Zeroing an
 attention object keeps its positions in the softmax (zero keys score 0, zero values add nothing),
@@ -25,7 +25,7 @@ from ..capture import capture
 from ..install import install
 from ..layouts import CapturePoint, layout_of
 from ..translators.fidelity import agreement, greedy, kl_per_token
-from ..translators.frontier import FLOOR_TOKENS, history_recovered
+from ..translators.frontier import FLOOR_TOKENS, GENERATED, history_recovered
 from .needles import needle_scores
 
 
@@ -102,7 +102,8 @@ def ablate(model, encode, token_ids: list[int], lengths: list[int], windows: int
            needles: int = 20, continuation: int = 32, generated: int = 16, translator=None,
            source=None, seed: int = 0, progress=None, only: set[str] | None = None
            ) -> list[dict]:
-    """Per case: {"case", "layer", "object", "lengths": {L: {"kl", "agreement", "recall"}}}.
+    """Per case: {"case", "layer", "object", "lengths": {L: {"kl", "agreement", "recovered",
+    "recall"}}} (recovered None where the floor already agrees everywhere).
     `encode`: the model's tokenizer encode (for the needles); `token_ids`: held-out text;
     `only`: the labels of the cases to run (all by default)."""
     ablation = Ablation(model, translator, source)
@@ -117,40 +118,41 @@ def ablate(model, encode, token_ids: list[int], lengths: list[int], windows: int
             raise ValueError(f"held-out text has {len(token_ids)} tokens, fewer than {span + 1}")
         rng = random.Random(seed + length)
         starts = [rng.randrange(0, len(token_ids) - span) for _ in range(windows)]
-        prefixes, natives, forced, floors = [], [], [], []
+        prefixes, natives, fed, floors = [], [], [], []
         for start in starts:
             window = mx.array(token_ids[start:start + span])
             prefix, inputs = window[:length - 1], window[length - 1:span - 1][None]
+            last = int(window[length - 1])
             native_cache = ablation.cache(Case("native"), prefix)
-            prefixes.append((prefix, inputs, int(window[length - 1])))
-            said = greedy(model, int(window[length - 1]), ablation.cache(Case("native"), prefix),
-                          generated)
+            prefixes.append((prefix, inputs, last))
+            said = greedy(model, last, ablation.cache(Case("native"), prefix),
+                          max(generated, GENERATED))  # the native greedy continuation
             natives.append((ablation.model(inputs, cache=native_cache), said))
-            forced.append(mx.array([int(window[length - 1])] + said[:-1])[None])
-            # the floor: the last FLOOR_TOKENS prompt tokens only, the last one of them included
-            tail = mx.concatenate([prefix[-(FLOOR_TOKENS - 1):], forced[-1][0]])[None]
-            floors.append(agreement(said, mx.argmax(model(tail)[0, FLOOR_TOKENS - 1:],
-                                                    -1).tolist()))
+            fed.append(mx.array([last] + said[:GENERATED - 1])[None])  # teacher forcing
+            # the floor reads the last FLOOR_TOKENS prompt tokens only, `last` among them
+            tail = mx.concatenate([prefix[-(FLOOR_TOKENS - 1):], fed[-1][0]])[None]
+            floors.append(agreement(said[:GENERATED], mx.argmax(
+                model(tail)[0, FLOOR_TOKENS - 1:], -1).tolist()))
         for case, row in zip(todo, rows):
             if progress:
                 progress(done, total, f"{case.label} at {length:,} tokens")
             done += 1
-            kls, agrees, forced_agrees = [], [], []
-            for (prefix, inputs, last), (native_logits, native_greedy), fed in zip(
-                    prefixes, natives, forced):
+            kls, agrees, forced = [], [], []
+            for (prefix, inputs, last), (native_logits, said), tokens in zip(
+                    prefixes, natives, fed):
                 logits = model(inputs, cache=ablation.cache(case, prefix))
                 kls.append(float(kl_per_token(native_logits, logits).mean()))
-                agrees.append(agreement(native_greedy, greedy(
+                agrees.append(agreement(said[:generated], greedy(
                     model, last, ablation.cache(case, prefix), generated)))
-                said = model(fed, cache=ablation.cache(case, prefix))[0]
-                forced_agrees.append(agreement(native_greedy, mx.argmax(said, -1).tolist()))
+                predicted = mx.argmax(model(tokens, cache=ablation.cache(case, prefix))[0], -1)
+                forced.append(agreement(said[:GENERATED], predicted.tolist()))
             recall, _ = needle_scores(
                 model, encode, length, needles,
                 cache_for=lambda ids, case=case: ablation.cache(case, mx.array(ids)))
             row["lengths"][str(length)] = {"kl": sum(kls) / len(kls),
                                            "agreement": sum(agrees) / len(agrees),
                                            "recovered": history_recovered(
-                                               sum(forced_agrees) / len(forced_agrees),
+                                               sum(forced) / len(forced),
                                                sum(floors) / len(floors)),
                                            "recall": recall}
     return rows

@@ -239,6 +239,8 @@ def create_app(engine: Engine) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        if engine.broken is not None:  # sharded, and a process is gone: nothing can be served
+            return JSONResponse({"status": "broken", "reason": engine.broken}, status_code=503)
         return {"status": "ok", "models": list(engine.models), "queued": engine.queue_depth}
 
     @app.get("/v1/models")

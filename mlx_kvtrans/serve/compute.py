@@ -130,10 +130,7 @@ class ComputeThread:
             try:
                 shared = self._lockstep.exchange(wait=not busy)
             except Exception as e:  # a process of the group is gone: no sharded forward can run
-                self.broken = str(e) or type(e).__name__
-                self._closed = True
-                self._ended.set()
-                threading.Event().wait()  # never returns (see the class)
+                self._break(str(e) or type(e).__name__)
             for name, args in shared:
                 if name == "":
                     self._closed = True  # on every process at this round: no idle job more
@@ -145,6 +142,21 @@ class ComputeThread:
                 threading.Event().wait()  # never returns (see the class)
             if self._idle or not self._jobs.empty():
                 self._run_next()
+
+    def _break(self, why: str) -> None:
+        """In step, once a process of the group is gone: take no more jobs, end every request
+        waiting on process 0 with the reason, and end (`broken` says why)."""
+        from .protocol import RequestError
+
+        self.broken = why
+        self._closed = True
+        if self._lockstep.leader:
+            logging.getLogger(__name__).error("the sharded server's group broke: %s", why)
+            self._lockstep.fail_all(RequestError(
+                f"the sharded server's group broke: {why}", status=503, kind="server_error",
+                code="group_broken"))
+        self._ended.set()
+        threading.Event().wait()  # never returns (see the class)
 
     def _loop(self) -> None:
         while True:

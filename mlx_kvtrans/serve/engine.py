@@ -104,6 +104,11 @@ class Engine:
         translators, notes = find_translators(models, config.translators)
         return cls(models, translators, config, notes, lockstep)
 
+    @property
+    def broken(self) -> str | None:
+        """Sharded: why the group can no longer compute (a process is gone); else None."""
+        return self._worker.broken
+
     def follow(self) -> str | None:
         """On a sharded process other than 0: run process 0's jobs in step until it closes;
         returns why the group broke instead, if it did (a process is gone)."""

@@ -114,6 +114,16 @@ class Lockstep:
                     del self._watched[rid]
         return self._apply(self._share(messages))
 
+    def fail_all(self, error: BaseException) -> None:
+        """Process 0, once the group broke: every request it shared and did not finish ends
+        with `error` (none of them can run any more)."""
+        from .records import Failed
+
+        with self._lock:
+            watched, self._watched = list(self._watched.values()), {}
+        for _, emit in watched:
+            emit(Failed(error))
+
     def mean(self, values: list[float]) -> list[float]:
         """In a shared job, on every process: each value's mean over the processes."""
         from ..translators.shared_sums import summed
