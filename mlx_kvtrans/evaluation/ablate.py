@@ -16,6 +16,7 @@ so it removes the content but not the positions.
 
 from __future__ import annotations
 
+import copy
 import random
 from dataclasses import dataclass
 
@@ -25,7 +26,8 @@ from ..capture import capture
 from ..install import install
 from ..layouts import CapturePoint, layout_of
 from ..translators.fidelity import agreement, greedy, kl_per_token
-from ..translators.frontier import FLOOR_TOKENS, GENERATED, history_recovered
+from ..translators.frontier import GENERATED, history_recovered
+from .frontier import floor_agreement
 from .needles import needle_scores
 
 
@@ -129,10 +131,7 @@ def ablate(model, encode, token_ids: list[int], lengths: list[int], windows: int
                           max(generated, GENERATED))  # the native greedy continuation
             natives.append((ablation.model(inputs, cache=native_cache), said))
             fed.append(mx.array([last] + said[:GENERATED - 1])[None])  # teacher forcing
-            # the floor reads the last FLOOR_TOKENS prompt tokens only, `last` among them
-            tail = mx.concatenate([prefix[-(FLOOR_TOKENS - 1):], fed[-1][0]])[None]
-            floors.append(agreement(said[:GENERATED], mx.argmax(
-                model(tail)[0, FLOOR_TOKENS - 1:], -1).tolist()))
+            floors.append(floor_agreement(model, prefix.tolist() + [last], said[:GENERATED]))
         for case, row in zip(todo, rows):
             if progress:
                 progress(done, total, f"{case.label} at {length:,} tokens")
@@ -140,11 +139,12 @@ def ablate(model, encode, token_ids: list[int], lengths: list[int], windows: int
             kls, agrees, forced = [], [], []
             for (prefix, inputs, last), (native_logits, said), tokens in zip(
                     prefixes, natives, fed):
-                logits = model(inputs, cache=ablation.cache(case, prefix))
+                built = ablation.cache(case, prefix)  # once: each use below grows a copy
+                logits = model(inputs, cache=copy.deepcopy(built))
                 kls.append(float(kl_per_token(native_logits, logits).mean()))
                 agrees.append(agreement(said[:generated], greedy(
-                    model, last, ablation.cache(case, prefix), generated)))
-                predicted = mx.argmax(model(tokens, cache=ablation.cache(case, prefix))[0], -1)
+                    model, last, copy.deepcopy(built), generated)))
+                predicted = mx.argmax(model(tokens, cache=copy.deepcopy(built))[0], -1)
                 forced.append(agreement(said[:GENERATED], predicted.tolist()))
             recall, _ = needle_scores(
                 model, encode, length, needles,

@@ -203,10 +203,17 @@ def reference(switch: Switch, prompt: list[int]) -> Reference:
     truth = mx.array(tokens)
     inputs = mx.array([last] + tokens[:-1])[None]
     native = target(inputs, cache=switch.native(prefix))[0]
-    tail = mx.array(prompt[-FLOOR_TOKENS:] + tokens[:-1])[None]
-    floor = float((mx.argmax(target(tail)[0, FLOOR_TOKENS - 1:], -1) == truth).mean())
     own = float((mx.argmax(native, -1) == truth).mean())
+    floor = floor_agreement(target, prompt, tokens)
     return Reference(prefix, last, tokens, inputs, native, floor, own)
+
+
+def floor_agreement(target, prompt: list[int], tokens: list[int]) -> float:
+    """The agreement with `tokens` (a continuation of `prompt`) of `target` reading only the
+    last FLOOR_TOKENS prompt tokens, teacher-forced: what needs no history at all."""
+    tail = mx.array(prompt[-FLOOR_TOKENS:] + tokens[:-1])[None]
+    predicted = mx.argmax(target(tail)[0, FLOOR_TOKENS - 1:], -1)
+    return float((predicted == mx.array(tokens)).mean())
 
 
 def score(switch: Switch, setting: Setting, ref: Reference) -> dict:

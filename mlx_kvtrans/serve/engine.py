@@ -113,7 +113,7 @@ class Engine:
         """On a sharded process other than 0: run process 0's jobs in step until it closes;
         returns why the group broke instead, if it did (a process is gone)."""
         self._worker.wait_ended()
-        return self._worker.broken
+        return self.broken
 
     def _new_session(self, model: str) -> Session:
         group = self.groups[model]
