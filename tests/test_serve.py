@@ -779,3 +779,47 @@ def test_eviction_in_step_weighs_each_line_by_what_the_processes_share(zoo):
     store.shared_sizes = lambda sizes: [2.0 * s for s in sizes]
     store._evict()
     assert store.evictions > evictions and store.stats()["bytes"] <= held // 2
+
+
+def test_requests_joining_one_model_between_steps_start_in_one_forward(zoo):
+    # a hybrid (fixed-size state and MLA caches of different lengths): joined together, each
+    # request decodes as it does alone, and their first tokens cost one forward
+    import threading
+
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlx_kvtrans.serve.batching import Batches, Decoding
+    from mlx_kvtrans.serve.records import Generation, Handoff
+
+    lm = zoo[0][HYBRID]
+    prompts = [list(range(40 + i, 40 + i + n)) for i, n in enumerate((9, 23, 5))]
+
+    def decodings(batches, which):
+        out = []
+        for i in which:
+            cache = make_prompt_cache(lm.model)
+            lm.model(mx.array([prompts[i][:-1]]), cache=cache)
+            job = Generation(HYBRID, prompts[i], 6, temperature=0.0)
+            out.append(Decoding(job, Handoff(), lambda e: None, threading.Event(),
+                                lm.tokenizer, threading.Lock()))
+            batches.join(lm.model, HYBRID, cache, prompts[i][-1], out[-1])
+        return out
+
+    def run(batches):
+        while len(batches):
+            batches.step()
+
+    alone = []
+    for i in range(len(prompts)):
+        batches = Batches()
+        alone.append(decodings(batches, [i])[0])
+        run(batches)
+    calls = []
+    batches = Batches()
+    together = decodings(batches, range(len(prompts)))
+    with hook_module(lm.model, before=lambda m, a, k: calls.append(a[0].shape)):
+        run(batches)
+    assert [d.tokens for d in together] == [d.tokens for d in alone]
+    # the three requests' last prompt tokens in one forward, then one forward a step
+    assert calls == [(3, 1)] * (1 + 6)

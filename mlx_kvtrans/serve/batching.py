@@ -81,42 +81,69 @@ class Batches:
     def __init__(self):
         self._batches: dict[str, object] = {}  # model -> GenerationBatch
         self._members: dict[str, list[Decoding]] = {}  # model -> its requests, in batch order
+        self._joining: dict[str, list] = {}  # model -> (model, cache, first, decoding) to start
         # model -> requests decoding on it: replaced whole on the worker, read by /metrics
         self.sizes: dict[str, int] = {}
 
     def __len__(self) -> int:
-        return sum(len(m) for m in self._members.values())
+        return (sum(len(m) for m in self._members.values())
+                + sum(len(w) for w in self._joining.values()))
 
     def _count(self) -> None:
-        self.sizes = {name: len(members) for name, members in self._members.items()}
+        self.sizes = {name: len(self._members.get(name, ())) + len(self._joining.get(name, ()))
+                      for name in {*self._members, *self._joining}}
 
     def join(self, model, name: str, cache: list, first: int, decoding: Decoding) -> None:
-        """Start decoding `decoding` on `model` (named `name`) from `cache`, which has read
-        every token but the prompt's last, `first`."""
+        """Queue `decoding` to start on `model` (named `name`) from `cache`, which has read
+        every token but the prompt's last, `first`: it joins at the next `step`, together
+        with every other request that joined `name` meanwhile (one forward reads all their
+        last prompt tokens). The copy of `cache` it decodes on is taken now: the conversation
+        may read on meanwhile."""
+        self._joining.setdefault(name, []).append((model, _copy_for_batch(cache), first,
+                                                   decoding))
+        self._count()
+
+    def _admit(self) -> list[tuple[Decoding, Exception]]:
+        """Start the queued requests, a model's in one GenerationBatch (a request with its own
+        seed alone, its seed set just before); those whose first forward failed, with the
+        error."""
         from mlx_lm.generate import GenerationBatch, StopSequences, greedy_sampler
         from mlx_lm.sample_utils import make_sampler
 
-        job = decoding.job
-        if job.seed is not None:
-            mx.random.seed(job.seed)
-        sampler = (None if job.temperature == 0 else
-                   make_sampler(temp=job.temperature, top_p=job.top_p))
-        joining = GenerationBatch(model, [id(decoding)], mx.array([first]),
-                                  _copy_for_batch(cache),
-                                  [[]], [sampler], greedy_sampler, [[]], [StopSequences()],
-                                  [UNLIMITED])
-        if name in self._batches:
-            self._batches[name].extend(joining)
-            self._members[name].append(decoding)
-        else:
-            self._batches[name], self._members[name] = joining, [decoding]
-        self._count()
+        failed = []
+        joining, self._joining = self._joining, {}
+        for name, waiting in joining.items():
+            seeded = [[w] for w in waiting if w[3].job.seed is not None]
+            shared = [w for w in waiting if w[3].job.seed is None]
+            for group in seeded + ([shared] if shared else []):
+                model, decodings = group[0][0], [w[3] for w in group]
+                if decodings[0].job.seed is not None:
+                    mx.random.seed(decodings[0].job.seed)
+                samplers = [None if d.job.temperature == 0 else
+                            make_sampler(temp=d.job.temperature, top_p=d.job.top_p)
+                            for d in decodings]
+                n = len(group)
+                try:
+                    batch = GenerationBatch(
+                        model, [id(d) for d in decodings], mx.array([w[2] for w in group]),
+                        _joined([w[1] for w in group]), [[] for _ in group], samplers,
+                        greedy_sampler, [[] for _ in group], [StopSequences() for _ in group],
+                        [UNLIMITED] * n)
+                except Exception as e:  # these requests fail; the others go on
+                    failed += [(d, e) for d in decodings]
+                    continue
+                if name in self._batches:
+                    self._batches[name].extend(batch)
+                    self._members[name] += decodings
+                else:
+                    self._batches[name], self._members[name] = batch, decodings
+        return failed
 
     def step(self) -> tuple[list[Decoding], list[tuple[Decoding, Exception]]]:
         """One token for every request decoding: the requests that ended with it, and those
         whose model's forward failed (with the error; that model's batch is dropped)."""
         ended: list[Decoding] = []
-        failed: list[tuple[Decoding, Exception]] = []
+        failed = self._admit()
         for name, batch in list(self._batches.items()):
             members = self._members[name]
             try:
@@ -144,3 +171,12 @@ def _copy_for_batch(cache: list) -> list:
     """`cache` (one conversation's) as mlx-lm's batch caches: copies, which the batch writes
     into while the conversation's own stay as they are."""
     return [type(c).merge([c]) for c in cache]
+
+
+def _joined(copies: list[list]) -> list:
+    """Batch caches of one conversation each (`_copy_for_batch`) as one batch, in order."""
+    first = copies[0]
+    for other in copies[1:]:
+        for layer, more in zip(first, other):
+            layer.extend(more)
+    return first
