@@ -231,6 +231,35 @@ def test_a_sharded_server_ends_when_one_of_its_processes_dies(tmp_path, rank, po
     assert "the sharded server's group broke" in (tmp_path / "serve.log").read_text()
 
 
+@pytest.mark.slow  # spawns processes through mlx.launch
+@pytest.mark.skipif(sys.platform != "linux", reason="finds a rank's process in /proc")
+def test_a_sharded_server_ends_when_a_process_dies_while_it_streams(tmp_path):
+    """Process 0's compute may then wait in a collective forever (MLX's ring backend fails the
+    pending tasks without raising), and mlx.launch waits for process 0: told to stop, it ends
+    within its grace."""
+    import http.client
+    import json
+    import signal
+
+    from mlx_kvtrans.serve.app import SHARDED_GRACE
+
+    group, url = _launch_server(tmp_path, 47681, ["qwen3.5-a"], "pipeline")
+    try:
+        conn = http.client.HTTPConnection(url.split("//")[1], timeout=SHARDED_GRACE + 60)
+        body = {"model": "qwen3.5-a", "max_tokens": 4000, "stream": True,
+                "messages": [{"role": "user", "content": "Tell a long story."}]}
+        conn.request("POST", "/v1/chat/completions", json.dumps(body),
+                     {"Content-Type": "application/json"})
+        reply = conn.getresponse()
+        assert reply.status == 200 and reply.readline()  # streaming
+        os.kill(_rank_pid(group.pid, 1), signal.SIGKILL)
+    except BaseException:
+        _kill_group(group)
+        raise
+    _assert_ends(group, tmp_path, "after process 1 was killed mid-stream",
+                 within=SHARDED_GRACE + 30)
+
+
 def _launch_server(tmp_path: Path, port: int, models: list[str], kind: str):
     """`mlx.launch -n 2 kvtrans serve --shard KIND`, once it answers: (its process, its URL)."""
     import socket
