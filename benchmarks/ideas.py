@@ -20,9 +20,10 @@ its frontier beside it as the shipped ones are (`kvtrans eval frontier --record`
 validation split: 8 windows, no needles, R = 8, 32, 128, at 256-2,048 tokens), which a
 session's dial reads.
 
-An idea starts from the translator shipped when it runs. Once a kept idea has replaced it, the
-figures in ideas.json stay those measured before; a run anew would start from the replacement
-(and an idea whose start no longer ships stops with that reason).
+An idea starts from the translator shipped when it runs, and is compared with that translator
+measured beside it (its results key names the weights' digest, `base`). Once a kept idea has
+replaced it, the figures in ideas.json stay those measured before; a run anew would start from
+the replacement (and an idea whose start no longer ships stops with that reason).
 
 Translators are written to runs/ideas/NAME (a run stopped part-way resumes from its
 checkpoint there); figures to benchmarks/results/ideas.{json,md}.
@@ -31,6 +32,7 @@ checkpoint there); figures to benchmarks/results/ideas.{json,md}.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import shutil
 import time
@@ -150,6 +152,19 @@ IDEAS = [
          "needle-weighted, not distilled", None,
          FitConfig(point=1, nu=5, token_identity="ids", attention_weighted=8, identity_tables=32,
                    random_features=4096), 0.5),
+    # per-layer supervision: each token mixer's output held to the one it gives reading the
+    # target's own cache (Heo et al.), beside as many more steps without it
+    *[Idea(f"{short}-{tag}", start, f"200 steps more as shipped{how}{what}",
+           replace(config, output_weight=weight))
+      for short, start, how, config in [
+          ("qwen3-small-to-qwen3-large", "qwen3-small__qwen3-large-distilled",
+           ", prefixes 32-512",
+           DistillConfig(steps=200, attention_weight=1.0, needle_share=0.5, max_prefix=512)),
+          ("kimi-vl-to-kimi-linear", "kimi-vl__kimi-linear-distilled",
+           " (greedy continuations after an 8-token re-read, prefixes 32-512, half needles)",
+           DistillConfig(**{**SEQUENCE, "steps": 200}))]
+      for tag, what, weight in [("more-steps", "", 0.0),
+                                ("outputs", ", with the output rehearsal (weight 1)", 1.0)]],
     Idea("kimi-vl-to-kimi-linear-random-features-stage1", "kimi-vl__kimi-linear-distilled",
          "refit as shipped with every source layer and 1,024 random features, not distilled",
          None, FitConfig(point=1, nu=6, token_identity="codebook", attention_weighted=8,
@@ -238,6 +253,14 @@ def ship(idea: Idea, models: dict) -> Path:
     return place
 
 
+def shipped_key(start: str) -> tuple[str, str]:
+    """(the results key of the translator `start` as shipped now, its weights' digest): an
+    idea is measured against the weights it started from, which a kept idea may replace."""
+    weights = artifact.resolve(start) / "weights.safetensors"
+    digest = hashlib.sha256(weights.read_bytes()).hexdigest()[:12]
+    return f"shipped:{start}@{digest}", digest
+
+
 def kept(idea: dict, base: dict) -> bool:
     """Recovered rises at every length, and recall over the lengths together does not fall (a
     needle of 16 at one length is within the draw's noise)."""
@@ -266,7 +289,8 @@ def write_markdown(results: dict, settings: dict, out: Path) -> None:
              "| direction | translator | what | L | recovered | first | match | KL | recall "
              "| applied | kept |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for key, r in results.items():
-        base = results.get(f"shipped:{r.get('start')}")
+        # ideas measured before bases carried digests name theirs by the start alone
+        base = results.get(r.get("base") or f"shipped:{r.get('start')}")
         verdict = "" if base is None or key.startswith("shipped:") else (
             "yes" if kept(r, base) else "no")
         if r.get("shipped_as"):
@@ -312,9 +336,11 @@ def main():
         raise SystemExit(f"unknown ideas: {', '.join(sorted(unknown))}")
     models = {}
     for idea in [i for i in IDEAS if i.name in wanted]:
-        if f"shipped:{idea.start}" not in results:
-            results[f"shipped:{idea.start}"] = measure(idea.start, idea.start, models, args)
-        results[idea.name] = run_idea(idea, models, args)
+        base, digest = shipped_key(idea.start)
+        if base not in results:
+            results[base] = {**measure(idea.start, idea.start, models, args), "digest": digest,
+                             "what": f"as shipped (weights sha256 {digest}...)"}
+        results[idea.name] = {**run_idea(idea, models, args), "base": base}
         args.results.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"settings": settings, "results": results}, indent=1))
     write_markdown(results, settings, args.results)

@@ -142,6 +142,8 @@ CASES = {
                                             "-1"], "--attention-weight"),
     "distill: attention weight nan": (["distill", "--translator", PAIR, "--attention-weight",
                                        "nan"], "--attention-weight"),
+    "distill: negative output weight": (["distill", "--translator", PAIR, "--output-weight",
+                                         "-1"], "--output-weight"),
     "distill: zero batch": (["distill", "--translator", PAIR, "--batch", "0"], "--batch"),
     "distill: negative lr": (["distill", "--translator", PAIR, "--lr", "-1"], "--lr"),
     "distill: lr nan": (["distill", "--translator", PAIR, "--lr", "nan"], "--lr"),

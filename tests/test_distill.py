@@ -44,10 +44,10 @@ def test_gradient_matches_finite_differences(loaded, source, target, recipes, pr
     translator, S, T = tiny_translator(loaded, source, target, recipes)
     windows = mx.random.randint(0, 259, (2, prefix + continuation), key=mx.random.key(9))
     with chunked_recurrence():
-        problem = Problem(translator, S, T, windows, prefix, attention=True)
+        problem = Problem(translator, S, T, windows, prefix, attention=True, outputs=True)
         params = dict(tree_flatten(translator.parameters()))  # flat names: the loss takes either
-        (total, (kl, rehearsal, attention)), _ = mx.value_and_grad(problem.loss)(params)
-        assert float(total) > 0 and float(attention) > 0
+        (total, (kl, rehearsal, attention, outputs)), _ = mx.value_and_grad(problem.loss)(params)
+        assert float(total) > 0 and float(attention) > 0 and float(outputs) > 0
         if target == "deepseek_v32":
             assert float(rehearsal) > 0
         keys = mx.random.split(mx.random.key(3), len(params))
@@ -55,9 +55,10 @@ def test_gradient_matches_finite_differences(loaded, source, target, recipes, pr
                      for key, (k, v) in zip(keys, params.items())}
         norm = sum(float((d * d).sum()) for d in direction.values()) ** 0.5
         eps = 1e-2 / norm
-        # the output KL (+ indexer rehearsal), then the attention rehearsal alone
+        # the output KL (+ indexer rehearsal), then the attention and output rehearsals alone
         for loss in (lambda p: problem.loss(p)[0],
-                     lambda p: problem.loss(p, 0.0, 1.0)[1][2]):
+                     lambda p: problem.loss(p, 0.0, 1.0)[1][2],
+                     lambda p: problem.loss(p, 0.0, 0.0, 1.0)[1][3]):
             grads = mx.grad(loss)(params)
             assert set(grads) == set(params)
 
@@ -105,8 +106,31 @@ def test_attention_rehearsal_is_zero_for_the_native_cache_and_positive_otherwise
     assert len(problem.native_attention) == len(T.layers)
     assert float(attention_rehearsal(problem.native_attention, problem.native_attention)) \
         == pytest.approx(0.0, abs=1e-6)
-    _, (_, _, attention) = problem.loss(translator.params, attention_weight=1.0)
+    _, (_, _, attention, _) = problem.loss(translator.params, attention_weight=1.0)
     assert float(attention) > 1e-4
+
+
+@pytest.mark.parametrize("source,target", [("qwen3", "llama"), ("qwen3_5", "kimi_linear")])
+def test_output_rehearsal_is_zero_for_the_native_cache_and_positive_otherwise(loaded, source,
+                                                                              target):
+    """Every layer's mixer is recorded, linear attention too; the native cache reproduces the
+    native outputs (the rehearsal is 0) and a translated one does not."""
+    from mlx_kvtrans.capture import capture
+    from mlx_kvtrans.layouts import CapturePoint
+    from mlx_kvtrans.translators.distill import output_rehearsal, recording_mixer_outputs
+
+    translator, S, T = tiny_translator(loaded, source, target)
+    windows = mx.random.randint(0, 259, (2, 40), key=mx.random.key(4))
+    with chunked_recurrence():
+        problem = Problem(translator, S, T, windows, 32, outputs=True)
+        assert len(problem.native_outputs) == len(T.layers)
+        assert all(o.shape == (2, 8, T.args.hidden_size) for o in problem.native_outputs)
+        native = capture(T, windows[:, :32], points=(CapturePoint.ENGINE,)).engine
+        with recording_mixer_outputs(T) as again:
+            T(windows[:, 32:], cache=native)
+        assert float(output_rehearsal(problem.native_outputs, again)) < 1e-8
+        _, (_, _, _, outputs) = problem.loss(translator.params, output_weight=1.0)
+    assert float(outputs) > 1e-4
 
 
 @pytest.mark.parametrize("family", ["kimi_linear", "deepseek_v32"])

@@ -11,7 +11,12 @@ scores against its own keys: KL between the two score distributions per query, w
 `indexer_weight`. The attention rehearsal (`attention_weight`) does the same for every softmax
 attention layer: KL between the target's per-head attention distributions reading its own cache
 and reading the translated one, for every continuation query, so every query and head
-supervises the keys, not only the output distribution.
+supervises the keys, not only the output distribution. The output rehearsal
+(`output_weight`) holds each decoder layer's token mixer (softmax or linear attention) to its
+output reading the target's own cache, at every continuation position: the relative squared
+error, mean over layers. Every layer's cache objects and recurrent states then have a loss of
+their own, not only through the layers above them (Heo et al. find the attention output's
+agreement predicts what a transfer keeps).
 
 Two settings match the loss to what a user sees: `greedy` continues each window with the
 target's own greedy tokens (sequence-level distillation: the frontier's agreement is taken on
@@ -70,6 +75,7 @@ class DistillConfig:
     continuation: int = 32  # positions the KL is taken over
     indexer_weight: float = 1.0
     attention_weight: float = 0.0  # the attention rehearsal's weight (0: off)
+    output_weight: float = 0.0  # the output rehearsal's weight (0: off)
     needle_share: float = 0.0  # share of each batch's rows that are needles, answer at the end
     greedy: bool = False  # continue with the target's own greedy tokens (sequence level)
     reread: int = 0  # the target reads the prefix's last R tokens itself, as a session's dial
@@ -91,7 +97,7 @@ class DistillConfig:
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 
-LATER_DEFAULTS = {"greedy": False, "reread": 0, "sink": 0}
+LATER_DEFAULTS = {"greedy": False, "reread": 0, "sink": 0, "output_weight": 0.0}
 
 
 def indexer_rehearsal(native: list[mx.array], translated: list[mx.array], prefix: int) -> mx.array:
@@ -110,14 +116,36 @@ def attention_rehearsal(native: list[mx.array], translated: list[mx.array]) -> m
     return mx.stack(losses).mean() if losses else mx.array(0.0)
 
 
+def output_rehearsal(native: list[mx.array], translated: list[mx.array]) -> mx.array:
+    """Mean over layers of |translated - native|^2 / |native|^2 over the continuation."""
+    losses = [((t.astype(mx.float32) - n) ** 2).sum() / mx.maximum((n ** 2).sum(), 1e-12)
+              for n, t in zip(native, translated)]
+    return mx.stack(losses).mean() if losses else mx.array(0.0)
+
+
+@contextlib.contextmanager
+def recording_mixer_outputs(model):
+    """Within the block, each decoder layer's token mixer (its linear or softmax attention
+    module) appends its output (B, L, hidden) to the list yielded, in layer order."""
+    from ..capture.instrument import hook_module
+
+    found: list[mx.array] = []
+    with contextlib.ExitStack() as stack:
+        for layer in model.layers:
+            mixer = layer["linear_attn"] if "linear_attn" in layer else layer["self_attn"]
+            stack.enter_context(hook_module(mixer, after=lambda m, a, k, out: found.append(out)))
+        yield found
+
+
 class Problem:
     """One batch of windows: the source's capture and the target's native continuation (fixed),
     from which `loss(params)` measures a translator's parameters."""
 
     def __init__(self, translator: Translator, source, target, windows: mx.array, prefix: int,
                  attention: bool = False, greedy: bool = False, reread: int = 0,
-                 sink: int = 0):
+                 sink: int = 0, outputs: bool = False):
         self.translator, self.target, self.attention = translator, target, attention
+        self.outputs = outputs
         self.layout = layout_of(target)
         self.prefix_ids = windows[:, :prefix]
         self.inputs = windows[:, prefix:]
@@ -137,11 +165,13 @@ class Problem:
                                layout=self.layout).engine
         if greedy:  # on a copy: the native logits below read the prefix's cache as it is
             self.inputs = self._greedy_continuation(copy.deepcopy(native_cache))
-        with self._recording() as (scores, probs):
+        with self._recording() as (scores, probs, mixed):
             self.native_logits = target(self.inputs, cache=native_cache)
         self.native_scores = [mx.stop_gradient(s) for s in scores]
         self.native_attention = [mx.stop_gradient(p) for p in probs]
-        mx.eval(self.native_logits, self.native_scores, self.native_attention)
+        self.native_outputs = [mx.stop_gradient(o.astype(mx.float32)) for o in mixed]
+        mx.eval(self.native_logits, self.native_scores, self.native_attention,
+                self.native_outputs)
 
     def _greedy_continuation(self, cache) -> mx.array:
         """The window's first continuation token, then what the target says after it reading
@@ -157,18 +187,21 @@ class Problem:
             scores = stack.enter_context(recording_indexer_scores(self.target))
             probs = (stack.enter_context(recording_attention_probabilities(self.target))
                      if self.attention else [])
-            yield scores, probs
+            mixed = (stack.enter_context(recording_mixer_outputs(self.target))
+                     if self.outputs else [])
+            yield scores, probs, mixed
 
-    def loss(self, params: dict, indexer_weight: float = 1.0, attention_weight: float = 0.0):
-        """(total, (KL, indexer rehearsal, attention rehearsal)) of `params` (a tree or flat)
-        on this batch."""
+    def loss(self, params: dict, indexer_weight: float = 1.0, attention_weight: float = 0.0,
+             output_weight: float = 0.0):
+        """(total, (KL, indexer rehearsal, attention rehearsal, output rehearsal)) of `params`
+        (a tree or flat) on this batch."""
         objects, points = self.translator.translate(self.source, self.target, self.layout,
                                                     self.translated_ids, params=params,
                                                     all_rows=self.sink > 0)
         cache = install(self.layout, objects, points, offset=self.sink,
                         cache=copy.deepcopy(self.sink_cache) if self.sink else None)
         n = self.inputs.shape[1]  # the re-read tail's positions are not scored
-        with self._recording() as (scores, probs):
+        with self._recording() as (scores, probs, mixed):
             logits = self.target(mx.concatenate([self.tail, self.inputs], axis=1),
                                  cache=cache)[:, -n:]
         scores = [s[:, -n:] for s in scores]
@@ -176,8 +209,10 @@ class Problem:
         kl = kl_per_token(self.native_logits, logits).mean()
         rehearsal = indexer_rehearsal(self.native_scores, scores, self.prefix)
         attention = attention_rehearsal(self.native_attention, probs)
-        total = kl + indexer_weight * rehearsal + attention_weight * attention
-        return total, (kl, rehearsal, attention)
+        outputs = output_rehearsal(self.native_outputs, [o[:, -n:] for o in mixed])
+        total = (kl + indexer_weight * rehearsal + attention_weight * attention
+                 + output_weight * outputs)
+        return total, (kl, rehearsal, attention, outputs)
 
 
 def start_fingerprint(translator: Translator) -> str:
@@ -314,23 +349,25 @@ class Distiller:
             c = self.config
             problem = Problem(self.translator, self.source, self.target, share, prefix,
                               attention=c.attention_weight > 0, greedy=c.greedy,
-                              reread=c.reread, sink=c.sink)
-            (loss, (kl, rehearsal, attention)), grads = mx.value_and_grad(
-                lambda p: problem.loss(p, c.indexer_weight, c.attention_weight))(self.params)
+                              reread=c.reread, sink=c.sink, outputs=c.output_weight > 0)
+            (loss, (kl, rehearsal, attention, outputs)), grads = mx.value_and_grad(
+                lambda p: problem.loss(p, c.indexer_weight, c.attention_weight,
+                                       c.output_weight))(self.params)
         if self.size > 1:
             grads = nn.average_gradients(grads, group=self.group)
-            loss, kl, rehearsal, attention = (
+            loss, kl, rehearsal, attention, outputs = (
                 mx.distributed.all_sum(x, group=self.group) / self.size
-                for x in (loss, kl, rehearsal, attention))
+                for x in (loss, kl, rehearsal, attention, outputs))
         finite = mx.isfinite(loss)
         for _, g in tree_flatten(grads):
             finite = finite & mx.all(mx.isfinite(g))
         skipped = not finite.item()  # one bad step must not make every parameter NaN
         if not skipped:
             self.params = self.optimizer.apply_gradients(grads, self.params)
-        mx.eval(self.params, self.optimizer.state, loss, kl, rehearsal, attention)
+        mx.eval(self.params, self.optimizer.state, loss, kl, rehearsal, attention, outputs)
         return {"step": step + 1, "prefix": prefix, "loss": float(loss), "kl": float(kl),
                 "indexer_rehearsal": float(rehearsal), "attention_rehearsal": float(attention),
+                **({"output_rehearsal": float(outputs)} if c.output_weight else {}),
                 **({"skipped": True} if skipped else {})}
 
     def run(self, on_step=None, checkpoint_seconds: float = 120.0, max_minutes=None) -> dict:
