@@ -165,6 +165,20 @@ IDEAS = [
            DistillConfig(**{**SEQUENCE, "steps": 200}))]
       for tag, what, weight in [("more-steps", "", 0.0),
                                 ("outputs", ", with the output rehearsal (weight 1)", 1.0)]],
+    *[Idea(f"{short}-outputs", start, f"200 steps more as shipped{how}, with the output "
+           "rehearsal (weight 1)", replace(config, output_weight=1.0))
+      for short, start, how, config in [
+          ("dsa", "qwen3.5-a__dsa-distilled", " (greedy continuations after an 8-token "
+           "re-read, prefixes 32-512, half needles)", DistillConfig(**{**SEQUENCE, "steps": 200})),
+          ("qwen3.5-b-to-qwen3.5-a", "qwen3.5-b__qwen3.5-a-distilled", " (greedy "
+           "continuations after an 8-token re-read, prefixes 32-512, lr 3e-05)",
+           DistillConfig(**{**SEQUENCE, "steps": 200, "needle_share": 0.0, "lr": 3e-5})),
+          ("qwen3-large-to-qwen3-small", "qwen3-large__qwen3-small-distilled",
+           " (prefixes 32-256, half needles, lr 3e-05)",
+           DistillConfig(steps=200, lr=3e-5, needle_share=0.5)),
+          ("qwen3.5-a-to-qwen3.5-b", "qwen3.5-a__qwen3.5-b", " (the stage-1 translator "
+           "shipped; greedy continuations after an 8-token re-read, prefixes 32-512)",
+           DistillConfig(**{**SEQUENCE, "steps": 200, "needle_share": 0.0}))]],
     Idea("kimi-vl-to-kimi-linear-random-features-stage1", "kimi-vl__kimi-linear-distilled",
          "refit as shipped with every source layer and 1,024 random features, not distilled",
          None, FitConfig(point=1, nu=6, token_identity="codebook", attention_weighted=8,
