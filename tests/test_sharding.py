@@ -40,7 +40,8 @@ def run_sharded(tmp_path: Path, port: int, *args: str) -> list[dict]:
     ("tensor", "qwen3-small", "qwen3-large", "qwen3-small__qwen3-large-distilled", 0, "both",
      47611),
     # layers split in two: one process holds the GDN layers, the other the attention layers
-    ("pipeline", "qwen3.5-a", "qwen3.5-b", "qwen3.5-a__qwen3.5-b", 4, "both", 47621),
+    ("pipeline", "qwen3.5-a", "qwen3.5-b", "qwen3.5-a__qwen3.5-b-distilled", 4, "both",
+     47621),
     # MLA latents and indexer keys, each on the process that holds their layer
     ("pipeline", "qwen3.5-a", "dsa", "qwen3.5-a__dsa-distilled", 0, "target", 47631),
 ])
