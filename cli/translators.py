@@ -31,6 +31,9 @@ RECIPE_HELP = "OBJECT=RECIPE, e.g. recurrent_state=bilinear (repeatable)"
 IDENTITY_HELP = "which token each position holds: codebook, ids or off"
 RANDOM_FEATURES_HELP = "H > 0: every map's input gains H random features (a nonlinear map)"
 JSON_HELP = "print the result as JSON"
+OUTPUT_WEIGHT = typer.Option(DISTILL.output_weight, min=0.0, callback=finite,
+                             help="weight of the output rehearsal: each layer's attention output "
+                             "over the translated cache held to its output over its own (0: off)")
 GATE_WINDOWS_HELP = ("held-out windows of each kind (the source's text, its own reply) and band "
                      "of prefix lengths the fidelity gate is calibrated on")
 
@@ -364,10 +367,7 @@ def distill(translator_dir: Path = typer.Option(..., "--translator", help="stage
                 DISTILL.attention_weight, min=0.0, callback=finite,
                 help="weight of the attention rehearsal: the target's attention over the "
                 "translated cache held to its attention over its own (0: off)"),
-            output_weight: float = typer.Option(
-                DISTILL.output_weight, min=0.0, callback=finite,
-                help="weight of the output rehearsal: each layer's attention output over the "
-                "translated cache held to its output over its own (0: off)"),
+            output_weight: float = OUTPUT_WEIGHT,
             needle_share: float = typer.Option(DISTILL.needle_share, min=0.0, max=1.0,
                                                callback=finite, help="share of each batch that "
                                                "is synthetic needles, question and answer last"),
@@ -394,9 +394,8 @@ def distill(translator_dir: Path = typer.Option(..., "--translator", help="stage
     config = DistillConfig(steps=steps, lr=lr, warmup=warmup, batch=batch, min_prefix=min_prefix,
                            max_prefix=max_prefix, continuation=continuation,
                            indexer_weight=indexer_weight, attention_weight=attention_weight,
-                           output_weight=output_weight, needle_share=needle_share,
-                           greedy=greedy, reread=reread, sink=sink,
-                           validate_every=validate_every,
+                           output_weight=output_weight, needle_share=needle_share, greedy=greedy,
+                           reread=reread, sink=sink, validate_every=validate_every,
                            validation_windows=validation_windows, seed=seed)
     in_range("--max-prefix", max_prefix, min_prefix,
              position_limit(model_configs(*translator_models(translator_dir)), continuation,

@@ -1,5 +1,5 @@
 """Shared fixtures: tiny random-weight models of every supported family, built once per
-session; a server on a free port."""
+session; a server on a free port; ports for mlx.launch's ring backend."""
 
 from __future__ import annotations
 
@@ -15,6 +15,34 @@ from mlx_kvtrans import blas
 from mlx_kvtrans.zoo.families import FAMILIES
 
 HYBRID_RECURRENT = ("kimi_linear", "qwen3_next", "qwen3_5")
+
+
+def ring_port(processes: int = 2) -> int:
+    """A `--starting-port` for `mlx.launch -n PROCESSES --backend ring`: that many consecutive
+    ports free now, below the kernel's ephemeral range, where no client socket of an earlier
+    test (one left in TIME_WAIT) can hold one."""
+    import random
+    import socket
+    from pathlib import Path
+
+    try:
+        ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = 32768
+    for _ in range(200):
+        base = random.randrange(20000, max(ephemeral, 20000 + 2 * processes) - processes)
+        taken = []
+        try:
+            for port in range(base, base + processes):
+                taken.append(socket.socket())
+                taken[-1].bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in taken:
+                sock.close()
+    raise RuntimeError("no free ports for the ring backend")
 
 
 @contextmanager

@@ -19,6 +19,7 @@ from mlx_kvtrans.translators import artifact
 from mlx_kvtrans.translators.distill import DistillConfig, Distiller, Problem
 from mlx_kvtrans.translators.fit import FitConfig, fit
 from mlx_kvtrans.translators.plan import plan
+from conftest import ring_port
 
 TEXT = Path(__file__).parent / "data" / "corpus_sample.txt"
 
@@ -275,7 +276,7 @@ def test_two_processes_match_one(model_dirs, tmp_path):
                     env)  # a checkpoint is there: refused unless --resume
     assert again.returncode == 2 and "--resume" in again.stderr and "Traceback" not in again.stderr
     launcher = (shutil.which("mlx.launch", path=str(Path(sys.executable).parent)) or "mlx.launch",
-                "-n", "2", "--backend", "ring", "--starting-port", "47311", "--")
+                "-n", "2", "--backend", "ring", "--starting-port", str(ring_port()), "--")
     two = run_cli([*common, "--workdir", str(tmp_path / "w2"), "--out", str(tmp_path / "o2")],
                   env, launcher)
     assert two.returncode == 0, two.stderr + two.stdout

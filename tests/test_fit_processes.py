@@ -19,6 +19,7 @@ import mlx_kvtrans  # noqa: F401  first: fast BLAS
 from mlx_kvtrans.errors import KvtransError
 from mlx_kvtrans.models import weights_dir
 from mlx_kvtrans.translators.fit_checkpoint import FILE, check_directory, state_file
+from conftest import ring_port
 
 TEXT = weights_dir() / "corpus" / "validation.txt"
 
@@ -49,7 +50,7 @@ def fit_cli(args: list[str], processes: int, port: int) -> subprocess.CompletedP
 ])
 def test_two_processes_fit_what_one_fits(tmp_path, pair, options):
     runs = {}
-    for n, port in ((1, 0), (2, 47711)):
+    for n, port in ((1, 0), (2, ring_port())):
         out = tmp_path / f"out{n}"
         done = fit_cli(["--from", pair[0], "--to", pair[1], "--out", str(out), "--workdir",
                         str(tmp_path / f"work{n}"), *options], n, port)
@@ -80,7 +81,7 @@ def test_two_processes_measure_the_frontier_one_measures(tmp_path):
     """Each process scores its share of the windows and needles (an odd count: one more on
     the first), the first times the switch; the first alone writes the frontier."""
     rows = {}
-    for n, port in ((1, 0), (2, 47731)):
+    for n, port in ((1, 0), (2, ring_port())):
         out = tmp_path / f"frontier{n}.json"
         done = kvtrans(["eval", "frontier", "--translator", "qwen3-large__qwen3-small-distilled",
                         "--lengths", "48,96", "--rereads", "8", "--prompts", "3", "--needles",

@@ -19,6 +19,7 @@ import mlx.core as mx
 
 from mlx_kvtrans import capture, load, load_translator
 from mlx_kvtrans.sharding import shards_of
+from conftest import ring_port
 
 WORKER = Path(__file__).with_name("sharded_worker.py")
 
@@ -35,19 +36,18 @@ def run_sharded(tmp_path: Path, port: int, *args: str) -> list[dict]:
 
 
 @pytest.mark.slow  # spawns processes through mlx.launch
-@pytest.mark.parametrize("kind, source, target, translator, sink, sharded, port", [
+@pytest.mark.parametrize("kind, source, target, translator, sink, sharded", [
     # every layer's heads split in two (qwen3-large's 2 KV heads: one each), both models
-    ("tensor", "qwen3-small", "qwen3-large", "qwen3-small__qwen3-large-distilled", 0, "both",
-     47611),
+    ("tensor", "qwen3-small", "qwen3-large", "qwen3-small__qwen3-large-distilled", 0, "both"),
     # layers split in two: one process holds the GDN layers, the other the attention layers
-    ("pipeline", "qwen3.5-a", "qwen3.5-b", "qwen3.5-a__qwen3.5-b-distilled", 4, "both",
-     47621),
+    ("pipeline", "qwen3.5-a", "qwen3.5-b", "qwen3.5-a__qwen3.5-b-distilled", 4, "both"),
     # MLA latents and indexer keys, each on the process that holds their layer
-    ("pipeline", "qwen3.5-a", "dsa", "qwen3.5-a__dsa-distilled", 0, "target", 47631),
+    ("pipeline", "qwen3.5-a", "dsa", "qwen3.5-a__dsa-distilled", 0, "target"),
 ])
 def test_sharded_models_translate_as_their_unsharded_twins(tmp_path, kind, source, target,
-                                                           translator, sink, sharded, port):
-    ranks = run_sharded(tmp_path, port, kind, source, target, translator, str(sink), sharded)
+                                                           translator, sink, sharded):
+    ranks = run_sharded(tmp_path, ring_port(), kind, source, target, translator, str(sink),
+                        sharded)
     held = [set(r["layers"]) for r in ranks]
     for rank in ranks:
         assert rank["kind"] == kind and rank["size"] == 2
@@ -181,11 +181,11 @@ def _conversation(url: str, small: str, large: str, settle) -> list[tuple[str, s
 
 
 @pytest.mark.slow  # spawns processes through mlx.launch
-@pytest.mark.parametrize("kind, small, large, port", [
-    ("tensor", "qwen3-small", "qwen3-large", 47641),
-    ("pipeline", "qwen3.5-a", "qwen3.5-b", 47651),
+@pytest.mark.parametrize("kind, small, large", [
+    ("tensor", "qwen3-small", "qwen3-large"),
+    ("pipeline", "qwen3.5-a", "qwen3.5-b"),
 ])
-def test_a_sharded_server_answers_as_its_unsharded_twin(tmp_path, kind, small, large, port):
+def test_a_sharded_server_answers_as_its_unsharded_twin(tmp_path, kind, small, large):
     """`mlx.launch -n 2 kvtrans serve --shard KIND`: process 0 answers HTTP, both decode their
     shares in step; the replies and handoffs are the unsharded server's, also after a client
     left mid-reply and a sampled reply, and Ctrl-C ends every process."""
@@ -203,7 +203,7 @@ def test_a_sharded_server_answers_as_its_unsharded_twin(tmp_path, kind, small, l
         expected = _conversation(twin, small, large, engine.settle)
     assert [h for _, h in expected][:4] == ["none", "applied", "reused", "applied"]
 
-    group, url = _launch_server(tmp_path, port, [small, large], kind)
+    group, url = _launch_server(tmp_path, ring_port(), [small, large], kind)
     try:  # the zoo's idle work takes well under a second
         answered = _conversation(url, small, large, lambda: time.sleep(1.0))
         assert answered == expected
@@ -215,14 +215,14 @@ def test_a_sharded_server_answers_as_its_unsharded_twin(tmp_path, kind, small, l
 
 @pytest.mark.slow  # spawns processes through mlx.launch
 @pytest.mark.skipif(sys.platform != "linux", reason="finds a rank's process in /proc")
-@pytest.mark.parametrize("rank, port", [(0, 47661), (1, 47671)])
-def test_a_sharded_server_ends_when_one_of_its_processes_dies(tmp_path, rank, port):
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_sharded_server_ends_when_one_of_its_processes_dies(tmp_path, rank):
     """A process killed outright breaks the group: the other ends at once and says why (the
     follower as it exits, process 0 in its log), rather than wait in a collective or out the
     follower's grace."""
     import signal
 
-    group, _ = _launch_server(tmp_path, port, ["qwen3.5-a"], "pipeline")
+    group, _ = _launch_server(tmp_path, ring_port(), ["qwen3.5-a"], "pipeline")
     try:
         os.kill(_rank_pid(group.pid, rank), signal.SIGKILL)
     except BaseException:
@@ -244,7 +244,7 @@ def test_a_sharded_server_ends_when_a_process_dies_while_it_streams(tmp_path):
 
     from mlx_kvtrans.serve.app import SHARDED_GRACE
 
-    group, url = _launch_server(tmp_path, 47681, ["qwen3.5-a"], "pipeline")
+    group, url = _launch_server(tmp_path, ring_port(), ["qwen3.5-a"], "pipeline")
     try:
         conn = http.client.HTTPConnection(url.split("//")[1], timeout=SHARDED_GRACE + 60)
         body = {"model": "qwen3.5-a", "max_tokens": 4000, "stream": True,
