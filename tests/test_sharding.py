@@ -221,9 +221,14 @@ def test_a_sharded_server_ends_when_one_of_its_processes_dies(tmp_path, rank):
     follower as it exits, process 0 in its log), rather than wait in a collective or out the
     follower's grace."""
     import signal
+    import urllib.request
 
-    group, _ = _launch_server(tmp_path, ring_port(), ["qwen3.5-a"], "pipeline")
-    try:
+    group, url = _launch_server(tmp_path, ring_port(), ["qwen3.5-a"], "pipeline")
+    try:  # one answer first: both processes run in step (process 0 answers health sooner)
+        ask = urllib.request.Request(f"{url}/v1/completions", json.dumps(
+            {"model": "qwen3.5-a", "prompt": "Hi", "max_tokens": 1}).encode(),
+            {"Content-Type": "application/json"})
+        assert urllib.request.urlopen(ask, timeout=120).status == 200
         os.kill(_rank_pid(group.pid, rank), signal.SIGKILL)
     except BaseException:
         _kill_group(group)
