@@ -32,7 +32,6 @@ checkpoint there); figures to benchmarks/results/ideas.{json,md}.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import shutil
 import time
@@ -45,6 +44,7 @@ from frontier import BAR_LENGTHS, ZOO_LENGTHS, loaded
 from mlx_kvtrans.calibrate import calibrate_directory
 from mlx_kvtrans.errors import KvtransError
 from mlx_kvtrans.evaluation import frontier as fr
+from mlx_kvtrans.files import sha256_file
 from mlx_kvtrans.models import held_out_split, weights_dir
 from mlx_kvtrans.translators import artifact
 from mlx_kvtrans.translators.distill import DistillConfig
@@ -270,8 +270,7 @@ def ship(idea: Idea, models: dict) -> Path:
 def shipped_key(start: str) -> tuple[str, str]:
     """(the results key of the translator `start` as shipped now, its weights' digest): an
     idea is measured against the weights it started from, which a kept idea may replace."""
-    weights = artifact.resolve(start) / "weights.safetensors"
-    digest = hashlib.sha256(weights.read_bytes()).hexdigest()[:12]
+    digest = sha256_file(artifact.resolve(start) / "weights.safetensors")[:12]
     return f"shipped:{start}@{digest}", digest
 
 

@@ -95,9 +95,14 @@ def check_supported(model_type: str) -> None:
             f"model_type {model_type!r} is not supported; supported families: {families}")
 
 
+def mixer_of(layer: nn.Module) -> nn.Module | None:
+    """A decoder layer's token mixer: its linear or softmax attention module."""
+    return layer["linear_attn"] if "linear_attn" in layer else layer.get("self_attn")
+
+
 def layer_cache(layer: nn.Module) -> LayerCache:
     """The cache of one decoder layer, recognised by the modules it is built from."""
-    mixer = layer["linear_attn"] if "linear_attn" in layer else layer.get("self_attn")
+    mixer = mixer_of(layer)
     if mixer is None:
         raise UnsupportedModelError(f"layer {type(layer).__name__} has no attention module")
     if "kv_a_proj_with_mqa" in mixer:

@@ -58,7 +58,7 @@ from ..capture import capture
 from ..errors import KvtransError
 from ..install import install
 from ..capture.instrument import chunked_recurrence, recording_indexer_scores
-from ..layouts import CapturePoint, layout_of
+from ..layouts import CapturePoint, layout_of, mixer_of
 from .attention_weights import recording_attention_probabilities
 from .fidelity import kl_per_token
 from .translator import Translator, after
@@ -132,8 +132,8 @@ def recording_mixer_outputs(model):
     found: list[mx.array] = []
     with contextlib.ExitStack() as stack:
         for layer in model.layers:
-            mixer = layer["linear_attn"] if "linear_attn" in layer else layer["self_attn"]
-            stack.enter_context(hook_module(mixer, after=lambda m, a, k, out: found.append(out)))
+            stack.enter_context(hook_module(mixer_of(layer),
+                                            after=lambda m, a, k, out: found.append(out)))
         yield found
 
 
