@@ -1,7 +1,8 @@
 """`kvtrans serve` under a client: the time to first token of a request that moves a
 conversation to the other model, through translation and, on the same server started with
---no-translate, through re-reading, side by side at 1K-8K tokens of history; then requests/s
-and p50 / p95 latency as 1-8 clients share the same requests (batched decoding). Writes
+--no-translate, through re-reading, side by side at 1K-8K tokens of history; and, first on the
+translating server, requests/s and p50 / p95 latency as 1-8 clients share the same requests
+(batched decoding). Writes
 benchmarks/results/serve.{json,md}.
 
 Each server is `kvtrans serve` in its own process (the zoo pair kimi-linear / kimi-vl, shipped
@@ -16,7 +17,8 @@ after the previous answer (the server translates ahead meanwhile) beside a same-
 follow-up made as long after, and a user who edits their last turn on the hybrid (the share of
 the prompt reported as cached tokens).
 
-    python benchmarks/serve.py [--lengths 1024,2048,4096,8192] [--repeats 3] [--idle 3]
+    python benchmarks/serve.py [--lengths 1024,2048,4096,8192] [--repeats 3] [--rounds 5]
+                               [--idle 3]
                                [--clients 1,2,4,8] [--conversations 8] [--turns 4] [--reply 32]
 """
 
@@ -184,12 +186,34 @@ def load(port: int, clients: int, conversations: int, turns: int, reply: int,
             "p95_ms": round(ordered[min(len(ordered) - 1, int(len(ordered) * 0.95))] * 1000, 1)}
 
 
-def measure(translate: bool, lengths: list[int], repeats: int, clients: list[int],
+def batching(port: int, clients: list[int], rounds: int, conversations: int, turns: int,
+             reply: int) -> list[dict]:
+    """Per number of clients, the median of `rounds` rounds, each on new conversations; the
+    rounds interleave the numbers of clients, so that none runs on a store the others left
+    fuller."""
+    runs = {k: [] for k in clients}
+    for r in range(rounds):
+        for k in clients:
+            runs[k].append(load(port, k, conversations, turns, reply, f"load-{k}-{r}"))
+    rows = []
+    for k in clients:
+        row = sorted(runs[k], key=lambda row: row["seconds"])[rounds // 2]
+        row["seconds_range"] = [min(r["seconds"] for r in runs[k]),
+                                max(r["seconds"] for r in runs[k])]
+        row["speedup"] = round(rows[0]["seconds"] / row["seconds"], 2) if rows else 1.0
+        rows.append(row)
+        print(f"{k} clients: {row}", flush=True)
+    return rows
+
+
+def measure(translate: bool, lengths: list[int], repeats: int, rounds: int, clients: list[int],
             conversations: int, turns: int, reply: int, tokenizer, idle: float) -> dict:
     mode = "translate" if translate else "reprefill"
     result = {}
     with served(translate) as port:
         switch(port, history_text(tokenizer, 256), f"{mode}-warmup")
+        if translate:  # batching, at the default flags, before the sections below leave work
+            result["load"] = batching(port, clients, rounds, conversations, turns, reply)
         rows = {}
         for length in lengths:
             history = history_text(tokenizer, length)
@@ -212,16 +236,6 @@ def measure(translate: bool, lengths: list[int], repeats: int, clients: list[int
                 print(f"after {idle:g} s idle, {length} tokens: handoff / follow-up "
                       f"{pair['ratio']}; edited turn cached "
                       f"{result['edited'][length]['cached_share']:.2f}", flush=True)
-        if translate:  # batching, at the default flags
-            result["load"] = []
-            for k in clients:  # the median round of `repeats`, each on new conversations
-                rounds = sorted((load(port, k, conversations, turns, reply, f"load-{k}-{r}")
-                                 for r in range(repeats)), key=lambda row: row["seconds"])
-                row = rounds[len(rounds) // 2]
-                row["speedup"] = round(result["load"][0]["seconds"] / row["seconds"], 2) \
-                    if result["load"] else 1.0
-                result["load"].append(row)
-                print(f"{k} clients: {row}", flush=True)
     return {"switch": rows, **result}
 
 
@@ -256,18 +270,22 @@ def write_markdown(results: dict) -> None:
         lines.append(f"| {length} | {pair['handoff']['client_ttft_ms']:.1f} | "
                      f"{pair['follow_up']['client_ttft_ms']:.1f} | {pair['ratio']:.2f} | "
                      f"{', '.join(pair['handoff']['status'])} | {edit['cached_share']:.2f} |")
-    lines += ["", f"Batching, on the translating server: {results['conversations']} "
+    lines += ["", f"Batching, on the translating server as it starts (before the sections "
+              "above, whose long conversations leave re-reads for its idle time): "
+              f"{results['conversations']} "
               f"conversations of {results['turns']} turns (alternating models, "
               f"{results['reply']}-token replies), shared among the clients, each sending its "
               "conversations one after another; the same requests in every row, sent "
-              f"{results['repeats']} times on new conversations, the median round shown. "
+              f"{results['rounds']} times on new conversations (the rounds interleaving the "
+              "numbers of clients), the median round shown with the fastest and slowest. "
               "**Speed-up**: the one-client time over this row's.\n",
-              "| clients | requests | seconds | requests/s | p50 ms | p95 ms | speed-up |",
-              "|---|---|---|---|---|---|---|"]
+              "| clients | requests | seconds | fastest - slowest round | requests/s | p50 ms "
+              "| p95 ms | speed-up |", "|---|---|---|---|---|---|---|---|"]
     for row in t["load"]:
+        fastest, slowest = row.get("seconds_range", [row["seconds"]] * 2)
         lines.append(f"| {row['clients']} | {row['requests']} | {row['seconds']} | "
-                     f"{row['requests_per_second']} | {row['p50_ms']} | {row['p95_ms']} | "
-                     f"{row['speedup']:.2f}x |")
+                     f"{fastest} - {slowest} | {row['requests_per_second']} | {row['p50_ms']} "
+                     f"| {row['p95_ms']} | {row['speedup']:.2f}x |")
     (OUT / "serve.md").write_text("\n".join(lines) + "\n")
 
 
@@ -275,6 +293,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", default="1024,2048,4096,8192")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5, help="of the batching section")
     parser.add_argument("--clients", default="1,2,4,8")
     parser.add_argument("--conversations", type=int, default=8)
     parser.add_argument("--turns", type=int, default=4, help="per conversation")
@@ -287,13 +306,14 @@ def main() -> None:
     busy = os.getloadavg()[0]  # other work on the machine slows the re-reads most
     started = time.perf_counter()
     clients = [int(x) for x in args.clients.split(",")]
-    results = {mode: measure(mode == "translate", lengths, args.repeats, clients,
+    results = {mode: measure(mode == "translate", lengths, args.repeats, args.rounds, clients,
                              args.conversations, args.turns, args.reply, tokenizer, args.idle)
                for mode in ("translate", "reprefill")}
     report = blas_report()
     results = json.loads(json.dumps(results))  # lengths become the JSON's string keys
     results.update(blas=f"{report.name}, float32 matmul {report.gflops:.0f} GFLOP/s",
-                   lengths=lengths, repeats=args.repeats, clients=clients, idle=args.idle,
+                   lengths=lengths, repeats=args.repeats, rounds=args.rounds, clients=clients,
+                   idle=args.idle,
                    conversations=args.conversations, turns=args.turns, reply=args.reply,
                    models=[SOURCE, TARGET], cores=os.cpu_count(),
                    load_average=round(busy, 1),

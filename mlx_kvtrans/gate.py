@@ -58,14 +58,14 @@ class Tail:
         return Tail(later.rows[drop:], later.start + drop, later.generated[drop:])
 
 
-def tail_of(rows: mx.array | None, end: int, first_generated: int | None = None
+def tail_of(rows: mx.array | None, end: int, generated: range | None = None
             ) -> Tail | None:
-    """A Tail of `rows` ending after conversation token `end - 1`; tokens from
-    `first_generated` on were sampled by the model."""
+    """A Tail of `rows` ending after conversation token `end - 1`; the tokens at positions
+    `generated` were sampled by the model."""
     if rows is None:
         return None
     start = end - rows.shape[0]
-    return Tail(rows, start, tuple(first_generated is not None and p + 1 >= first_generated
+    return Tail(rows, start, tuple(generated is not None and p + 1 in generated
                                    for p in range(start, end)))
 
 

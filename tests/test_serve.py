@@ -379,8 +379,10 @@ def test_a_fault_inside_a_generation_is_a_500_and_every_cache_stays_usable(serve
     assert report(ask(c, HYBRID, kept))["status"] == "reused"
 
 
-def refused_ahead(served, monkeypatch, conversation: str, text: str, parts_run: int = 0):
-    """The gate forced to refuse, READ_PART 16: the hybrid answers `text` and its conversation
+def refused_ahead(served, monkeypatch, conversation: str, text: str, parts_run: int = 0,
+                  read_part: int = 16):
+    """The gate forced to refuse, READ_PART `read_part`: the hybrid answers `text` and its
+    conversation
     is translated ahead to the full-MLA model, refused, and re-read in parts (all of them, or
     only the first `parts_run`: requests keep the worker busy after them). Returns (the reply,
     the line's length at each part, the tokens read so far, the messages to send on)."""
@@ -389,7 +391,7 @@ def refused_ahead(served, monkeypatch, conversation: str, text: str, parts_run: 
 
     engine, url = served
     monkeypatch.setattr(gate, "threshold", lambda *args, **kwargs: (-1e9, ""))
-    monkeypatch.setattr(engine_module, "READ_PART", 16)
+    monkeypatch.setattr(engine_module, "READ_PART", read_part)
     parts, read_ahead = [], engine_module.Engine._read_ahead
 
     def counted(self, *args):
@@ -411,7 +413,7 @@ def refused_ahead(served, monkeypatch, conversation: str, text: str, parts_run: 
 
 def test_a_gate_fired_ahead_is_reread_in_parts_a_request_can_come_between(served, monkeypatch):
     """Translating ahead that the gate refuses does not re-read the conversation in one job:
-    it reads READ_PART tokens per idle job (a request waits for one part at most), and the
+    it reads at most READ_PART tokens per idle job (a request waits for one part at most), and the
     next request finds the whole re-read made ahead, with the gate's reason."""
     _, parts, read, messages = refused_ahead(served, monkeypatch, "refused",
                                              "Refused ahead: the beacon is 415926. " * 6)
@@ -419,6 +421,51 @@ def test_a_gate_fired_ahead_is_reread_in_parts_a_request_can_come_between(served
     fields = report(ask(client(served[1]), FULL, messages, max_tokens=4, conversation="refused"))
     assert fields["status"] == "fallback_reprefill" and "fidelity gate" in fields["reason"]
     assert fields["tokens_reread"] == read and fields["ahead_ms"] > 0
+
+
+def test_a_follow_up_before_the_reply_is_read_in_reads_it_as_the_models_own(served,
+                                                                           monkeypatch):
+    """While other requests are busy a reply is read into its conversation in idle time; a
+    follow-up that comes first reads the reply with its own turn in one read, and marks the
+    reply's tokens as the model's own samples for the gate, as the reply's own read would."""
+    from mlx_kvtrans.serve import engine as engine_module
+    from mlx_kvtrans.session import decode
+
+    engine, url = served
+    monkeypatch.setattr(engine_module.Engine, "_read_reply", lambda self, *args: None)
+    c, conversation = client(url), "follow-up-first"
+    messages = [{"role": "user", "content": "Before the reply is read: the beacon is 577215."}]
+    first = ask(c, HYBRID, messages, max_tokens=8, conversation=conversation)
+    engine.settle()
+    reads, read = [], decode.read
+
+    def recorded(session, line, upto, whole=False, split_at=None, generated=None):
+        reads.append((line.name, line.seen, upto, generated))
+        return read(session, line, upto, whole, split_at, generated)
+
+    monkeypatch.setattr(decode, "read", recorded)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "And?"}]
+    second = ask(c, HYBRID, messages, max_tokens=1, conversation=conversation)
+    replied = first.usage.prompt_tokens  # where the reply begins; its line holds one less
+    assert report(second)["tokens_new"] == second.usage.prompt_tokens - (replied - 1)
+    sampled = [g for name, seen, upto, g in reads if name == HYBRID and seen <= replied < upto]
+    assert sampled and sampled[0].start == replied
+    assert 0 < len(sampled[0]) <= first.usage.completion_tokens
+
+
+def test_an_idle_reread_goes_in_parts_paced_to_take_little_time(served, monkeypatch):
+    """A part of a re-read ahead is sized from the last part's pace (deep in a long
+    conversation a part of READ_PART tokens takes most of a second): with an aim no read can
+    meet, every part after the first is the smallest, 16 tokens."""
+    from mlx_kvtrans.serve import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "IDLE_PART_SECONDS", 1e-9)
+    _, parts, read, _ = refused_ahead(served, monkeypatch, "paced",
+                                      "Paced: the beacon is 161803. " * 12, read_part=512)
+    first = engine_module.FIRST_IDLE_PART
+    assert read > first + 16
+    assert parts == [0, *range(first, read, 16)]
 
 
 def test_a_request_during_a_reread_ahead_reads_on_without_translating_again(served,

@@ -8,7 +8,8 @@ prefix of its prompt (`store`), hand it to the requested model when another mode
 re-read), read the rest of the prompt but its last token in parts (a hybrid takes checkpoints),
 put the entry back, then decode in the model's batch with every other request decoding on it
 (`batching`), streaming text events. Reading parts and decoding steps take turns on the worker.
-After a reply, the model reads it into the entry, and idle time translates ahead.
+After a reply the model reads it into the entry (while other requests are busy, in idle time:
+a follow-up that comes first reads it with its own turn), then idle time translates ahead.
 A fault fails that request only: its entry is not put back, every other stays as it was.
 """
 
@@ -36,6 +37,10 @@ from .store import ConversationStore, Entry, Match, trimmable
 
 SNAPSHOT_EVERY = 1024  # tokens of a long read between a hybrid's snapshots
 READ_PART = 512  # tokens of a prompt read between two decoding steps
+# a re-read in idle time goes in parts of about this long (a request that comes waits for one):
+# a part of READ_PART tokens deep in a long conversation takes most of a second
+IDLE_PART_SECONDS = 0.25
+FIRST_IDLE_PART = 128  # tokens, until a part has measured the pace
 
 
 class Engine:
@@ -333,15 +338,21 @@ class Engine:
         finished = Finished(decoding.reason, len(job.prompt), len(decoding.tokens),
                             decoding.handoff, decoding.entry)
         self.metrics.count_generation(job.model, finished)
-        # queued before the reply goes out: a follow-up the client sends finds it read in
-        self._worker.later(self._read_reply, decoding.entry, job, decoding.tokens)
+        decoding.entry.reply = (job.model, len(job.prompt), decoding.tokens)
+        if len(self.batches) or self.queue_depth:
+            # busy: in idle time, which the follow-up usually beats, reading the reply with
+            # its own turn in one forward
+            self._worker.submit_idle(self._read_reply, decoding.entry, job, decoding.tokens)
+        else:  # queued before the reply goes out: a follow-up finds it read in
+            self._worker.later(self._read_reply, decoding.entry, job, decoding.tokens)
         decoding.emit(finished)
 
     def _read_reply(self, entry: Entry, job: Generation, reply: list[int]) -> None:
-        """The model reads its reply into the conversation's cache (the batch decoded on a
-        copy), recording what its translators need at prefill speed, so a follow-up that sends
-        the reply back reads only what is new; then, in idle time, the conversation is
-        translated ahead. Skipped when a request has taken the conversation or moved it on."""
+        """After a reply (in idle time when other requests are busy): the model reads it into
+        the conversation's cache (the batch decoded on a copy), recording what its translators
+        need at prefill speed, so a follow-up that sends the reply back reads only what is new;
+        then, in idle time, the conversation is translated ahead. Skipped when a request has
+        taken the conversation or moved it on (its prompt read the reply)."""
         if not self.store.take(entry):
             return
         session, line = entry.session, entry.session.lines[job.model]
@@ -350,7 +361,7 @@ class Engine:
             try:
                 session.active = job.model
                 session.add(reply)
-                session.read(line, len(session.tokens) - 1, generated_from=len(job.prompt))
+                session.read(line, len(session.tokens) - 1, generated=entry.sampled(job.model))
             except Exception:  # the entry, half-written, is not put back
                 logging.getLogger(__name__).exception("reading a reply in failed")
                 return
@@ -431,10 +442,12 @@ class Engine:
         finally:
             self.store.checkin(entry, set())
 
-    def _read_ahead(self, entry: Entry, target: str, moment: tuple) -> None:
-        """One part, READ_PART tokens, of a re-read that translating ahead fell back to
-        (`Session.refuse`), then the next part in later idle time: a request that comes waits
-        for one part at most, and its switch re-reads what is left. Stops once the
+    def _read_ahead(self, entry: Entry, target: str, moment: tuple,
+                    part: int = FIRST_IDLE_PART) -> None:
+        """One part of a re-read that translating ahead fell back to (`Session.refuse`), then
+        the next part in later idle time: a request that comes waits for one part at most, and
+        its switch re-reads what is left. A part is `part` tokens (at most READ_PART), the next
+        one sized from this one's pace to take about IDLE_PART_SECONDS. Stops once the
         conversation moved on from `moment` (its active model and length)."""
         session = entry.session
         if (self.queue_depth or not self.residency.is_resident(target)
@@ -444,12 +457,15 @@ class Engine:
             if (session.active, len(session.tokens)) != moment or target not in session.refused:
                 return
             line, end = session.lines[target], session.lines[session.active].seen
-            started = time.perf_counter()
+            started, part = time.perf_counter(), min(part, READ_PART)
             if line.seen < end:
-                session.read(line, min(end, line.seen + READ_PART))
-            session.refused[target][0].translate_seconds += time.perf_counter() - started
+                session.read(line, min(end, line.seen + part))
+            took = time.perf_counter() - started
+            session.refused[target][0].translate_seconds += took
             if line.seen < end:
-                self._worker.submit_idle(self._read_ahead, entry, target, moment)
+                paced = int(part * IDLE_PART_SECONDS / max(took, 1e-3))
+                self._worker.submit_idle(self._read_ahead, entry, target, moment,
+                                         max(16, paced))
                 return
             session.keep_reread(target)
             if not self.trimmable[target]:
@@ -486,7 +502,7 @@ class Engine:
         for stop in sorted({*snapshots, *range(seen + READ_PART, end, READ_PART), end}):
             if stop <= line.seen:
                 continue
-            session.read(line, stop)
+            session.read(line, stop, generated=entry.sampled(job.model))
             if stop in snapshots:
                 entry.checkpoint(job.model)
             if stop < end:

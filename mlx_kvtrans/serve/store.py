@@ -54,6 +54,20 @@ class Entry:
     # model -> position -> the line's gate tail and state snapshots there
     marks: dict[str, dict[int, tuple]] = field(default_factory=dict)
     used: dict[str, int] = field(default_factory=dict)  # model -> store clock at its last use
+    # model -> `line_bytes`, as measured when the entry was last put in the store (where
+    # nothing writes to it): eviction weighs every line at every check-in
+    sizes: dict[str, int] = field(default_factory=dict)
+    # (model, position, tokens) of the last reply, decoded on a copy of the cache: that model's
+    # line reads it later (in idle time, or with the follow-up) and marks it as sampled
+    reply: tuple[str, int, list[int]] | None = None
+
+    def sampled(self, name: str) -> range | None:
+        """The positions of the entry's tokens that `name` sampled as its last reply (a reply
+        sent back as text may tokenise otherwise from some point: up to there)."""
+        if self.reply is None or self.reply[0] != name:
+            return None
+        _, start, reply = self.reply
+        return range(start, start + common_prefix(self.tokens[start:], reply))
 
     @property
     def tokens(self) -> list[int]:
@@ -118,6 +132,7 @@ class Entry:
             marks.pop(p, None)
 
     def drop(self, name: str) -> None:
+        self.sizes.pop(name, None)
         self.session.lines[name].reset()
         self.session.prepared.pop(name, None)
         self.session.refused.pop(name, None)
@@ -135,15 +150,11 @@ class Entry:
         return (sum(c.nbytes for c in line.cache) + line.recorded_bytes() + line.kept_bytes()
                 + snapshots)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(self.line_bytes(n) for n in self.live())
-
     def fork(self, new_id: str, session: Session, limit: int) -> "Entry":
         """A copy holding what each line can keep within `limit` tokens; lines that would keep
         nothing are not copied. Recorded spans, gate tails and snapshots are never written
         into, so the copy shares them."""
-        twin = Entry(new_id, self.group, session, self.conversation)
+        twin = Entry(new_id, self.group, session, self.conversation, reply=self.reply)
         session.tokens = list(self.tokens)
         session.active = self.session.active
         for name, line in self.session.lines.items():
@@ -247,6 +258,7 @@ class ConversationStore:
             tick = next(self._clock)
             for name in models:
                 entry.used[name] = tick
+            entry.sizes = {name: entry.line_bytes(name) for name in entry.live()}
             if entry.live():
                 self._entries.append(entry)
             self._evict()
@@ -257,7 +269,7 @@ class ConversationStore:
 
     def _evict(self) -> None:
         lines = [(e, n) for e in self._entries for n in e.live()]
-        sizes = [e.line_bytes(n) for e, n in lines]
+        sizes = [e.sizes[n] for e, n in lines]
         if self.shared_sizes is not None:
             sizes = self.shared_sizes(sizes)
         size_of = {(id(e), n): size for (e, n), size in zip(lines, sizes)}
@@ -278,7 +290,7 @@ class ConversationStore:
             for entry in self._entries:
                 for name in entry.live():
                     lines[name] = lines.get(name, 0) + 1
-            return {"bytes": sum(e.nbytes for e in self._entries),
+            return {"bytes": sum(sum(e.sizes.values()) for e in self._entries),
                     "conversations": len(self._entries), "lines": lines,
                     "evictions": self.evictions}
 

@@ -126,9 +126,10 @@ class Session:
             line.own_recorded[0] += capture_bytes(part)
             line.own_recorded[1] += part.length
 
-    def keep_tail(self, line: CacheLine, rows, end: int, first_generated: int | None = None):
-        """Hold the final-norm `rows` of the tokens `line` read up to `end`."""
-        tail = gate.tail_of(rows, end, first_generated)
+    def keep_tail(self, line: CacheLine, rows, end: int, generated: range | None = None):
+        """Hold the final-norm `rows` of the tokens `line` read up to `end` (`generated`: the
+        positions of tokens it sampled)."""
+        tail = gate.tail_of(rows, end, generated)
         if tail is not None:
             line.tail = tail if line.tail is None else line.tail.then(tail, self.tail_rows)
 
@@ -173,9 +174,9 @@ class Session:
 
     # -- the conversation ---------------------------------------------------------------------
     def read(self, line: CacheLine, upto: int, whole: bool = False,
-             split_at: int | None = None, generated_from: int | None = None):
+             split_at: int | None = None, generated: range | None = None):
         """Let `line`'s model read conversation tokens [seen, upto) (see `decode.read`)."""
-        return decode.read(self, line, upto, whole, split_at, generated_from)
+        return decode.read(self, line, upto, whole, split_at, generated)
 
     def _finish_turn(self) -> None:
         """End a generation whose iterator is still open (as closing it would)."""

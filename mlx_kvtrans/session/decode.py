@@ -35,7 +35,7 @@ RECORD_POINTS = (CapturePoint.RAW, CapturePoint.NORMED)
 
 
 def read(session: Session, line: CacheLine, upto: int, whole: bool = False,
-         split_at: int | None = None, generated_from: int | None = None) -> Tail | None:
+         split_at: int | None = None, generated: range | None = None) -> Tail | None:
     """Let `line`'s model read conversation tokens [seen, upto), keeping what it records, the
     final-norm rows of the last of them and (when it keeps states) a snapshot at each of its
     handoff marks before the end.
@@ -44,8 +44,8 @@ def read(session: Session, line: CacheLine, upto: int, whole: bool = False,
     token (the next token's, for `decode`) and returning the final-norm rows of every token
     read (a switch's gate reads them); what it records is kept as two spans, split at
     `split_at` (where a switch's span ends), so that each can be dropped when read.
-    `generated_from`: the tokens from there on were sampled by this model (a reply decoded
-    elsewhere, read in now), which the gate's tail marks."""
+    `generated`: the positions of tokens this model sampled (a reply decoded elsewhere, read
+    in now), which the gate's tail marks."""
     if upto <= line.seen:
         return None
     from mlx_lm.models.cache import make_prompt_cache
@@ -61,15 +61,15 @@ def read(session: Session, line: CacheLine, upto: int, whole: bool = False,
         # a snapshot at each place a translation from this line may stop (`handoff_marks`)
         for mark in session.handoff_marks(line.name):
             if upto - line.seen > mark:
-                _read_part(session, line, upto - mark, generated_from=generated_from)
+                _read_part(session, line, upto - mark, generated=generated)
                 session.snapshot(line)
     session.snapshot(line)
-    _read_part(session, line, upto, generated_from=generated_from)
+    _read_part(session, line, upto, generated=generated)
     session.snapshot(line)
 
 
 def _read_part(session: Session, line: CacheLine, upto: int, whole: bool = False,
-               split_at: int | None = None, generated_from: int | None = None) -> Tail | None:
+               split_at: int | None = None, generated: range | None = None) -> Tail | None:
     start = line.seen
     keep = upto - start if whole else session.tail_rows
     with contextlib.ExitStack() as stack:
@@ -93,9 +93,9 @@ def _read_part(session: Session, line: CacheLine, upto: int, whole: bool = False
     line.next_logits = cap.last_logits[0] if whole else None
     if rows is None:
         return None
-    read_rows = tail_of(rows.last(min(keep, upto - start)), upto, generated_from)
+    read_rows = tail_of(rows.last(min(keep, upto - start)), upto, generated)
     if read_rows is not None:
-        session.keep_tail(line, read_rows.rows, upto, generated_from)
+        session.keep_tail(line, read_rows.rows, upto, generated)
     return read_rows
 
 
@@ -202,7 +202,7 @@ def _continue(session: Session, line: CacheLine, max_tokens: int, temperature: f
                 if rows is not None:
                     session.keep_tail(line, rows.last(min(session.tail_rows,
                                                           read_upto - tail_from)),
-                                      read_upto, first_generated=prompt_end)
+                                      read_upto, range(prompt_end, len(tokens)))
                 session.snapshot(line)
 
 
