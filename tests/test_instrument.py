@@ -10,7 +10,8 @@ import pytest
 
 import mlx_kvtrans as kv
 from mlx_kvtrans.capture import capture, tapped
-from mlx_kvtrans.capture.instrument import (chunked_recurrence, hook_module, observe_function,
+from mlx_kvtrans.capture.instrument import (chunked_recurrence, final_norm, head_on_last_token,
+                                            hook_module, observe_function, recording_final_rows,
                                             recording_indexer_scores)
 from mlx_kvtrans.tools.verify import max_abs_diff
 
@@ -46,6 +47,25 @@ def test_capture_records_recurrence_inputs_nested_with_the_chunked_recurrence(lo
     for a, b in zip(reference, nested):
         for x, y in zip(a.arrays(), b.arrays()):
             assert x.shape == y.shape and max_abs_diff(x, y) <= 1e-5
+
+
+@pytest.mark.parametrize("family", ["qwen3", "kimi_linear", "deepseek_v32"])
+def test_a_capture_pays_the_output_head_for_its_last_token_only(loaded, family):
+    """Under `head_on_last_token` a forward returns its last token's logits alone, equal to
+    the whole forward's, while a hook on the final norm still reads every row; a capture's
+    last logits and cache are those of a plain forward."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model = loaded(family).model
+    ids = tokens(24)
+    whole = model(ids, cache=make_prompt_cache(model))
+    with recording_final_rows(model, 24) as rows, head_on_last_token(model):
+        last = model(ids, cache=make_prompt_cache(model))
+    assert last.shape[1] == 1 and rows.last(24).shape[0] == 24
+    assert max_abs_diff(last[:, -1], whole[:, -1]) < 1e-4
+    cap = capture(model, ids, points=(1,))
+    assert max_abs_diff(cap.last_logits, whole[:, -1]) < 1e-4
+    assert not type(final_norm(model)).__name__.startswith("Hooked")
 
 
 def test_hooks_leave_classes_and_functions_as_they_were(loaded):

@@ -3,7 +3,8 @@
 Two kinds of hook, each kept as a list per target so that any number of them can be active at
 once and each one leaves exactly as it came:
 
-- module hooks (`hook_module`): callbacks before and/or after one module instance's `__call__`.
+- module hooks (`hook_module`): callbacks before and/or after one module instance's `__call__`,
+  and transforms of its output (applied in the order entered, after the callbacks).
   The instance's class is swapped, once, for a subclass that runs the callbacks (assigning a
   wrapper module would rename or drop its weights); the last hook to leave swaps it back.
 - function hooks on a name that mlx-lm's model files look up at call time
@@ -26,9 +27,10 @@ import numpy as np
 
 from ..layouts import gated_delta
 
-# before(module, args, kwargs); after(module, args, kwargs, output)
+# before(module, args, kwargs); after(module, args, kwargs, output); transform(output) -> output
 Before = Callable[[nn.Module, tuple, dict], None]
 After = Callable[[nn.Module, tuple, dict, Any], None]
+Transform = Callable[[Any], Any]
 
 
 class _ModuleHooks:
@@ -36,6 +38,11 @@ class _ModuleHooks:
         self.base = base
         self.before: list[Before] = []
         self.after: list[After] = []
+        self.transforms: list[Transform] = []
+
+    @property
+    def idle(self) -> bool:
+        return not self.before and not self.after and not self.transforms
 
 
 def _hooked_call(self, *args, **kwargs):
@@ -45,6 +52,8 @@ def _hooked_call(self, *args, **kwargs):
     out = hooks.base.__call__(self, *args, **kwargs)
     for after in list(hooks.after):
         after(self, args, kwargs, out)
+    for transform in list(hooks.transforms):
+        out = transform(out)
     return out
 
 
@@ -59,22 +68,23 @@ def _hooks_of(module: nn.Module) -> _ModuleHooks:
 
 
 @contextlib.contextmanager
-def hook_module(module: nn.Module, before: Before | None = None,
-                after: After | None = None) -> Iterator[None]:
-    """Within the block, `before` / `after` run around every call of this module instance."""
+def hook_module(module: nn.Module, before: Before | None = None, after: After | None = None,
+                transform: Transform | None = None) -> Iterator[None]:
+    """Within the block, `before` / `after` run around every call of this module instance, and
+    `transform` replaces what it returns."""
     hooks = _hooks_of(module)
-    if before:
-        hooks.before.append(before)
-    if after:
-        hooks.after.append(after)
+    for added, kind in ((before, hooks.before), (after, hooks.after),
+                        (transform, hooks.transforms)):
+        if added:
+            kind.append(added)
     try:
         yield
     finally:
-        if before:
-            hooks.before.remove(before)
-        if after:
-            hooks.after.remove(after)
-        if not hooks.before and not hooks.after:
+        for added, kind in ((before, hooks.before), (after, hooks.after),
+                            (transform, hooks.transforms)):
+            if added:
+                kind.remove(added)
+        if hooks.idle:
             module.__class__ = hooks.base
 
 
@@ -317,6 +327,16 @@ class FinalRows:
             return None
         rows = mx.concatenate(self.pieces, axis=0)[-n:]
         return mx.array(np.array(rows.astype(mx.float32))).astype(rows.dtype)
+
+
+@contextlib.contextmanager
+def head_on_last_token(model: nn.Module) -> Iterator[None]:
+    """Within the block, the output head reads only the last row the final norm writes: a
+    forward returns the logits of its last token alone, and a prefill pays no head for the
+    others (mlx-lm's own prefill never evaluates them; on a real vocabulary the head is a large
+    share of a token's arithmetic). Hooks that read the final norm see every row."""
+    with hook_module(final_norm(model), transform=lambda out: out[:, -1:]):
+        yield
 
 
 @contextlib.contextmanager

@@ -16,7 +16,7 @@ import mlx.nn as nn
 
 from ..layouts import CapturePoint, ModelLayout, layout_of
 from ..layouts.linear_attention import RecurrentInputs
-from .instrument import hook_module, observe_function, running_layer
+from .instrument import head_on_last_token, hook_module, observe_function, running_layer
 
 
 @dataclass
@@ -164,7 +164,8 @@ def capture(model: nn.Module, tokens, points=tuple(CapturePoint), chunk_size: in
     points = {CapturePoint(p) for p in points}
     engine = cache if cache is not None else make_prompt_cache(model)
     step = chunk_size or tokens.shape[1]
-    with tapped(model, layout, points - {CapturePoint.ENGINE}, select) as rec:
+    with tapped(model, layout, points - {CapturePoint.ENGINE}, select) as rec, \
+            head_on_last_token(model):
         for start in range(0, tokens.shape[1], step):
             logits = model(tokens[:, start:start + step], cache=engine)
             mx.eval(logits[:, -1], rec.pending(), [c.state for c in engine])
