@@ -108,9 +108,11 @@ def compare(source_model, source: Tail | None, target_model, target: Tail | None
     targets = mx.array([tokens[p + 1] for p in positions])
     s = tail_logits(source_model, source.rows[mx.array([p - source.start for p in positions])])
     t = tail_logits(target_model, target.rows[mx.array([p - target.start for p in positions])])
-    s_mean, t_mean = float(nll_of(s, targets).mean()), float(nll_of(t, targets).mean())
+    # one evaluation for the three figures
+    figures = mx.stack([nll_of(s, targets).mean(), nll_of(t, targets).mean(),
+                        (mx.argmax(s, axis=-1) == mx.argmax(t, axis=-1)).mean()])
+    s_mean, t_mean, agree = figures.tolist()
     share = sum(source.generated[p - source.start] for p in positions) / len(positions)
-    agree = float((mx.argmax(s, axis=-1) == mx.argmax(t, axis=-1)).mean())
     return Reading(t_mean - s_mean, len(positions), share, t_mean, s_mean, agree)
 
 
