@@ -179,6 +179,27 @@ IDEAS = [
           ("qwen3.5-a-to-qwen3.5-b", "qwen3.5-a__qwen3.5-b", " (the stage-1 translator "
            "shipped; greedy continuations after an 8-token re-read, prefixes 32-512)",
            DistillConfig(**{**SEQUENCE, "steps": 200, "needle_share": 0.0}))]],
+    # a second round where the rehearsal was kept (from the translators it made), heavier where
+    # it helped most, and lighter where weight 1 traded 512 tokens for 256
+    *[Idea(f"{short}-{tag}", start, f"200 steps more as shipped{how}, with the output "
+           f"rehearsal (weight {weight:g})", replace(config, output_weight=weight))
+      for short, start, how, config, tag, weight in [
+          ("kimi-vl-to-kimi-linear", "kimi-vl__kimi-linear-distilled", " (itself rehearsed; "
+           "greedy continuations after an 8-token re-read, prefixes 32-512, half needles)",
+           DistillConfig(**{**SEQUENCE, "steps": 200}), "outputs-again", 1.0),
+          ("kimi-vl-to-kimi-linear", "kimi-vl__kimi-linear-distilled", " (itself rehearsed; "
+           "greedy continuations after an 8-token re-read, prefixes 32-512, half needles)",
+           DistillConfig(**{**SEQUENCE, "steps": 200}), "outputs-heavy", 4.0),
+          ("dsa", "qwen3.5-a__dsa-distilled", " (itself rehearsed; greedy continuations after "
+           "an 8-token re-read, prefixes 32-512, half needles)",
+           DistillConfig(**{**SEQUENCE, "steps": 200}), "outputs-again", 1.0),
+          ("qwen3-small-to-qwen3-large", "qwen3-small__qwen3-large-distilled",
+           ", prefixes 32-512", DistillConfig(steps=200, attention_weight=1.0,
+                                              needle_share=0.5, max_prefix=512),
+           "outputs-light", 0.25),
+          ("qwen3-large-to-qwen3-small", "qwen3-large__qwen3-small-distilled",
+           " (prefixes 32-256, half needles, lr 3e-05)",
+           DistillConfig(steps=200, lr=3e-5, needle_share=0.5), "outputs-light", 0.25)]],
     Idea("kimi-vl-to-kimi-linear-random-features-stage1", "kimi-vl__kimi-linear-distilled",
          "refit as shipped with every source layer and 1,024 random features, not distilled",
          None, FitConfig(point=1, nu=6, token_identity="codebook", attention_weighted=8,
