@@ -204,36 +204,10 @@ class Engine:
 
     def generation(self, model: str, prompt: list[int], max_tokens: int | None,
                    **options) -> Generation:
-        """A validated request: a non-empty prompt, 1 <= max_tokens, and both within the
-        model's context."""
+        """A validated request for a served model (`Generation.checked`)."""
         self.check_model(model)
-        context = self.context[model]
-        if not prompt:
-            raise RequestError("the prompt is empty", param="prompt")
-        if len(prompt) >= context:
-            raise RequestError(f"this model's maximum context length is {context} tokens; the "
-                               f"prompt has {len(prompt)}", param="messages",
-                               code="context_length_exceeded")
-        if max_tokens is None:
-            max_tokens = min(self.config.default_max_tokens, context - len(prompt))
-        if max_tokens < 1:
-            raise RequestError(f"max_tokens is {max_tokens}; it must be at least 1",
-                               param="max_tokens", code="invalid_value")
-        if max_tokens > context:
-            raise RequestError(f"max_tokens is {max_tokens}, more than {model}'s whole context "
-                               f"of {context} tokens", param="max_tokens", code="invalid_value")
-        if len(prompt) + max_tokens > context:
-            raise RequestError(f"this model's maximum context length is {context} tokens; the "
-                               f"request needs {len(prompt) + max_tokens} ({len(prompt)} in the "
-                               f"prompt, {max_tokens} to generate)", param="max_tokens",
-                               code="context_length_exceeded")
-        following = options.get("next_model")
-        if following is not None and following not in self.models:
-            raise RequestError(f"x-kvtrans-next-model: the model {following!r} is not served "
-                               f"here (served: {', '.join(self.models)})",
-                               param="x-kvtrans-next-model", code="model_not_found")
-        return Generation(model, list(prompt), max_tokens,
-                          **{k: v for k, v in options.items() if v is not None})
+        return Generation.checked(model, prompt, max_tokens, self.context[model],
+                                  self.config.default_max_tokens, list(self.models), **options)
 
     def submit(self, job: Generation, emit: Callable[[object], None],
                cancelled: threading.Event) -> None:

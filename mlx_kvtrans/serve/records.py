@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field
 
 from ..session import Outcome
 from ..session.status import Verdict, Word
+from .protocol import RequestError
 from .store import Entry
 
 
@@ -122,6 +123,39 @@ class Generation:
     boundaries: list[int] = field(default_factory=list)  # where the prompt's messages begin
     next_model: str | None = None  # the model the conversation goes to next, if known
     arrived: float = field(default_factory=time.perf_counter)
+
+    @classmethod
+    def checked(cls, model: str, prompt: list[int], max_tokens: int | None, context: int,
+                default_max_tokens: int, served: list[str], **options) -> "Generation":
+        """A validated request: a non-empty prompt, 1 <= max_tokens (default: what the
+        context leaves, up to `default_max_tokens`), both within the model's `context`, and a
+        next model among the `served` ones."""
+        if not prompt:
+            raise RequestError("the prompt is empty", param="prompt")
+        if len(prompt) >= context:
+            raise RequestError(f"this model's maximum context length is {context} tokens; the "
+                               f"prompt has {len(prompt)}", param="messages",
+                               code="context_length_exceeded")
+        if max_tokens is None:
+            max_tokens = min(default_max_tokens, context - len(prompt))
+        if max_tokens < 1:
+            raise RequestError(f"max_tokens is {max_tokens}; it must be at least 1",
+                               param="max_tokens", code="invalid_value")
+        if max_tokens > context:
+            raise RequestError(f"max_tokens is {max_tokens}, more than {model}'s whole context "
+                               f"of {context} tokens", param="max_tokens", code="invalid_value")
+        if len(prompt) + max_tokens > context:
+            raise RequestError(f"this model's maximum context length is {context} tokens; the "
+                               f"request needs {len(prompt) + max_tokens} ({len(prompt)} in the "
+                               f"prompt, {max_tokens} to generate)", param="max_tokens",
+                               code="context_length_exceeded")
+        following = options.get("next_model")
+        if following is not None and following not in served:
+            raise RequestError(f"x-kvtrans-next-model: the model {following!r} is not served "
+                               f"here (served: {', '.join(served)})",
+                               param="x-kvtrans-next-model", code="model_not_found")
+        return cls(model, list(prompt), max_tokens,
+                   **{k: v for k, v in options.items() if v is not None})
 
 
 class StopText:
