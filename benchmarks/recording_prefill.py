@@ -32,7 +32,7 @@ from mlx_kvtrans.capture.instrument import fastest_recurrence
 from mlx_kvtrans.models import LoadedModel
 from mlx_kvtrans.translators.cost import active_parameters
 from mlx_kvtrans.zoo.families import FULL, full_config, realistic_config
-from mlx_kvtrans.zoo.random_model import build_model
+from mlx_kvtrans.zoo.random_model import build_model, unbuilt_model
 
 OUT = Path(__file__).resolve().parent / "results"
 MODELS = ("kimi-vl", "kimi-linear")
@@ -42,10 +42,7 @@ prefill = sys.modules[capture.__module__]  # where `capture` looks up `head_on_l
 def head_share(config: dict) -> float:
     """The output head's share of one token's multiply-adds in the model `config` describes
     (built, never evaluated: nothing is allocated)."""
-    from mlx_lm.utils import _get_classes
-
-    model_class, args_class = _get_classes(config)
-    model = model_class(args_class.from_dict(config))
+    model = unbuilt_model(config)
     text = config.get("text_config", config)
     head = text["vocab_size"] * text["hidden_size"]
     active = active_parameters(LoadedModel("m", Path("."), model, None, config))
@@ -84,7 +81,6 @@ def main() -> None:
     for name in MODELS:
         config = realistic_config(name, vocab_size=FULL[name]["vocab"])
         model = build_model(config, seed=0)
-        mx.eval(model.parameters())
         ids = mx.random.randint(0, FULL[name]["vocab"], (1, args.tokens), key=mx.random.key(0))
         timed(model, ids, False)  # first run: allocation
         last, every = [], []

@@ -282,7 +282,7 @@ def write_markdown(results: dict) -> None:
               "| clients | requests | seconds | fastest - slowest round | requests/s | p50 ms "
               "| p95 ms | speed-up |", "|---|---|---|---|---|---|---|---|"]
     for row in t["load"]:
-        fastest, slowest = row.get("seconds_range", [row["seconds"]] * 2)
+        fastest, slowest = row["seconds_range"]
         lines.append(f"| {row['clients']} | {row['requests']} | {row['seconds']} | "
                      f"{fastest} - {slowest} | {row['requests_per_second']} | {row['p50_ms']} "
                      f"| {row['p95_ms']} | {row['speedup']:.2f}x |")

@@ -457,15 +457,15 @@ def test_a_follow_up_before_the_reply_is_read_in_reads_it_as_the_models_own(serv
 def test_an_idle_reread_goes_in_parts_paced_to_take_little_time(served, monkeypatch):
     """A part of a re-read ahead is sized from the last part's pace (deep in a long
     conversation a part of READ_PART tokens takes most of a second): with an aim no read can
-    meet, every part after the first is the smallest, 16 tokens."""
+    meet, every part after the first is the smallest."""
     from mlx_kvtrans.serve import engine as engine_module
 
     monkeypatch.setattr(engine_module, "IDLE_PART_SECONDS", 1e-9)
     _, parts, read, _ = refused_ahead(served, monkeypatch, "paced",
                                       "Paced: the beacon is 161803. " * 12, read_part=512)
-    first = engine_module.FIRST_IDLE_PART
-    assert read > first + 16
-    assert parts == [0, *range(first, read, 16)]
+    first, smallest = engine_module.FIRST_IDLE_PART, engine_module.SMALLEST_IDLE_PART
+    assert read > first + smallest
+    assert parts == [0, *range(first, read, smallest)]
 
 
 def test_a_request_during_a_reread_ahead_reads_on_without_translating_again(served,

@@ -41,6 +41,7 @@ READ_PART = 512  # tokens of a prompt read between two decoding steps
 # a part of READ_PART tokens deep in a long conversation takes most of a second
 IDLE_PART_SECONDS = 0.25
 FIRST_IDLE_PART = 128  # tokens, until a part has measured the pace
+SMALLEST_IDLE_PART = 16  # tokens: below, a part's fixed cost outweighs its reading
 
 
 class Engine:
@@ -439,7 +440,7 @@ class Engine:
             if line.seen < end:
                 paced = int(part * IDLE_PART_SECONDS / max(took, 1e-3))
                 self._worker.submit_idle(self._read_ahead, entry, target, moment,
-                                         max(16, paced))
+                                         max(SMALLEST_IDLE_PART, paced))
                 return
             session.keep_reread(target)
             if not self.trimmable[target]:

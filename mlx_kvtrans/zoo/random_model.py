@@ -15,11 +15,17 @@ from .families import tiny_config
 from .tokenizer import byte_tokenizer, save_tokenizer, special_token_ids
 
 
+def unbuilt_model(config: dict):
+    """An mlx-lm model of `config` whose weights are never evaluated: nothing is allocated
+    (for shapes and counts; it must not be run)."""
+    model_class, args_class = _get_classes(config)
+    return model_class(args_class.from_dict(config))
+
+
 def build_model(config: dict, seed: int = 0, dtype=mx.float32):
     """An mlx-lm model of `config` with seeded random weights."""
-    model_class, args_class = _get_classes(config)
     mx.random.seed(seed)
-    model = model_class(args_class.from_dict(config))
+    model = unbuilt_model(config)
     model.set_dtype(dtype)
     mx.eval(model.parameters())
     return model

@@ -52,13 +52,9 @@ def realistic_fit(source_lm, target_lm, config, full_names: tuple[str, str] | No
               "projected_seconds_per_million_tokens": round(
                   here.fit_seconds_per_million_tokens, 1)}
     if full_names:
-        from mlx_lm.utils import _get_classes
+        from .random_model import unbuilt_model
 
-        def lazy(config):  # built, never evaluated: nothing is allocated
-            model_class, args_class = _get_classes(config)
-            return model_class(args_class.from_dict(config))
-
-        full = [LoadedModel(n, None, lazy(full_config(n)), None, full_config(n))
+        full = [LoadedModel(n, None, unbuilt_model(full_config(n)), None, full_config(n))
                 for n in full_names]
         source_layout, target_layout = (layout_of(lm.model) for lm in full)
         recipes = config.plan(source_layout, target_layout)
