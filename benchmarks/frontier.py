@@ -46,7 +46,7 @@ def loaded(name, models: dict):
     for alias in (source, target):
         models.setdefault(alias, kv.load(alias))
     src, tgt = models[source], models[target]
-    return artifact.load(name, src, tgt), src, tgt
+    return artifact.load(name, src, tgt, across_tokenizers=True), src, tgt
 
 
 def measure(name: str, models: dict, args) -> dict:

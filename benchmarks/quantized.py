@@ -46,6 +46,25 @@ def converted(name: str, bits: int, mode: str = "affine") -> Path:
     return out
 
 
+def seed_from_history(name: str) -> Path:
+    """A zoo seed whose weights ship only in the repository's history (`zoo.train.SEEDS_COMMIT`),
+    put together under runs/ from its shipped config and tokenizer and those weights."""
+    import shutil
+    import subprocess
+
+    from mlx_kvtrans.zoo.train import SEEDS_COMMIT
+
+    shipped, out = weights_dir() / "seeds" / name, RUNS / name
+    if not (out / "model.safetensors").is_file():
+        out.mkdir(parents=True, exist_ok=True)
+        for f in shipped.iterdir():
+            shutil.copy(f, out / f.name)
+        weights = subprocess.run(["git", "show", f"{SEEDS_COMMIT}:weights/seeds/{name}/"
+                                  "model.safetensors"], capture_output=True, check=True).stdout
+        (out / "model.safetensors").write_bytes(weights)
+    return out
+
+
 def lineage_rows() -> list[dict]:
     """How far each conversion of kimi-vl, another seed and a fine-tune of the same config
     read from the checkpoint (`models.same_lineage`'s two measures)."""
@@ -66,7 +85,7 @@ def lineage_rows() -> list[dict]:
     rows = [row(f"kimi-vl, {bits}-bit affine", TARGET, str(converted(TARGET, bits)))
             for bits in (2, 3, 4, 8)]
     rows.append(row("kimi-vl, mxfp4", TARGET, str(converted(TARGET, 4, "mxfp4"))))
-    rows.append(row("kimi-vl, another seed", TARGET, "weights/seeds/kimi-vl-1"))
+    rows.append(row("kimi-vl, another seed", TARGET, str(seed_from_history("kimi-vl-1"))))
     rows.append(row("qwen3.5-b, a fine-tune of qwen3.5-a", "qwen3.5-a", "qwen3.5-b"))
     return rows
 

@@ -375,7 +375,8 @@ def eval_frontier(translator_dir: Path = typer.Option(..., "--translator",
     refuse_existing(directory / fr.FILE if record else None, force, "--record")
     text = text_file("--text", text, "test")
     src, tgt = mlx_kvtrans.load(names[0]), mlx_kvtrans.load(names[1])
-    translator = artifact.load(directory, src, tgt)
+    # across tokenizers the source reads its own tokens of each prompt's text
+    translator = artifact.load(directory, src, tgt, across_tokenizers=True)
     ids = tgt.tokenizer.encode(text.read_text(errors="replace"))
     group = launched_group()  # under mlx.launch: the windows and needles are shared out
     try:

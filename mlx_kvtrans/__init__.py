@@ -16,6 +16,7 @@ Public API (everything takes mlx-lm models and returns mlx-lm caches):
     tr = kvtrans.load_translator("kimi-linear__kimi-vl-distilled", src, tgt)  # or a directory
     cache = kvtrans.translate_cache(tr, src.model, tgt.model, tokens)   # the target continues
     session = kvtrans.Session({"a": src, "b": tgt}, {("a", "b"): tr})   # switch mid-conversation
+    session.add_text("The number is 552190.")   # or add(ids); each model reads its own tokens
     status = session.switch("b")                # a SwitchStatus: applied or not, why, timings
 
 Every error a user can act on is a `KvtransError`. The layout vocabulary (`CapturePoint`,

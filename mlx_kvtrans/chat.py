@@ -334,7 +334,7 @@ class Chat:
             if arg:
                 raise KvtransError("/who takes no argument")
             rows = [f"{'*' if n == self.session.active else ' '} {n}: read {l.seen} of "
-                    f"{len(self.session.tokens)} tokens; records {l.bytes_per_token:,.0f} bytes "
+                    f"{len(self.session.view(n))} tokens; records {l.bytes_per_token:,.0f} bytes "
                     f"a token, holds {l.recorded_bytes() / 1024:,.1f} KiB"
                     for n, l in self.session.lines.items()]
             return "\n".join(rows)

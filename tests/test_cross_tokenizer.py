@@ -127,3 +127,148 @@ def test_a_plan_across_tokenizers_replays_states_and_times_a_fit(tmp_path):
         assert recipes == {"recurrent_state": "replay"}
     same = CliRunner().invoke(app, ["plan", "--from", str(ours), "--to", str(ours), "--json"])
     assert json.loads(same.output)["config"]["recipes"] == {}
+
+
+# -- sessions across tokenizers ----------------------------------------------------------------
+
+def loaded(name, model, tokenizer):
+    from mlx_kvtrans.models import LoadedModel
+
+    return LoadedModel(name, None, model, tokenizer, {"model_type": "qwen3_5"})
+
+
+@pytest.fixture(scope="module")
+def both_ways(pair):
+    """The pair's translators each way, fitted across its two tokenizers."""
+    source, target, coarse, fine = pair
+    there = fit(source, target, [aligned_text(coarse, fine, c) for c in chunks()], config=CONFIG)
+    back = fit(target, source, [aligned_text(fine, coarse, c) for c in chunks()], config=CONFIG)
+    return there, back
+
+
+def test_views_keep_every_tokenizer_on_the_same_text_and_map_at_common_splits(pair):
+    from mlx_kvtrans.session.views import Views
+
+    _, _, coarse, fine = pair
+    views = Views({"coarse": coarse, "fine": fine})
+    views.add_text(TEXT[:60])
+    # a reply in the coarse model's own tokens, its first word one character at a time
+    # where its tokenizer would merge them
+    ids, spans = char_spans(coarse, TEXT)
+    word = max((TEXT[a:b] for a, b in spans), key=len)
+    said = word + " cold river"
+    reply = [i for ch in word for i in char_spans(coarse, ch)[0]] + \
+        char_spans(coarse, " cold river")[0]
+    assert reply != char_spans(coarse, said)[0]
+    views.tokens["coarse"].extend(reply)
+    views.add_text(TEXT[60:120])
+    text = TEXT[:60] + said + TEXT[60:120]
+    assert views.length == len(text)
+    assert views.tokens["fine"] == char_spans(fine, TEXT[:60])[0] + \
+        char_spans(fine, said)[0] + char_spans(fine, TEXT[60:120])[0]
+    assert views.ends["coarse"][-1] == views.ends["fine"][-1] == len(text)
+    alignment = views.alignment("coarse", "fine")
+    assert alignment.source_starts[-1] == len(views.tokens["coarse"])
+    # a mapped position is a place both split, within what the source's tokens cover
+    for position in range(len(views.tokens["coarse"]) + 1):
+        got = views.mapped("coarse", position, "fine")
+        char = views.ends["fine"][got - 1] if got else 0
+        assert char <= (views.ends["coarse"][position - 1] if position else 0)
+        assert got == 0 or char in set(views.ends["coarse"][:position])
+    assert views.mapped("coarse", len(views.tokens["coarse"]), "fine") == len(views.tokens["fine"])
+
+
+def test_a_session_switch_across_tokenizers_translates_what_translate_text_does(pair, both_ways):
+    """With no tokens read natively, the target's cache after a switch is the translation of
+    the whole text: its next-token logits equal those from `translate_text`."""
+    from mlx_kvtrans.session import Outcome, Session
+
+    source, target, coarse, fine = pair
+    there, _ = both_ways
+    session = Session({"a": loaded("a", source, coarse), "b": loaded("b", target, fine)},
+                      {("a", "b"): there}, gate_tokens=0, reread=0)
+    session.add_text(TEXT)
+    list(session.generate(max_tokens=0))  # the source reads the text
+    status = session.switch("b")
+    assert status.status == Outcome.APPLIED
+    assert status.tokens_translated == len(session.view("b")) == len(char_spans(fine, TEXT)[0])
+    cache = translate_text(there, source, target, aligned_text(coarse, fine, TEXT))
+    probe = mx.array([[ord("a")]])
+    expected = target(probe, cache=cache)
+    got = target(probe, cache=session.lines["b"].cache)
+    assert np.allclose(np.array(got), np.array(expected), atol=1e-4)
+
+
+def test_a_conversation_across_tokenizers_moves_both_ways_and_stays_in_step(pair, both_ways):
+    from mlx_kvtrans.session import Outcome, Session
+
+    source, target, coarse, fine = pair
+    there, back = both_ways
+    session = Session({"a": loaded("a", source, coarse), "b": loaded("b", target, fine)},
+                      {("a", "b"): there, ("b", "a"): back})
+    pieces = chunks(6)
+    for i, piece in enumerate(pieces):
+        session.add_text(piece)
+        reply = list(session.generate(max_tokens=6))
+        assert reply and session.tokens[-len(reply):] == reply  # the active view holds them
+        status = session.switch("b" if session.active == "a" else "a")
+        assert status.status == Outcome.APPLIED, status.reason
+        if i:  # the first hand-over is short: the target reads it all itself
+            assert status.tokens_translated > 0
+        assert "across tokenizers" in status.gate_note
+    # every view is the same text; each line read its own view up to its last hand-over
+    a, b = (session.view(n) for n in "ab")
+    from mlx_kvtrans.session.views import decode
+    assert decode(coarse, a) == decode(fine, b)
+    for name in "ab":
+        line = session.lines[name]
+        assert all(c.offset == line.seen for c in line.cache if getattr(c, "offset", 0))
+
+
+def test_the_frontier_switches_across_tokenizers_as_a_session_does(pair, both_ways):
+    """The frontier's prompts are the target's tokens: its timed switch (the source reading its
+    own tokens of their text, pooled) builds the cache a session's switch builds."""
+    from mlx_kvtrans.evaluation.frontier import SessionSwitch, Setting, Switch
+
+    source, target, coarse, fine = pair
+    there, _ = both_ways
+    prefix = char_spans(fine, TEXT)[0][:150]
+    session = SessionSwitch(there, loaded("a", source, coarse), loaded("b", target, fine),
+                            gate_tokens=0)
+    timed = Switch(there, source, target, tokenizers=(coarse, fine))
+    assert session.tokenizers is not None
+    probe = mx.array([[ord("a")]])
+    expected = target(probe, cache=session.cache(Setting(0), prefix))
+    got = target(probe, cache=timed.cache(Setting(0), prefix))
+    assert np.allclose(np.array(got), np.array(expected), atol=1e-4)
+    assert session.statuses[Setting(0)][0].tokens_translated == len(prefix)
+
+
+def test_views_cut_at_a_place_every_tokenizer_splits_and_copy_apart(pair):
+    from mlx_kvtrans.session.views import Views
+
+    _, _, coarse, fine = pair
+    views = Views({"coarse": coarse, "fine": fine})
+    views.add_text(TEXT[:100])
+    views.add_text(TEXT[100:200])
+    twin = views.copy()
+    cut = views.common("fine", len(char_spans(fine, TEXT[:100])[0]) + 7)
+    assert cut >= len(char_spans(fine, TEXT[:100])[0])  # a piece's end is a common place
+    views.cut("fine", cut)
+    kept = views.ends["fine"][-1]
+    assert views.length == kept == views.ends["coarse"][-1]
+    assert views.tokens["fine"] == char_spans(fine, TEXT[:kept])[0]
+    assert views.tokens["coarse"] == char_spans(coarse, TEXT[:100])[0] + \
+        char_spans(coarse, TEXT[100:kept])[0]
+    assert twin.length == 200 and len(twin.tokens["fine"]) > len(views.tokens["fine"])
+
+
+def test_conversation_groups_join_tokenizers_a_translator_crosses(pair, both_ways):
+    from mlx_kvtrans.session.views import conversation_groups
+
+    source, target, coarse, fine = pair
+    models = {"a": loaded("a", source, coarse), "b": loaded("b", target, fine),
+              "c": loaded("c", target, fine)}
+    assert conversation_groups(models, {}) == {"a": "a", "b": "b", "c": "b"}
+    assert conversation_groups(models, {("b", "a"): both_ways[1]}) == {"a": "a", "b": "a",
+                                                                       "c": "a"}

@@ -2,6 +2,8 @@
 (`mlx_lm.convert`), served by the translators fitted on the unquantized weights and refused
 for other weights of the same config."""
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ from mlx_kvtrans.models import lineage, load_config_only, same_lineage
 from mlx_kvtrans.session import Session
 from mlx_kvtrans.translators import artifact
 from mlx_kvtrans.translators.cost import weights_bytes
+from mlx_kvtrans.zoo.random_model import write_random_model
 
 
 def quantized(source: Path, out: Path, bits: int = 4, mode: str = "affine") -> Path:
@@ -28,14 +31,21 @@ def zoo_4bit(tmp_path_factory):
     from mlx_kvtrans.models import weights_dir
 
     root = tmp_path_factory.mktemp("quantized")
-    return {name: quantized(weights_dir() / name, root / f"{name}-4bit")
-            for name in ("kimi-linear", "kimi-vl")}
+    found = {name: quantized(weights_dir() / name, root / f"{name}-4bit")
+             for name in ("kimi-linear", "kimi-vl")}
+    # kimi-vl's config with other weights (its tokenizer too)
+    config = json.loads((weights_dir() / "kimi-vl" / "config.json").read_text())
+    other = write_random_model("kimi_vl", root / "other", seed=5, config=config)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(weights_dir() / "kimi-vl" / name, other / name)
+    found["other weights"] = other
+    return found
 
 
 def test_a_quantization_keeps_the_lineage_and_other_weights_do_not(zoo_4bit):
     kimi_vl = lineage(kv.load("kimi-vl").model)
     assert same_lineage(kimi_vl, lineage(kv.load(str(zoo_4bit["kimi-vl"])).model))
-    assert not same_lineage(kimi_vl, lineage(kv.load("weights/seeds/kimi-vl-1").model))
+    assert not same_lineage(kimi_vl, lineage(kv.load(str(zoo_4bit["other weights"])).model))
     # a fine-tune of the same config (the zoo's "next generation") moves its norms
     assert not same_lineage(lineage(kv.load("qwen3.5-a").model),
                             lineage(kv.load("qwen3.5-b").model))
@@ -65,7 +75,7 @@ def test_the_shipped_translator_serves_the_4bit_pair_and_says_so(zoo_4bit):
 
 def test_other_weights_of_the_same_config_stay_refused(zoo_4bit):
     path = artifact.shipped("kimi-linear", "kimi-vl")
-    src, seed = kv.load(str(zoo_4bit["kimi-linear"])), kv.load("weights/seeds/kimi-vl-1")
+    src, seed = kv.load(str(zoo_4bit["kimi-linear"])), kv.load(str(zoo_4bit["other weights"]))
     with pytest.raises(KvtransError, match="different model"):
         artifact.load(path, src, seed)
     assert artifact.shipped_for(src, seed) is None

@@ -870,3 +870,25 @@ def test_requests_joining_one_model_between_steps_start_in_one_forward(zoo):
     assert [d.tokens for d in together] == [d.tokens for d in alone]
     # the three requests' last prompt tokens in one forward, then one forward a step
     assert calls == [(3, 1)] * (1 + 6)
+
+
+def test_a_conversation_moves_across_tokenizers_translated_both_ways():
+    """qwen3.5-a and qwen3.5-xt tokenize the same text differently: one conversation holds each
+    one's tokens, and a request for the other model translates by alignment groups."""
+    a, xt = "qwen3.5-a", "qwen3.5-xt"
+    models = load_models([a, xt])
+    translators, notes = find_translators(models, [])
+    assert set(translators) == {(a, xt), (xt, a)}, notes
+    with running(Engine(models, translators, ServeConfig(models=list(models)))) as url:
+        c = client(url)
+        messages = [{"role": "user", "content": "The number for pepper is 552190."}]
+        for model in (a, xt, a):
+            reply = ask(c, model, messages, max_tokens=16)
+            fields = report(reply)
+            if len(messages) > 1:  # the conversation came from the other model, translated
+                assert fields["status"] == "applied" and fields["source_model"] != model
+                assert fields["tokens_translated"] + fields["tokens_translated_ahead"] > 0
+                assert fields["tokens_new"] < reply.usage.prompt_tokens // 2
+                assert "552190" in reply.choices[0].message.content
+            messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                         {"role": "user", "content": "What was the number for pepper?"}]

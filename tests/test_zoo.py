@@ -107,8 +107,12 @@ def test_each_shipped_model_is_its_curriculum_and_its_seed_ships(alias):
     newer = {k: v for k, v in curriculum.items() if k not in recorded}  # fields added since
     assert all(v in ([], None) for v in newer.values()), newer
     assert recorded == {k: v for k, v in curriculum.items() if k in recorded}
-    if seed := CURRICULA[alias].init_from:
-        assert (weights_dir() / seed / "model.safetensors").is_file()
+    if seed := CURRICULA[alias].init_from:  # its weights ship, or its manifest pins them
+        seed_dir = weights_dir() / seed
+        assert (seed_dir / "config.json").is_file()
+        assert ((seed_dir / "model.safetensors").is_file()
+                or "model.safetensors" in json.loads((seed_dir / "manifest.json")
+                                                     .read_text())["files"])
 
 
 @pytest.mark.parametrize("alias", ALIASES)

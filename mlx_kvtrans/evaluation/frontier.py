@@ -67,12 +67,15 @@ def default_rereads(length: int) -> list[int]:
 # -- one switch ----------------------------------------------------------------------------------
 @dataclass
 class Switch:
-    """A translator between two mlx-lm models, and their layouts (read once)."""
+    """A translator between two mlx-lm models, and their layouts (read once). `tokenizers`:
+    (source's, target's) when the two tokenize differently; the prompts are the target's
+    tokens, and the source reads its own tokens of their text."""
     translator: object
     source: object
     target: object
     source_layout: object = None
     target_layout: object = None
+    tokenizers: tuple | None = None
 
     def __post_init__(self):
         self.source_layout = self.source_layout or layout_of(self.source)
@@ -89,11 +92,34 @@ class Switch:
         n = setting.translated(len(prefix))
         if n == 0:
             return None
+        if self.tokenizers is not None:
+            return self._read_across(prefix[:n])
         return capture(self.source, mx.array(prefix[:n])[None],
                        points=self.translator.source_points(), layout=self.source_layout)
 
+    def _read_across(self, head: list[int]):
+        """(the source's capture of its own tokens of `head`'s text, the groups that pool it
+        onto `head`): a switch pools it (`translated`)."""
+        from ..session.views import Views
+        from ..translators.cross_tokenizer import AlignedText, pooling
+
+        views = Views(dict(zip(("source", "target"), self.tokenizers)))
+        views.tokens["target"].extend(head)
+        views.sync()
+        alignment = views.alignment("source", "target")
+        sources, weights = pooling(alignment, self.translator.info["alignment"]["pooling"])
+        ids = mx.array(views.tokens["source"])[None]
+        text = AlignedText(ids, mx.array(head)[None], mx.array(sources), mx.array(weights),
+                           alignment.one_to_one(), self.translator.info["alignment"]["pooling"])
+        return capture(self.source, ids, points=self.translator.source_points(),
+                       layout=self.source_layout), text
+
     def translated(self, recorded, head: list[int]) -> list:
         """The target's cache of `head` translated from `recorded` and installed."""
+        if self.tokenizers is not None:
+            from ..translators.cross_tokenizer import realigned
+
+            recorded = realigned(*recorded)
         objects, points = self.translator.translate(recorded, self.target, self.target_layout,
                                                     mx.array(head)[None])
         return install(self.target_layout, objects, points)
@@ -118,7 +144,11 @@ class SessionSwitch(Switch):
 
     def __init__(self, translator, source, target, gate_tokens: int | None = None,
                  sink: int = 0):
-        super().__init__(translator, source.model, target.model)
+        from ..session.views import tokenizer_groups
+
+        across = len(set(tokenizer_groups({"s": source, "t": target}).values())) > 1
+        super().__init__(translator, source.model, target.model,
+                         tokenizers=(source.tokenizer, target.tokenizer) if across else None)
         self.lms, self.gate_tokens, self.sink = (source, target), gate_tokens, sink
         self.statuses: dict[Setting, list] = {}
         self._last = None  # (setting, prefix) -> its evaluated cache: one session per window
@@ -135,7 +165,7 @@ class SessionSwitch(Switch):
             session = Session({"source": self.lms[0], "target": self.lms[1]},
                               {("source", "target"): self.translator}, active="source",
                               reread=setting.reread, sink=self.sink, **options)
-            session.add(prefix)
+            session.add(prefix, model="target")  # the target's tokens (and their text)
             list(session.generate(0))  # the source reads the prefix
             self.statuses.setdefault(setting, []).append(session.switch("target"))
             cache = session.lines["target"].cache
@@ -161,7 +191,7 @@ def time_switch(switch: Switch, setting: Setting, tokens: list[int],
     see the same load; medians of `repeats` after one untimed run each."""
     # the compute of the switch itself, without a session's bookkeeping or its gate
     switch = Switch(switch.translator, switch.source, switch.target, switch.source_layout,
-                    switch.target_layout)
+                    switch.target_layout, switch.tokenizers)
     target, prefix = switch.target, tokens[:-1]
     n = setting.translated(len(prefix))
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from ..errors import KvtransError
 from ..session import dial
+from ..session.views import tokenizer_groups
 
 DEFAULT_MODELS = ("kimi-linear", "kimi-vl")
 DEFAULT_CONTEXT = 32768  # for a config that does not say how long its context is
@@ -93,18 +94,6 @@ def load_models(names: list[str], shard: str | None = None, group=None) -> dict:
     return models
 
 
-def tokenizer_groups(models: dict) -> dict[str, str]:
-    """model -> the first model with the same vocabulary (translation needs shared token ids)."""
-    groups: dict[str, str] = {}
-    vocabularies: list[tuple[str, dict]] = []
-    for name, lm in models.items():
-        vocab = lm.tokenizer.get_vocab()
-        groups[name] = next((first for first, v in vocabularies if v == vocab), name)
-        if groups[name] == name:
-            vocabularies.append((name, vocab))
-    return groups
-
-
 def find_translators(models: dict, given: list[str]) -> tuple[dict, list[str]]:
     """Translators between the served models: each given one for the pairs it was fitted on,
     the shipped one (distilled first) for the other pairs. Returns them and notes on the pairs
@@ -128,21 +117,19 @@ def find_translators(models: dict, given: list[str]) -> tuple[dict, list[str]]:
             raise KvtransError(f"--translator {name} was fitted for {manifest['source']['name']} "
                                f"-> {manifest['target']['name']}, not a pair of the served "
                                f"models ({', '.join(models)})")
-        for a, b in fits:
-            found[(a, b)] = artifact.load(path, models[a], models[b])
+        for a, b in fits:  # across tokenizers too: a session reads each model's own tokens
+            found[(a, b)] = artifact.load(path, models[a], models[b], across_tokenizers=True)
     for a, b in pairs:
         if (a, b) in found:
             continue
-        if groups[a] != groups[b]:
-            notes.append(f"{a} and {b} have different tokenizers: switching between them "
-                         "re-reads")
-            continue
         path = artifact.shipped_for(models[a], models[b])
         if path is None:
-            notes.append(f"no translator {a} -> {b}: switching that way re-reads")
+            notes.append(f"no translator {a} -> {b}: switching that way re-reads"
+                         + (" (they have different tokenizers)" if groups[a] != groups[b]
+                            else ""))
             continue
         try:
-            found[(a, b)] = artifact.load(path, models[a], models[b])
+            found[(a, b)] = artifact.load(path, models[a], models[b], across_tokenizers=True)
         except KvtransError as e:
             notes.append(f"translator {path.name} not used ({e}): switching {a} -> {b} re-reads")
     notes += [f"translator {a} -> {b}: {t.info['fitted_on']}" for (a, b), t in found.items()

@@ -24,7 +24,8 @@ import mlx.core as mx
 
 from ..errors import KvtransError
 from ..session import Outcome, Session, SwitchStatus
-from .config import ServeConfig, context_length, find_translators, load_models, tokenizer_groups
+from ..session.views import conversation_groups
+from .config import ServeConfig, context_length, find_translators, load_models
 from .batching import Batches, Decoding
 from .compute import ComputeThread
 from .lockstep import Lockstep
@@ -73,7 +74,8 @@ class Engine:
                 [tr.identity.codebook for tr in self.translators.values()
                  if tr.identity.codebook is not None])
         self.notes = list(notes or [])
-        self.groups = tokenizer_groups(models)
+        self.groups = conversation_groups(models, self.translators if self.config.translate
+                                          else {})
         self.context = {name: context_length(lm) for name, lm in models.items()}
         self.trimmable = {name: trimmable(make_prompt_cache(lm.model))
                           for name, lm in models.items()}
@@ -331,7 +333,7 @@ class Engine:
         if not self.store.take(entry):
             return
         session, line = entry.session, entry.session.lines[job.model]
-        if (session.tokens == job.prompt and line.seen == len(job.prompt) - 1
+        if (session.view(job.model) == job.prompt and line.seen == len(job.prompt) - 1
                 and self.residency.is_resident(job.model)):
             try:
                 session.active = job.model
@@ -431,7 +433,8 @@ class Engine:
         try:
             if (session.active, len(session.tokens)) != moment or target not in session.refused:
                 return
-            line, end = session.lines[target], session.lines[session.active].seen
+            line = session.lines[target]
+            end = session.mapped(session.active, session.lines[session.active].seen, target)
             started, part = time.perf_counter(), min(part, READ_PART)
             if line.seen < end:
                 session.read(line, min(end, line.seen + part))

@@ -1,7 +1,9 @@
 """Conversation caches shared by every model, keyed by token prefix.
 
-An entry is one conversation: a `Session` over the models that share a tokenizer, whose cache
-lines (one per model) have each read some prefix of the entry's tokens. A request takes the
+An entry is one conversation: a `Session` over the models it can move between (those that
+share a tokenizer, and those a translator across tokenizers joins to them), whose cache lines
+(one per model) have each read some prefix of the entry's tokens (of its own tokens, where the
+models tokenize differently). A request takes the
 entry whose lines hold the longest usable prefix of its prompt. A line whose caches can all be
 trimmed is usable up to the common prefix; a line with fixed-size state (the recurrent and conv
 state of a hybrid) only where it stands, or at a checkpoint the engine took while reading: where
@@ -47,7 +49,7 @@ class Entry:
     message boundaries (position -> one item per cache, None where the cache is trimmable)."""
 
     id: str
-    group: str  # the tokenizer its models share
+    group: str  # the models it can move between (`conversation_groups`)
     session: Session
     conversation: str | None = None  # the client's conversation id, when it gave one
     checkpoints: dict[str, dict[int, list]] = field(default_factory=dict)
@@ -67,11 +69,16 @@ class Entry:
         if self.reply is None or self.reply[0] != name:
             return None
         _, start, reply = self.reply
-        return range(start, start + common_prefix(self.tokens[start:], reply))
+        return range(start, start + common_prefix(self.session.view(name)[start:], reply))
 
     @property
     def tokens(self) -> list[int]:
         return self.session.tokens
+
+    def limit_for(self, name: str, model: str, position: int) -> int:
+        """`name`'s tokens of what `model`'s first `position` tokens cover (models that
+        tokenize differently read different tokens of one conversation)."""
+        return self.session.mapped(model, position, name)
 
     @property
     def last_used(self) -> int:
@@ -150,15 +157,15 @@ class Entry:
         return (sum(c.nbytes for c in line.cache) + line.recorded_bytes() + line.kept_bytes()
                 + snapshots)
 
-    def fork(self, new_id: str, session: Session, limit: int) -> "Entry":
-        """A copy holding what each line can keep within `limit` tokens; lines that would keep
-        nothing are not copied. Recorded spans, gate tails and snapshots are never written
-        into, so the copy shares them."""
+    def fork(self, new_id: str, session: Session, model: str, limit: int) -> "Entry":
+        """A copy holding what each line can keep within `model`'s first `limit` tokens; lines
+        that would keep nothing are not copied. Recorded spans, gate tails and snapshots are
+        never written into, so the copy shares them."""
         twin = Entry(new_id, self.group, session, self.conversation, reply=self.reply)
-        session.tokens = list(self.tokens)
+        session.views = self.session.views.copy()
         session.active = self.session.active
         for name, line in self.session.lines.items():
-            if self.usable(name, limit) == 0:
+            if self.usable(name, self.limit_for(name, model, limit)) == 0:
                 continue
             other = session.lines[name]
             other.cache, other.seen = copy.deepcopy(line.cache), line.seen
@@ -219,10 +226,14 @@ class ConversationStore:
             for entry in self._entries:
                 if entry.group != self.group_of[model] or entry.conversation != conversation:
                     continue
-                within = min(common_prefix(entry.tokens, prompt), limit)
-                # a line translated ahead serves the model it was made for, not a way back
-                holds = {name: entry.usable(name, within) for name in entry.live()
-                         if name == model or name not in entry.session.prepared}
+                session = entry.session
+                within = min(common_prefix(session.view(model), prompt), limit)
+                # a line translated ahead serves the model it was made for, not a way back;
+                # what each holds, counted in `model`'s tokens
+                holds = {name: session.mapped(name, entry.usable(
+                             name, entry.limit_for(name, model, within)), model)
+                         for name in entry.live()
+                         if name == model or name not in session.prepared}
                 holder = max(holds, key=lambda n: (holds[n], n == model), default=None)
                 if holder is None or holds[holder] == 0:
                     continue
@@ -232,14 +243,17 @@ class ConversationStore:
             if best is None:
                 return Match(self._new_entry(model, conversation), 0, model, 0)
             entry, holder = best
-            position = best_key[0]
-            if any(entry.session.lines[n].seen > position for n in entry.live()):
-                entry = entry.fork(f"c{next(self._ids)}", self.new_session(model), position)
+            # where every model's tokens of the conversation end together
+            position = entry.session.common(model, best_key[0])
+            if any(entry.session.lines[n].seen > entry.limit_for(n, model, position)
+                   for n in entry.live()):
+                entry = entry.fork(f"c{next(self._ids)}", self.new_session(model), model,
+                                   position)
             else:
                 self._entries.remove(entry)
         for name in entry.live():
-            entry.rewind(name, position)
-        del entry.tokens[position:]
+            entry.rewind(name, entry.limit_for(name, model, position))
+        entry.session.cut(model, position)
         return Match(entry, position, holder, entry.session.lines[model].seen)
 
     def take(self, entry: Entry) -> bool:

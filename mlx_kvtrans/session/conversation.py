@@ -21,6 +21,7 @@ from . import decode, dial
 from .handover import hand_over
 from .line import CacheLine, capture_bytes, fixed_slots
 from .status import Outcome, SwitchStatus
+from .views import Views, tokenizer_groups
 
 STRATEGIES = ("segment", "naive", "refresh")
 
@@ -28,7 +29,9 @@ STRATEGIES = ("segment", "naive", "refresh")
 class Session:
     """A conversation that can move between models without re-reading.
 
-    `models`: name -> LoadedModel; `translators`: (source, target) -> Translator;
+    `models`: name -> LoadedModel; `translators`: (source, target) -> Translator. Models
+    that tokenize differently each read their own tokens of the conversation (`views`), and
+    a translator between them is one fitted across tokenizers.
     `gate_tokens`: r, the span's last tokens the target reads itself at a switch and the gate
     compares (0: no gate). The fidelity dial (`dial`): `reread` R, the span's last tokens the
     target reads itself at every switch (at least r), or `fidelity`, a held-out agreement
@@ -48,10 +51,15 @@ class Session:
             raise ValueError("gate_tokens must be 0 (no gate) or more")
         if dial.problem(reread, fidelity):
             raise ValueError(dial.problem(reread, fidelity))
-        for translator in (translators or {}).values():  # one token list per conversation
-            refuse = getattr(translator, "refuse_across_tokenizers", None)  # duck-typed
-            if refuse is not None:
-                refuse("a session")
+        self.groups = tokenizer_groups(models)
+        for (a, b), translator in (translators or {}).items():
+            across = "alignment" in getattr(translator, "info", {})
+            if a in models and b in models and across != (self.groups[a] != self.groups[b]):
+                raise ValueError(f"the translator {a} -> {b} was fitted for models that "
+                                 f"{'do not share' if across else 'share'} a tokenizer; "
+                                 f"these {'share' if across else 'do not share'} one")
+        # one token list for models that share a tokenizer; across tokenizers, the text too
+        self.views = Views({g: models[g].tokenizer for g in set(self.groups.values())})
         self.lines = {name: CacheLine(name, lm) for name, lm in models.items()}
         self.translators = {pair: tr.prepare() for pair, tr in (translators or {}).items()}
         self.active = active or next(iter(models))
@@ -61,7 +69,6 @@ class Session:
             raise ValueError("sink must be 0 or more")
         self.gate_tokens, self.sink = gate_tokens, sink
         self.reread, self.fidelity = reread, fidelity
-        self.tokens: list[int] = []
         self.switches: list[SwitchStatus] = []
         self.prepared: dict[str, SwitchStatus] = {}  # target -> its hand-over made ahead
         self.prepared_from: dict[str, int] = {}  # target -> where that hand-over began
@@ -69,6 +76,52 @@ class Session:
         # re-read in the caller's time: the switch re-reads on instead of translating again
         self.refused: dict[str, tuple[SwitchStatus, int]] = {}
         self._turn = None  # weak reference to a generation not yet finished
+
+    # -- the conversation's tokens ------------------------------------------------------------
+    @property
+    def tokens(self) -> list[int]:
+        """The conversation as the active model reads it (the list it appends to)."""
+        return self.view(self.active)
+
+    @tokens.setter
+    def tokens(self, ids: list[int]) -> None:
+        if len(self.views.tokens) > 1:
+            raise ValueError("a session across tokenizers holds the conversation as text")
+        group = self.groups[self.active]
+        self.views.tokens[group] = list(ids)
+        self.views.ends[group] = []  # one tokenizer: no text to keep in step
+
+    def view(self, name: str) -> list[int]:
+        """The conversation as model `name` reads it: its tokenizer's tokens."""
+        if len(self.views.tokens) > 1:
+            self.views.sync()
+        return self.views.tokens[self.groups[name]]
+
+    def across(self, source: str, target: str) -> bool:
+        """Whether `source` and `target` read different tokens of the conversation."""
+        return self.groups[source] != self.groups[target]
+
+    def mapped(self, source: str, position: int, target: str) -> int:
+        """`target`'s tokens of what `source`'s first `position` tokens cover (`Views.mapped`;
+        `position` itself when they share a tokenizer)."""
+        if not self.across(source, target):
+            return position
+        return self.views.mapped(self.groups[source], position, self.groups[target])
+
+    def common(self, name: str, position: int) -> int:
+        """The most of `name`'s first `position` tokens that every model's tokens end with
+        (`Views.common`; `position` itself when the models share a tokenizer)."""
+        if len(self.views.tokens) == 1:
+            return position
+        return self.views.common(self.groups[name], position)
+
+    def cut(self, name: str, position: int) -> None:
+        """Drop the conversation after `name`'s first `position` tokens (a place `common`
+        gives), in every model's tokens; the lines are the caller's to rewind."""
+        if len(self.views.tokens) == 1:
+            del self.view(name)[position:]
+        else:
+            self.views.cut(self.groups[name], position)
 
     # -- what is recorded ---------------------------------------------------------------------
     def receivers(self, name: str) -> list[str]:
@@ -164,7 +217,7 @@ class Session:
             if not receivers:
                 line.recorded = []
                 continue
-            cut = min(self.lines[t].seen for t in receivers)
+            cut = min(self.mapped(t, self.lines[t].seen, name) for t in receivers)
             while line.recorded and line.recorded_from + line.recorded[0].length <= cut:
                 line.recorded_from += line.recorded.pop(0).length
 
@@ -185,10 +238,23 @@ class Session:
             turn.close()
         self._turn = None
 
-    def add(self, token_ids: list[int]) -> None:
-        """Append tokens to the conversation (a user turn, a generation prompt)."""
+    def add(self, token_ids: list[int], model: str | None = None) -> None:
+        """Append tokens to the conversation (a user turn, a generation prompt): ids of the
+        tokenizer of `model` (default: the active one); across tokenizers the other models
+        read their text."""
         self._finish_turn()
-        self.tokens.extend(int(t) for t in token_ids)
+        if len(self.views.tokens) > 1:
+            self.views.sync()  # what came before, in every view, before these
+        self.view(model or self.active).extend(int(t) for t in token_ids)
+
+    def add_text(self, text: str) -> None:
+        """Append text to the conversation, each model reading its own tokens of it."""
+        self._finish_turn()
+        if len(self.views.tokens) > 1:
+            self.views.add_text(text)
+            return
+        tokenizer = self.lines[self.active].lm.tokenizer
+        self.tokens.extend(int(t) for t in tokenizer.encode(text, add_special_tokens=False))
 
     def generate(self, max_tokens: int = 256, temperature: float = 0.0,
                  stop: set[int] | None = None, top_p: float = 1.0) -> Iterator[int]:
@@ -199,7 +265,7 @@ class Session:
         exhausted or closed, or when the session is next used (add, generate, switch)."""
         self._finish_turn()
         line = self.lines[self.active]
-        if len(self.tokens) <= line.seen and line.next_logits is None:
+        if len(self.view(line.name)) <= line.seen and line.next_logits is None:
             raise ValueError("nothing new to respond to: add tokens first")
         turn = decode.decode(self, line, max_tokens, temperature, set(stop or ()), top_p)
         self._turn = weakref.ref(turn)
@@ -311,6 +377,7 @@ class Session:
         self.prepared.pop(line.name, None)
         self.refused.pop(line.name, None)
         line.reset()
-        self.read(line, self.lines[self.active].seen if line.name != self.active
-                  else len(self.tokens))
+        active = self.lines[self.active]
+        self.read(line, self.mapped(active.name, active.seen, line.name)
+                  if line.name != self.active else len(self.tokens))
         self._drop_received()

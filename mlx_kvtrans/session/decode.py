@@ -78,7 +78,7 @@ def _read_part(session: Session, line: CacheLine, upto: int, whole: bool = False
         stack.enter_context(absorbed_short_reads(line.lm.model))  # a turn, the gate's tail
         # linear attention over a read of many tokens: chunkwise off a Mac, not token by token
         stack.enter_context(fastest_recurrence())
-        cap = line.whole(capture(line.lm.model, session.tokens[start:upto],
+        cap = line.whole(capture(line.lm.model, session.view(line.name)[start:upto],
                                  points=RECORD_POINTS, layout=line.local_layout,
                                  cache=line.cache,
                                  select=line.local_select(session.selection(line.name)),
@@ -101,20 +101,21 @@ def _read_part(session: Session, line: CacheLine, upto: int, whole: bool = False
 
 def decode(session: Session, line: CacheLine, max_tokens: int, temperature: float,
            stop: set[int], top_p: float = 1.0) -> Iterator[int]:
-    """`line`'s model continues the conversation: up to `max_tokens` tokens, appended to
-    `session.tokens` as they are yielded (none: it only reads what it has not). A line that
-    has read the whole conversation holds its next token's logits (a switch's one forward,
-    `read(whole=True)`): the first token is sampled from them."""
+    """`line`'s model continues the conversation: up to `max_tokens` tokens, appended to its
+    view of the conversation (`Session.view`) as they are yielded (none: it only reads what it
+    has not). A line that has read the whole conversation holds its next token's logits (a
+    switch's one forward, `read(whole=True)`): the first token is sampled from them."""
     from mlx_lm.sample_utils import make_sampler
 
+    tokens = session.view(line.name)
     if max_tokens < 1:
-        read(session, line, len(session.tokens))
+        read(session, line, len(tokens))
         return
-    if line.next_logits is not None and line.seen == len(session.tokens):
+    if line.next_logits is not None and line.seen == len(tokens):
         logits, line.next_logits = line.next_logits, None
         sampler = make_sampler(temp=temperature, top_p=top_p)
         token = int(sampler((logits - mx.logsumexp(logits, keepdims=True))[None]).item())
-        session.tokens.append(token)
+        tokens.append(token)
         yield token
         if token in stop or max_tokens == 1:
             return  # the model has read every token but the one generated
@@ -129,7 +130,7 @@ def _continue(session: Session, line: CacheLine, max_tokens: int, temperature: f
     from mlx_lm.sample_utils import make_sampler
 
     line.next_logits = None
-    tokens, r = session.tokens, session.gate_tokens
+    tokens, r = session.view(line.name), session.gate_tokens
     model, start = line.lm.model, line.seen
     if line.cache is None:
         line.cache = make_prompt_cache(model)

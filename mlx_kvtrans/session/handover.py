@@ -27,6 +27,11 @@ prompt, when it was added before the switch) in one forward, and keeps that forw
 logits: its first token costs no further forward (`decode`). A caller that adds the next prompt
 before switching pays one forward for the gate, the prompt and the first token together.
 
+Across tokenizers (`views`) positions are the target's: the hand-over gives the target's tokens
+of the text the source has read, up to the last place where both split; each of them reads its
+alignment group's source tokens pooled, as its translator was fitted (`_across`). The gate does
+not judge such a switch: the two models' NLLs are over different tokens.
+
 `hand_over` is the one switch: `Session.switch`, the server (through it) and the switch
 benchmark's gated switch all run it.
 """
@@ -36,10 +41,13 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+import mlx.core as mx
+
 from .. import gate
 from ..capture import PREFILL_CHUNK, Capture
 from ..install import NotFinite
 from ..sharding import translate_into
+from ..translators.cross_tokenizer import AlignedText, pooling, realigned
 from ..layouts import CapturePoint
 from . import dial
 from .line import CacheLine, covers, fixed_slots
@@ -59,7 +67,7 @@ def hand_over(session: Session, source: str, target: str, reread: bool = True,
     a fallback reads nothing (the status says why and how much is left to read). `refused`:
     why a hand-over made ahead fell back; the target reads on instead of translating again."""
     src, tgt = session.lines[source], session.lines[target]
-    n = src.seen
+    n = session.mapped(source, src.seen, target)  # the target's tokens of what the source read
     status = SwitchStatus(source, target, Outcome.APPLIED, strategy=session.strategy)
     started = time.perf_counter()
     translator = session.translators.get((source, target))
@@ -81,7 +89,7 @@ def hand_over(session: Session, source: str, target: str, reread: bool = True,
                                            f"allows ({session.max_context})", read=reread)
     else:
         start = 0 if session.strategy == "naive" else tgt.seen
-        if start < src.recorded_from:
+        if session.mapped(target, start, source) < src.recorded_from:
             _fallback(session, tgt, n, status, "the source did not record the span the target "
                                                "has not seen", read=reread)
         else:
@@ -157,15 +165,16 @@ def _translate_and_gate(session: Session, translator, src: CacheLine, tgt: Cache
     started = time.perf_counter()
     rows = _read_on(session, tgt, n)
     status.tokens_read = n - handoff
-    if handoff == start:
-        status.gate, status.gate_note = Verdict.UNCHECKED, why
+    if handoff == start or session.across(src.name, tgt.name):
+        status.gate, status.gate_note = Verdict.UNCHECKED, why or (
+            "no gate across tokenizers: the two models' NLLs are over different tokens")
         status.gate_seconds = time.perf_counter() - started
         return
     # the gate judges the last tokens only (the rows both lines keep); after a re-read of R
     # over 2r tokens these follow more native context than calibration saw, so the threshold
     # errs towards letting the translation stand
     reading = gate.compare(src.lm.model, src.tail, tgt.lm.model, rows or tgt.tail,
-                           session.tokens, max(handoff, n - session.tail_rows), n)
+                           session.view(tgt.name), max(handoff, n - session.tail_rows), n)
     status.gate_seconds = time.perf_counter() - started
     if reading is None:
         status.gate, status.gate_note = Verdict.UNCHECKED, ("the source holds no predictions "
@@ -196,7 +205,7 @@ def _read_on(session: Session, tgt: CacheLine, n: int):
     its first token anyway): one forward for the gate and the first decode step, whose logits
     the line keeps. Returns the final-norm rows of the tokens read (None when it took more
     than one forward)."""
-    ahead = len(session.tokens)
+    ahead = len(session.view(tgt.name))
     if ahead - tgt.seen > PREFILL_CHUNK:
         session.read(tgt, n)
         return None
@@ -207,7 +216,10 @@ def _translate(session: Session, translator, src: CacheLine, tgt: CacheLine, sta
                stop: int, status: SwitchStatus) -> None:
     """Translate the source's recorded [start, stop) and install it after what the target
     holds (a fresh cache when it holds nothing, or under `naive`)."""
-    span = src.span(session.tokens, start, stop)
+    if session.across(src.name, tgt.name):
+        span = _across(session, translator, src, tgt, start, stop)
+    else:
+        span = src.span(session.view(src.name), start, stop)
     fresh = start == 0 or tgt.cache is None
     objects, points, cache = translate_into(translator, span, tgt.lm.model, span.tokens,
                                             offset=start, cache=None if fresh else tgt.cache,
@@ -225,6 +237,25 @@ def _translate(session: Session, translator, src: CacheLine, tgt: CacheLine, sta
     session.keep(tgt, start, Capture(tgt.layout, span.tokens, held, cache), own=False)
     tgt.cache, tgt.seen = cache, stop
     status.tokens_translated = stop - start
+
+
+def _across(session: Session, translator, src: CacheLine, tgt: CacheLine, start: int,
+            stop: int) -> Capture:
+    """What the source recorded of the text of the target's tokens [start, stop), seen at the
+    target's tokens: each reads its group's source tokens pooled as the translator was fitted
+    (`cross_tokenizer.realigned`). Its state is rebuilt by replay, so no engine objects."""
+    how = translator.info["alignment"].get("pooling", "mean")
+    alignment = session.views.alignment(session.groups[src.name], session.groups[tgt.name])
+    sources, weights = pooling(alignment, how)
+    sources, weights = sources[start:stop], weights[start:stop]
+    lo, hi = int(sources.min()), int(sources.max()) + 1
+    ids = session.view(src.name)
+    span = src.span(ids, lo, hi)
+    objects = [{key: value for key, value in layer.items() if key[1] != CapturePoint.ENGINE}
+               for layer in span.objects]
+    text = AlignedText(mx.array([ids[lo:hi]]), mx.array([session.view(tgt.name)[start:stop]]),
+                       mx.array(sources - lo), mx.array(weights), alignment.one_to_one(), how)
+    return realigned(Capture(span.layout, span.tokens, objects, span.engine), text)
 
 
 def _fallback(session: Session, tgt: CacheLine, n: int, status: SwitchStatus, reason: str,

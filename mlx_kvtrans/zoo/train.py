@@ -125,6 +125,23 @@ def build_config(curriculum: Curriculum, tok, weights: Path) -> dict:
     return config
 
 
+# the last commit whose weights/seeds/ held every seed's weights (weights/ has a 64 MB budget)
+SEEDS_COMMIT = "e069d52"
+
+
+def seed_weights(directory: Path) -> Path:
+    """`directory`, the model a recipe continues from, when its weights are here; a seed that
+    ships its manifest and config alone says where its weights are."""
+    if not (directory / "model.safetensors").exists():
+        from ..errors import KvtransError
+
+        relative = f"weights/{directory.parent.name}/{directory.name}"
+        raise KvtransError(f"{relative} ships without its weights (weights/ is at its budget); "
+                           f"restore them from the repository's history: git checkout "
+                           f"{SEEDS_COMMIT} -- {relative}/model.safetensors")
+    return directory
+
+
 def load_initial_weights(model, directory: Path, log=print) -> None:
     """Another zoo model's shipped (bf16) weights, trained on in float32. A model of another
     class, such as a sparse-attention model continued from a dense MLA one (as DeepSeek-V3.2 was
@@ -194,7 +211,7 @@ def train(alias: str, workdir: Path, weights: Path, log=print, eval_samples: int
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
     if curriculum.init_from:
-        load_initial_weights(model, weights / curriculum.init_from, log)
+        load_initial_weights(model, seed_weights(weights / curriculum.init_from), log)
     elif curriculum.gate_init == "reference":
         reference_gate_init(model, mx.random.key(curriculum.seed))
     model.train()
