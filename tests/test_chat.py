@@ -442,3 +442,17 @@ def test_translating_ahead_leaves_a_switch_the_last_turn_and_gives_the_same_cach
             == alone.tokens_translated + alone.tokens_read + alone.tokens_reprefilled)
     assert ahead.session.lines[B].seen == plain.session.lines[B].seen
     assert len(events(tmp_path / "chat.json", "prepared")) == 1
+
+
+def test_a_scripted_chat_across_tokenizers_applies_its_switches_and_answers(tmp_path):
+    """qwen3.5-a and qwen3.5-xt read different tokens of the conversation: each switch
+    translates through the shipped translator, and the model switched to answers the number."""
+    result = kvtrans_chat(tmp_path, "--from", "qwen3.5-a", "--to", "qwen3.5-xt",
+                          script=[FACT, "/switch", QUESTION, "/switch", QUESTION])
+    assert result.exit_code == 0, result.output
+    assert "no translator" not in result.output
+    switches = events(tmp_path / "chat.json", "switch")
+    assert [e["status"] for e in switches] == ["applied", "applied"]
+    replies = events(tmp_path / "chat.json", "reply")
+    assert [e["model"] for e in replies] == ["qwen3.5-a", "qwen3.5-xt", "qwen3.5-a"]
+    assert all("552190" in e["text"] for e in replies[1:])
