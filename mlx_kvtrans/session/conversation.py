@@ -15,6 +15,7 @@ from dataclasses import replace
 from typing import Iterator
 
 from .. import gate
+from ..alignment import char_spans
 from ..capture import Capture
 from ..layouts import CapturePoint
 from . import decode, dial
@@ -253,8 +254,7 @@ class Session:
         if len(self.views.tokens) > 1:
             self.views.add_text(text)
             return
-        tokenizer = self.lines[self.active].lm.tokenizer
-        self.tokens.extend(int(t) for t in tokenizer.encode(text, add_special_tokens=False))
+        self.tokens.extend(char_spans(self.lines[self.active].lm.tokenizer, text)[0])
 
     def generate(self, max_tokens: int = 256, temperature: float = 0.0,
                  stop: set[int] | None = None, top_p: float = 1.0) -> Iterator[int]:

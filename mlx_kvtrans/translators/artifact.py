@@ -200,8 +200,8 @@ def load(directory: str | Path, source=None, target=None, across_tokenizers: boo
     if "alignment" in manifest and not across_tokenizers:
         raise KvtransError(f"translator {directory} translates across tokenizers, which only "
                            "sessions (chat, serve, eval frontier) and "
-                           "cross_tokenizer.translate_text take yet (distill, calibrate and "
-                           "the other evaluations read one token list)")
+                           "cross_tokenizer.translate_text take yet (distill, calibrate, bench "
+                           "and the other evaluations read one token list)")
     conversion = ""
     if source is not None and target is not None:
         try:
