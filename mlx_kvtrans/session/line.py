@@ -216,7 +216,8 @@ def join_recorded(parts: list[Capture], start: int, stop: int, base: int) -> lis
         for key, pieces in layer.items():
             if len(pieces) != spanned:
                 continue  # some part of the span lacks it
-            out[key] = (RecurrentInputs.concatenate(pieces) if isinstance(pieces[0], RecurrentInputs)
+            out[key] = (RecurrentInputs.concatenate(pieces)
+                        if isinstance(pieces[0], RecurrentInputs)
                         else mx.concatenate(pieces, axis=1))
         joined.append(out)
     return joined
