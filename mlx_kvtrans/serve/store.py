@@ -11,8 +11,8 @@ a prompt's last message begins (an edited last turn), every so many tokens of a 
 at the end of a prompt, before the reply (a client re-sends the reply as text, which may
 tokenise differently). A request that extends an entry uses it in place; one that would
 discard tokens (a regenerated or edited reply, another conversation branching off a shared
-prefix) gets a copy, so no conversation loses what another continues. While a request works on an entry it is
-out of the store, so no other request sees it. Over the byte budget, the least recently used
+prefix) gets a copy, so no conversation loses what another continues. While a request works
+on an entry it is out of the store, so no other request sees it. Over the byte budget, the least recently used
 line goes first, whichever model it belongs to.
 """
 
