@@ -12,8 +12,8 @@ at the end of a prompt, before the reply (a client re-sends the reply as text, w
 tokenise differently). A request that extends an entry uses it in place; one that would
 discard tokens (a regenerated or edited reply, another conversation branching off a shared
 prefix) gets a copy, so no conversation loses what another continues. While a request works
-on an entry it is out of the store, so no other request sees it. Over the byte budget, the least recently used
-line goes first, whichever model it belongs to.
+on an entry it is out of the store, so no other request sees it. Over the byte budget, the
+least recently used line goes first, whichever model it belongs to.
 """
 
 from __future__ import annotations
