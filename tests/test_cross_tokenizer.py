@@ -272,3 +272,17 @@ def test_conversation_groups_join_tokenizers_a_translator_crosses(pair, both_way
     assert conversation_groups(models, {}) == {"a": "a", "b": "b", "c": "b"}
     assert conversation_groups(models, {("b", "a"): both_ways[1]}) == {"a": "a", "b": "a",
                                                                        "c": "a"}
+
+
+def test_a_models_own_split_of_its_reply_ends_where_its_prefixes_decode(pair):
+    """A reply's tokens that its tokenizer would merge, a character's bytes split between two
+    of them: each token ends where the decoded prefix up to it ends."""
+    from mlx_kvtrans.session.views import decode, own_ends
+
+    _, _, coarse, _ = pair
+    word = max((TEXT[a:b] for a, b in char_spans(coarse, TEXT)[1]), key=len)
+    ids = [i for ch in word + " café" for i in char_spans(coarse, ch)[0]]
+    assert ids != char_spans(coarse, word + " café")[0]
+    text, ends = own_ends(coarse, ids)
+    assert text == word + " café"
+    assert ends == [min(len(decode(coarse, ids[:i + 1])), len(text)) for i in range(len(ids))]

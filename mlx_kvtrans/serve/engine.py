@@ -24,7 +24,7 @@ import mlx.core as mx
 
 from ..errors import KvtransError
 from ..session import Outcome, Session, SwitchStatus
-from ..session.views import conversation_groups
+from ..session.views import conversation_groups, tokenizer_groups
 from .config import ServeConfig, context_length, find_translators, load_models
 from .batching import Batches, Decoding
 from .compute import ComputeThread
@@ -74,8 +74,9 @@ class Engine:
                 [tr.identity.codebook for tr in self.translators.values()
                  if tr.identity.codebook is not None])
         self.notes = list(notes or [])
+        self.tokenizers = tokenizer_groups(models)
         self.groups = conversation_groups(models, self.translators if self.config.translate
-                                          else {})
+                                          else {}, self.tokenizers)
         self.context = {name: context_length(lm) for name, lm in models.items()}
         self.trimmable = {name: trimmable(make_prompt_cache(lm.model))
                           for name, lm in models.items()}
@@ -130,7 +131,7 @@ class Engine:
                 if pair[0] in names and pair[1] in names} if self.config.translate else {}
         return Session({n: self.models[n] for n in names}, used, active=model,
                        reread=self.config.reread, fidelity=self.config.fidelity,
-                       sink=self.config.sink)
+                       sink=self.config.sink, groups=self.tokenizers)
 
     def waits_for_load(self, model: str) -> bool:
         """Whether a request for `model` now would wait for its weights to be read."""

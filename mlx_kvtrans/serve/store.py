@@ -80,6 +80,15 @@ class Entry:
         tokenize differently read different tokens of one conversation)."""
         return self.session.mapped(model, position, name)
 
+    def held(self, name: str, model: str, within: int) -> int:
+        """How many of `model`'s first `within` tokens `name`'s line can keep, counted in
+        `model`'s tokens: across tokenizers, up to a place where both split, where a line
+        that cannot be trimmed must also hold a checkpoint."""
+        kept = self.session.mapped(name, self.usable(name, self.limit_for(name, model, within)),
+                                   model)
+        return self.session.mapped(name, self.usable(name, self.limit_for(name, model, kept)),
+                                   model)
+
     @property
     def last_used(self) -> int:
         return max(self.used.values(), default=0)
@@ -226,14 +235,10 @@ class ConversationStore:
             for entry in self._entries:
                 if entry.group != self.group_of[model] or entry.conversation != conversation:
                     continue
-                session = entry.session
-                within = min(common_prefix(session.view(model), prompt), limit)
-                # a line translated ahead serves the model it was made for, not a way back;
-                # what each holds, counted in `model`'s tokens
-                holds = {name: session.mapped(name, entry.usable(
-                             name, entry.limit_for(name, model, within)), model)
-                         for name in entry.live()
-                         if name == model or name not in session.prepared}
+                within = min(common_prefix(entry.session.view(model), prompt), limit)
+                # a line translated ahead serves the model it was made for, not a way back
+                holds = {name: entry.held(name, model, within) for name in entry.live()
+                         if name == model or name not in entry.session.prepared}
                 holder = max(holds, key=lambda n: (holds[n], n == model), default=None)
                 if holder is None or holds[holder] == 0:
                     continue

@@ -39,20 +39,22 @@ class Session:
     each switch meets with the cheapest setting its translator's frontier measured; neither:
     each translator's default setting. `sink`: the conversation's first tokens, which a target
     that receives it from its start reads itself (`handover`; `SINK_TOKENS` for a pretrained
-    target).
+    target). `groups`: model -> its tokenizer group (`views.tokenizer_groups`), when the
+    caller has it (comparing vocabularies costs time at a real vocabulary's size).
     """
 
     def __init__(self, models: dict, translators: dict | None = None, active: str | None = None,
                  strategy: str = "segment", refresh_every: int = 4, max_context: int | None = None,
                  gate_tokens: int = gate.GATE_TOKENS, reread: int | None = None,
-                 fidelity: float | None = None, sink: int = 0):
+                 fidelity: float | None = None, sink: int = 0, groups: dict | None = None):
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}")
         if gate_tokens < 0:
             raise ValueError("gate_tokens must be 0 (no gate) or more")
         if dial.problem(reread, fidelity):
             raise ValueError(dial.problem(reread, fidelity))
-        self.groups = tokenizer_groups(models)
+        self.groups = {name: groups[name] for name in models} if groups else \
+            tokenizer_groups(models)
         for (a, b), translator in (translators or {}).items():
             across = "alignment" in getattr(translator, "info", {})
             if a in models and b in models and across != (self.groups[a] != self.groups[b]):

@@ -120,17 +120,19 @@ def decode(session: Session, line: CacheLine, max_tokens: int, temperature: floa
         if token in stop or max_tokens == 1:
             return  # the model has read every token but the one generated
         max_tokens -= 1
-    yield from _continue(session, line, max_tokens, temperature, stop, top_p)
+    yield from _continue(session, line, tokens, max_tokens, temperature, stop, top_p)
 
 
-def _continue(session: Session, line: CacheLine, max_tokens: int, temperature: float,
-              stop: set[int], top_p: float) -> Iterator[int]:
+def _continue(session: Session, line: CacheLine, tokens: list[int], max_tokens: int,
+              temperature: float, stop: set[int], top_p: float) -> Iterator[int]:
+    """The rest of `decode`: `tokens` is the line's view, taken before the turn began (asking
+    for it again would give a token already sampled to the other views as a piece alone)."""
     from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.sample_utils import make_sampler
 
     line.next_logits = None
-    tokens, r = session.view(line.name), session.gate_tokens
+    r = session.gate_tokens
     model, start = line.lm.model, line.seen
     if line.cache is None:
         line.cache = make_prompt_cache(model)

@@ -29,20 +29,21 @@ def tokenizer_groups(models: dict) -> dict[str, str]:
     vocabularies: list[tuple[str, dict]] = []
     for name, lm in models.items():
         if lm.tokenizer is None:
-            groups[name] = next(iter(groups.values()), name)
             continue
         vocab = lm.tokenizer.get_vocab()
         groups[name] = next((first for first, v in vocabularies if v == vocab), name)
         if groups[name] == name:
             vocabularies.append((name, vocab))
-    return groups
+    first = next(iter(groups.values()), next(iter(models), None))
+    return {name: groups.get(name, first) for name in models}
 
 
-def conversation_groups(models: dict, translators: dict) -> dict[str, str]:
+def conversation_groups(models: dict, translators: dict, groups: dict | None = None
+                        ) -> dict[str, str]:
     """model -> the first model of those one conversation can move between: the models that
-    share a tokenizer, joined by translators across tokenizers (`translators`: (source,
-    target) -> Translator)."""
-    groups = tokenizer_groups(models)
+    share a tokenizer (`groups`, `tokenizer_groups` by default), joined by translators across
+    tokenizers (`translators`: (source, target) -> Translator)."""
+    groups = dict(groups or tokenizer_groups(models))
     for a, b in translators:
         if a in groups and b in groups and groups[a] != groups[b]:
             joined, into = sorted((groups[a], groups[b]), key=list(models).index)[::-1]
@@ -156,6 +157,16 @@ def own_ends(tokenizer, ids: list[int]) -> tuple[str, list[int]]:
     own, spans = char_spans(tokenizer, text)
     if own == list(ids):
         return text, [end for _, end in spans]
+    # decoded in pieces, each from the last token that ended a whole character
+    ends, start, at = [], 0, 0
+    for i in range(len(ids)):
+        piece = decode(tokenizer, ids[start:i + 1])
+        ends.append(min(at + len(piece), len(text)))
+        if not piece.endswith("\ufffd"):
+            start, at = i + 1, at + len(piece)
+    if at == len(text):
+        return text, ends
+    # a tokenizer whose pieces do not add up (a leading space dropped): every prefix
     return text, [min(len(decode(tokenizer, ids[:i + 1])), len(text)) for i in range(len(ids))]
 
 
