@@ -220,8 +220,7 @@ def fit(source: str = typer.Option(..., "--from", help="source model"),
         resume: bool = typer.Option(False, help="continue the fit checkpointed in --workdir"),
         as_json: bool = typer.Option(False, "--json", help=JSON_HELP)):
     """Fit a translator from SOURCE's cache to TARGET's in closed form (stage 1), and calibrate
-    its fidelity gate on held-out text (not yet for models that tokenize differently). Ctrl-C
-    keeps the running sums for --resume. Under `mlx.launch` the fitting batches are dealt among
+    its fidelity gate on held-out text. Ctrl-C keeps the running sums for --resume. Under `mlx.launch` the fitting batches are dealt among
     the processes."""
     from mlx_kvtrans.workflows import ASSIGNMENTS, fit_translator
 

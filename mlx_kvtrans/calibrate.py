@@ -50,10 +50,10 @@ def window_switch(translator, source, target, tokens: list[int], prefix: int, ki
                        "target": as_loaded("target", target)},
                       {("source", "target"): translator}, active="source", gate_tokens=tail,
                       reread=0)  # the gate's own tail, whatever the dial's default
-    session.add(tokens[:prefix])
+    session.add(tokens[:prefix], model="target")  # across tokenizers the source reads its own
     if kind == "read":
         list(session.generate(0))
-        session.add(tokens[prefix:prefix + 1])
+        session.add(tokens[prefix:prefix + 1], model="target")
     else:
         list(session.generate(tail + 1))
     session.switch("target")
@@ -73,13 +73,13 @@ def calibrate(translator, source, target, token_ids: list[int], windows: int = W
               tail: int = GATE_TOKENS, bands=BANDS, seed: int = 0, quantile: float = QUANTILE,
               margin: float = MARGIN, progress=None, group=None) -> dict:
     """The gate's calibration of `translator` (source -> target: mlx-lm models or LoadedModels)
-    on held-out `token_ids`: per band of prefix lengths, the gap over `windows` windows of each
+    on held-out `token_ids` (the target's; LoadedModels that tokenize differently each read
+    their own tokens of the windows' text): per band of prefix lengths, the gap over `windows` windows of each
     kind and per kind the threshold quantile + margin. The record a manifest keeps under
     "gate". `progress(done, total)` follows the windows (this process's). A text too short for
     a band cuts it short or leaves it out. With `group` (every process of an `mx.distributed`
     group calls it), process r reads windows r, r + size, ... and the gaps are shared: every
     process returns the record one process would."""
-    translator.refuse_across_tokenizers("the gate's calibration")
     started = time.perf_counter()
     rank, size = (0, 1) if group is None else (group.rank(), group.size())
     # measured without a threshold, so that no window falls back before its gap is read
@@ -163,11 +163,11 @@ def calibrate_directory(directory: str | Path, text: str | Path | None = None,
 
     manifest = artifact.read_manifest(directory)
     source, target = load(manifest["source"]["name"]), load(manifest["target"]["name"])
-    translator = artifact.load(directory, source, target)
+    translator = artifact.load(directory, source, target, across_tokenizers=True)
     path = Path(text) if text is not None else held_out_split("validation")
     if path is None:
         raise KvtransError("no held-out text to calibrate on: give one, or build the zoo corpus")
-    ids = source.tokenizer.encode(path.read_text(errors="replace"))
+    ids = target.tokenizer.encode(path.read_text(errors="replace"))
     group = launched_group()
     record = calibrate(translator, source, target, ids, group=group, **options)
     if group is None or group.rank() == 0:

@@ -17,10 +17,15 @@ plus a margin); a switch whose gap is over it re-reads. The session records the 
 A model's NLL on the tokens it sampled itself is lower than on text it read (greedy decoding
 picks its most likely token), so the gap runs higher when the tail is the source's own reply;
 calibration measures both kinds of tail and a switch takes the threshold of the mix it holds.
+
+Between models that tokenize differently (`compare_across`) each reads its own tokens of the
+same text: the tail's text is cut to places where both split, each model's NLL of its tokens
+of it summed, and the gap is their difference per target token.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -92,7 +97,8 @@ class Reading:
     generated: float  # share of them the source had sampled itself
     target_nll: float
     source_nll: float
-    agreement: float = 1.0  # share of the tokens where the two models' argmax is the same
+    # share of the tokens where the two models' argmax is the same (None across tokenizers)
+    agreement: float | None = 1.0
 
 
 def compare(source_model, source: Tail | None, target_model, target: Tail | None,
@@ -130,3 +136,40 @@ def threshold(calibration: dict | None, tail: int, generated: float, length: int
     t = next((b for b in bands if length <= b["prefix"][1]), bands[-1])["threshold"]
     return generated * t["generated"] + (1 - generated) * t["read"], ""
 
+
+
+def compare_across(source_model, source: Tail | None, source_tokens: list[int],
+                   source_ends: list[int], target_model, target: Tail | None,
+                   target_tokens: list[int], target_ends: list[int], start: int, stop: int
+                   ) -> Reading | None:
+    """The gap between two models that tokenize differently, over the text of the target's
+    tokens predicted from rows [start, stop), cut to places where both split: each model's NLL
+    of its own tokens of that text, summed, the difference per target token. `*_ends`: the
+    character where each token ends (`session.views`). None when the tails share no such
+    text."""
+    if source is None or target is None:
+        return None
+    first, last = max(start, target.start) + 1, min(stop, target.end, len(target_tokens) - 1)
+    if first > last:
+        return None
+    splits = sorted(set(source_ends) & set(target_ends) | {0})
+    low = target_ends[first - 1]  # the predicted text begins after it
+    c0 = next((c for c in splits if c >= low), None)
+    c1 = max((c for c in splits if c <= target_ends[last]), default=None)
+    if c0 is None or c1 is None or c1 <= c0:
+        return None
+    t = range(bisect_right(target_ends, c0), bisect_right(target_ends, c1))
+    s = range(bisect_right(source_ends, c0), bisect_right(source_ends, c1))
+    # every token predicted by a row its model's tail holds (row p predicts token p + 1)
+    if not (t and s and target.start <= t.start - 1 and t.stop - 1 <= target.end
+            and source.start <= s.start - 1 and s.stop - 1 <= source.end):
+        return None
+    rows_t = target.rows[mx.array([q - 1 - target.start for q in t])]
+    rows_s = source.rows[mx.array([q - 1 - source.start for q in s])]
+    figures = mx.stack([
+        nll_of(tail_logits(source_model, rows_s), mx.array([source_tokens[q] for q in s])).sum(),
+        nll_of(tail_logits(target_model, rows_t), mx.array([target_tokens[q] for q in t])).sum()])
+    s_sum, t_sum = figures.tolist()
+    share = sum(source.generated[q - 1 - source.start] for q in s) / len(s)
+    return Reading((t_sum - s_sum) / len(t), len(t), share, t_sum / len(t), s_sum / len(t),
+                   None)

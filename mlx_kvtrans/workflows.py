@@ -177,8 +177,8 @@ def fit_translator(source: str | Path | LoadedModel, target: str | Path | Loaded
     translator is saved. Under `mlx.launch` the batches are dealt among the processes, each
     checkpointing its own sums, the gate's windows are dealt among them too, and the first
     process saves (`processes`). Models that tokenize differently each read their own tokens
-    of every window's text (`across_tokenizers`); no gate is calibrated across tokenizers
-    yet, and the manifest's `alignment` records how the groups were pooled.
+    of every window's text (`across_tokenizers`), and the manifest's `alignment` records how
+    the groups were pooled.
     Bad input raises KvtransError before any heavy work it can precede."""
     if assign not in ASSIGNMENTS:
         raise KvtransError(f"--assign must be {' or '.join(ASSIGNMENTS)}, not {assign!r}")
@@ -252,8 +252,8 @@ def fit_translator(source: str | Path | LoadedModel, target: str | Path | Loaded
     translator.info["fit"]["processes"] = size
     if rank:
         translator.info["fit"]["rank"] = rank  # not saved: the first process saves
-    if validation is not None and not across:  # every process calibrates its share
-        held_out = src.tokenizer.encode(Path(validation).read_text(errors="replace"))
+    if validation is not None:  # every process calibrates its share
+        held_out = tgt.tokenizer.encode(Path(validation).read_text(errors="replace"))
         translator.info["gate"] = gate_of(translator, src, tgt, held_out, gate_windows,
                                           progress if rank == 0 else None, group)
     failure = None

@@ -2,6 +2,7 @@
 and translated as a same-tokenizer pair is."""
 
 import json
+from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
@@ -215,7 +216,8 @@ def test_a_conversation_across_tokenizers_moves_both_ways_and_stays_in_step(pair
         assert status.status == Outcome.APPLIED, status.reason
         if i:  # the first hand-over is short: the target reads it all itself
             assert status.tokens_translated > 0
-        assert "across tokenizers" in status.gate_note
+            # the gate reads both models on the same text (no calibration: it stands)
+            assert status.gate == "uncalibrated" and status.gate_gap is not None
     # every view is the same text; each line read its own view up to its last hand-over
     a, b = (session.view(n) for n in "ab")
     from mlx_kvtrans.session.views import decode
@@ -286,3 +288,42 @@ def test_a_models_own_split_of_its_reply_ends_where_its_prefixes_decode(pair):
     text, ends = own_ends(coarse, ids)
     assert text == word + " café"
     assert ends == [min(len(decode(coarse, ids[:i + 1])), len(text)) for i in range(len(ids))]
+
+
+def test_the_gate_across_one_tokenizer_reads_what_the_gate_within_one_does(pair):
+    """Across tokenizers the gate compares each model's NLL of its own tokens of the same text;
+    given one tokenizer on both sides, that is the gap the gate within one tokenizer reads."""
+    from mlx_kvtrans import gate
+    from mlx_kvtrans.capture.instrument import recording_final_rows
+
+    source, target, _, fine = pair
+    ids, spans = char_spans(fine, TEXT)
+    ids, ends = ids[:80], [end for _, end in spans[:80]]
+    tails = []
+    for model in (source, target):
+        with recording_final_rows(model, 16) as rows:
+            model(mx.array([ids[:70]]))
+        tails.append(gate.tail_of(rows.last(16), 70))
+    within = gate.compare(source, tails[0], target, tails[1], ids, 60, 70)
+    across = gate.compare_across(source, tails[0], ids, ends, target, tails[1], ids, ends, 60, 70)
+    assert across.tokens == within.tokens == 10
+    assert abs(across.gap - within.gap) < 1e-4 and across.agreement is None
+
+
+def test_a_switch_across_tokenizers_meets_its_calibrated_gate(pair, both_ways):
+    from mlx_kvtrans.calibrate import calibrate
+    from mlx_kvtrans.session import Session
+
+    source, target, coarse, fine = pair
+    there, _ = both_ways
+    a, b = loaded("a", source, coarse), loaded("b", target, fine)
+    ids = char_spans(fine, TEXT * 3)[0]
+    record = calibrate(there, a, b, ids, windows=2, bands=((32, 120),))
+    assert record["tail"] == 8 and len(record["bands"]) == 1
+    calibrated = replace(there, info={**there.info, "gate": record})
+    session = Session({"a": a, "b": b}, {("a", "b"): calibrated})
+    session.add_text(TEXT)
+    list(session.generate(0))
+    status = session.switch("b")
+    assert status.gate in ("passed", "fired") and status.gate_gap is not None
+    assert status.gate_threshold is not None and status.gate_tokens > 0

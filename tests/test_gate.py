@@ -27,9 +27,9 @@ from mlx_kvtrans.translators import artifact
 from mlx_kvtrans.tools.verify import max_abs_diff
 from mlx_kvtrans.zoo.families import FAMILIES
 
-# the gate judges switches within one tokenizer; across tokenizers it does not (no calibration)
-ACROSS = [n for n in artifact.shipped_names() if "alignment" in artifact.read_manifest(n)]
-SHIPPED = [n for n in artifact.shipped_names() if n not in ACROSS]
+SHIPPED = artifact.shipped_names()
+# translators between models that tokenize differently: each model reads its own tokens
+ACROSS = [n for n in SHIPPED if "alignment" in artifact.read_manifest(n)]
 
 
 def used(source: str, target: str) -> str:
@@ -44,7 +44,7 @@ def shipped(name, zoo):
     """(translator, source, target) of a shipped translator, loaded with its pair."""
     manifest = artifact.read_manifest(name)
     src, tgt = zoo(manifest["source"]["name"]), zoo(manifest["target"]["name"])
-    return artifact.load(name, src, tgt), src, tgt
+    return artifact.load(name, src, tgt, across_tokenizers=True), src, tgt
 
 
 def noise(translator, scale=10.0, seed=0):
@@ -98,14 +98,16 @@ def test_output_head_of_final_norm_rows_reproduces_the_logits(loaded, family):
 
 
 def test_every_shipped_translator_carries_its_calibration():
-    assert ACROSS and all("gate" not in artifact.read_manifest(name) for name in ACROSS)
+    assert ACROSS  # across tokenizers too
     for name in SHIPPED:
         calibration = artifact.read_manifest(name)["gate"]
         assert calibration["tail"] == gate.GATE_TOKENS, name
         assert [tuple(b["prefix"]) for b in calibration["bands"]] == list(calibrate.BANDS)
         for band in calibration["bands"]:
             for kind in gate.KINDS:  # a high quantile of the held-out gaps, plus the margin
-                assert band["gap"][kind]["windows"] == calibrate.WINDOWS
+                # across tokenizers a tail whose text has no place both split is not judged
+                assert band["gap"][kind]["windows"] == calibrate.WINDOWS if name not in ACROSS \
+                    else band["gap"][kind]["windows"] >= 0.9 * calibrate.WINDOWS
                 assert band["threshold"][kind] == pytest.approx(
                     band["gap"][kind]["q99"] + calibration["margin"], abs=1e-3)
 
@@ -115,17 +117,20 @@ def test_gate_passes_every_shipped_translator_on_held_out_text(name, zoo):
     tr, src, tgt = shipped(name, zoo)
     for seed, (kind, prefix) in enumerate([("read", 64), ("read", 400), ("generated", 96),
                                            ("generated", 480)]):  # both bands of lengths
-        window = held_out(src.tokenizer, prefix + gate.GATE_TOKENS + 2, seed)
+        window = held_out(tgt.tokenizer, prefix + gate.GATE_TOKENS + 2, seed)
         status = calibrate.window_switch(tr, src, tgt, window, prefix, kind).switches[-1]
         assert (status.status, status.gate) == ("applied", "passed"), (kind, prefix, status)
         assert status.gate_gap <= status.gate_threshold
-        assert status.gate_tokens == status.tokens_read >= gate.GATE_TOKENS
+        assert status.tokens_read >= gate.GATE_TOKENS
+        # across tokenizers the text compared is cut to places where both split
+        assert 0 < status.gate_tokens <= status.tokens_read if name in ACROSS \
+            else status.gate_tokens == status.tokens_read
 
 
 @pytest.mark.parametrize("name,scale", CAUGHT)
 def test_gate_fires_on_a_translator_whose_weights_are_noise(name, scale, zoo):
     tr, src, tgt = shipped(name, zoo)
-    window = held_out(src.tokenizer, 160, 7)
+    window = held_out(tgt.tokenizer, 160, 7)
     session = calibrate.window_switch(noise(tr, scale), src, tgt, window, 150, "read")
     status = session.switches[-1]
     assert (status.status, status.gate) == ("fallback_reprefill", "fired"), status
@@ -137,7 +142,7 @@ def test_gate_fires_on_a_translator_whose_weights_are_noise(name, scale, zoo):
 def test_uncalibrated_translator_reports_its_gap_and_never_fires(zoo):
     tr, src, tgt = shipped(used("qwen3-small", "qwen3-large"), zoo)
     bare = noise(replace(tr, info={k: v for k, v in tr.info.items() if k != "gate"}))
-    window = held_out(src.tokenizer, 160, 7)
+    window = held_out(tgt.tokenizer, 160, 7)
     status = calibrate.window_switch(bare, src, tgt, window, 150, "read").switches[-1]
     assert (status.status, status.gate) == ("applied", "uncalibrated")
     assert "calibration" in status.gate_note and status.gate_threshold is None

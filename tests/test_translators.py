@@ -283,10 +283,11 @@ def test_cli_fit_then_fidelity_and_refusals(model_dirs, tmp_path):
     across = ["fit", "--from", str(other), "--to", tgt, "--data", str(text), "--windows", "4",
               "--length", "48"]
     result = runner.invoke(app, across + ["--out", str(tmp_path / "across"), "--needle-share",
-                                          "0.5", "--attention-weighted", "4", "--pooling", "last"])
+                                          "0.5", "--attention-weighted", "4", "--pooling", "last",
+                                          "--gate-windows", "2"])
     assert result.exit_code == 0, result.output
     manifest = json.loads((tmp_path / "across" / "manifest.json").read_text())
-    assert manifest["alignment"]["pooling"] == "last" and "gate" not in manifest
+    assert manifest["alignment"]["pooling"] == "last" and manifest["gate"]["tail"] == 8
     # what reads one token list for both models refuses it in one line; translating texts takes it
     result = runner.invoke(app, ["eval", "fidelity", "--translator", str(tmp_path / "across"),
                                  "--text", str(text)])

@@ -29,8 +29,8 @@ before switching pays one forward for the gate, the prompt and the first token t
 
 Across tokenizers (`views`) positions are the target's: the hand-over gives the target's tokens
 of the text the source has read, up to the last place where both split; each of them reads its
-alignment group's source tokens pooled, as its translator was fitted (`_across`). The gate does
-not judge such a switch: the two models' NLLs are over different tokens.
+alignment group's source tokens pooled, as its translator was fitted (`_across`). The gate
+compares each model's NLL of its own tokens of the same text (`gate.compare_across`).
 
 `hand_over` is the one switch: `Session.switch`, the server (through it) and the switch
 benchmark's gated switch all run it.
@@ -165,16 +165,23 @@ def _translate_and_gate(session: Session, translator, src: CacheLine, tgt: Cache
     started = time.perf_counter()
     rows = _read_on(session, tgt, n)
     status.tokens_read = n - handoff
-    if handoff == start or session.across(src.name, tgt.name):
-        status.gate, status.gate_note = Verdict.UNCHECKED, why or (
-            "no gate across tokenizers: the two models' NLLs are over different tokens")
+    if handoff == start:
+        status.gate, status.gate_note = Verdict.UNCHECKED, why
         status.gate_seconds = time.perf_counter() - started
         return
     # the gate judges the last tokens only (the rows both lines keep); after a re-read of R
     # over 2r tokens these follow more native context than calibration saw, so the threshold
     # errs towards letting the translation stand
-    reading = gate.compare(src.lm.model, src.tail, tgt.lm.model, rows or tgt.tail,
-                           session.view(tgt.name), max(handoff, n - session.tail_rows), n)
+    since = max(handoff, n - session.tail_rows)
+    if session.across(src.name, tgt.name):  # each model's NLL of its own tokens of the text
+        views, s, t = session.views, session.groups[src.name], session.groups[tgt.name]
+        views.sync()
+        reading = gate.compare_across(src.lm.model, src.tail, views.tokens[s], views.ends[s],
+                                      tgt.lm.model, rows or tgt.tail, views.tokens[t],
+                                      views.ends[t], since, n)
+    else:
+        reading = gate.compare(src.lm.model, src.tail, tgt.lm.model, rows or tgt.tail,
+                               session.view(tgt.name), since, n)
     status.gate_seconds = time.perf_counter() - started
     if reading is None:
         status.gate, status.gate_note = Verdict.UNCHECKED, ("the source holds no predictions "
