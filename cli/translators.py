@@ -220,8 +220,8 @@ def fit(source: str = typer.Option(..., "--from", help="source model"),
         resume: bool = typer.Option(False, help="continue the fit checkpointed in --workdir"),
         as_json: bool = typer.Option(False, "--json", help=JSON_HELP)):
     """Fit a translator from SOURCE's cache to TARGET's in closed form (stage 1), and calibrate
-    its fidelity gate on held-out text. Ctrl-C keeps the running sums for --resume. Under `mlx.launch` the fitting batches are dealt among
-    the processes."""
+    its fidelity gate on held-out text. Ctrl-C keeps the running sums for --resume. Under
+    `mlx.launch` the fitting batches are dealt among the processes."""
     from mlx_kvtrans.workflows import ASSIGNMENTS, fit_translator
 
     refuse_existing(output_dir("--out", out_dir), force)  # first: nothing is touched
