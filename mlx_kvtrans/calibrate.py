@@ -75,9 +75,9 @@ def calibrate(translator, source, target, token_ids: list[int], windows: int = W
     """The gate's calibration of `translator` (source -> target: mlx-lm models or LoadedModels)
     on held-out `token_ids` (the target's; LoadedModels that tokenize differently each read
     their own tokens of the windows' text): per band of prefix lengths, the gap over `windows`
-    windows of each kind and per kind the threshold quantile + margin. The record a manifest keeps under
-    "gate". `progress(done, total)` follows the windows (this process's). A text too short for
-    a band cuts it short or leaves it out. With `group` (every process of an `mx.distributed`
+    windows of each kind and per kind the threshold quantile + margin. The record a manifest
+    keeps under "gate". `progress(done, total)` follows the windows (this process's). A text
+    too short for a band cuts it short or leaves it out. With `group` (every process of an `mx.distributed`
     group calls it), process r reads windows r, r + size, ... and the gaps are shared: every
     process returns the record one process would."""
     started = time.perf_counter()
