@@ -77,9 +77,9 @@ def calibrate(translator, source, target, token_ids: list[int], windows: int = W
     their own tokens of the windows' text): per band of prefix lengths, the gap over `windows`
     windows of each kind and per kind the threshold quantile + margin. The record a manifest
     keeps under "gate". `progress(done, total)` follows the windows (this process's). A text
-    too short for a band cuts it short or leaves it out. With `group` (every process of an `mx.distributed`
-    group calls it), process r reads windows r, r + size, ... and the gaps are shared: every
-    process returns the record one process would."""
+    too short for a band cuts it short or leaves it out. With `group` (every process of an
+    `mx.distributed` group calls it), process r reads windows r, r + size, ... and the gaps are
+    shared: every process returns the record one process would."""
     started = time.perf_counter()
     rank, size = (0, 1) if group is None else (group.rank(), group.size())
     # measured without a threshold, so that no window falls back before its gap is read
