@@ -328,7 +328,7 @@ def load_pair(translator: str | Path) -> tuple[Translator, LoadedModel, LoadedMo
     """A saved translator and the models its manifest names, checked against it."""
     manifest = artifact.read_manifest(translator)
     src, tgt = load(manifest["source"]["name"]), load(manifest["target"]["name"])
-    return artifact.load(translator, src, tgt), src, tgt
+    return artifact.load(translator, src, tgt, across_tokenizers=True), src, tgt
 
 
 def distill_translator(translator: str | Path, data: Sequence[str | Path], validation: str | Path,
@@ -353,14 +353,16 @@ def distill_translator(translator: str | Path, data: Sequence[str | Path], valid
     if trained.info.get("stage") == 2 and note:
         note(f"{translator} is already distilled; distilling it further")
     texts = [plain_text(f) for f in data]
-    train_ids = read_ids(src.tokenizer, data, progress)
-    validation_ids = src.tokenizer.encode(Path(validation).read_text(errors="replace"))
-    needles = (training_needles(src.tokenizer.encode, texts,
+    # the windows are the target's tokens; across tokenizers the source reads its own
+    tokenizers = None if same_tokenizer(src, tgt) else (src.tokenizer, tgt.tokenizer)
+    train_ids = read_ids(tgt.tokenizer, data, progress)
+    validation_ids = tgt.tokenizer.encode(Path(validation).read_text(errors="replace"))
+    needles = (training_needles(tgt.tokenizer.encode, texts,
                                 config.max_prefix + config.continuation)
                if config.needle_share else None)
     group = mx.distributed.init()
     run = Distiller(trained, src.model, tgt.model, train_ids, validation_ids, config, workdir,
-                    group if group.size() > 1 else None, needles)
+                    group if group.size() > 1 else None, needles, tokenizers)
     main_process = run.rank == 0
     report = progress if main_process else None  # one process draws the bars
     resumed_at = run.state["step"] if resume and run.resume() else None

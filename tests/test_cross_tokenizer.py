@@ -327,3 +327,32 @@ def test_a_switch_across_tokenizers_meets_its_calibrated_gate(pair, both_ways):
     status = session.switch("b")
     assert status.gate in ("passed", "fired") and status.gate_gap is not None
     assert status.gate_threshold is not None and status.gate_tokens > 0
+
+
+def test_distillation_across_tokenizers_is_the_plain_one_given_one_tokenizer(pair):
+    """Stage 2 on the target's tokens, the source reading its own tokens of each window: with
+    one tokenizer on both sides, the very steps of a plain distillation; across two, it runs."""
+    import tempfile
+
+    from mlx_kvtrans.translators.distill import DistillConfig, Distiller
+
+    source, target, coarse, fine = pair
+    same = fit(source, target, [aligned_text(fine, fine, c) for c in chunks()], config=CONFIG)
+    plain = replace(same, info={k: v for k, v in same.info.items() if k != "alignment"})
+    ids = char_spans(fine, TEXT * 8)[0]
+    config = DistillConfig(steps=6, lr=3e-4, warmup=2, batch=2, min_prefix=48, max_prefix=64,
+                           continuation=8, validate_every=100, validation_windows=2)
+    with pytest.raises(KvtransError, match="needs the two tokenizers"):
+        Distiller(same, source, target, ids, ids, config, "unused")
+    summaries = []
+    for translator, tokenizers in ((plain, None), (same, (fine, fine)),
+                                   (fit(source, target, [aligned_text(coarse, fine, c)
+                                                         for c in chunks()], config=CONFIG),
+                                    (coarse, fine))):
+        with tempfile.TemporaryDirectory() as workdir:
+            summaries.append(Distiller(translator, source, target, ids, ids, config, workdir,
+                                       tokenizers=tokenizers).run())
+    keys = ("validation_kl_before", "validation_kl_after")
+    assert [summaries[0][k] for k in keys] == pytest.approx([summaries[1][k] for k in keys],
+                                                            abs=1e-6)
+    assert all(np.isfinite(summaries[2][k]) for k in keys)

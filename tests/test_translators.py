@@ -304,7 +304,7 @@ def test_cli_fit_then_fidelity_and_refusals(model_dirs, tmp_path):
     session = kv.Session({"a": src_lm, "b": tgt_lm}, {("a", "b"): across_translator})
     session.add_text(text.read_text()[:200])  # each model reads its own tokens of it
     list(session.generate(0))
-    assert session.switch("b").status == "applied"
+    assert session.switch("b").gate in ("passed", "fired")  # translated, and judged
     for refused in (["--mix-lengths", "48,64"], ["--capture", "3"],
                     ["--recipe", "recurrent_state=copy"]):
         result = runner.invoke(app, across + ["--out", str(tmp_path / "x"), *refused])

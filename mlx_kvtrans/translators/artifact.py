@@ -192,16 +192,16 @@ def load(directory: str | Path, source=None, target=None, across_tokenizers: boo
     """Load a verified translator. With `source` (a LoadedModel) a codebook translator loads
     the source's codebook when first needed; with `target` too, the pair is checked. A
     translator between models that tokenize differently loads only when `across_tokenizers`
-    says the caller reads each model's own tokens (a `Session`, or
-    `cross_tokenizer.translate_text`): calibration, distillation and the evaluations read one
-    token list for both models."""
+    says the caller reads each model's own tokens (a `Session`, calibration, distillation,
+    `cross_tokenizer.translate_text`): the other evaluations read one token list for both
+    models."""
     directory = resolve(directory)
     manifest = read_manifest(directory)
     if "alignment" in manifest and not across_tokenizers:
         raise KvtransError(f"translator {directory} translates across tokenizers, which only "
-                           "sessions (chat, serve, eval frontier) and "
-                           "cross_tokenizer.translate_text take yet (distill, calibrate, bench "
-                           "and the other evaluations read one token list)")
+                           "sessions (chat, serve, eval frontier), fit, distill, calibrate and "
+                           "cross_tokenizer.translate_text take yet (bench and the other "
+                           "evaluations read one token list)")
     conversion = ""
     if source is not None and target is not None:
         try:

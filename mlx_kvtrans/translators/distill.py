@@ -54,11 +54,12 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..capture import capture
+from ..capture import Capture, capture
 from ..errors import KvtransError
 from ..install import install
 from ..capture.instrument import chunked_recurrence, recording_indexer_scores
 from ..layouts import CapturePoint, layout_of, mixer_of
+from ..layouts.linear_attention import RecurrentInputs
 from .attention_weights import recording_attention_probabilities
 from .fidelity import kl_per_token
 from .translator import Translator, after
@@ -143,7 +144,7 @@ class Problem:
 
     def __init__(self, translator: Translator, source, target, windows: mx.array, prefix: int,
                  attention: bool = False, greedy: bool = False, reread: int = 0,
-                 sink: int = 0, outputs: bool = False):
+                 sink: int = 0, outputs: bool = False, tokenizers: tuple | None = None):
         self.translator, self.target, self.attention = translator, target, attention
         self.outputs = outputs
         self.layout = layout_of(target)
@@ -155,7 +156,8 @@ class Problem:
         self.translated_ids = self.prefix_ids[:, self.sink:translated]
         self.tail = self.prefix_ids[:, translated:]
         self.source = capture(source, self.prefix_ids[:, :translated],
-                              points=translator.source_points())
+                              points=translator.source_points()) if tokenizers is None else \
+            across_capture(translator, source, tokenizers, self.prefix_ids[:, :translated])
         self.sink_cache = None
         if self.sink:  # the target's own cache of the first tokens, which the translation follows
             self.source = after(self.source, self.sink)
@@ -215,6 +217,38 @@ class Problem:
         return total, (kl, rehearsal, attention, outputs)
 
 
+def across_capture(translator: Translator, source, tokenizers: tuple, ids: mx.array) -> Capture:
+    """The source's capture of each row's text, its own tokens of it read, pooled onto the
+    target's tokens `ids` (B, T) as the translator was fitted: a batch of target positions.
+    `tokenizers`: (the source's, the target's)."""
+    from ..session.views import Views
+    from .cross_tokenizer import AlignedText, pooling, realigned
+
+    how = translator.info["alignment"]["pooling"]
+    rows = []
+    for row in ids.tolist():
+        views = Views(dict(zip(("source", "target"), tokenizers)))
+        views.tokens["target"].extend(row)
+        views.sync()
+        alignment = views.alignment("source", "target")
+        sources, weights = pooling(alignment, how)
+        own = mx.array([views.tokens["source"]])
+        rows.append(realigned(capture(source, own, points=translator.source_points()),
+                              AlignedText(own, mx.array([row]), mx.array(sources),
+                                          mx.array(weights), alignment.one_to_one(), how)))
+    objects = [{key: _stacked([r.objects[i][key] for r in rows]) for key in layer}
+               for i, layer in enumerate(rows[0].objects)]
+    return Capture(rows[0].layout, ids, objects, None)
+
+
+def _stacked(values: list):
+    """Rows of one object (each batch 1) as one batch."""
+    if isinstance(values[0], RecurrentInputs):
+        return type(values[0])(*(mx.concatenate(xs, axis=0)
+                                 for xs in zip(*(v.arrays() for v in values))))
+    return mx.concatenate(values, axis=0)
+
+
 def start_fingerprint(translator: Translator) -> str:
     """A hash of the parameters a run starts from: a checkpoint continues only its own start (a
     refitted translator, or one fitted to a retrained model, starts afresh)."""
@@ -259,9 +293,12 @@ class Distiller:
 
     def __init__(self, translator: Translator, source, target, train_ids, validation_ids,
                  config: DistillConfig, workdir: Path, group=None,
-                 needles: list[list[int]] | None = None):
-        translator.refuse_across_tokenizers("distillation")
+                 needles: list[list[int]] | None = None, tokenizers: tuple | None = None):
+        if "alignment" in translator.info and tokenizers is None:
+            raise KvtransError("distilling a translator across tokenizers needs the two "
+                               "tokenizers (the windows are the target's tokens)")
         self.translator, self.source, self.target = translator, source, target
+        self.tokenizers = tokenizers  # (source's, target's) across tokenizers
         if config.needle_share and not needles:
             raise KvtransError("needle_share needs needle rows (workflows.training_needles)")
         if needles and min(len(r) for r in needles) < config.max_prefix + config.continuation:
@@ -329,7 +366,8 @@ class Distiller:
             with chunked_recurrence():
                 self._validation = [
                     Problem(self.translator, self.source, self.target, windows[i:i + c.batch],
-                            c.max_prefix, greedy=c.greedy, reread=c.reread, sink=c.sink)
+                            c.max_prefix, greedy=c.greedy, reread=c.reread, sink=c.sink,
+                            tokenizers=self.tokenizers)
                     for i in range(0, len(starts), c.batch)]
         return self._validation
 
@@ -349,7 +387,8 @@ class Distiller:
             c = self.config
             problem = Problem(self.translator, self.source, self.target, share, prefix,
                               attention=c.attention_weight > 0, greedy=c.greedy,
-                              reread=c.reread, sink=c.sink, outputs=c.output_weight > 0)
+                              reread=c.reread, sink=c.sink, outputs=c.output_weight > 0,
+                              tokenizers=self.tokenizers)
             (loss, (kl, rehearsal, attention, outputs)), grads = mx.value_and_grad(
                 lambda p: problem.loss(p, c.indexer_weight, c.attention_weight,
                                        c.output_weight))(self.params)
@@ -433,19 +472,20 @@ class Distiller:
 
 def distill(translator: Translator, source, target, train_ids, validation_ids,
             config: DistillConfig = DistillConfig(), workdir: str | Path | None = None,
-            resume: bool = False, needles: list[list[int]] | None = None, on_step=None
-            ) -> Translator:
+            resume: bool = False, needles: list[list[int]] | None = None, on_step=None,
+            tokenizers: tuple | None = None) -> Translator:
     """Stage 2 in one call: distil `translator` (mlx-lm models `source` -> `target`) on token ids
-    and return the distilled translator, its manifest recording the run. It has no gate
-    calibration (`calibrate.calibrate` adds one; `workflows.distill_translator` does what
-    `kvtrans distill` does, calibration included)."""
+    (the target's; across tokenizers, `tokenizers` = (source's, target's) and the source reads
+    its own tokens of each window's text) and return the distilled translator, its manifest
+    recording the run. It has no gate calibration (`calibrate.calibrate` adds one;
+    `workflows.distill_translator` does what `kvtrans distill` does, calibration included)."""
     import tempfile
 
     with contextlib.ExitStack() as stack:
         if workdir is None:
             workdir = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvtrans-distill-"))
         run = Distiller(translator, source, target, train_ids, validation_ids, config, workdir,
-                        needles=needles)
+                        needles=needles, tokenizers=tokenizers)
         if resume:
             run.resume()
         summary = run.run(on_step=on_step)
