@@ -356,3 +356,22 @@ def test_distillation_across_tokenizers_is_the_plain_one_given_one_tokenizer(pai
     assert [summaries[0][k] for k in keys] == pytest.approx([summaries[1][k] for k in keys],
                                                             abs=1e-6)
     assert all(np.isfinite(summaries[2][k]) for k in keys)
+
+
+@pytest.mark.parametrize("source_family,target_family", [("kimi_linear", "kimi_vl"),
+                                                         ("qwen3_5", "deepseek_v32"),
+                                                         ("qwen3", "kimi_linear")])
+def test_every_object_kind_translates_across_tokenizers(pair, source_family, target_family):
+    """MLA latents and rope keys, indexer keys, KDA conv rows and states: fitted across two
+    tokenizers and built from a text's translation, the target's cache holds every token."""
+    _, _, coarse, fine = pair
+    source = build_model(tiny_config(source_family, VOCAB), seed=3)
+    target = build_model(tiny_config(target_family, VOCAB), seed=4)
+    states = target_family in ("kimi_linear", "qwen3_5")  # replayed over the target's tokens
+    translator = fit(source, target, [aligned_text(coarse, fine, c) for c in chunks()],
+                     config=replace(CONFIG, recipes=RECIPES if states else {}))
+    prompt = aligned_text(coarse, fine, TEXT, target_tokens=100)
+    cache = translate_text(translator, source, target, prompt)
+    assert all(c.offset == 100 for c in cache if getattr(c, "offset", 0))
+    logits = target(mx.array([[ord("a")]]), cache=cache)
+    assert bool(mx.isfinite(logits).all())
