@@ -282,9 +282,13 @@ def test_cli_fit_then_fidelity_and_refusals(model_dirs, tmp_path):
     (other / "tokenizer.json").write_text(json.dumps(tok))
     across = ["fit", "--from", str(other), "--to", tgt, "--data", str(text), "--windows", "4",
               "--length", "48"]
+    # the gate calibrated on a short held-out text: prefixes a 4-window fit can serve
+    short = tmp_path / "held_out.txt"
+    short.write_text("Rain fell on the harbour while the ferry waited for the tide. " * 5)
     result = runner.invoke(app, across + ["--out", str(tmp_path / "across"), "--needle-share",
                                           "0.5", "--attention-weighted", "4", "--pooling", "last",
-                                          "--gate-windows", "2"])
+                                          "--gate-windows", "2", "--validation", str(short),
+                                          "--workdir", str(tmp_path / "across-sums")])
     assert result.exit_code == 0, result.output
     manifest = json.loads((tmp_path / "across" / "manifest.json").read_text())
     assert manifest["alignment"]["pooling"] == "last" and manifest["gate"]["tail"] == 8

@@ -100,18 +100,10 @@ class Switch:
     def _read_across(self, head: list[int]):
         """(the source's capture of its own tokens of `head`'s text, the groups that pool it
         onto `head`): a switch pools it (`translated`)."""
-        from ..session.views import Views
-        from ..translators.cross_tokenizer import AlignedText, pooling
+        from ..translators.cross_tokenizer import aligned_ids
 
-        views = Views(dict(zip(("source", "target"), self.tokenizers)))
-        views.tokens["target"].extend(head)
-        views.sync()
-        alignment = views.alignment("source", "target")
-        sources, weights = pooling(alignment, self.translator.info["alignment"]["pooling"])
-        ids = mx.array(views.tokens["source"])[None]
-        text = AlignedText(ids, mx.array(head)[None], mx.array(sources), mx.array(weights),
-                           alignment.one_to_one(), self.translator.info["alignment"]["pooling"])
-        return capture(self.source, ids, points=self.translator.source_points(),
+        text = aligned_ids(*self.tokenizers, head, self.translator.info["alignment"]["pooling"])
+        return capture(self.source, text.source, points=self.translator.source_points(),
                        layout=self.source_layout), text
 
     def translated(self, recorded, head: list[int]) -> list:

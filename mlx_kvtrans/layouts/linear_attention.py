@@ -44,8 +44,9 @@ class RecurrentInputs:
         return RecurrentInputs(*(x[:, start:stop] for x in self.arrays()))
 
     @classmethod
-    def concatenate(cls, parts: list["RecurrentInputs"]) -> "RecurrentInputs":
-        return cls(*(mx.concatenate(xs, axis=1) for xs in zip(*(p.arrays() for p in parts))))
+    def concatenate(cls, parts: list["RecurrentInputs"], axis: int = 1) -> "RecurrentInputs":
+        """`parts` joined along the tokens (axis 1), or along the batch (axis 0)."""
+        return cls(*(mx.concatenate(xs, axis=axis) for xs in zip(*(p.arrays() for p in parts))))
 
 
 def _recurrence(mixer):

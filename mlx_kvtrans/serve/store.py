@@ -1,19 +1,19 @@
 """Conversation caches shared by every model, keyed by token prefix.
 
-An entry is one conversation: a `Session` over the models it can move between (those that
-share a tokenizer, and those a translator across tokenizers joins to them), whose cache lines
-(one per model) have each read some prefix of the entry's tokens (of its own tokens, where the
-models tokenize differently). A request takes the
-entry whose lines hold the longest usable prefix of its prompt. A line whose caches can all be
-trimmed is usable up to the common prefix; a line with fixed-size state (the recurrent and conv
-state of a hybrid) only where it stands, or at a checkpoint the engine took while reading: where
-a prompt's last message begins (an edited last turn), every so many tokens of a long read, and
-at the end of a prompt, before the reply (a client re-sends the reply as text, which may
-tokenise differently). A request that extends an entry uses it in place; one that would
-discard tokens (a regenerated or edited reply, another conversation branching off a shared
-prefix) gets a copy, so no conversation loses what another continues. While a request works
-on an entry it is out of the store, so no other request sees it. Over the byte budget, the
-least recently used line goes first, whichever model it belongs to.
+An entry is one conversation: a `Session` over the models it can move between (those that share
+a tokenizer, and those a translator across tokenizers joins to them), whose cache lines (one per
+model) have each read some prefix of the entry's tokens (of its own tokens, where the models
+tokenize differently). A request takes the entry whose lines hold the longest usable prefix of
+its prompt. A line whose caches can all be trimmed is usable up to the common prefix; a line
+with fixed-size state (the recurrent and conv state of a hybrid) only where it stands, or at a
+checkpoint the engine took while reading: where a prompt's last message begins (an edited last
+turn), every so many tokens of a long read, and at the end of a prompt, before the reply (a
+client re-sends the reply as text, which may tokenise differently). A request that extends an
+entry uses it in place; one that would discard tokens (a regenerated or edited reply, another
+conversation branching off a shared prefix) gets a copy, so no conversation loses what another
+continues. While a request works on an entry it is out of the store, so no other request sees
+it. Over the byte budget, the least recently used line goes first, whichever model it belongs
+to.
 """
 
 from __future__ import annotations

@@ -15,7 +15,6 @@ from dataclasses import replace
 from typing import Iterator
 
 from .. import gate
-from ..alignment import char_spans
 from ..capture import Capture
 from ..layouts import CapturePoint
 from . import decode, dial
@@ -86,18 +85,9 @@ class Session:
         """The conversation as the active model reads it (the list it appends to)."""
         return self.view(self.active)
 
-    @tokens.setter
-    def tokens(self, ids: list[int]) -> None:
-        if len(self.views.tokens) > 1:
-            raise ValueError("a session across tokenizers holds the conversation as text")
-        group = self.groups[self.active]
-        self.views.tokens[group] = list(ids)
-        self.views.ends[group] = []  # one tokenizer: no text to keep in step
-
     def view(self, name: str) -> list[int]:
         """The conversation as model `name` reads it: its tokenizer's tokens."""
-        if len(self.views.tokens) > 1:
-            self.views.sync()
+        self.views.sync()
         return self.views.tokens[self.groups[name]]
 
     def across(self, source: str, target: str) -> bool:
@@ -114,17 +104,12 @@ class Session:
     def common(self, name: str, position: int) -> int:
         """The most of `name`'s first `position` tokens that every model's tokens end with
         (`Views.common`; `position` itself when the models share a tokenizer)."""
-        if len(self.views.tokens) == 1:
-            return position
         return self.views.common(self.groups[name], position)
 
     def cut(self, name: str, position: int) -> None:
         """Drop the conversation after `name`'s first `position` tokens (a place `common`
         gives), in every model's tokens; the lines are the caller's to rewind."""
-        if len(self.views.tokens) == 1:
-            del self.view(name)[position:]
-        else:
-            self.views.cut(self.groups[name], position)
+        self.views.cut(self.groups[name], position)
 
     # -- what is recorded ---------------------------------------------------------------------
     def receivers(self, name: str) -> list[str]:
@@ -246,17 +231,12 @@ class Session:
         tokenizer of `model` (default: the active one); across tokenizers the other models
         read their text."""
         self._finish_turn()
-        if len(self.views.tokens) > 1:
-            self.views.sync()  # what came before, in every view, before these
         self.view(model or self.active).extend(int(t) for t in token_ids)
 
     def add_text(self, text: str) -> None:
         """Append text to the conversation, each model reading its own tokens of it."""
         self._finish_turn()
-        if len(self.views.tokens) > 1:
-            self.views.add_text(text)
-            return
-        self.tokens.extend(char_spans(self.lines[self.active].lm.tokenizer, text)[0])
+        self.views.add_text(text)
 
     def generate(self, max_tokens: int = 256, temperature: float = 0.0,
                  stop: set[int] | None = None, top_p: float = 1.0) -> Iterator[int]:

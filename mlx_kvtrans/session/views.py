@@ -10,7 +10,10 @@ the fewest tokens of each side covering the same characters), up to the last pla
 split within what the source has read.
 
 A model's own tokens of its reply need not be what its tokenizer would make of the reply's
-text; their character ends then come from decoding each prefix of them.
+text; their character ends then come from decoding them piece by piece (`own_ends`).
+
+A session whose models share one tokenizer keeps that one token list and no text: there is
+nothing to keep in step.
 """
 
 from __future__ import annotations
@@ -43,11 +46,11 @@ def conversation_groups(models: dict, translators: dict, groups: dict | None = N
     """model -> the first model of those one conversation can move between: the models that
     share a tokenizer (`groups`, `tokenizer_groups` by default), joined by translators across
     tokenizers (`translators`: (source, target) -> Translator)."""
-    groups = dict(groups or tokenizer_groups(models))
+    groups, order = dict(groups or tokenizer_groups(models)), list(models)
     for a, b in translators:
         if a in groups and b in groups and groups[a] != groups[b]:
-            joined, into = sorted((groups[a], groups[b]), key=list(models).index)[::-1]
-            groups = {name: into if group == joined else group for name, group in groups.items()}
+            first, later = sorted((groups[a], groups[b]), key=order.index)
+            groups = {name: first if group == later else group for name, group in groups.items()}
     return groups
 
 
@@ -65,12 +68,17 @@ class Views:
 
     def __init__(self, tokenizers: dict):
         self.tokenizers = dict(tokenizers)
+        self.across = len(self.tokenizers) > 1  # else one token list, no text kept
         self.tokens: dict[str, list[int]] = {g: [] for g in tokenizers}
         self.ends: dict[str, list[int]] = {g: [] for g in tokenizers}  # per token, its end
         self.length = 0  # characters of text so far
 
     def add_text(self, text: str) -> None:
         """Append `text` to the conversation: every group tokenizes it."""
+        if not self.across:
+            for group, tokenizer in self.tokenizers.items():
+                self.tokens[group].extend(char_spans(tokenizer, text)[0])
+            return
         self.sync()
         for group, tokenizer in self.tokenizers.items():
             ids, spans = char_spans(tokenizer, text)
@@ -80,6 +88,8 @@ class Views:
     def sync(self) -> None:
         """Give every group the text of tokens appended to one view since the last sync (a
         reply, tokens added as ids): decoded, and read by the other tokenizers."""
+        if not self.across:
+            return
         ahead = [g for g in self.tokens if len(self.tokens[g]) > len(self.ends[g])]
         if len(ahead) > 1:
             raise ValueError(f"tokens were appended to the views of {', '.join(ahead)} at once")
@@ -117,6 +127,8 @@ class Views:
     def common(self, group: str, position: int) -> int:
         """The most of `group`'s first `position` tokens that end at a place where every view
         splits (every view then holds whole tokens of the text before it)."""
+        if not self.across:
+            return position
         self.sync()
         ends, others = self.ends[group], [set(e) for g, e in self.ends.items() if g != group]
         for q in range(min(position, len(ends)), 0, -1):
@@ -128,6 +140,9 @@ class Views:
     def cut(self, group: str, position: int) -> None:
         """Keep the text of `group`'s first `position` tokens (a place `common` gives) and
         every view's tokens of it."""
+        if not self.across:
+            del self.tokens[group][position:]
+            return
         self.sync()
         char = self.ends[group][position - 1] if position else 0
         for g in self.tokens:

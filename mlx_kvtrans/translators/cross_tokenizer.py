@@ -64,6 +64,21 @@ def aligned_text(source_tokenizer, target_tokenizer, text: str, how: str = "mean
                        mx.array(weights), alignment.one_to_one(), how)
 
 
+def aligned_ids(source_tokenizer, target_tokenizer, target_ids: list[int], how: str = "mean"
+                ) -> AlignedText:
+    """A text given as the target's tokens `target_ids` (a prompt, a fitting window): the
+    source's tokens of its text, and their pooling onto `target_ids`."""
+    from ..session.views import Views
+
+    views = Views({"source": source_tokenizer, "target": target_tokenizer})
+    views.tokens["target"].extend(target_ids)
+    views.sync()
+    alignment = views.alignment("source", "target")
+    sources, weights = pooling(alignment, how)
+    return AlignedText(mx.array([views.tokens["source"]]), mx.array([list(target_ids)]),
+                       mx.array(sources), mx.array(weights), alignment.one_to_one(), how)
+
+
 def aligned_windows(source_tokenizer, target_tokenizer, text: str, windows: int, length: int,
                     how: str = "mean", needles: list[str] | None = None,
                     needle_share: float = 0.0) -> list[AlignedText]:

@@ -221,21 +221,14 @@ def across_capture(translator: Translator, source, tokenizers: tuple, ids: mx.ar
     """The source's capture of each row's text, its own tokens of it read, pooled onto the
     target's tokens `ids` (B, T) as the translator was fitted: a batch of target positions.
     `tokenizers`: (the source's, the target's)."""
-    from ..session.views import Views
-    from .cross_tokenizer import AlignedText, pooling, realigned
+    from .cross_tokenizer import aligned_ids, realigned
 
     how = translator.info["alignment"]["pooling"]
     rows = []
     for row in ids.tolist():
-        views = Views(dict(zip(("source", "target"), tokenizers)))
-        views.tokens["target"].extend(row)
-        views.sync()
-        alignment = views.alignment("source", "target")
-        sources, weights = pooling(alignment, how)
-        own = mx.array([views.tokens["source"]])
-        rows.append(realigned(capture(source, own, points=translator.source_points()),
-                              AlignedText(own, mx.array([row]), mx.array(sources),
-                                          mx.array(weights), alignment.one_to_one(), how)))
+        text = aligned_ids(*tokenizers, row, how)
+        rows.append(realigned(capture(source, text.source, points=translator.source_points()),
+                              text))
     objects = [{key: _stacked([r.objects[i][key] for r in rows]) for key in layer}
                for i, layer in enumerate(rows[0].objects)]
     return Capture(rows[0].layout, ids, objects, None)
@@ -244,8 +237,7 @@ def across_capture(translator: Translator, source, tokenizers: tuple, ids: mx.ar
 def _stacked(values: list):
     """Rows of one object (each batch 1) as one batch."""
     if isinstance(values[0], RecurrentInputs):
-        return type(values[0])(*(mx.concatenate(xs, axis=0)
-                                 for xs in zip(*(v.arrays() for v in values))))
+        return RecurrentInputs.concatenate(values, axis=0)
     return mx.concatenate(values, axis=0)
 
 
