@@ -200,6 +200,38 @@ IDEAS = [
           ("qwen3-large-to-qwen3-small", "qwen3-large__qwen3-small-distilled",
            " (prefixes 32-256, half needles, lr 3e-05)",
            DistillConfig(steps=200, lr=3e-5, needle_share=0.5), "outputs-light", 0.25)]],
+    # capacity where the translation loses most: random features for the maps of the target
+    # layers whose translation alone costs the most history (benchmarks/results/layers.md)
+    *[Idea(f"qwen3-large-to-qwen3-small-random-features-{width}-layers-{tag}",
+           "qwen3-large__qwen3-small-distilled",
+           f"refit with every source layer, token ids and {width:,} random features for "
+           f"target layer{'s' if len(layers) > 1 else ''} {' and '.join(map(str, layers))}, "
+           "needle-weighted, not distilled", None,
+           FitConfig(point=1, nu=5, token_identity="ids", attention_weighted=8,
+                     random_features=width, random_layers=layers), 0.5)
+      for width, layers, tag in [(2048, (2, 3), "2-3"), (1024, (2,), "2")]],
+    Idea("qwen3-large-to-qwen3-small-random-features-2048-layers-2-3-nearest",
+         "qwen3-large__qwen3-small-distilled",
+         "refit as shipped (the two nearest source layers, token ids, attention-weighted) with "
+         "2,048 random features for target layers 2 and 3, needle-weighted, not distilled", None,
+         FitConfig(point=1, nu=2, token_identity="ids", attention_weighted=8,
+                   random_features=2048, random_layers=(2, 3)), 0.5),
+    *[Idea(f"qwen3.5-a-to-qwen3.5-b-random-features-{width}-layer-3",
+           "qwen3.5-a__qwen3.5-b-distilled",
+           f"refit as shipped with {width:,} random features for target layer 3 (its "
+           "attention), then 200 steps as shipped (greedy continuations after an 8-token "
+           "re-read, prefixes 32-512, output rehearsal)",
+           DistillConfig(**{**SEQUENCE, "steps": 200, "needle_share": 0.0,
+                            "output_weight": 1.0}),
+           FitConfig(point=1, features="all", random_features=width, random_layers=(3,)))
+      for width in (2048, 1024)],
+    # stage 2 across tokenizers, as the directions furthest from native were distilled: the
+    # windows are the target's tokens, the source reads its own tokens of their text
+    *[Idea(f"{name.split('__')[0]}-to-{name.split('__')[1]}-sequence", name,
+           "300 steps on greedy continuations after an 8-token re-read, prefixes 32-512, half "
+           "needles, with the output rehearsal (weight 1)",
+           DistillConfig(**{**SEQUENCE, "steps": 300, "output_weight": 1.0}))
+      for name in ("qwen3.5-a__qwen3.5-xt", "qwen3.5-xt__qwen3.5-a")],
     Idea("kimi-vl-to-kimi-linear-random-features-stage1", "kimi-vl__kimi-linear-distilled",
          "refit as shipped with every source layer and 1,024 random features, not distilled",
          None, FitConfig(point=1, nu=6, token_identity="codebook", attention_weighted=8,

@@ -203,6 +203,9 @@ def fit(source: str = typer.Option(..., "--from", help="source model"),
                                      "residual nonlinearity of H units, zero until distilled"),
         random_features: int = typer.Option(FIT.random_features, min=0,
                                             help=RANDOM_FEATURES_HELP),
+        random_layers: str = typer.Option(None, help="with --random-features: only these "
+                                          "target layers' maps read them, e.g. 2,3 (where "
+                                          "`eval ablate` finds the translation loses most)"),
         needle_share: float = typer.Option(0.0, min=0.0, max=1.0, callback=finite,
                                            help="about this share of the fitting windows are "
                                            "synthetic needles, question and answer last (with "
@@ -227,16 +230,14 @@ def fit(source: str = typer.Option(..., "--from", help="source model"),
     refuse_existing(output_dir("--out", out_dir), force)  # first: nothing is touched
     if assign not in ASSIGNMENTS:
         raise KvtransError(f"--assign must be {' or '.join(ASSIGNMENTS)}, not {assign!r}")
-    points = key_values("--point", point, "rope_key=3")
-    if any(p not in ("1", "2", "3") for p in points.values()):
-        raise KvtransError(f"--point takes OBJECT=1|2|3, not {' '.join(point)}")
     config = _fit_config(capture_point, nu, features, width, recipe, token_identity,
-                         points={k: int(v) for k, v in points.items()}, split_kv=split_kv,
+                         points=_points(point), split_kv=split_kv,
                          headwise=headwise, ridge=ridge, attention_weighted=attention_weighted,
                          identity_tables=identity_tables, residual=residual,
                          random_features=random_features, windows=windows, length=length, mix=tuple(
                              int_list("--mix-lengths", mix_lengths, 2) if mix_lengths else ()),
-                         pooling=pooling)
+                         pooling=pooling,
+                         random_layers=_random_layers(random_layers, random_features, target))
     _check_window_lengths(config, source, target)
     files = text_files("--data", data, "train")
     held_out = text_file("--validation", validation, "validation")
@@ -246,6 +247,26 @@ def fit(source: str = typer.Option(..., "--from", help="source model"),
                             needle_share=needle_share, gate_windows=gate_windows)
     _print_fit(translator, f"{source} -> {target} (stage 1, capture ({capture_point}), nu={nu})",
                out_dir, as_json)
+
+
+def _points(point: list[str] | None) -> dict[str, int]:
+    """--point rope_key=3 ...: object kind or name -> capture point."""
+    points = key_values("--point", point, "rope_key=3")
+    if any(p not in ("1", "2", "3") for p in points.values()):
+        raise KvtransError(f"--point takes OBJECT=1|2|3, not {' '.join(point)}")
+    return {k: int(v) for k, v in points.items()}
+
+
+def _random_layers(text: str | None, random_features: int, target: str) -> tuple[int, ...]:
+    """--random-layers 2,3: target layers, each one the target has; only with --random-features."""
+    if text is None:
+        return ()
+    if not random_features:
+        raise KvtransError("--random-layers needs --random-features H > 0")
+    config = model_configs(target)[target]
+    layers = (config.get("text_config") or config).get("num_hidden_layers")
+    limit = Limit(layers - 1, f"{target} has {layers} layers") if layers else None
+    return tuple(sorted(set(int_list("--random-layers", text, 0, limit))))
 
 
 def _check_window_lengths(config, source: str, target: str) -> None:

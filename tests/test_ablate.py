@@ -57,6 +57,14 @@ def test_translated_cases_swap_in_exactly_what_they_name():
     for i, (a, b) in enumerate(zip(one, native)):
         same = mx.array_equal(a.keys[..., :a.offset, :], b.keys[..., :b.offset, :]).item()
         assert same == (i != 1)
+    # from layer 2 up: the target's own first two layers, translated above them
+    above = ablation.cache(Case("translated", above=2), prefix)
+    moved_all = ablation.cache(Case("translated"), prefix)
+    for i, (a, b, c) in enumerate(zip(above, native, moved_all)):
+        same = mx.array_equal(a.keys[..., :a.offset, :], b.keys[..., :b.offset, :]).item()
+        moved = mx.array_equal(a.keys[..., :a.offset, :], c.keys[..., :c.offset, :]).item()
+        assert (same, moved) == ((True, False) if i < 2 else (False, True))
+    assert {f"translated from layer {k} up" for k in range(1, len(layout.layers))} < set(rows)
 
 
 def test_zeroing_every_object_of_a_linear_attention_model_is_the_no_cache_floor(tmp_path):

@@ -114,6 +114,15 @@ CASES = {
                                        "{out}", "--identity-tables", "-1"], "--identity-tables"),
     "fit: negative residual": (["fit", "--from", "kimi-linear", "--to", "kimi-vl", "--out",
                                 "{out}", "--residual", "-2"], "--residual"),
+    "fit: random layers without random features": (
+        ["fit", "--from", "kimi-linear", "--to", "kimi-vl", "--out", "{out}", "--random-layers",
+         "1"], "--random-features"),
+    "fit: random layer past the target's": (
+        ["fit", "--from", "kimi-linear", "--to", "kimi-vl", "--out", "{out}",
+         "--random-features", "8", "--random-layers", "1,9"], "kimi-vl has 4 layers"),
+    "fit: random layers not integers": (
+        ["fit", "--from", "kimi-linear", "--to", "kimi-vl", "--out", "{out}",
+         "--random-features", "8", "--random-layers", "top"], "--random-layers"),
     "fit: needle share over 1": (["fit", "--from", "kimi-linear", "--to", "kimi-vl", "--out",
                                   "{out}", "--needle-share", "1.5"], "--needle-share"),
     "fit: zero windows": (["fit", "--from", "kimi-linear", "--to", "kimi-vl", "--out", "{out}",

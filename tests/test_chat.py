@@ -392,7 +392,8 @@ def test_killed_chat_keeps_its_transcript(kimi_pair, tmp_path):
     import time
 
     a, b, paths = kimi_pair
-    script = chat_script(tmp_path, ["turn one"] + ["another turn"] * 200)
+    # turns enough that the chat is still going when it is signalled
+    script = chat_script(tmp_path, ["turn one"] + ["another turn"] * 5000)
     transcript = tmp_path / "chat.json"
     cmd = [sys.executable, "-m", "mlx_kvtrans.cli.main", "chat", "--from", a.name, "--to", b.name,
            "--translator", str(paths[(a.name, b.name)]), "--script", str(script),

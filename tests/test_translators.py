@@ -174,6 +174,41 @@ def test_artifact_round_trip(saved_translator):
     assert manifest["fit"]["data_sha256"] and manifest["objects"][0]["sources"]
 
 
+def test_random_features_of_some_layers_widen_only_their_maps(model_dirs, tmp_path):
+    """`random_layers`: only those target layers' maps read the random features; the others
+    are the linear fit's own maps exactly (they share no moments with the widened ones), and
+    the saved translator translates as it was fitted."""
+    src, tgt = kv.load(str(model_dirs("qwen3"))), kv.load(str(model_dirs("qwen3_next")))
+    data = batches(3)
+    top = len(kv.layout_of(tgt.model).layers) - 1
+    linear = fit(src.model, tgt.model, data, config=FitConfig(point=1, features="all"))
+    some = fit(src.model, tgt.model, data, config=FitConfig(
+        point=1, features="all", random_features=16, random_layers=(top,)))
+    for r in some.recipes:
+        for key, value in some.params_of(r).items():
+            if not key.endswith("weight"):
+                continue
+            base = linear.params_of(r)[key]
+            widened = r.layer == top
+            assert value.shape == (base.shape[0], base.shape[1] + 16 * widened), (r.key, key)
+            if not widened:
+                assert mx.allclose(value, base, atol=1e-5), (r.key, key)
+    path = artifact.save(some, tmp_path / "some", src, tgt)
+    again = artifact.load(path, src, tgt)
+    toks = mx.random.randint(0, 259, (1, 24), key=mx.random.key(3))
+    rec = kv.capture(src.model, toks, points=some.source_points())
+    for (a, _), (b, _) in [(again.translate(rec, tgt.model), some.translate(rec, tgt.model))]:
+        for x, y in zip(a, b):
+            for name in x:
+                pairs = (zip(x[name].arrays(), y[name].arrays()) if hasattr(x[name], "arrays")
+                         else [(x[name], y[name])])
+                assert all(mx.array_equal(p, q).item() for p, q in pairs), name
+    assert again.flops(64, kv.layout_of(tgt.model)) < fit(
+        src.model, tgt.model, data, config=FitConfig(point=1, features="all",
+                                                     random_features=16)).flops(
+        64, kv.layout_of(tgt.model))
+
+
 def test_random_features_widen_every_map_and_fit_closer(model_dirs, tmp_path):
     """Random features append H columns to every map's input, drawn again (not stored) when
     the translator is loaded; fitted in closed form they fit the training data closer than

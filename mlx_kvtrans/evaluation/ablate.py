@@ -9,6 +9,10 @@ as it takes it: teacher-forced agreement with the native target's `GENERATED` gr
 above what the last `FLOOR_TOKENS` prompt tokens alone give. This is the hybrid-translation
 paper's swap-in analysis for any model or pair.
 
+"Translated from layer k up" keeps the target's own first k layers: the ceiling of a switch
+that rebuilds those layers itself (reading every token through them, k / N of a re-prefill; the
+first layers are the only ones a target can rebuild without reading through all of them).
+
 Zeroing a recurrent state or a conv history is exactly "no history" for that object. Zeroing an
 attention object keeps its positions in the softmax (zero keys score 0, zero values add nothing),
 so it removes the content but not the positions.
@@ -37,9 +41,12 @@ class Case:
     layer: int | None = None
     object: str | None = None  # with a layer and no object: every object of that layer
     kind: str | None = None  # with no layer: every object of this kind
+    above: int | None = None  # translated: every layer from this one up, the ones below native
 
     @property
     def label(self) -> str:
+        if self.above is not None:
+            return f"{self.name} from layer {self.above} up"
         if self.layer is None:
             return f"{self.name} every {self.kind}" if self.kind else \
                 f"{self.name} all" if self.name in ("zero", "translated") else self.name
@@ -48,6 +55,8 @@ class Case:
         return f"{self.name} {self.layer}.{self.object}"
 
     def covers(self, layer, name: str) -> bool:
+        if self.above is not None:
+            return layer.index >= self.above
         if self.layer is not None:
             return layer.index == self.layer and self.object in (None, name)
         return self.kind is None or layer.cache.object(name).kind.value == self.kind
@@ -61,6 +70,9 @@ def cases(layout, translated: bool) -> list[Case]:
         out.append(Case("translated"))
         out += [Case("translated", layer.index) for layer in layout.layers
                 if len(layer.objects) > 1]
+        # the target's own first k layers under a translation of the rest: what a switch that
+        # rebuilt its first layers (k / N of a prefill) would keep
+        out += [Case("translated", above=k) for k in range(1, len(layout.layers))]
     for layer in layout.layers:
         for obj in layer.objects:
             out.append(Case("zero", layer.index, obj.name))

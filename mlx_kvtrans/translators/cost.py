@@ -247,7 +247,7 @@ def plan_cost(source_lm, target_lm, recipes: list[Recipe], point: int,
         from .random_features import RandomFeatures
 
         translation += sum(map(RandomFeatures(expansion_width).flops,
-                               (f.inputs for f in feature_sets)))
+                               (d for k, (d, _, _) in sets.items() if "unexpanded" not in k)))
     moments = sum(f.moments_bytes for f in feature_sets) + tables
     accumulate_flops = sum(2.0 * f.inputs * (f.inputs + f.outputs) for f in feature_sets)
     prefill_flops = 2.0 * (active_parameters(source_lm) + active_parameters(target_lm))

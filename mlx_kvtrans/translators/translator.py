@@ -34,7 +34,7 @@ class Translator:
     recipes: list[Recipe]
     params: dict[str, mx.array]  # flat: "layer<L>.<object>.<name>"
     info: dict[str, Any] = field(default_factory=dict)  # manifest fields (pair, fit, metrics)
-    expansion: RandomFeatures | None = None  # random features of every map's input
+    expansion: RandomFeatures | None = None  # random features of the maps' inputs (`expand`)
     # its measured fidelity per setting (frontier.json beside its weights), for the dial
     frontier: Any = field(default=None, compare=False, repr=False)
     # fused group -> its FusedMaps, built on first use: a switch then reads the weights once
@@ -138,10 +138,10 @@ class Translator:
             if key is not None:
                 groups.setdefault((key, r.reads_identity), []).append(r)
         for key, group in groups.items():
-            (sources, kinds), _ = key
+            sources, kinds = key[0][:2]
             maps = self._fused_maps(key, group, flat, keep=params is None)
             x = concat_features(features, sources, kinds, inputs[group[0]].identity,
-                                self.expansion)
+                                self.expansion if getattr(group[0], "expand", True) else None)
             outputs = maps.split(maps(x, inputs[group[0]].ids))
             for r in group:
                 objects[r.layer][r.name] = r.from_parts(inputs[r], outputs[r])
@@ -183,7 +183,7 @@ class Translator:
         expansion = 0.0
         if self.expansion is not None:  # one projection per distinct input
             inputs = {r.feature_key(): shape[1] for r in self.recipes
-                      if hasattr(r, "feature_key")
+                      if hasattr(r, "feature_key") and getattr(r, "expand", True)
                       for name, shape in shapes[r].items() if name.endswith("weight")}
             expansion = length * sum(map(self.expansion.flops, inputs.values()))
         return compression + expansion + sum(

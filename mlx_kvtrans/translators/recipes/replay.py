@@ -7,7 +7,7 @@ default for a target state the source has nothing like.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 import numpy as np
@@ -27,6 +27,7 @@ class Replay(Recipe):
 
     # per input: its per-token shape in the target, e.g. {"k": [Hk, Dk], "a": [Hv]}
     shapes: dict = field(default_factory=dict, hash=False, compare=False)
+    expand: bool = True  # whether the translator's random features join its input
 
     @classmethod
     def plan(cls, obj, layer, ctx):
@@ -46,11 +47,11 @@ class Replay(Recipe):
 
     def with_shapes(self, inputs: RecurrentInputs) -> "Replay":
         shapes = {name: list(getattr(inputs, name).shape[2:]) for name in REPLAY_INPUTS}
-        return Replay(self.layer, self.name, self.point, self.sources, shapes)
+        return replace(self, shapes=shapes)
 
     def accumulate(self, batch, stats):
         x = concat_features(batch.features, self.sources, (), batch.identity,
-                            batch.expand)
+                            batch.expand if self.expand else None)
         inputs = batch.target.objects[self.layer][(self.name, CapturePoint.NORMED)]
         entry = stats.setdefault(self.key, {"recipe": self.with_shapes(inputs), "moments": {},
                                             "shared": batch.shared is not None})
@@ -72,7 +73,7 @@ class Replay(Recipe):
         return self.with_shapes(widths.target[(self.layer, self.name, CapturePoint.NORMED)])
 
     def feature_key(self) -> tuple:
-        return (self.sources, ())
+        return (self.sources, ()) + (() if self.expand else ("unexpanded",))
 
     def solve(self, stats, ridge):
         params, metrics = {}, {}
@@ -88,7 +89,7 @@ class Replay(Recipe):
     def build(self, inputs, params):
         """Predicted per-token recurrence inputs (2); install replays the target's recurrence."""
         x = concat_features(inputs.features, self.sources, (), inputs.identity,
-                            inputs.expand)
+                            inputs.expand if self.expand else None)
         return self.from_parts(inputs, {name: x @ weight.T + bias
                                         for name, weight, bias in self.linear_parts(params)})
 
@@ -110,7 +111,7 @@ class Replay(Recipe):
 
     def param_shapes(self, widths):
         din = (sum(widths.features[(s, ())] for s in self.sources) + widths.identity
-               + widths.expansion)
+               + (widths.expansion if self.expand else 0))
         inputs = widths.target[(self.layer, self.name, CapturePoint.NORMED)]
         out = {}
         for name in REPLAY_INPUTS:

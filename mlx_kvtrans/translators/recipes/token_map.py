@@ -48,6 +48,7 @@ class TokenMap(Recipe):
     heads: int = 0  # 0 = head-mixing; n = head-wise
     tables: int = 0  # rank of the identity tables (0: none)
     residual: int = 0  # hidden width of the residual nonlinearity (0: none)
+    expand: bool = True  # whether the translator's random features join its input
 
     @classmethod
     def plan(cls, obj, layer, ctx: PlanContext) -> "TokenMap":
@@ -89,11 +90,11 @@ class TokenMap(Recipe):
 
     def feature_key(self) -> tuple:
         """What its input is: maps with the same key read the same features."""
-        return (self.sources, self.source_kinds)
+        return (self.sources, self.source_kinds) + (() if self.expand else ("unexpanded",))
 
     def accumulate(self, batch: FitBatch, stats: dict) -> None:
         x = concat_features(batch.features, self.sources, self.source_kinds, batch.identity,
-                            batch.expand)
+                            batch.expand if self.expand else None)
         y = per_token_rows(batch.target.objects[self.layer][(self.name, self.point)])
         per_layer = batch.features[(self.sources[0], self.source_kinds)].shape[-1]
         weights = batch.attention.get(self.layer)
@@ -151,7 +152,7 @@ class TokenMap(Recipe):
     def build(self, inputs: BuildInputs, params):
         obj = inputs.target_object
         x = concat_features(inputs.features, self.sources, self.source_kinds, inputs.identity,
-                            inputs.expand)
+                            inputs.expand if self.expand else None)
         y = x @ params["weight"].T + params["bias"]
         if self.tables:
             y = y + table_offsets(params, inputs.ids)
@@ -187,7 +188,7 @@ class TokenMap(Recipe):
 
     def param_shapes(self, widths):
         din = sum(widths.features[(s, self.source_kinds)] for s in self.sources)
-        din += widths.identity + widths.expansion
+        din += widths.identity + (widths.expansion if self.expand else 0)
         dout = per_token_rows(widths.target[(self.layer, self.name, self.point)]).shape[-1]
         shapes = {"weight": (dout, din), "bias": (dout,)}
         if self.tables:
