@@ -91,6 +91,10 @@ IDEAS = [
     Idea("kimi-vl-to-kimi-linear-long", "kimi-vl__kimi-linear-distilled",
          "2,000 steps on greedy continuations after an 8-token re-read, prefixes 32-2,048, "
          "half needles", DistillConfig(**{**SEQUENCE, "steps": 2000, "max_prefix": 2048})),
+    Idea("qwen3.5-b-to-qwen3.5-a-long", "qwen3.5-b__qwen3.5-a-distilled",
+         "2,000 steps on greedy continuations after an 8-token re-read, prefixes 32-2,048, "
+         "lr 3e-05", DistillConfig(**{**SEQUENCE, "steps": 2000, "max_prefix": 2048,
+                                      "needle_share": 0.0, "lr": 3e-5})),
     Idea("qwen3-small-to-qwen3-large-served-lengths", "qwen3-small__qwen3-large-distilled",
          "refit as shipped on 1M tokens in windows of 256-2,048 (a quarter of the tokens "
          "each), then 200 steps as shipped on prefixes 32-1,024",
@@ -223,8 +227,9 @@ IDEAS = [
            "re-read, prefixes 32-512, output rehearsal)",
            DistillConfig(**{**SEQUENCE, "steps": 200, "needle_share": 0.0,
                             "output_weight": 1.0}),
-           FitConfig(point=1, features="all", random_features=width, random_layers=(3,)))
-      for width in (2048, 1024)],
+           FitConfig(point=1, features="all", recipes={"recurrent_state": "bilinear"},
+                     random_features=width, random_layers=(3,)))
+      for width in (2048,)],
     # stage 2 across tokenizers, as the directions furthest from native were distilled: the
     # windows are the target's tokens, the source reads its own tokens of their text
     *[Idea(f"{name.split('__')[0]}-to-{name.split('__')[1]}-sequence", name,
@@ -251,7 +256,35 @@ def measure(name: str, directory: Path | str, models: dict, args) -> dict:
                                      list(LENGTHS), [REREAD], args.prompts,
                                      args.needles, repeats=1, seed=SEED)
     return {"name": name, "source": src.name, "target": tgt.name,
+            "weights_mb": weights_mb(artifact.resolve(directory)),
             "rows": [row.to_json() for row in frontier.rows]}
+
+
+def weights_mb(directory: Path) -> float:
+    """What the translator's weights take on disk, MB (the budget `weights/` ships under)."""
+    return round((directory / "weights.safetensors").stat().st_size / 1e6, 2)
+
+
+def measured_sizes(results: dict) -> None:
+    """Fill in the weights' size of results measured before it was recorded, from the
+    translators still on disk (an idea's run, or the shipped weights of the digest measured)."""
+    for key, r in results.items():
+        if "weights_mb" in r:
+            continue
+        if key.startswith("shipped:"):
+            start, _, digest = key.removeprefix("shipped:").partition("@")
+            try:
+                found = artifact.resolve(start)
+            except KvtransError:
+                continue
+            if digest and sha256_file(found / "weights.safetensors")[:12] != digest:
+                continue
+        else:
+            found = next((d for d in (RUNS / key, RUNS / f"{key}-stage1")
+                          if (d / "weights.safetensors").is_file()), None)
+            if found is None or (r.get("config") and not (RUNS / key).is_dir()):
+                continue
+        r["weights_mb"] = weights_mb(found)
 
 
 def run_idea(idea: Idea, models: dict, args) -> dict:
@@ -349,11 +382,12 @@ def write_markdown(results: dict, settings: dict, out: Path) -> None:
              "kept, (agreement - floor) / (1 - floor), teacher-forced on the native greedy "
              "continuation; **match**: greedy tokens of 32 equal to native's; **first**: "
              "first-token agreement; **recall**: needle recall, native / switched; "
-             "**applied**: switches the gate let stand. **Kept**: recovered rises at both "
+             "**applied**: switches the gate let stand; **MB**: the translator's weights "
+             "(blank: not recorded when it was measured). **Kept**: recovered rises at both "
              "lengths and recall over both together does not fall. Regenerate with "
              "`python benchmarks/ideas.py`.\n",
              "| direction | translator | what | L | recovered | first | match | KL | recall "
-             "| applied | kept |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| applied | MB | kept |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for key, r in results.items():
         # ideas measured before bases carried digests name theirs by the start alone
         base = results.get(r.get("base") or f"shipped:{r.get('start')}")
@@ -362,13 +396,14 @@ def write_markdown(results: dict, settings: dict, out: Path) -> None:
         if r.get("shipped_as"):
             verdict += f", shipped as `{r['shipped_as']}`"
         what = r.get("what", "as shipped before")
+        size = f"{r['weights_mb']:.1f}" if "weights_mb" in r else ""
         for row in r["rows"]:
             lines.append(
                 f"| {r['source']} -> {r['target']} | {r['name']} | {what} | {row['length']:,} "
                 f"| {row['history_recovered']:.2f} | "
                 f"{row['first_token']:.2f} | {row['greedy_match']:.1f} | {row['kl']:.4f} | "
                 f"{row['recall_native']:.2f} / {row['recall_translated']:.2f} | "
-                f"{row['applied']:.2f} | {verdict} |")
+                f"{row['applied']:.2f} | {size} | {verdict} |")
     out.joinpath("ideas.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
@@ -393,6 +428,8 @@ def main():
     results, settings = saved.get("results", {}), {"prompts": args.prompts,
                                                    "needles": args.needles}
     if args.tabulate:
+        measured_sizes(results)
+        path.write_text(json.dumps({**saved, "results": results}, indent=1))
         return write_markdown(results, saved["settings"], args.results)
     if saved and saved.get("settings") != settings:
         results = {}  # figures of other settings are not comparable

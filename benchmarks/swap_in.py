@@ -44,7 +44,7 @@ def swap_rows(translator, src, tgt, length, samples):
     ablation = Ablation(tgt.model, translator, src.model)
     rows = []
     for case in [Case("native")] + [c for c in cases(ablation.layout, True)
-                                    if c.name == "translated"]:
+                                    if c.name == "translated" and c.above is None]:
         recall, nll = needle_scores(tgt.model, tgt.tokenizer.encode, length, samples,
                                     cache_for=lambda ids, c=case: ablation.cache(c, mx.array(ids)))
         layer = ablation.layout.layers[case.layer] if case.layer is not None else None

@@ -189,8 +189,8 @@ def eval_ablate(model: str = typer.Option(None, "--model", help="zoo alias, dire
                 translator_dir: Path = typer.Option(None, "--translator",
                                                     help="a translator into the model (a "
                                                     "directory or a shipped name): also the "
-                                                    "translation swapped in whole, per layer "
-                                                    "and per object"),
+                                                    "translation swapped in whole, per layer, "
+                                                    "per object and from each layer up"),
                 lengths: str = typer.Option("256,1024", help="prompt lengths (comma-separated)"),
                 windows: int = typer.Option(4, min=1, help="held-out windows per length"),
                 needles: int = typer.Option(20, min=1, help="held-out needles per length"),
@@ -198,9 +198,10 @@ def eval_ablate(model: str = typer.Option(None, "--model", help="zoo alias, dire
                                           "split)"),
                 as_json: bool = typer.Option(False, "--json", help=JSON_HELP)):
     """What each cache object carries: per layer and object, the model continuing from its own
-    cache with that object zeroed (and, with --translator, with only it, only its layer or
-    everything translated): KL against native, greedy agreement, the history's worth recovered
-    (the fidelity bars' measure) and needle recall, beside the no-cache floor."""
+    cache with that object zeroed (and, with --translator, with only it, only its layer,
+    everything, or every layer from one up translated): KL against native, greedy agreement,
+    the history's worth recovered (the fidelity bars' measure) and needle recall, beside the
+    no-cache floor."""
     from mlx_kvtrans.evaluation.ablate import ablate
 
     if (model is None) == (translator_dir is None):

@@ -29,7 +29,10 @@ FEATURES_HELP = ("what the maps read: attention (the source's attention objects;
 WIDTH_HELP = "features all: compress linear-attention rows to this many principal directions"
 RECIPE_HELP = "OBJECT=RECIPE, e.g. recurrent_state=bilinear (repeatable)"
 IDENTITY_HELP = "which token each position holds: codebook, ids or off"
-RANDOM_FEATURES_HELP = "H > 0: every map's input gains H random features (a nonlinear map)"
+RANDOM_FEATURES_HELP = ("H > 0: every map's input (or those of --random-layers) gains H random "
+                        "features (a nonlinear map)")
+RANDOM_LAYERS_HELP = ("with --random-features: only these target layers' maps read them, e.g. "
+                      "2,3 (where `eval ablate` finds the translation loses most)")
 JSON_HELP = "print the result as JSON"
 OUTPUT_WEIGHT = typer.Option(DISTILL.output_weight, min=0.0, callback=finite,
                              help="weight of the output rehearsal: each layer's attention output "
@@ -98,6 +101,7 @@ def plan_command(source: str = typer.Option(..., "--from", help="source: zoo ali
                  token_identity: str = typer.Option(FIT.token_identity, help=IDENTITY_HELP),
                  random_features: int = typer.Option(FIT.random_features, min=0,
                                                      help=RANDOM_FEATURES_HELP),
+                 random_layers: str = typer.Option(None, help=RANDOM_LAYERS_HELP),
                  tokens: int = typer.Option(FIT.windows * FIT.length, min=1,
                                             help="fitting tokens to project the time for"),
                  machine_name: str = typer.Option(None, "--machine", help="plan for this Mac "
@@ -118,7 +122,8 @@ def plan_command(source: str = typer.Option(..., "--from", help="source: zoo ali
     from mlx_kvtrans.workflows import for_pair, plan_and_cost, refuse_unless_it_fits
 
     config = _fit_config(capture_point, nu, features, width, recipe, token_identity,
-                         random_features=random_features)
+                         random_features=random_features,
+                         random_layers=_random_layers(random_layers, random_features, target))
     machine = machine_for(machine_name, memory, matmul_tflops, bandwidth)
     src, tgt = load_config_only(source), load_config_only(target)
     config = for_pair(src, tgt, config)
@@ -203,9 +208,7 @@ def fit(source: str = typer.Option(..., "--from", help="source model"),
                                      "residual nonlinearity of H units, zero until distilled"),
         random_features: int = typer.Option(FIT.random_features, min=0,
                                             help=RANDOM_FEATURES_HELP),
-        random_layers: str = typer.Option(None, help="with --random-features: only these "
-                                          "target layers' maps read them, e.g. 2,3 (where "
-                                          "`eval ablate` finds the translation loses most)"),
+        random_layers: str = typer.Option(None, help=RANDOM_LAYERS_HELP),
         needle_share: float = typer.Option(0.0, min=0.0, max=1.0, callback=finite,
                                            help="about this share of the fitting windows are "
                                            "synthetic needles, question and answer last (with "
@@ -263,7 +266,10 @@ def _random_layers(text: str | None, random_features: int, target: str) -> tuple
         return ()
     if not random_features:
         raise KvtransError("--random-layers needs --random-features H > 0")
-    config = model_configs(target)[target]
+    try:
+        config = model_configs(target)[target]
+    except KvtransError:  # a bare config.json (`plan`): the plan checks the layers itself
+        config = {}
     layers = (config.get("text_config") or config).get("num_hidden_layers")
     limit = Limit(layers - 1, f"{target} has {layers} layers") if layers else None
     return tuple(sorted(set(int_list("--random-layers", text, 0, limit))))

@@ -49,6 +49,12 @@ CASES = {
     "plan: no --from": (["plan", "--to", "kimi-vl"], "--from"),
     "plan: unknown model": (["plan", "--from", "no-such-model", "--to", "kimi-vl"],
                             "no-such-model"),
+    "plan: random layers without random features": (
+        ["plan", "--from", "kimi-linear", "--to", "kimi-vl", "--random-layers", "1"],
+        "--random-features"),
+    "plan: random layer past the target's": (
+        ["plan", "--from", "kimi-linear", "--to", "kimi-vl", "--random-features", "8",
+         "--random-layers", "9"], "kimi-vl has 4 layers"),
     "plan: empty config file": (["plan", "--from", "{empty}", "--to", "kimi-vl"], "JSON"),
     "plan: capture 0": (["plan", "--from", "kimi-linear", "--to", "kimi-vl", "--capture", "0"],
                         "--capture"),

@@ -16,7 +16,7 @@ from mlx_kvtrans.translators import artifact
 from mlx_kvtrans.translators.cross_tokenizer import aligned_text, translate_text
 from mlx_kvtrans.translators.fit import FitConfig, fit
 from mlx_kvtrans.translators.plan import plan, relative_depth
-from mlx_kvtrans.translators.recipes import BuildInputs
+from mlx_kvtrans.translators.recipes import BuildInputs, RecipeError
 from mlx_kvtrans.translators.recipes.state import bilinear_r2, fit_bilinear
 from mlx_kvtrans.translators.token_identity import (build_codebook, confirm_ids, decode_ids,
                                                     first_duplicates)
@@ -194,6 +194,8 @@ def test_random_features_of_some_layers_widen_only_their_maps(model_dirs, tmp_pa
             if not widened:
                 assert mx.allclose(value, base, atol=1e-5), (r.key, key)
     path = artifact.save(some, tmp_path / "some", src, tgt)
+    # a version-2 reader would append the features to every map: a newer format says not to
+    assert json.loads((path / "manifest.json").read_text())["format_version"] == 3
     again = artifact.load(path, src, tgt)
     toks = mx.random.randint(0, 259, (1, 24), key=mx.random.key(3))
     rec = kv.capture(src.model, toks, points=some.source_points())
@@ -207,6 +209,11 @@ def test_random_features_of_some_layers_widen_only_their_maps(model_dirs, tmp_pa
         src.model, tgt.model, data, config=FitConfig(point=1, features="all",
                                                      random_features=16)).flops(
         64, kv.layout_of(tgt.model))
+    layouts = kv.layout_of(src.model), kv.layout_of(tgt.model)
+    with pytest.raises(RecipeError, match="the target has"):
+        FitConfig(point=1, random_features=16, random_layers=(top + 1,)).plan(*layouts)
+    plain = FitConfig(point=1, features="all").plan(*layouts)
+    assert FitConfig(point=1, features="all", random_layers=(top,)).plan(*layouts) == plain
 
 
 def test_random_features_widen_every_map_and_fit_closer(model_dirs, tmp_path):

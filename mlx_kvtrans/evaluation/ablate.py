@@ -124,7 +124,7 @@ def ablate(model, encode, token_ids: list[int], lengths: list[int], windows: int
     todo = [c for c in cases(ablation.layout, translator is not None)
             if only is None or c.label in only]
     rows = [{"case": c.name, "label": c.label, "layer": c.layer, "object": c.object,
-             "kind": c.kind, "lengths": {}} for c in todo]
+             "kind": c.kind, "above": c.above, "lengths": {}} for c in todo]
     total, done = len(todo) * len(lengths), 0
     for length in lengths:
         span = length + continuation

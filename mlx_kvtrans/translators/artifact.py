@@ -32,7 +32,9 @@ from .translator import Translator
 
 FORMAT = "mlx-kvtrans-translator"
 FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+# 3: some maps read no random features (`expand` off), which a version-2 reader would not know
+SELECTIVE_EXPANSION_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 INFO_FIELDS = ("fit", "metrics", "source", "target", "stage", "distill", "features", "gate",
                "alignment")
 FILES = ("weights.safetensors", "manifest.json")
@@ -45,7 +47,9 @@ def save(translator: Translator, directory: str | Path, source, target) -> Path:
     (directory / frontier.FILE).unlink(missing_ok=True)
     mx.save_safetensors(str(directory / "weights.safetensors"), translator.params)
     manifest = {
-        "format": FORMAT, "format_version": FORMAT_VERSION, "library_version": __version__,
+        "format": FORMAT, "library_version": __version__,
+        "format_version": SELECTIVE_EXPANSION_VERSION if any(
+            not getattr(r, "expand", True) for r in translator.recipes) else FORMAT_VERSION,
         "source": model_identity(source), "target": model_identity(target),
         "source_point": int(translator.source_point),
         "token_identity": translator.identity.mode,

@@ -20,6 +20,7 @@ from ..layouts.linear_attention import RecurrentInputs
 from ..models import input_embedding
 from .features import feature_point
 from .recipes import Recipe, Widths
+from .recipes.base import expanded
 
 FIT_BATCH_TOKENS = 4 * 256  # `kvtrans fit` reads windows in batches of 4 x 256 tokens
 
@@ -247,7 +248,7 @@ def plan_cost(source_lm, target_lm, recipes: list[Recipe], point: int,
         from .random_features import RandomFeatures
 
         translation += sum(map(RandomFeatures(expansion_width).flops,
-                               (d for k, (d, _, _) in sets.items() if "unexpanded" not in k)))
+                               (d for k, (d, _, _) in sets.items() if expanded(k))))
     moments = sum(f.moments_bytes for f in feature_sets) + tables
     accumulate_flops = sum(2.0 * f.inputs * (f.inputs + f.outputs) for f in feature_sets)
     prefill_flops = 2.0 * (active_parameters(source_lm) + active_parameters(target_lm))

@@ -53,7 +53,7 @@ class FitConfig:
     identity_tables: int = 0  # r > 0: every token map gets rank-r identity tables (t, t-1)
     residual: int = 0  # h > 0: every token map gets a residual nonlinearity (stage 2 trains it)
     random_features: int = 0  # H > 0: every map's input gains H random features (random_features)
-    random_layers: tuple[int, ...] = ()  # only these target layers' maps read them (): every one
+    random_layers: tuple[int, ...] = ()  # only these target layers' maps read them (): all
     share_moments: bool = True  # maps reading the same features share one moment matrix
     windows: int = 256  # fitting windows (the command line's data)
     length: int = 256  # tokens per window
@@ -71,7 +71,11 @@ class FitConfig:
         if self.residual:
             recipes = [replace(r, residual=self.residual) if isinstance(r, TokenMap) else r
                        for r in recipes]
-        if self.random_layers:  # capacity where the translation loses most (layers.md)
+        if self.random_features and self.random_layers:  # width where the loss is (layers.md)
+            missing = set(self.random_layers) - {layer.index for layer in target_layout.layers}
+            if missing:
+                raise RecipeError(f"random_layers {sorted(missing)}: the target has "
+                                  f"{len(target_layout.layers)} layers")
             recipes = [replace(r, expand=r.layer in self.random_layers)
                        if hasattr(r, "expand") else r for r in recipes]
         return recipes

@@ -12,7 +12,8 @@ from a seed, makes the same ridge regression a nonlinear map (random-feature reg
 kernel ridge regression in the limit of many features). Stage 1 fits the rows for phi with the
 rest; stage 2 trains them as it trains every weight. P is not a parameter: it is drawn again
 from (seed, din) by NumPy's frozen legacy stream, so it is the same on every machine and costs
-no storage; the maps' weights grow by H rows each.
+no storage; the maps' weights grow by H rows each. A map whose `expand` is off reads its input
+as it is (`FitConfig.random_layers`: only the target layers where the translation loses most).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from .features import feature_point, layer_features, projection_name
 from .fused import FusedMaps
 from .random_features import RandomFeatures
 from .recipes import BuildInputs, Recipe
-from .recipes.base import concat_features
+from .recipes.base import concat_features, expanded
 from .token_identity import TokenIdentity
 
 
@@ -141,7 +141,7 @@ class Translator:
             sources, kinds = key[0][:2]
             maps = self._fused_maps(key, group, flat, keep=params is None)
             x = concat_features(features, sources, kinds, inputs[group[0]].identity,
-                                self.expansion if getattr(group[0], "expand", True) else None)
+                                self.expansion if expanded(key[0]) else None)
             outputs = maps.split(maps(x, inputs[group[0]].ids))
             for r in group:
                 objects[r.layer][r.name] = r.from_parts(inputs[r], outputs[r])
@@ -183,7 +183,7 @@ class Translator:
         expansion = 0.0
         if self.expansion is not None:  # one projection per distinct input
             inputs = {r.feature_key(): shape[1] for r in self.recipes
-                      if hasattr(r, "feature_key") and getattr(r, "expand", True)
+                      if hasattr(r, "feature_key") and expanded(r.feature_key())
                       for name, shape in shapes[r].items() if name.endswith("weight")}
             expansion = length * sum(map(self.expansion.flops, inputs.values()))
         return compression + expansion + sum(

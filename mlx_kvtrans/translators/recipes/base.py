@@ -48,7 +48,7 @@ class FitBatch:
     shared: Any = None  # stats.SharedMoments: maps reading the same features share moments
     ids: mx.array | None = None  # (B, T) token ids, with token identity on
     vocab: int = 0  # the target's vocabulary (identity tables' rows)
-    expand: Any = None  # RandomFeatures appended to every map's input, or None
+    expand: Any = None  # RandomFeatures appended to the input of maps that `expand`, or None
 
 
 @dataclass
@@ -62,7 +62,7 @@ class BuildInputs:
     target_object: CacheObject
     all_rows: bool = False  # conv histories: every row, not only the K-1 the engine keeps
     ids: mx.array | None = None  # (B, T) token ids, with token identity on
-    expand: Any = None  # RandomFeatures appended to every map's input, or None
+    expand: Any = None  # RandomFeatures appended to the input of maps that `expand`, or None
 
 
 # Abramowitz & Stegun 7.1.28: erf(z) = 1 - (1 + a1 z + ... + a6 z^6)^-16 for z >= 0, error <= 3e-7
@@ -89,6 +89,14 @@ def gelu(x: mx.array) -> mx.array:
         p = p * p
     erf = mx.sign(x) * (1.0 - 1.0 / p)
     return 0.5 * x * (1.0 + erf)
+
+
+UNEXPANDED = "unexpanded"  # ends the feature key of a map that reads no random features
+
+
+def expanded(feature_key: tuple) -> bool:
+    """Whether the maps of this feature key read the translator's random features."""
+    return feature_key[-1] != UNEXPANDED
 
 
 def concat_features(features: dict, sources, kinds, identity, expand=None) -> mx.array:
@@ -213,4 +221,4 @@ class Widths:
     identity: int  # width of the token-identity embedding (0 when off)
     target: dict[tuple[int, str, int], Any]  # (layer, object, point) -> its value on 8 tokens
     vocab: int = 0  # the target's vocabulary (identity tables)
-    expansion: int = 0  # random features appended to every map's input (0: none)
+    expansion: int = 0  # random features appended to the input of maps that `expand` (0: none)

@@ -15,7 +15,7 @@ import numpy as np
 from ...layouts import CapturePoint, ObjectKind
 from ...layouts.linear_attention import RecurrentInputs
 from ..stats import Moments, solve
-from .base import Recipe, RecipeError, concat_features
+from .base import UNEXPANDED, Recipe, RecipeError, concat_features
 
 REPLAY_INPUTS = ("k", "v", "a", "b")  # what the state needs; q only reads it out
 
@@ -73,7 +73,7 @@ class Replay(Recipe):
         return self.with_shapes(widths.target[(self.layer, self.name, CapturePoint.NORMED)])
 
     def feature_key(self) -> tuple:
-        return (self.sources, ()) + (() if self.expand else ("unexpanded",))
+        return (self.sources, ()) + (() if self.expand else (UNEXPANDED,))
 
     def solve(self, stats, ridge):
         params, metrics = {}, {}

@@ -24,8 +24,8 @@ from ...layouts import CapturePoint, ObjectKind, layout_of
 from ..features import layer_features
 from ..identity_tables import LAGS, TableMoments, table_offsets, table_shapes
 from ..stats import LinearFit, Moments, solve
-from .base import (BuildInputs, FitBatch, PlanContext, Recipe, RecipeError, concat_features,
-                   gelu)
+from .base import (UNEXPANDED, BuildInputs, FitBatch, PlanContext, Recipe, RecipeError,
+                   concat_features, gelu)
 
 PER_TOKEN = {ObjectKind.TOKEN_KEY, ObjectKind.TOKEN_VALUE, ObjectKind.MLA_LATENT,
              ObjectKind.ROPE_KEY, ObjectKind.INDEXER_KEY}
@@ -90,7 +90,7 @@ class TokenMap(Recipe):
 
     def feature_key(self) -> tuple:
         """What its input is: maps with the same key read the same features."""
-        return (self.sources, self.source_kinds) + (() if self.expand else ("unexpanded",))
+        return (self.sources, self.source_kinds) + (() if self.expand else (UNEXPANDED,))
 
     def accumulate(self, batch: FitBatch, stats: dict) -> None:
         x = concat_features(batch.features, self.sources, self.source_kinds, batch.identity,
