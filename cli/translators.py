@@ -337,6 +337,11 @@ def calibrate(translator_dir: Path = typer.Option(..., "--translator", help="a t
               validation: Path = typer.Option(None, help="held-out text (default: the zoo "
                                               "corpus's validation split)"),
               windows: int = typer.Option(WINDOWS, min=1, help=GATE_WINDOWS_HELP),
+              needle_share: float = typer.Option(0.0, min=0.0, max=1.0, callback=finite,
+                                                 help="about this share of the windows whose "
+                                                 "tail the source read are needles, question "
+                                                 "last (a gate calibrated on prose alone "
+                                                 "re-reads needle switches it need not)"),
               force: bool = typer.Option(False, "--force", help="replace the calibration the "
                                          "translator already holds"),
               as_json: bool = typer.Option(False, "--json", help=JSON_HELP)):
@@ -352,7 +357,7 @@ def calibrate(translator_dir: Path = typer.Option(..., "--translator", help="a t
         raise KvtransError(f"--translator {translator_dir}: already holds a gate calibration "
                            "(pass --force to replace it)")
     held_out = text_file("--validation", validation, "validation")
-    record = calibrate_directory(path, held_out, windows=windows)
+    record = calibrate_directory(path, held_out, windows=windows, needle_share=needle_share)
     if mx.distributed.init().rank() != 0:  # under mlx.launch the first process reports
         return
     if as_json:

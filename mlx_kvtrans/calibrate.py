@@ -23,6 +23,9 @@ import numpy as np
 from .errors import KvtransError
 from .gate import GATE_TOKENS, KINDS
 
+# needles drawn for calibration: apart from the held-out ones (evaluation.needles.HELD_OUT_SEED
+# and above, which the frontier's draws are) and from distillation's (NEEDLE_SEED)
+NEEDLE_SEED = 800_000_000
 QUANTILE = 0.99
 MARGIN = 0.5  # nats/token above the quantile: the held-out windows are few
 WINDOWS = 64  # held-out windows of each kind and band a calibration reads
@@ -71,7 +74,8 @@ def gap_summary(gaps: list[float]) -> dict:
 
 def calibrate(translator, source, target, token_ids: list[int], windows: int = WINDOWS,
               tail: int = GATE_TOKENS, bands=BANDS, seed: int = 0, quantile: float = QUANTILE,
-              margin: float = MARGIN, progress=None, group=None) -> dict:
+              margin: float = MARGIN, progress=None, group=None,
+              needle_share: float = 0.0) -> dict:
     """The gate's calibration of `translator` (source -> target: mlx-lm models or LoadedModels)
     on held-out `token_ids` (the target's; LoadedModels that tokenize differently each read
     their own tokens of the windows' text): per band of prefix lengths, the gap over `windows`
@@ -79,12 +83,17 @@ def calibrate(translator, source, target, token_ids: list[int], windows: int = W
     keeps under "gate". `progress(done, total)` follows the windows (this process's). A text
     too short for a band cuts it short or leaves it out. With `group` (every process of an
     `mx.distributed` group calls it), process r reads windows r, r + size, ... and the gaps are
-    shared: every process returns the record one process would."""
+    shared: every process returns the record one process would.
+    `needle_share`: about this share of the "read" windows are needles instead of prose (the
+    target's tokenizer writes them, so `target` is a LoadedModel): their tail is the question,
+    which reads unlike prose, and a gate calibrated on prose alone re-reads such switches that
+    needed no re-read."""
     started = time.perf_counter()
     rank, size = (0, 1) if group is None else (group.rank(), group.size())
     # measured without a threshold, so that no window falls back before its gap is read
     bare = replace(translator, info={k: v for k, v in translator.info.items() if k != "gate"})
     rng = random.Random(seed)
+    picks = random.Random(seed + 1)  # which windows are needles: the prose draws stay as they are
     longest = len(token_ids) - tail - 3  # a prefix, its tail and the next token fit
     shortest = max(min(lo for lo, _ in bands), 2 * tail + 1)
     if longest < shortest:
@@ -93,6 +102,8 @@ def calibrate(translator, source, target, token_ids: list[int], windows: int = W
     bands = [(max(lo, 2 * tail + 1), min(hi, longest)) for lo, hi in bands if lo <= longest]
     digest = hashlib.sha256()
     record = {"tail": tail, "quantile": quantile, "margin": margin, "bands": []}
+    if needle_share:
+        record["needle_share"] = needle_share
     count = windows * len(KINDS)
     total, done = len(range(rank, count, size)) * len(bands), 0
     for lo, hi in bands:
@@ -101,6 +112,8 @@ def calibrate(translator, source, target, token_ids: list[int], windows: int = W
             length = rng.randint(lo, hi)
             begin = rng.randrange(0, len(token_ids) - length - tail - 1)
             draws.append((KINDS[i % len(KINDS)], length, token_ids[begin:begin + length + tail + 2]))
+            if needle_share and draws[-1][0] == "read" and picks.random() < needle_share:
+                draws[-1] = ("read", *_needle(target, NEEDLE_SEED + 10_000 * lo + i, length))
             digest.update(np.asarray(draws[-1][2], dtype=np.int32).tobytes())
         measured = np.full(count, np.nan)
         failure = None
@@ -138,6 +151,18 @@ def calibrate(translator, source, target, token_ids: list[int], windows: int = W
     if size > 1:
         record["processes"] = size
     return record
+
+
+def _needle(target, seed: int, length: int) -> tuple[int, list[int]]:
+    """(the prompt's length, its tokens and the answer's): a calibration needle of about
+    `length` tokens in the target's tokens."""
+    from .evaluation.needles import held_out_filler, needle_prompt_tokens
+
+    if getattr(target, "tokenizer", None) is None:
+        raise KvtransError("calibrating on needles needs the target's tokenizer (a LoadedModel)")
+    prompt, answer = needle_prompt_tokens(target.tokenizer.encode, seed, length,
+                                          held_out_filler())
+    return len(prompt), prompt + answer
 
 
 def _shared(measured: np.ndarray, failed: bool, group) -> tuple[np.ndarray, bool]:
