@@ -28,6 +28,10 @@ benchmarks/results/gate.{json,md}.
     python benchmarks/gate.py [--windows 8]
     python benchmarks/gate.py --behaviour [--behaviour-windows 24]
     python benchmarks/gate.py --tabulate
+    python benchmarks/gate.py --translators DIR,NAME --results DIR   # these, every case, there
+
+`--translators` measures the named translators (directories or shipped names: a calibration
+under trial beside the shipped one) with every case, and writes where `--results` says.
 """
 
 from __future__ import annotations
@@ -260,6 +264,9 @@ def main():
     parser.add_argument("--behaviour-windows", type=int, default=24,
                         help="prose windows per length and split for --behaviour")
     parser.add_argument("--tabulate", action="store_true", help="only rebuild gate.md")
+    parser.add_argument("--translators", help="a,b: these (directories or shipped names), "
+                        "every case (default: every shipped translator)")
+    parser.add_argument("--results", type=Path, default=OUT, help="where to write gate.*")
     args = parser.parse_args()
     if args.tabulate:
         (OUT / "gate.md").write_text(markdown(json.loads((OUT / "gate.json").read_text())))
@@ -278,7 +285,7 @@ def main():
     test = (weights_dir() / "corpus" / "test.txt").read_text()
     result = {"windows_per_kind": args.windows, "gate_tokens": gate.GATE_TOKENS,
               "prefix_lengths": list(PREFIX), "noise": list(NOISE), "translators": {}}
-    names = artifact.shipped_names()
+    names = args.translators.split(",") if args.translators else artifact.shipped_names()
     for name in names:
         manifest = artifact.read_manifest(name)
         src, tgt = model(manifest["source"]["name"]), model(manifest["target"]["name"])
@@ -288,7 +295,8 @@ def main():
                   "threshold": [b["threshold"] for b in translator.info["gate"]["bands"]],
                   "held-out": run_case(translator, src, tgt, ids, args.windows, PREFIX, 1)}
         print(name, "held-out", record["held-out"], flush=True)
-        if artifact.shipped(src.name, tgt.name).name == name:  # what a session uses
+        # every case for what a session uses, or for the translators named
+        if args.translators or artifact.shipped(src.name, tgt.name).name == name:
             record["held-out, long prefix"] = run_case(translator, src, tgt, ids, args.windows,
                                                        LONG, 2)
             for scale in NOISE:
@@ -311,12 +319,13 @@ def main():
                         translator, model(other), model(other_target), ids, args.windows,
                         PREFIX, 7)
             print(name, {k: _rate(v) for k, v in cases(record).items()}, flush=True)
-        result["translators"][name] = record
+        result["translators"][Path(name).name] = record
     result["seconds"] = round(time.perf_counter() - started, 1)
-    OUT.mkdir(exist_ok=True)
-    (OUT / "gate.json").write_text(json.dumps(result, indent=2) + "\n")
-    (OUT / "gate.md").write_text(markdown(result))
-    print(f"wrote {OUT / 'gate.json'} and {OUT / 'gate.md'} ({result['seconds']:.0f} s)")
+    out = args.results
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gate.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "gate.md").write_text(markdown(result))
+    print(f"wrote {out / 'gate.json'} and {out / 'gate.md'} ({result['seconds']:.0f} s)")
 
 
 def main_behaviour(args, model) -> None:
