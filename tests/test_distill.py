@@ -236,6 +236,9 @@ def test_resume_continues_bit_identically(loaded, tmp_path):
     first = Distiller(translator, S, T, ids[:15000], ids[15000:], config, tmp_path / "b")
     first.run(max_minutes=1e-9)  # stops (and checkpoints) after its first step
     assert first.state["step"] == 1
+    # written whole, then renamed: no file of a save is left half-way
+    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == [
+        "optimizer.safetensors", "params.safetensors", "state.json"]
     second = Distiller(translator, S, T, ids[:15000], ids[15000:], config, tmp_path / "b")
     assert second.resume() and second.state["step"] == 1
     second.run()

@@ -274,10 +274,12 @@ def draw_windows(ids, step: int, config: DistillConfig, needles=None) -> tuple[m
     return mx.array(rows), prefix
 
 
-# what a checkpoint directory holds: nothing else is ever written there
 MAX_SKIPPED = 10  # steps in a row with non-finite gradients before a run stops
+# what a checkpoint directory holds (each also as the .tmp it is written to first): nothing
+# else is ever written there
 CHECKPOINT_FILES = ("params.safetensors", "optimizer.safetensors", "state.json",
-                    "state.json.tmp")
+                    "params.safetensors.tmp.safetensors",
+                    "optimizer.safetensors.tmp.safetensors", "state.json.tmp")
 
 
 class Distiller:
@@ -315,13 +317,17 @@ class Distiller:
     def save_checkpoint(self):
         if self.rank != 0:
             return
+        # each file whole or not at all: a run stopped while saving resumes from the last save
+        # (or, stopped between the renames, from newer weights under an older step count)
         self.workdir.mkdir(parents=True, exist_ok=True)
-        mx.save_safetensors(str(self.workdir / "params.safetensors"),
-                            dict(tree_flatten(self.params)))
-        mx.save_safetensors(str(self.workdir / "optimizer.safetensors"),
-                            dict(tree_flatten(self.optimizer.state)))
+        written = {"params.safetensors": dict(tree_flatten(self.params)),
+                   "optimizer.safetensors": dict(tree_flatten(self.optimizer.state))}
+        for name, arrays in written.items():
+            mx.save_safetensors(str(self.workdir / f"{name}.tmp.safetensors"), arrays)
         tmp = self.workdir / "state.json.tmp"
         tmp.write_text(json.dumps(self.state))
+        for name in written:
+            (self.workdir / f"{name}.tmp.safetensors").replace(self.workdir / name)
         tmp.replace(self.workdir / "state.json")
 
     def resume(self) -> bool:
