@@ -142,7 +142,7 @@ class Translator:
             maps = self._fused_maps(key, group, flat, keep=params is None)
             x = concat_features(features, sources, kinds, inputs[group[0]].identity,
                                 self.expansion if expanded(key[0]) else None)
-            outputs = maps.split(maps(x, inputs[group[0]].ids))
+            outputs = maps(x, inputs[group[0]].ids)
             for r in group:
                 objects[r.layer][r.name] = r.from_parts(inputs[r], outputs[r])
                 points[r.layer][r.name] = r.point
