@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from . import fast_math
 from .capture.instrument import output_head
 
 GATE_TOKENS = 8  # r: the span's last tokens the target reads itself
@@ -86,8 +87,8 @@ def tail_nll(model, rows: mx.array, targets: mx.array) -> mx.array:
 
 
 def nll_of(logits: mx.array, targets: mx.array) -> mx.array:
-    logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    return -mx.take_along_axis(logp, targets[:, None], axis=-1)[:, 0]
+    picked = mx.take_along_axis(logits, targets[:, None], axis=-1)[:, 0]
+    return fast_math.logsumexp(logits) - picked
 
 
 @dataclass(frozen=True)

@@ -121,8 +121,8 @@ def test_indexer_scores_select_what_mlx_lms_indexer_selects(loaded):
 def test_short_reads_over_mla_attend_in_the_latent_space_as_mlx_lm_does(name):
     """A few tokens over a long MLA cache: the queries absorbed into the latent space, as in
     mlx-lm's decode step (the expanded keys and values are never computed), and every head
-    attending as rows of one, give mlx-lm's own logits, as does a one-token step; a long read
-    keeps mlx-lm's expanded form."""
+    attending as rows of one (off a GPU with `fast_math`'s softmax), give mlx-lm's own logits,
+    as does a one-token step; a long read keeps mlx-lm's expanded form."""
     from mlx_lm.models.cache import make_prompt_cache
 
     from mlx_kvtrans.capture.instrument import absorbed_short_reads, absorbed_wins
@@ -138,10 +138,11 @@ def test_short_reads_over_mla_attend_in_the_latent_space_as_mlx_lm_does(name):
         model(ids[:, :300 - length], cache=plain)
         model(ids[:, :300 - length], cache=short)
         expected = model(ids[:, 300 - length:], cache=plain)
+        seen = lambda q, *args, **kwargs: heads.add((length, q.shape[1]))  # noqa: E731
         with hook_module(attention.unembed_out,
                          before=lambda m, args, kwargs: unembedded.append(args[0].shape[2])), \
-                observe_function("mlx_lm.models.base", "scaled_dot_product_attention",
-                                 lambda q, *args, **kwargs: heads.add((length, q.shape[1]))):
+                observe_function("mlx_lm.models.base", "scaled_dot_product_attention", seen), \
+                observe_function("mlx_kvtrans.fast_math", "attention", seen):
             with absorbed_short_reads(model):
                 got = model(ids[:, 300 - length:], cache=short)
         assert max_abs_diff(expected, got) < 1e-4

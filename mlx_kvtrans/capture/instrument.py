@@ -25,6 +25,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from .. import fast_math
 from ..layouts import gated_delta
 
 # before(module, args, kwargs); after(module, args, kwargs, output); transform(output) -> output
@@ -217,8 +218,12 @@ def absorbed_short_reads(model: nn.Module) -> Iterator[None]:
         b, h, n, d = queries.shape
         if not isinstance(mask, mx.array) or mask.shape != (b, h, n, latents.shape[2]):
             return attention_of(queries, latents, latents, *args, mask=mask, **kwargs)
-        out = attention_of(queries.reshape(b, 1, h * n, d), latents, latents, *args,
-                           mask=mask.reshape(b, 1, h * n, -1), **kwargs)
+        queries, mask = queries.reshape(b, 1, h * n, d), mask.reshape(b, 1, h * n, -1)
+        cache = args[0] if args else kwargs.get("cache")
+        if mx.default_device() == mx.gpu or hasattr(cache, "bits") or "scale" not in kwargs:
+            out = attention_of(queries, latents, latents, *args, mask=mask, **kwargs)
+        else:  # off a GPU, MLX's softmax spends most of the time in its exponential
+            out = fast_math.attention(queries, latents, latents, kwargs["scale"], mask)
         return out.reshape(b, h, n, -1)
 
     with contextlib.ExitStack() as stack:

@@ -1,0 +1,62 @@
+"""The exponential, and softmax attention with it, as a CPU runs them fast.
+
+MLX's CPU backend evaluates `exp` one value at a time, so attention's softmax over a long cache
+costs more there than its matrix products. `exp` here is 2^k x 2^f by integer bits and a
+polynomial compiled into one kernel: several times faster on a CPU, within 1.2e-7 of `mx.exp`.
+Off a GPU only: on a GPU MLX's own kernels run.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+
+_LOG2_E = 1.4426950408889634
+# 2^f = e^(f ln 2) by its Taylor series to degree 7: within 1.2e-7 for |f| <= 1/2
+_EXP2_COEFFICIENTS = tuple(math.log(2) ** i / math.factorial(i) for i in range(8))
+
+
+def _exp_parts(x: mx.array) -> tuple[mx.array, mx.array]:
+    """(2^f, the bits of the float 2^k), x log2(e) = k + f with k whole and |f| <= 1/2; held
+    within the normal floats, so exp(x) below 2^-126 is 2^-126, not 0, and past 2^127.49 is
+    that, not inf."""
+    t = mx.clip(x * _LOG2_E, -126.0, 127.49)
+    k = mx.floor(t + 0.5)
+    f = t - k
+    p = _EXP2_COEFFICIENTS[-1]
+    for c in reversed(_EXP2_COEFFICIENTS[:-1]):
+        p = p * f + c
+    return p, mx.left_shift(k.astype(mx.int32) + 127, 23)
+
+
+_compiled_exp_parts = mx.compile(_exp_parts, shapeless=True)
+
+
+def exp(x: mx.array) -> mx.array:
+    """`mx.exp` of float32 `x`, within 1.2e-7 relative (MLX's own on a GPU)."""
+    if mx.default_device() == mx.gpu:
+        return mx.exp(x)
+    p, bits = _compiled_exp_parts(x)
+    return p * mx.stop_gradient(bits.view(mx.float32))  # 2^k carries no gradient of its own
+
+
+def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
+              mask: mx.array | None = None) -> mx.array:
+    """`mx.fast.scaled_dot_product_attention` with an additive or boolean array mask (or
+    none), keys and values with as many heads as the queries or one, in float32: softmax by
+    `exp`, normalised after the product with the values (fewer divisions)."""
+    scores = (queries * scale) @ keys.swapaxes(-1, -2)
+    if mask is not None:
+        if mask.dtype == mx.bool_:
+            scores = mx.where(mask, scores, mx.array(-math.inf, scores.dtype))
+        else:
+            scores = scores + mask
+    weights = exp(scores - mx.stop_gradient(scores.max(axis=-1, keepdims=True)))
+    return (weights @ values) / weights.sum(axis=-1, keepdims=True)
+
+
+def logsumexp(x: mx.array) -> mx.array:
+    """`mx.logsumexp` over the last axis, by `exp`."""
+    top = mx.stop_gradient(x.max(axis=-1))
+    return top + mx.log(exp(x - top[..., None]).sum(axis=-1))

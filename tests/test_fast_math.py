@@ -1,0 +1,45 @@
+"""The exponential, softmax attention and logsumexp by integer bits and a polynomial."""
+
+import math
+
+import mlx_kvtrans  # noqa: F401  (selects the BLAS before mlx.core loads)
+import mlx.core as mx
+import pytest
+
+from mlx_kvtrans import fast_math
+
+
+def test_exp_is_mlx_exp_within_float32_rounding_with_its_gradient():
+    """Across the floats' range (and past it: held at 2^-126 and 2^127.49), within 1.2e-7
+    relative of `mx.exp`; its gradient is exp too."""
+    x = mx.concatenate([mx.linspace(-87, 88, 20001), mx.random.normal((4000,)) * 5,
+                        mx.array([0.0, -0.5 * math.log(2), 0.5 * math.log(2)])])
+    ours, ref = fast_math.exp(x), mx.exp(x)
+    assert float((mx.abs(ours - ref) / ref).max()) <= 1.2e-7
+    assert float(fast_math.exp(mx.array([-1000.0]))[0]) == pytest.approx(2.0 ** -126)
+    assert bool(mx.isfinite(fast_math.exp(mx.array([1000.0]))).all())
+    small = x[::40]
+    grad = mx.grad(lambda v: fast_math.exp(v).sum())(small)
+    assert float((mx.abs(grad - mx.exp(small)) / mx.exp(small)).max()) <= 1e-6
+
+
+@pytest.mark.parametrize("mask", ["none", "additive", "boolean"])
+def test_attention_is_mlx_scaled_dot_product_attention(mask):
+    """Every head of the queries over shared keys and values (one head, as MLA's latents), or
+    over as many heads, with an additive, boolean or no mask: MLX's own attention."""
+    keys = mx.random.normal((1, 1, 700, 64), key=mx.random.key(1))
+    for heads in (1, 4):
+        queries = mx.random.normal((1, 4, 9, 64), key=mx.random.key(2))
+        kv = keys if heads == 1 else mx.repeat(keys, 4, axis=1)
+        m = {"none": None,
+             "additive": mx.random.normal((1, 4, 9, 700), key=mx.random.key(3)) * 4,
+             "boolean": mx.random.uniform(shape=(1, 4, 9, 700), key=mx.random.key(4)) > 0.3,
+             }[mask]
+        ours = fast_math.attention(queries, kv, kv, 0.125, m)
+        ref = mx.fast.scaled_dot_product_attention(queries, kv, kv, scale=0.125, mask=m)
+        assert float(mx.abs(ours - ref).max()) < 1e-5
+
+
+def test_logsumexp_is_mlx_logsumexp():
+    logits = mx.random.normal((8, 4096), key=mx.random.key(5)) * 6
+    assert float(mx.abs(fast_math.logsumexp(logits) - mx.logsumexp(logits, axis=-1)).max()) < 1e-5
