@@ -177,7 +177,8 @@ def test_artifact_round_trip(saved_translator):
 def test_random_features_of_some_layers_widen_only_their_maps(model_dirs, tmp_path):
     """`random_layers`: only those target layers' maps read the random features; the others
     are the linear fit's own maps exactly (they share no moments with the widened ones), and
-    the saved translator translates as it was fitted."""
+    the saved translator translates as it was fitted (to float rounding: a loaded weight's
+    layout may take another matmul kernel)."""
     src, tgt = kv.load(str(model_dirs("qwen3"))), kv.load(str(model_dirs("qwen3_next")))
     data = batches(3)
     top = len(kv.layout_of(tgt.model).layers) - 1
@@ -204,7 +205,7 @@ def test_random_features_of_some_layers_widen_only_their_maps(model_dirs, tmp_pa
             for name in x:
                 pairs = (zip(x[name].arrays(), y[name].arrays()) if hasattr(x[name], "arrays")
                          else [(x[name], y[name])])
-                assert all(mx.array_equal(p, q).item() for p, q in pairs), name
+                assert all(mx.allclose(p, q, rtol=1e-5, atol=1e-6).item() for p, q in pairs), name
     assert again.flops(64, kv.layout_of(tgt.model)) < fit(
         src.model, tgt.model, data, config=FitConfig(point=1, features="all",
                                                      random_features=16)).flops(
