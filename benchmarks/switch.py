@@ -58,7 +58,9 @@ def tabulate():
              "prompt's last token in one forward whose last logits give the first token, the "
              "fidelity gate comparing its NLL on the last r with the source's; a gated switch "
              "whose gate fired is marked (fell back): "
-             "its time is a re-prefill's. Cold switch: a user's first, the translator loaded "
+             "its time is a re-prefill's. Step / read + gate: what each spends beyond "
+             "translating, the warm switch's first decode step and the gated switch's one "
+             "forward of the tokens it reads with the gate's comparison. Cold switch: a user's first, the translator loaded "
              "and run for the first time (the source has read the prompt). Prefill + switch: "
              "the source's recording prefill and the warm switch (fastest recurrence on the "
              "device: Metal kernel on a Mac, chunkwise form elsewhere). Re-prefill: the target "
@@ -73,10 +75,11 @@ def tabulate():
              "real; its fit is listed below the table). "
              "Regenerate with `python benchmarks/switch.py`.\n",
              "| pair | dtype | BLAS (peak GFLOP/s) | tokens | re-prefill ms | re-prefill "
-             "chunked ms | warm switch ms | speed-up | gated switch ms | read | speed-up | bound ms | "
+             "chunked ms | warm switch ms | speed-up | gated switch ms | read | speed-up | "
+             "step / read + gate ms | bound ms | "
              "warm / bound | cold switch ms | speed-up | prefill + switch ms | speed-up | "
              "translate GFLOP/s | peak MB switch / prefill |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def ms(value):  # results written before a column existed show "-"
         return "-" if value is None else f"{value * 1000:.1f}"
@@ -103,6 +106,7 @@ def tabulate():
                 f"{ms(row.get('gated_switch_s'))}{fell_back} | "
                 f"{row.get('gated_read') or row.get('gate_tokens') or '-'} | "
                 f"{times(row.get('speedup_gated'))} | "
+                f"{ms(row.get('first_step_s'))} / {ms(row.get('gated_read_s'))} | "
                 f"{ms(row.get('bound_s'))} | {times(row.get('warm_over_bound'))} | "
                 f"{ms(cold)} | {times(cold and row['reprefill_s'] / cold)} | "
                 f"{ms(prefill_switch)} | x{row['reprefill_s'] / prefill_switch:.2f} | "

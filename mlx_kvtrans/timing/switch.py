@@ -77,6 +77,10 @@ class BenchRow:
     # what the gated switch did: "applied" (its gate's verdict after a colon) or why it fell
     # back; a fallback times a re-prefill, not a switch
     gated_outcome: str | None = None
+    # of the gated switch: the target's one forward of the tokens it read (and of the first
+    # token) and the gate's comparison, what it spends beyond translating; the warm switch
+    # spends `first_step_s` there
+    gated_read_s: float | None = None
     prefill_and_switch_s: float | None = None  # the source's recording prefill + warm switch
     prompt: str = "random ids"  # or "held-out text"
 
@@ -284,7 +288,7 @@ def bench_switch(translator: Translator, source, target, lengths: list[int], rep
         step("source prefill + switch", length)
         t_prefill_switch, _ = _median(prefill_and_switch, repeats)
         tail = min(gate_tokens, prompt.shape[1] - 1)
-        t_gated = outcome = None
+        t_gated = outcome = t_gate_read = None
         read = 0
         if tail:
             step("gated switch", length)
@@ -294,8 +298,10 @@ def bench_switch(translator: Translator, source, target, lengths: list[int], rep
             outcome = (f"applied: gate {status.gate.value}"
                        if status.status == Outcome.APPLIED else
                        f"{status.status.value}: {status.reason}")
-            t_gated, _ = _median(lambda: gated_switch(session), repeats)
+            statuses = []
+            t_gated, _ = _median(lambda: statuses.append(gated_switch(session)[0]), repeats)
             read = status.tokens_read
+            t_gate_read = statistics.median(s.gate_seconds for s in statuses)
         step("re-prefill", length)
         t_full, peak_full = _median(reprefill, repeats)
         if target_is_hybrid:
@@ -310,7 +316,8 @@ def bench_switch(translator: Translator, source, target, lengths: list[int], rep
             bytes_at_bandwidth_s=install_bytes / (bandwidth * 1e9),
             install_bytes=install_bytes, matmul_peak_gflops=peak, bandwidth_gbs=bandwidth,
             reprefill_chunked_s=t_chunked, gated_switch_s=t_gated, gate_tokens=tail,
-            gated_read=read, gated_outcome=outcome, prompt="held-out text" if from_text else "random ids",
+            gated_read=read, gated_outcome=outcome, gated_read_s=t_gate_read,
+            prompt="held-out text" if from_text else "random ids",
             prefill_and_switch_s=t_prefill_switch))
         step("done", length)
     if progress:
