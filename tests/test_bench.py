@@ -152,6 +152,8 @@ def test_bench_times_switch_and_reprefill_side_by_side(kimi_pair, tmp_path):
     for r in data["rows"]:
         assert r["warm_switch_s"] > 0 and r["reprefill_s"] > 0 and r["cold_switch_s"] > 0
         assert r["gated_switch_s"] > 0
+        if r["gated_outcome"].startswith("applied"):  # its read and gate: part of the switch
+            assert 0 < r["gated_read_s"] < r["gated_switch_s"]
         assert r["speedup_warm"] == pytest.approx(r["reprefill_s"] / r["warm_switch_s"])
     assert data["blas"] in ("openblas", "accelerate") and data["dtype"] == "float32"
     assert (tmp_path / "bench-kimi_linear__kimi_vl-float32.json").exists()
