@@ -14,7 +14,8 @@ chunk, and S transposed to (Dk, Dv):
     O     = (Q * e^gamma) S_0 + [sum_d q_id k_jd D_ijd]_(j<=i) U
     S_C   = e^gamma_C * S_0 + (K * e^(gamma_C - gamma))^T U
 With a per-channel gate (KDA) the decay does not factor out of the sums over channels, and
-exponentials dominate the cost on a CPU (an `exp` costs several multiplies). Where a
+exponentials dominate the cost on a CPU (an `exp` costs several multiplies; `fast_math.exp`,
+as MLX's own runs one value at a time there). Where a
 chunk's channel decays by at most `FACTOR_SPAN` nats, D_ijd = e^gamma_id * e^-gamma_jd, so the
 sums are matmuls of (K * e^gamma) with (K * e^-gamma): two exponentials per token and channel, no
 overflow (e^60 fits float32 with room, forward and backward). The few channels of a chunk that decay further
@@ -25,13 +26,20 @@ with j <= i exponentiated, so nothing overflows however strong the decay.
 from __future__ import annotations
 
 import mlx.core as mx
-import mlx.nn as nn
 from mlx_lm.models.gated_delta import gated_delta_update as reference_update  # mlx-lm's own
+
+from .. import fast_math
 
 
 def log_decay(A_log: mx.array, a: mx.array, dt_bias: mx.array) -> mx.array:
-    """log g, as mlx-lm's `compute_g` defines g = exp(-exp(A_log) * softplus(a + dt_bias))."""
-    return -mx.exp(A_log.astype(mx.float32)) * nn.softplus(a.astype(mx.float32) + dt_bias)
+    """log g, as mlx-lm's `compute_g` defines g = exp(-exp(A_log) * softplus(a + dt_bias)),
+    softplus(x) = max(x, 0) + log1p(e^-|x|) by `fast_math.exp` and Kahan's log1p(y) =
+    y log(u) / (u - 1), u = 1 + y (MLX's softplus and log1p run several times slower on a CPU)."""
+    x = a.astype(mx.float32) + dt_bias
+    y = fast_math.exp(-mx.abs(x))
+    u = 1.0 + y
+    log1p = mx.where(u == 1.0, y, y * mx.log(u) / mx.where(u == 1.0, 1.0, u - 1.0))
+    return -mx.exp(A_log.astype(mx.float32)) * (mx.maximum(x, 0.0) + log1p)
 
 
 def _unit_lower_inverse(N: mx.array, size: int) -> mx.array:
@@ -80,11 +88,11 @@ def _factored_products(q: mx.array | None, k: mx.array, gamma: mx.array, grow: m
     # e^-gamma <= e^FACTOR_SPAN as an exponential, not 1 / e^gamma: the reciprocal's gradient
     # (e^-2 gamma) overflows float32 past 44 nats
     if unsafe is None:
-        shrink = mx.exp(-gamma)
+        shrink = fast_math.exp(-gamma)
     else:
         safe = gamma[..., -1:, :] >= -FACTOR_SPAN
         # the inner where keeps the gradient finite where the decay does not factor
-        shrink = mx.where(safe, mx.exp(-mx.where(safe, gamma, 0.0)), 0.0)
+        shrink = mx.where(safe, fast_math.exp(-mx.where(safe, gamma, 0.0)), 0.0)
     k_back = k * shrink
     kk = (k * grow) @ mx.swapaxes(k_back, -1, -2)
     qk = None if q is None else (q * grow) @ mx.swapaxes(k_back, -1, -2)
@@ -93,12 +101,12 @@ def _factored_products(q: mx.array | None, k: mx.array, gamma: mx.array, grow: m
         b, h, c, d = unsafe
         pick = lambda x: mx.swapaxes(x, -1, -2)[b, h, c, d]  # noqa: E731  (N, C)
         g, k_u = pick(gamma), pick(k)
-        decay = mx.exp(mx.where(causal, g[:, :, None] - g[:, None, :], -mx.inf))
+        decay = fast_math.exp(mx.where(causal, g[:, :, None] - g[:, None, :], -mx.inf))
         kk = kk.at[b, h, c].add(k_u[:, :, None] * decay * k_u[:, None, :])
         if q is not None:
             qk = qk.at[b, h, c].add(pick(q)[:, :, None] * decay * k_u[:, None, :])
         to_end = mx.swapaxes(k_to_end, -1, -2).at[b, h, c, d].add(
-            k_u * mx.exp(g[:, -1:] - g))
+            k_u * fast_math.exp(g[:, -1:] - g))
         k_to_end = mx.swapaxes(to_end, -1, -2)
     return (mx.where(causal, kk, 0.0), None if q is None else mx.where(causal, qk, 0.0),
             k_to_end)
@@ -137,15 +145,15 @@ def gated_delta_chunked(q, k, v, log_g, beta, state=None, chunk_size: int | None
 
     causal = mx.tril(mx.ones((C, C), dtype=mx.bool_))
     strict = mx.tril(mx.ones((C, C), dtype=mx.bool_), k=-1)
-    grow = mx.exp(gamma)  # e^gamma, <= 1
+    grow = fast_math.exp(gamma)  # e^gamma, <= 1
     if per_channel:
         kk, qk, k_to_end = _factored_products(None if state_only else q, k, gamma, grow)
     else:
         diff = gamma - mx.swapaxes(gamma, -1, -2)  # (B, H, n, C, C)
-        decay = mx.exp(mx.where(causal, diff, -mx.inf))
+        decay = fast_math.exp(mx.where(causal, diff, -mx.inf))
         kk = (k @ mx.swapaxes(k, -1, -2)) * decay
         qk = None if state_only else mx.where(causal, (q @ mx.swapaxes(k, -1, -2)) * decay, 0.0)
-        k_to_end = k * mx.exp(gamma[..., -1:, :] - gamma)
+        k_to_end = k * fast_math.exp(gamma[..., -1:, :] - gamma)
     A = mx.where(strict, kk, 0.0)
     T_inv = _unit_lower_inverse(beta * A, C)  # (B, H, n, C, C)
     u_from_v = T_inv @ (beta * v)  # (B, H, n, C, Dv)
