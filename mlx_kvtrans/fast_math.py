@@ -42,10 +42,22 @@ def exp(x: mx.array) -> mx.array:
 
 
 def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
-              mask: mx.array | None = None) -> mx.array:
-    """`mx.fast.scaled_dot_product_attention` with an additive or boolean array mask (or
-    none), keys and values with as many heads as the queries or one, in float32: softmax by
-    `exp`, normalised after the product with the values (fewer divisions)."""
+              mask: mx.array | str | None = None) -> mx.array:
+    """`mx.fast.scaled_dot_product_attention` in float32 with an additive or boolean array
+    mask, "causal" or none, keys and values with as many heads as the queries or a divisor of
+    that (grouped): softmax by `exp`, normalised after the product with the values (fewer
+    divisions)."""
+    b, heads, length, _ = queries.shape
+    groups = heads // keys.shape[1]
+    context = keys.shape[2]
+    if isinstance(mask, str):  # "causal": query i sees the keys up to its own position
+        mask = mx.arange(context)[None] <= mx.arange(length)[:, None] + (context - length)
+    if groups > 1:  # (B, key heads, group, L, D) against (B, key heads, 1, T, D)
+        queries = queries.reshape(b, keys.shape[1], groups, length, -1)
+        keys, values = keys[:, :, None], values[:, :, None]
+        if mask is not None and mask.ndim == 4:
+            mask = (mask.reshape(b, keys.shape[1], groups, length, context)
+                    if mask.shape[1] == heads else mask[:, :, None])
     scores = (queries * scale) @ keys.swapaxes(-1, -2)
     if mask is not None:
         if mask.dtype == mx.bool_:
@@ -53,7 +65,8 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
         else:
             scores = scores + mask
     weights = exp(scores - mx.stop_gradient(scores.max(axis=-1, keepdims=True)))
-    return (weights @ values) / weights.sum(axis=-1, keepdims=True)
+    out = (weights @ values) / weights.sum(axis=-1, keepdims=True)
+    return out.reshape(b, heads, length, -1)
 
 
 def logsumexp(x: mx.array) -> mx.array:

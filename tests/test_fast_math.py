@@ -23,21 +23,23 @@ def test_exp_is_mlx_exp_within_float32_rounding_with_its_gradient():
     assert float((mx.abs(grad - mx.exp(small)) / mx.exp(small)).max()) <= 1e-6
 
 
-@pytest.mark.parametrize("mask", ["none", "additive", "boolean"])
+@pytest.mark.parametrize("mask", ["none", "additive", "boolean", "causal"])
 def test_attention_is_mlx_scaled_dot_product_attention(mask):
-    """Every head of the queries over shared keys and values (one head, as MLA's latents), or
-    over as many heads, with an additive, boolean or no mask: MLX's own attention."""
-    keys = mx.random.normal((1, 1, 700, 64), key=mx.random.key(1))
-    for heads in (1, 4):
-        queries = mx.random.normal((1, 4, 9, 64), key=mx.random.key(2))
-        kv = keys if heads == 1 else mx.repeat(keys, 4, axis=1)
-        m = {"none": None,
-             "additive": mx.random.normal((1, 4, 9, 700), key=mx.random.key(3)) * 4,
-             "boolean": mx.random.uniform(shape=(1, 4, 9, 700), key=mx.random.key(4)) > 0.3,
+    """Every head of the queries over shared keys and values (one head, as MLA's latents), over
+    grouped heads or as many heads, with an additive, boolean, causal or no mask: MLX's own
+    attention."""
+    keys = mx.random.normal((1, 4, 700, 64), key=mx.random.key(1))
+    queries = mx.random.normal((1, 8, 9, 64), key=mx.random.key(2))
+    for heads in (1, 2, 8):
+        kv = keys[:, :heads] if heads <= 4 else mx.repeat(keys, 2, axis=1)
+        m = {"none": None, "causal": "causal",
+             "additive": mx.random.normal((1, 8, 9, 700), key=mx.random.key(3)) * 4,
+             "boolean": mx.random.uniform(shape=(1, 1, 9, 700), key=mx.random.key(4)) > 0.3,
              }[mask]
         ours = fast_math.attention(queries, kv, kv, 0.125, m)
         ref = mx.fast.scaled_dot_product_attention(queries, kv, kv, scale=0.125, mask=m)
-        assert float(mx.abs(ours - ref).max()) < 1e-5
+        assert ours.shape == ref.shape
+        assert float(mx.abs(ours - ref).max()) < 1e-5, heads
 
 
 def test_logsumexp_is_mlx_logsumexp():

@@ -125,7 +125,7 @@ def test_short_reads_over_mla_attend_in_the_latent_space_as_mlx_lm_does(name):
     as does a one-token step; a long read keeps mlx-lm's expanded form."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlx_kvtrans.capture.instrument import absorbed_short_reads, absorbed_wins
+    from mlx_kvtrans.capture.instrument import absorbed_wins, short_reads
 
     model = kv.load(name).model
     ids = mx.random.randint(3, 400, (1, 300), key=mx.random.key(7))
@@ -143,7 +143,7 @@ def test_short_reads_over_mla_attend_in_the_latent_space_as_mlx_lm_does(name):
                          before=lambda m, args, kwargs: unembedded.append(args[0].shape[2])), \
                 observe_function("mlx_lm.models.base", "scaled_dot_product_attention", seen), \
                 observe_function("mlx_kvtrans.fast_math", "attention", seen):
-            with absorbed_short_reads(model):
+            with short_reads(model):
                 got = model(ids[:, 300 - length:], cache=short)
         assert max_abs_diff(expected, got) < 1e-4
         assert bool((mx.argmax(expected, -1) == mx.argmax(got, -1)).all())
@@ -153,3 +153,28 @@ def test_short_reads_over_mla_attend_in_the_latent_space_as_mlx_lm_does(name):
     # in the latent space every head is a row of one
     assert heads == {(1, 1), (9, 1), (290, attention.num_heads)}
     assert "_kvtrans_hooks" not in type(attention.embed_q).__dict__
+
+
+@pytest.mark.parametrize("name", ["qwen3-large", "qwen3.5-a"])
+def test_short_reads_over_grouped_attention_give_mlx_lm_logits(name):
+    """A read of a few tokens (grouped-query attention, a hybrid's attention layers) off a GPU
+    takes `fast_math`'s softmax, a long one MLX's own; both give mlx-lm's own logits."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlx_kvtrans.capture.instrument import SHORT_READ, short_reads
+
+    model = kv.load(name).model
+    ids = mx.random.randint(3, 400, (1, 300), key=mx.random.key(8))
+    fast = []  # the read lengths fast_math's attention served
+    for length in (1, 9, SHORT_READ + 1):
+        plain, short = make_prompt_cache(model), make_prompt_cache(model)
+        model(ids[:, :300 - length], cache=plain)
+        model(ids[:, :300 - length], cache=short)
+        expected = model(ids[:, 300 - length:], cache=plain)
+        with observe_function("mlx_kvtrans.fast_math", "attention",
+                              lambda q, *args, **kwargs: fast.append(q.shape[2])):
+            with short_reads(model):
+                got = model(ids[:, 300 - length:], cache=short)
+        assert max_abs_diff(expected, got) < 1e-4
+        assert bool((mx.argmax(expected, -1) == mx.argmax(got, -1)).all())
+    assert set(fast) == ({1, 9} if mx.default_device() != mx.gpu else set())

@@ -124,8 +124,9 @@ def test_translating_ahead_without_reread_leaves_a_refused_translation_to_the_sw
 
 
 def test_a_target_given_the_conversation_from_its_start_reads_the_sink_itself(kimi_pair):
-    """`sink=s`: the target reads the first s tokens itself (its own cache there, exactly),
-    the translation covers the rest but the gate's tail; later switches have no sink to read."""
+    """`sink=s`: the target reads the first s tokens itself (its own cache there, to float
+    rounding: a short read's softmax off a GPU is `fast_math`'s), the translation covers the
+    rest but the gate's tail; later switches have no sink to read."""
     a, b, _ = kimi_pair
     s = session_for(kimi_pair, sink=4)
     s.add(list(range(60, 90)))
@@ -136,7 +137,7 @@ def test_a_target_given_the_conversation_from_its_start_reads_the_sink_itself(ki
     own = plain_reprefill(b, s.tokens[:4])
     for mine, native in zip(s.lines[b.name].cache, own):
         if hasattr(native, "keys") and native.keys is not None:
-            assert mx.array_equal(mine.keys[..., :4, :], native.keys[..., :4, :])
+            assert mx.allclose(mine.keys[..., :4, :], native.keys[..., :4, :], atol=1e-5)
     s.add(list(range(100, 120)))
     list(s.generate(2))
     s.switch(a.name)

@@ -159,12 +159,6 @@ def chunked_recurrence(chunk_size: int | None = None):
         yield
 
 
-# the model files whose MLA attention expands the latents when reading more than one token
-# (kimi_vl runs deepseek_v3's)
-MLA_MODULES = ("mlx_lm.models.deepseek_v3", "mlx_lm.models.deepseek_v32",
-               "mlx_lm.models.kimi_linear")
-
-
 def absorbed_wins(attention: nn.Module, length: int, context: int) -> bool:
     """Whether `length` queries over `context` latents cost fewer FLOPs with the queries
     absorbed into the latent space (mlx-lm's decode step) than with the latents expanded into
@@ -175,20 +169,30 @@ def absorbed_wins(attention: nn.Module, length: int, context: int) -> bool:
     return absorbed < expanded
 
 
+SHORT_READ = 64  # tokens up to which a read's attention takes `fast_math`'s softmax off a GPU
+
+
 @contextlib.contextmanager
-def absorbed_short_reads(model: nn.Module) -> Iterator[None]:
-    """Within the block, MLA attention reading a few tokens over a long cache (a new turn, the
-    gate's tail) attends in the latent space as mlx-lm's one-token decode step does, instead of
-    expanding every cached latent into keys and values (mlx-lm absorbs at one token only), and
-    attention in the latent space runs every head as rows of one. The same arithmetic
-    reordered: mlx-lm's attention runs as it is, its expanded keys and values are built lazily
-    and, unused, never computed."""
+def short_reads(model: nn.Module) -> Iterator[None]:
+    """Within the block, the model's attention reading a few tokens over a long cache (a new
+    turn, the gate's tail) runs as fast as the device allows, the same arithmetic reordered:
+
+    - MLA attends in the latent space as mlx-lm's one-token decode step does, instead of
+      expanding every cached latent into keys and values (mlx-lm absorbs at one token only),
+      every head as rows of one; the expanded keys and values are built lazily and, unused,
+      never computed;
+    - off a GPU, the softmax of up to `SHORT_READ` queries takes `fast_math.exp` (MLX's own
+      exponential runs one value at a time on a CPU)."""
     attentions = model.__dict__.get("_kvtrans_mla")
     if attentions is None:  # found once per model
         attentions = model.__dict__["_kvtrans_mla"] = [
             m for m in model.modules() if isinstance(getattr(m, "embed_q", None), nn.Module)
             and hasattr(m, "unembed_out") and hasattr(m, "kv_lora_rank")]
-    if not attentions:
+    names = {type(m).__module__ for m in model.modules()}
+    names = sorted(n for n in names if n.startswith("mlx_lm.models.")
+                   and hasattr(importlib.import_module(n), "scaled_dot_product_attention"))
+    on_cpu = mx.default_device() != mx.gpu
+    if not attentions and not on_cpu:
         yield
         return
     pending: dict[str, tuple] = {}  # the latents an attention is about to expand
@@ -207,9 +211,10 @@ def absorbed_short_reads(model: nn.Module) -> Iterator[None]:
                 and absorbed_wins(attention, queries.shape[2], latents.shape[2])):
             return attention.unembed_out(
                 one_head(attention.embed_q(queries), latents, *args, mask=mask, **kwargs))
-        if keys is values and isinstance(keys, mx.array) and keys.shape[1] == 1:
+        if (attentions and keys is values and isinstance(keys, mx.array)
+                and keys.shape[1] == 1):
             return one_head(queries, keys, *args, mask=mask, **kwargs)  # a decode step
-        return attention_of(queries, keys, values, *args, mask=mask, **kwargs)
+        return short(queries, keys, values, *args, mask=mask, **kwargs)
 
     def one_head(queries, latents, *args, mask, **kwargs):
         """Every head's queries as rows of one head over the latents that all heads share:
@@ -217,19 +222,23 @@ def absorbed_short_reads(model: nn.Module) -> Iterator[None]:
         kernels, as on a CPU, reads the keys once per head)."""
         b, h, n, d = queries.shape
         if not isinstance(mask, mx.array) or mask.shape != (b, h, n, latents.shape[2]):
-            return attention_of(queries, latents, latents, *args, mask=mask, **kwargs)
-        queries, mask = queries.reshape(b, 1, h * n, d), mask.reshape(b, 1, h * n, -1)
-        cache = args[0] if args else kwargs.get("cache")
-        if mx.default_device() == mx.gpu or hasattr(cache, "bits") or "scale" not in kwargs:
-            out = attention_of(queries, latents, latents, *args, mask=mask, **kwargs)
-        else:  # off a GPU, MLX's softmax spends most of the time in its exponential
-            out = fast_math.attention(queries, latents, latents, kwargs["scale"], mask)
+            return short(queries, latents, latents, *args, mask=mask, **kwargs)
+        out = short(queries.reshape(b, 1, h * n, d), latents, latents, *args,
+                    mask=mask.reshape(b, 1, h * n, -1), **kwargs)
         return out.reshape(b, h, n, -1)
+
+    def short(queries, keys, values, *args, mask=None, **kwargs):
+        cache = args[0] if args else kwargs.get("cache")
+        if (on_cpu and queries.shape[2] <= SHORT_READ and not hasattr(cache, "bits")
+                and kwargs.get("sinks") is None and "scale" in kwargs
+                and queries.dtype == mx.float32):
+            return fast_math.attention(queries, keys, values, kwargs["scale"], mask)
+        return attention_of(queries, keys, values, *args, mask=mask, **kwargs)
 
     with contextlib.ExitStack() as stack:
         for attention in attentions:
             stack.enter_context(hook_module(attention.embed_q, before=latents_of(attention)))
-        for name in MLA_MODULES:
+        for name in names:
             stack.enter_context(replace_function(name, "scaled_dot_product_attention", attend))
         yield
 

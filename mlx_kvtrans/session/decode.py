@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 import mlx.core as mx
 
 from ..capture import PREFILL_CHUNK, Capture, capture, tapped
-from ..capture.instrument import (absorbed_short_reads, fastest_recurrence, hook_module,
+from ..capture.instrument import (fastest_recurrence, hook_module, short_reads,
                                   recording_final_rows)
 from ..layouts import CapturePoint
 from ..layouts.linear_attention import RecurrentInputs
@@ -75,7 +75,7 @@ def _read_part(session: Session, line: CacheLine, upto: int, whole: bool = False
     with contextlib.ExitStack() as stack:
         rows = (stack.enter_context(recording_final_rows(line.lm.model, keep))
                 if session.gate_tokens or whole else None)
-        stack.enter_context(absorbed_short_reads(line.lm.model))  # a turn, the gate's tail
+        stack.enter_context(short_reads(line.lm.model))  # a turn, the gate's tail
         # linear attention over a read of many tokens: chunkwise off a Mac, not token by token
         stack.enter_context(fastest_recurrence())
         cap = line.whole(capture(line.lm.model, session.view(line.name)[start:upto],
