@@ -597,6 +597,26 @@ def test_needle_windows_end_with_the_answer():
     assert all(r[0] == r[1] - 1 for r in rows[1::2])  # the others are corpus windows
 
 
+@pytest.mark.parametrize("length", [2, 3, 40])
+def test_a_conv_history_maps_only_the_rows_it_keeps(length, zoo):
+    """A conv history keeps its last K-1 rows: its map reads only those (identity tables
+    included, which read the token before the first), and they are the rows the map gives
+    when it maps every token."""
+    tr = artifact.load(artifact.resolve("qwen3.5-xt__qwen3.5-a"), across_tokenizers=True)
+    assert any(r.tables for r in tr.recipes if r.name == "conv")
+    src, tgt = zoo(tr.info["source"]["name"]), zoo(tr.info["target"]["name"])
+    tokens = mx.random.randint(0, 4000, (1, length), key=mx.random.key(6))
+    source = kv.capture(src.model, tokens, points=tr.source_points())
+    kept, _ = tr.translate(source, tgt.model, token_ids=tokens)
+    every, _ = tr.translate(source, tgt.model, token_ids=tokens, all_rows=True)
+    for layer, objects in enumerate(kept):
+        if "conv" in objects:
+            rows = objects["conv"].shape[1]
+            assert rows == min(length, kv.layout_of(tgt.model).layers[layer].cache.object(
+                "conv").engine_shape[1])
+            assert max_abs_diff(objects["conv"], every[layer]["conv"][:, -rows:]) <= 1e-5
+
+
 @pytest.mark.parametrize("name", ["kimi-linear__kimi-vl-distilled", "qwen3-small__qwen3-large-distilled"])
 def test_fused_maps_equal_each_map_built_alone(name, zoo):
     """Maps of one input run as one matmul, identity tables and residuals included: the objects
