@@ -34,34 +34,41 @@ _compiled_exp_parts = mx.compile(_exp_parts, shapeless=True)
 
 
 def exp(x: mx.array) -> mx.array:
-    """`mx.exp` of float32 `x`, within 1.2e-7 relative (MLX's own on a GPU)."""
+    """`mx.exp` of `x` computed in float32, within 1.2e-7 relative, in `x`'s dtype (MLX's own
+    on a GPU)."""
     if mx.default_device() == mx.gpu:
         return mx.exp(x)
-    p, bits = _compiled_exp_parts(x)
-    return p * mx.stop_gradient(bits.view(mx.float32))  # 2^k carries no gradient of its own
+    p, bits = _compiled_exp_parts(x.astype(mx.float32))
+    return (p * mx.stop_gradient(bits.view(mx.float32))).astype(x.dtype)  # 2^k: no gradient
 
 
 def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
               mask: mx.array | str | None = None) -> mx.array:
-    """`mx.fast.scaled_dot_product_attention` in float32 with an additive or boolean array
-    mask, "causal" or none, keys and values with as many heads as the queries or a divisor of
-    that (grouped): softmax by `exp`, normalised after the product with the values (fewer
-    divisions)."""
+    """`mx.fast.scaled_dot_product_attention` with an additive or boolean mask (broadcast as
+    MLX does), "causal" or none; keys and values with as many heads as the queries or a
+    divisor of that (grouped: each key head's queries as the rows of one product, so its keys
+    are read once): softmax by `exp`, normalised after the product with the values (fewer
+    divisions). A row whose every key is masked averages the values, as MLX's does."""
     b, heads, length, _ = queries.shape
-    groups = heads // keys.shape[1]
-    context = keys.shape[2]
+    kv_heads, context = keys.shape[1], keys.shape[2]
+    groups = heads // kv_heads
     if isinstance(mask, str):  # "causal": query i sees the keys up to its own position
         mask = mx.arange(context)[None] <= mx.arange(length)[:, None] + (context - length)
-    if groups > 1:  # (B, key heads, group, L, D) against (B, key heads, 1, T, D)
-        queries = queries.reshape(b, keys.shape[1], groups, length, -1)
-        keys, values = keys[:, :, None], values[:, :, None]
-        if mask is not None and mask.ndim == 4:
-            mask = (mask.reshape(b, keys.shape[1], groups, length, context)
-                    if mask.shape[1] == heads else mask[:, :, None])
+    if groups > 1:
+        queries = queries.reshape(b, kv_heads, groups * length, -1)
+        if mask is not None:  # (batch, heads, L, T) -> (batch, key heads, group x L, T)
+            mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+            mask = mx.broadcast_to(mask, (*mask.shape[:2], length, context))
+            if mask.shape[1] == heads:
+                mask = mask.reshape(mask.shape[0], kv_heads, groups * length, context)
+            else:
+                mask = mx.broadcast_to(mask[:, :, None], (*mask.shape[:2], groups, length,
+                                                          context))
+                mask = mask.reshape(mask.shape[0], mask.shape[1], groups * length, context)
     scores = (queries * scale) @ keys.swapaxes(-1, -2)
     if mask is not None:
         if mask.dtype == mx.bool_:
-            scores = mx.where(mask, scores, mx.array(-math.inf, scores.dtype))
+            scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
         else:
             scores = scores + mask
     weights = exp(scores - mx.stop_gradient(scores.max(axis=-1, keepdims=True)))
@@ -70,6 +77,8 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
 
 
 def logsumexp(x: mx.array) -> mx.array:
-    """`mx.logsumexp` over the last axis, by `exp`."""
+    """`mx.logsumexp` over the last axis, by `exp` (MLX's own on a GPU)."""
+    if mx.default_device() == mx.gpu:
+        return mx.logsumexp(x, axis=-1)
     top = mx.stop_gradient(x.max(axis=-1))
     return top + mx.log(exp(x - top[..., None]).sum(axis=-1))

@@ -115,3 +115,22 @@ def test_metal_kernel_replay_equals_the_pure_mlx_twins(loaded, family):
     _, ops = kv.replay(layer.cache, inputs, use_kernel=False)
     _, chunked = kv.replay(layer.cache, inputs, parallel=True)
     assert max_abs_diff(kernel, ops) <= 1e-4 and max_abs_diff(kernel, chunked) <= 1e-4
+
+
+def test_log_decay_is_mlx_lm_compute_g_with_its_gradient():
+    """log g by `fast_math` (off a GPU) is log of mlx-lm's g, and its gradient is softplus's,
+    also where a + dt_bias is 0."""
+    import mlx.nn as nn
+
+    from mlx_kvtrans.layouts.gated_delta import log_decay
+
+    a = mx.concatenate([mx.random.normal((1, 64, 4, 8), key=mx.random.key(3)) * 8,
+                        mx.zeros((1, 1, 4, 8))], axis=1)
+    A_log = mx.random.normal((4, 8), key=mx.random.key(4))
+    dt_bias = mx.zeros((4, 8))
+    ref = lambda x: -mx.exp(A_log) * nn.softplus(x + dt_bias)  # noqa: E731
+    assert float(mx.abs(log_decay(A_log, a, dt_bias) - ref(a)).max()) <= 1e-6 * float(
+        mx.abs(ref(a)).max())
+    ours, theirs = (mx.grad(lambda x, f=f: f(x).sum())(a)
+                    for f in (lambda x: log_decay(A_log, x, dt_bias), ref))
+    assert float(mx.abs(ours - theirs).max()) <= 1e-5

@@ -188,9 +188,12 @@ def short_reads(model: nn.Module) -> Iterator[None]:
         attentions = model.__dict__["_kvtrans_mla"] = [
             m for m in model.modules() if isinstance(getattr(m, "embed_q", None), nn.Module)
             and hasattr(m, "unembed_out") and hasattr(m, "kv_lora_rank")]
-    names = {type(m).__module__ for m in model.modules()}
-    names = sorted(n for n in names if n.startswith("mlx_lm.models.")
-                   and hasattr(importlib.import_module(n), "scaled_dot_product_attention"))
+    names = model.__dict__.get("_kvtrans_attention_modules")
+    if names is None:  # the mlx-lm files whose attention this model calls, found once
+        names = {type(m).__module__ for m in model.modules()}
+        names = model.__dict__["_kvtrans_attention_modules"] = sorted(
+            n for n in names if n.startswith("mlx_lm.models.")
+            and hasattr(importlib.import_module(n), "scaled_dot_product_attention"))
     on_cpu = mx.default_device() != mx.gpu
     if not attentions and not on_cpu:
         yield
@@ -224,12 +227,13 @@ def short_reads(model: nn.Module) -> Iterator[None]:
         if not isinstance(mask, mx.array) or mask.shape != (b, h, n, latents.shape[2]):
             return short(queries, latents, latents, *args, mask=mask, **kwargs)
         out = short(queries.reshape(b, 1, h * n, d), latents, latents, *args,
-                    mask=mask.reshape(b, 1, h * n, -1), **kwargs)
+                    mask=mask.reshape(b, 1, h * n, -1), tokens=n, **kwargs)
         return out.reshape(b, h, n, -1)
 
-    def short(queries, keys, values, *args, mask=None, **kwargs):
+    def short(queries, keys, values, *args, mask=None, tokens=None, **kwargs):
         cache = args[0] if args else kwargs.get("cache")
-        if (on_cpu and queries.shape[2] <= SHORT_READ and not hasattr(cache, "bits")
+        tokens = queries.shape[2] if tokens is None else tokens
+        if (on_cpu and tokens <= SHORT_READ and not hasattr(cache, "bits")
                 and kwargs.get("sinks") is None and "scale" in kwargs
                 and queries.dtype == mx.float32):
             return fast_math.attention(queries, keys, values, kwargs["scale"], mask)

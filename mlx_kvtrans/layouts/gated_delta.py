@@ -26,6 +26,7 @@ with j <= i exponentiated, so nothing overflows however strong the decay.
 from __future__ import annotations
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx_lm.models.gated_delta import gated_delta_update as reference_update  # mlx-lm's own
 
 from .. import fast_math
@@ -33,13 +34,18 @@ from .. import fast_math
 
 def log_decay(A_log: mx.array, a: mx.array, dt_bias: mx.array) -> mx.array:
     """log g, as mlx-lm's `compute_g` defines g = exp(-exp(A_log) * softplus(a + dt_bias)),
-    softplus(x) = max(x, 0) + log1p(e^-|x|) by `fast_math.exp` and Kahan's log1p(y) =
-    y log(u) / (u - 1), u = 1 + y (MLX's softplus and log1p run several times slower on a CPU)."""
+    off a GPU softplus(x) = (x + |x|) / 2 + log1p(e^-|x|) by `fast_math.exp` and Kahan's
+    log1p(y) = y log(u) / (u - 1), u = 1 + y (MLX's softplus and log1p run several times
+    slower on a CPU); on a GPU MLX's own."""
     x = a.astype(mx.float32) + dt_bias
-    y = fast_math.exp(-mx.abs(x))
-    u = 1.0 + y
-    log1p = mx.where(u == 1.0, y, y * mx.log(u) / mx.where(u == 1.0, 1.0, u - 1.0))
-    return -mx.exp(A_log.astype(mx.float32)) * (mx.maximum(x, 0.0) + log1p)
+    if mx.default_device() == mx.gpu:
+        softplus = nn.softplus(x)
+    else:
+        y = fast_math.exp(-mx.abs(x))
+        u = 1.0 + y
+        log1p = mx.where(u == 1.0, y, y * mx.log(u) / mx.where(u == 1.0, 1.0, u - 1.0))
+        softplus = 0.5 * (x + mx.abs(x)) + log1p  # its slope at 0 is 1/2, as softplus's
+    return -mx.exp(A_log.astype(mx.float32)) * softplus
 
 
 def _unit_lower_inverse(N: mx.array, size: int) -> mx.array:

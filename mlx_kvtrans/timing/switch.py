@@ -301,7 +301,8 @@ def bench_switch(translator: Translator, source, target, lengths: list[int], rep
             statuses = []
             t_gated, _ = _median(lambda: statuses.append(gated_switch(session)[0]), repeats)
             read = status.tokens_read
-            t_gate_read = statistics.median(s.gate_seconds for s in statuses)
+            if status.status == Outcome.APPLIED:  # else the time is a re-prefill's
+                t_gate_read = statistics.median(s.gate_seconds for s in statuses)
         step("re-prefill", length)
         t_full, peak_full = _median(reprefill, repeats)
         if target_is_hybrid:
