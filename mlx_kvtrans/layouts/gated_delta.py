@@ -14,9 +14,9 @@ chunk, and S transposed to (Dk, Dv):
     O     = (Q * e^gamma) S_0 + [sum_d q_id k_jd D_ijd]_(j<=i) U
     S_C   = e^gamma_C * S_0 + (K * e^(gamma_C - gamma))^T U
 With a per-channel gate (KDA) the decay does not factor out of the sums over channels, and
-exponentials dominate the cost on a CPU (an `exp` costs several multiplies; `fast_math.exp`,
-as MLX's own runs one value at a time there). Where a
-chunk's channel decays by at most `FACTOR_SPAN` nats, D_ijd = e^gamma_id * e^-gamma_jd, so the
+exponentials dominate the cost on a CPU (an `exp` costs several multiplies; `fast_math.exp`
+here, as MLX's own runs one value at a time there). Where a chunk's channel decays by at most
+`FACTOR_SPAN` nats, D_ijd = e^gamma_id * e^-gamma_jd, so the
 sums are matmuls of (K * e^gamma) with (K * e^-gamma): two exponentials per token and channel, no
 overflow (e^60 fits float32 with room, forward and backward). The few channels of a chunk that decay further
 (fast-forgetting channels) are gathered and summed pairwise, only differences gamma_i - gamma_j
