@@ -95,10 +95,12 @@ def test_cold_switch_under_chunked_recurrence_gives_the_same_first_token(loaded,
     assert mx.abs(logits_fast - logits_plain).max().item() < 1e-4
 
 
-def test_doctor_reports_memory_bandwidth():
+def test_doctor_reports_memory_bandwidth_and_the_exponential_rates():
     from mlx_kvtrans.tools.doctor import diagnose
 
-    assert diagnose()["memory_bandwidth_gbs"] > 0
+    report = diagnose()
+    assert report["memory_bandwidth_gbs"] > 0
+    assert report["exp_mlx_mvalues_per_s"] > 0 and report["exp_fast_math_mvalues_per_s"] > 0
 
 
 @pytest.mark.parametrize("source,target", [("kimi_linear", "kimi_vl"), ("kimi_vl", "kimi_linear")])

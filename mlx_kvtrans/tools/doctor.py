@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import platform
 
-from ..blas import blas_report, matmul_gflops, memory_bandwidth_gbs
+from ..blas import blas_report, matmul_gflops, median_seconds, memory_bandwidth_gbs
 
 
 def diagnose() -> dict:
     import mlx.core as mx
     import mlx_lm
 
+    from .. import fast_math
     from ..layouts.gated_delta import metal_recurrence_available
 
     report = blas_report()
@@ -29,6 +30,18 @@ def diagnose() -> dict:
         "matmul_bfloat16_gflops": round(matmul_gflops(n=512, repeats=4, dtype=mx.bfloat16), 1),
         # a 256 MiB float32 copy, bytes read + written: what installing a cache moves at
         "memory_bandwidth_gbs": round(memory_bandwidth_gbs(), 1),
+        # float32 exponentials per second: MLX's own, and fast_math's that a CPU runs instead
+        "exp_mlx_mvalues_per_s": round(exp_rate(mx.exp), 1),
+        "exp_fast_math_mvalues_per_s": round(exp_rate(fast_math.exp), 1),
         "blas_is_slow_reference": report.slow,
         "fix": report.fix,
     }
+
+
+def exp_rate(exp, n: int = 2**20, repeats: int = 5) -> float:
+    """Millions of float32 values per second `exp` computes (median of `repeats`)."""
+    import mlx.core as mx
+
+    x = mx.random.normal((n,))
+    mx.eval(x)
+    return n / median_seconds(lambda: mx.eval(exp(x)), repeats) / 1e6
