@@ -8,9 +8,10 @@ setting), at 256 and 512 tokens (where the bars are read), on the validation spl
 of needles other than the held-out ones (seed 1): the test split and the held-out needles stay
 for reporting (`benchmarks/frontier.py`). An idea is kept where
 the history's worth recovered rises at both lengths and needle recall, over both lengths
-together, does not fall.
+together, does not fall. `--served` also measures the ideas named and their starts at 1,024 and
+2,048 tokens (rows added to those already measured; the keep rule still reads 256 and 512).
 
-    python benchmarks/ideas.py [--ideas NAME,NAME] [--prompts 16] [--needles 16]
+    python benchmarks/ideas.py [--ideas NAME,NAME] [--prompts 16] [--needles 16] [--served]
     python benchmarks/ideas.py --tabulate
     python benchmarks/ideas.py --ship NAME   # a kept idea replaces its direction's translator
 
@@ -54,7 +55,8 @@ from mlx_kvtrans.workflows import distill_translator, fit_translator
 OUT = Path(__file__).resolve().parent / "results"
 RUNS = Path("runs/ideas")
 SEED = 1  # prose windows and needles: not the held-out draw (seed 0)
-LENGTHS = BAR_LENGTHS  # where the bars are read
+LENGTHS = BAR_LENGTHS  # where the bars are read, and the keep rule
+SERVED = (1024, 2048)  # `--served`: the longer lengths a long fit or distillation aims at
 REREAD = 8
 
 
@@ -244,7 +246,8 @@ IDEAS = [
 ]
 
 
-def measure(name: str, directory: Path | str, models: dict, args) -> dict:
+def measure(name: str, directory: Path | str, models: dict, args,
+            lengths: tuple[int, ...] | None = None) -> dict:
     try:
         artifact.resolve(directory)
     except KvtransError:
@@ -253,11 +256,25 @@ def measure(name: str, directory: Path | str, models: dict, args) -> dict:
     translator, src, tgt = loaded(directory, models)
     ids = tgt.tokenizer.encode(held_out_split("validation").read_text())
     frontier = fr.measure_translator(artifact.resolve(directory), src, tgt, translator, ids,
-                                     list(LENGTHS), [REREAD], args.prompts,
+                                     list(lengths or wanted_lengths(args)), [REREAD],
+                                     args.prompts,
                                      args.needles, repeats=1, seed=SEED)
     return {"name": name, "source": src.name, "target": tgt.name,
             "weights_mb": weights_mb(artifact.resolve(directory)),
             "rows": [row.to_json() for row in frontier.rows]}
+
+
+def wanted_lengths(args) -> tuple[int, ...]:
+    return LENGTHS + (SERVED if args.served else ())
+
+
+def add_lengths(result: dict, directory: Path | str, models: dict, args) -> None:
+    """Measure `result`'s translator at the wanted lengths it lacks, adding their rows."""
+    missing = tuple(n for n in wanted_lengths(args)
+                    if n not in {row["length"] for row in result["rows"]})
+    if missing:
+        rows = result["rows"] + measure(result["name"], directory, models, args, missing)["rows"]
+        result["rows"] = sorted(rows, key=lambda row: row["length"])
 
 
 def weights_mb(directory: Path) -> float:
@@ -316,17 +333,22 @@ def run_idea(idea: Idea, models: dict, args) -> dict:
             "measure_minutes": round((time.perf_counter() - started) / 60, 2)}
 
 
+def built(idea: Idea) -> Path:
+    """Where the idea's translator is (distilled, or as fitted)."""
+    return RUNS / (idea.name if idea.config else f"{idea.name}-stage1")
+
+
 def ship(idea: Idea, models: dict) -> Path:
-    built = RUNS / (idea.name if idea.config else f"{idea.name}-stage1")
-    if not (built / "weights.safetensors").is_file():
+    made = built(idea)
+    if not (made / "weights.safetensors").is_file():
         raise SystemExit(f"{idea.name} is not built: run --ideas {idea.name} first")
-    manifest = artifact.read_manifest(built)
+    manifest = artifact.read_manifest(made)
     source, target = manifest["source"]["name"], manifest["target"]["name"]
     place = weights_dir() / "translators" / f"{source}__{target}-distilled"
     old = artifact.shipped(source, target)
     staging = place.with_name(place.name + ".new")
     shutil.rmtree(staging, ignore_errors=True)
-    shutil.copytree(built, staging)
+    shutil.copytree(made, staging)
     if old is not None:
         shutil.rmtree(old)  # one translator per direction
     shutil.rmtree(place, ignore_errors=True)
@@ -366,9 +388,10 @@ def kept(idea: dict, base: dict) -> bool:
     def by_length(r):
         return {row["length"]: row for row in r["rows"]}
     mine, theirs = by_length(idea), by_length(base)
-    return (all(mine[n]["history_recovered"] > theirs[n]["history_recovered"] for n in theirs)
-            and sum(mine[n]["recall_translated"] or 0 for n in theirs)
-            >= sum(theirs[n]["recall_translated"] or 0 for n in theirs))
+    bars = [n for n in LENGTHS if n in theirs]
+    return (all(mine[n]["history_recovered"] > theirs[n]["history_recovered"] for n in bars)
+            and sum(mine[n]["recall_translated"] or 0 for n in bars)
+            >= sum(theirs[n]["recall_translated"] or 0 for n in bars))
 
 
 def write_markdown(results: dict, settings: dict, out: Path) -> None:
@@ -384,7 +407,8 @@ def write_markdown(results: dict, settings: dict, out: Path) -> None:
              "first-token agreement; **recall**: needle recall, native / switched; "
              "**applied**: switches the gate let stand; **MB**: the translator's weights "
              "(blank: not recorded when it was measured). **Kept**: recovered rises at both "
-             "lengths and recall over both together does not fall. Regenerate with "
+             "lengths and recall over both together does not fall (rows at 1,024 and 2,048, "
+             "where `--served` measured them, inform and do not decide). Regenerate with "
              "`python benchmarks/ideas.py`.\n",
              "| direction | translator | what | L | recovered | first | match | KL | recall "
              "| applied | MB | kept |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -417,6 +441,8 @@ def main():
     parser.add_argument("--tabulate", action="store_true",
                         help="rebuild ideas.md from ideas.json")
     parser.add_argument("--ship", help="put this idea's translator in weights/translators/")
+    parser.add_argument("--served", action="store_true",
+                        help="also measure at 1,024 and 2,048 tokens (added to what was)")
     args = parser.parse_args()
     if args.ship:
         by_name = {i.name: i for i in IDEAS}
@@ -443,7 +469,11 @@ def main():
         if base not in results:
             results[base] = {**measure(idea.start, idea.start, models, args), "digest": digest,
                              "what": f"as shipped (weights sha256 {digest}...)"}
-        results[idea.name] = {**run_idea(idea, models, args), "base": base}
+        add_lengths(results[base], idea.start, models, args)
+        if args.served and idea.name in results:  # the rows it lacks, of what was built
+            add_lengths(results[idea.name], built(idea), models, args)
+        else:
+            results[idea.name] = {**run_idea(idea, models, args), "base": base}
         args.results.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"settings": settings, "results": results}, indent=1))
     write_markdown(results, settings, args.results)
