@@ -48,7 +48,7 @@ from ..capture import PREFILL_CHUNK, Capture
 from ..install import NotFinite
 from ..sharding import translate_into
 from ..translators.cross_tokenizer import AlignedText, pooling, realigned
-from ..layouts import CapturePoint
+from ..layouts import CapturePoint, ObjectKind
 from . import dial
 from .line import CacheLine, covers, fixed_slots
 from .status import Outcome, SwitchStatus, Verdict
@@ -228,14 +228,18 @@ def _translate(session: Session, translator, src: CacheLine, tgt: CacheLine, sta
     else:
         span = src.span(session.view(src.name), start, stop)
     fresh = start == 0 or tgt.cache is None
+    # What the target now holds for the span, at the points the translator produced it and
+    # its own translators read: a later switch away translates it onwards, errors and all;
+    # a conv history's every row only where one of them reads it (else its K-1 rows)
+    select = session.selection(tgt.name)
+    layers = tgt.layout.layers
+    all_rows = any(layers[i].cache.object(name).kind == ObjectKind.CONV_HISTORY
+                   for i, name, _ in select)
     objects, points, cache = translate_into(translator, span, tgt.lm.model, span.tokens,
                                             offset=start, cache=None if fresh else tgt.cache,
-                                            all_rows=True, finite=True)
+                                            all_rows=all_rows, finite=True)
     if fresh:
         tgt.recorded, tgt.tail, tgt.states = [], None, {}
-    # What the target now holds for the span, at the points the translator produced it and
-    # its own translators read: a later switch away translates it onwards, errors and all.
-    select = session.selection(tgt.name)
     held = [{(name, points[i][name]): value for name, value in objs.items()
              if (i, name, points[i][name]) in select and covers(value, stop - start)}
             for i, objs in enumerate(objects)]
