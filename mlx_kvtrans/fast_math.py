@@ -63,7 +63,9 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
     kv_heads, context = keys.shape[1], keys.shape[2]
     groups = heads // kv_heads
     if isinstance(mask, str):  # "causal": query i sees the keys up to its own position
-        mask = mx.arange(context)[None] <= mx.arange(length)[:, None] + (context - length)
+        from mlx_lm.models.base import create_causal_mask
+
+        mask = create_causal_mask(length, context - length)
     if groups > 1:
         queries = queries.reshape(b, kv_heads, groups * length, -1)
         if mask is not None:  # (batch, heads, L, T) -> (batch, key heads, group x L, T)

@@ -153,14 +153,14 @@ class TokenMap(Recipe):
         obj = inputs.target_object
         x = concat_features(inputs.features, self.sources, self.source_kinds, inputs.identity,
                             inputs.expand if self.expand else None)
-        ids, start = inputs.ids, 0
+        start = 0
         if obj.kind == ObjectKind.CONV_HISTORY and not inputs.all_rows:
             # only the rows the history keeps are mapped (each row is its own token's)
             start = max(x.shape[1] - obj.engine_shape[1], 0)
             x = x[:, start:]
         y = x @ params["weight"].T + params["bias"]
         if self.tables:  # from the token before the first row kept, for the previous-token table
-            offsets = table_offsets(params, ids[:, max(start - 1, 0):])
+            offsets = table_offsets(params, inputs.ids[:, max(start - 1, 0):])
             y = y + (offsets[:, 1:] if start > 0 else offsets)
         if self.residual:
             hidden = gelu(mx.fast.rms_norm(x, None, 1e-6) @ params["residual.up"].T)
