@@ -98,7 +98,6 @@ def write_markdown(results: dict, settings: dict, blas: str, out: Path):
                 "-" if p is None else f"R={p.setting.reread} ({p.speedup:.1f}x)" for p in picks)
                 + " |")
     lines.append("")
-    lines += bars(results)
     for name, r in results.items():
         lines += [f"## {name}\n", f"{r['source']} -> {r['target']}, stage {r['stage']}, "
                   f"fitting length {r['fit_length']:,}; {r['minutes']} min.\n",
@@ -117,68 +116,6 @@ def write_markdown(results: dict, settings: dict, blas: str, out: Path):
         lines.append("")
     (out / "frontier.md").write_text("\n".join(lines))
     print("\n".join(lines))
-
-
-BARS = {"recovered": 0.8, "first": 0.85, "match": 16, "applied": 0.8, "recall_margin": 0.10}
-BAR_LENGTHS = (256, 512)
-
-
-def with_defaults(results: dict) -> None:
-    """Each translator's default setting, as sessions switch with it now."""
-    for name, r in results.items():
-        reread, how = default_setting(name, r["rows"])
-        r["default"] = {"reread": reread, "how": how}
-
-
-def default_setting(name: str, rows: list) -> tuple[int, str]:
-    """The R a session switches with by default (session/dial.py): from the frontier recorded
-    beside the translator (validation split), else from these rows."""
-    from types import SimpleNamespace
-
-    from mlx_kvtrans.session import dial
-
-    info = artifact.read_manifest(name)
-    recorded = artifact.resolve(name) / fr.FILE
-    frontier = fr.load(recorded) if recorded.is_file() else fr.Frontier(
-        name, "", "", 0, [fr.Row.from_json(r) for r in rows])
-    r, how = dial.default_reread(SimpleNamespace(info=info, frontier=frontier))
-    return r, ("recorded frontier" if recorded.is_file() else "this run's rows") + ": " + how
-
-
-def bars(results: dict) -> list[str]:
-    """Each direction at its default setting against the bars users hold it to."""
-    lines = ["## At the default setting, against the bars\n",
-             f"Through a session (gate on): recovered >= {BARS['recovered']}, first token >= "
-             f"{BARS['first']}, greedy match >= {BARS['match']} of {fr.GENERATED}, applied >= "
-             f"{BARS['applied']}, recall >= native - {BARS['recall_margin']} where native >= "
-             "0.5; a bar missed is in **bold**. R: the default setting a session switches "
-             "with (session/dial.py: the cheapest R meeting agreement 0.9 at twice the fitting "
-             "length in the frontier recorded beside the translator, on the validation split)."
-             "\n",
-             "| translator | L | R | recovered | first | match | applied | recall native / "
-             "switched |", "|---|---|---|---|---|---|---|---|"]
-    for name, r in results.items():
-        reread = r["default"]["reread"]
-        for row in r["rows"]:
-            if row["length"] not in BAR_LENGTHS or row["setting"]["reread"] != reread:
-                continue
-
-            def mark(text, ok):
-                return text if ok else f"**{text}**"
-            native, got = row["recall_native"], row["recall_translated"]
-            recall_ok = (native is None or got is None or native < 0.5
-                         or got >= native - BARS["recall_margin"])
-            applied = row.get("applied")
-            lines.append(
-                f"| {name} | {row['length']:,} | {reread} | "
-                + mark(_cell(row["history_recovered"], ".2f"),
-                       (row["history_recovered"] or 0) >= BARS["recovered"]) + " | "
-                + mark(f"{row['first_token']:.2f}", row["first_token"] >= BARS["first"]) + " | "
-                + mark(f"{row['greedy_match']:.1f}", row["greedy_match"] >= BARS["match"])
-                + " | " + mark(_cell(applied, ".2f"), applied is None
-                               or applied >= BARS["applied"]) + " | "
-                + mark(f"{_cell(native, '.2f')} / {_cell(got, '.2f')}", recall_ok) + " |")
-    return lines + [""]
 
 
 def plot(results: dict, path: Path) -> Path | None:
@@ -239,7 +176,6 @@ def main():
     args = parser.parse_args()
     if args.tabulate:
         saved = json.loads((args.results / "frontier.json").read_text())
-        with_defaults(saved["translators"])  # the library's dial may have changed since
         (args.results / "frontier.json").write_text(json.dumps(saved, indent=2) + "\n")
         write_markdown(saved["translators"], saved["settings"], saved["blas"], args.results)
         plot(saved["translators"], args.results / "frontier.png")
@@ -259,7 +195,6 @@ def main():
     results = {k: v for k, v in results.items() if k in shipped}
     results.update(measured)
     results = dict(sorted(results.items()))
-    with_defaults(results)
     report = blas_report()
     blas = f"{report.name}, float32 matmul {report.gflops:.0f} GFLOP/s"
     args.results.mkdir(parents=True, exist_ok=True)

@@ -41,7 +41,8 @@ from pathlib import Path
 
 import mlx_kvtrans  # noqa: F401  first: fast BLAS
 
-from frontier import BAR_LENGTHS, ZOO_LENGTHS, loaded
+from bars import LENGTHS as BAR_LENGTHS
+from frontier import ZOO_LENGTHS, loaded
 from mlx_kvtrans.calibrate import calibrate_directory
 from mlx_kvtrans.errors import KvtransError
 from mlx_kvtrans.evaluation import frontier as fr

@@ -1,8 +1,8 @@
 """README's results table, rendered from the results files so that it cannot go stale.
 
-One row per shipped translator direction, read from what the benchmarks wrote: `frontier.json`
-(`python benchmarks/frontier.py`: through a session at the default re-read setting, what the
-switch keeps of the native continuation and of needles) and
+One row per shipped translator direction, read from what the benchmarks wrote: `bars.json`
+(`python benchmarks/bars.py`: through a session at the default re-read setting, what the
+switch keeps of the native continuation and of needles, with 95% intervals) and
 `bench-SOURCE__TARGET-float32.json` (`python benchmarks/switch.py`: the warm switch's time to
 first token against the target re-reading the history).
 
@@ -47,15 +47,23 @@ def _switch(results: Path, source: str, target: str) -> str:
     return " / ".join(cells)
 
 
-def _at_default(entry: dict) -> dict[int, dict]:
-    """length -> the frontier row at the translator's default R."""
-    reread = entry["default"]["reread"]
-    return {r["length"]: r for r in entry["rows"] if r["setting"]["reread"] == reread}
+def _stage(name: str) -> int:
+    manifest = _load(HERE.parent / "weights" / "translators" / name / "manifest.json")
+    return manifest.get("stage", 1)
 
 
 def _pair(rows: dict, key: str, spec: str = ".2f", lengths=FRONTIER_LENGTHS) -> str:
     return " / ".join("-" if rows.get(n) is None or rows[n].get(key) is None
                       else format(rows[n][key], spec) for n in lengths)
+
+
+def _with_interval(rows: dict, key: str, length: int, spec: str = ".2f") -> str:
+    row = rows.get(length)
+    if row is None or row.get(key) is None:
+        return "-"
+    span = (row.get("intervals") or {}).get(key)
+    text = format(row[key], spec)
+    return text + (f" ({format(span[0], spec)}-{format(span[1], spec)})" if span else "")
 
 
 def _recall(rows: dict, length: int) -> str:
@@ -67,21 +75,22 @@ def _recall(rows: dict, length: int) -> str:
 
 def render(results: Path = RESULTS) -> str:
     """The markdown block (markers included) that README holds."""
-    frontier = _load(results / "frontier.json")
+    bars = _load(results / "bars.json")
     lengths = " / ".join(f"{n // 1024}K" for n in SWITCH_LENGTHS)
     at = " / ".join(str(n) for n in FRONTIER_LENGTHS)
     lines = [BEGIN,
-             f"| translator (shipped) | stage | default R | history recovered @{at} | "
+             f"| translator (shipped) | stage | default R | history recovered @{at} "
+             "(95% interval) | "
              f"first token @{at} | greedy match @{at} | recall @{FRONTIER_LENGTHS[0]} "
              f"(native) | recall @{LONG} (native) | applied @{at} | switch speed-up "
              f"@{lengths} |",
              "|---|---|---|---|---|---|---|---|---|---|"]
-    for name, entry in frontier.get("translators", {}).items():
-        if "default" not in entry:
-            continue
-        rows = _at_default(entry)
-        lines.append(f"| `{name}` | {entry['stage']} | {entry['default']['reread']} | "
-                     f"{_pair(rows, 'history_recovered')} | {_pair(rows, 'first_token')} | "
+    for name, entry in bars.get("translators", {}).items():
+        rows = {r["length"]: r for r in entry["rows"]}
+        recovered = " / ".join(_with_interval(rows, "history_recovered", n)
+                               for n in FRONTIER_LENGTHS)
+        lines.append(f"| `{name}` | {_stage(name)} | {entry['reread']} | "
+                     f"{recovered} | {_pair(rows, 'first_token')} | "
                      f"{_pair(rows, 'greedy_match', '.1f')} | "
                      f"{_recall(rows, FRONTIER_LENGTHS[0])} | {_recall(rows, LONG)} | "
                      f"{_pair(rows, 'applied')} | "
@@ -94,11 +103,14 @@ def render(results: Path = RESULTS) -> str:
               "the last-16-tokens floor) that the switch keeps; first token and greedy match: "
               "of the 32 tokens generated from the switched cache, the first equal to native's, "
               "and how many are; recall: exact six-digit needles (native in brackets); applied: "
-              "the share of switches the fidelity gate let stand. Switch: time to first token "
+              "the share of switches the fidelity gate let stand; "
+              f"{bars.get('settings', {}).get('prompts', '-')} windows and "
+              f"{bars.get('settings', {}).get('needles', '-')} needles per length. Switch: time to first token "
               "re-reading the history over that of a warm switch (translate, install, first "
               "decode), float32, on the machine and BLAS each file records (- where a direction "
               "is not timed). Rendered by `python benchmarks/summary.py` from "
-              "`benchmarks/results/frontier.json` (`python benchmarks/frontier.py`) and "
+              "`benchmarks/results/bars.json` (`python benchmarks/bars.py`, where each figure's "
+              "interval is) and "
               "`bench-*-float32.json` (`python benchmarks/switch.py`); "
               "[docs/results.md](docs/results.md) names the command that writes each.",
               END]

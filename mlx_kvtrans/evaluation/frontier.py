@@ -19,7 +19,9 @@ Per (length, setting), over held-out prose windows and held-out needles:
 - recall_native / recall_translated: exact six-digit needle recall (evaluation/needles.py);
 - speedup = time(target re-prefills L tokens) / time(translate the first L - 1 - R, the target
   reads the remaining R + 1), measured side by side in one process, medians of a few repeats,
-  the source having read the prompt already (a warm switch).
+  the source having read the prompt already (a warm switch);
+- intervals: 95% intervals of the recovered share, agreement, greedy match, first token, recall
+  and applied, from the per-window values (evaluation/intervals.py; one process only).
 
 `cheapest` picks from a frontier the setting a session should switch with; `save` / `load` keep
 a frontier as frontier.json in a translator directory.
@@ -48,6 +50,7 @@ from ..translators.fidelity import greedy, kl_per_token
 from ..translators.frontier import (  # noqa: F401
     FILE, FLOOR_TOKENS, GENERATED, Frontier, Row, Setting, cheapest, cheapest_row,
     fitting_length, history_recovered, load, save)
+from .intervals import window_intervals
 from .needles import HELD_OUT_SEED, held_out_filler, needle_report
 
 NEEDLE_DRAW = 1_000_000  # needle seeds per frontier seed: another seed, other needles
@@ -313,7 +316,10 @@ def measure(switch: Switch, encode, text_ids: list[int], plan: dict[int, list[Se
                 first_token=got["first"], kl=got["kl"], needles=needles,
                 recall_native=native_recall, recall_translated=recall,
                 reprefill_s=reprefill_s, switch_s=switch_s,
-                applied=applied / switches if switches else None))
+                applied=applied / switches if switches else None,
+                intervals=None if group is not None else window_intervals(
+                    scores[s]["agree"], floor, scores[s]["match"], scores[s]["first"], recall,
+                    needles, applied / switches if switches else None, int(switches))))
     if progress:
         progress(total, total, "")
     return rows

@@ -76,6 +76,7 @@ class Row:
     reprefill_s: float
     switch_s: float
     applied: float | None = None  # through a session: the share of switches the gate let stand
+    intervals: dict | None = None  # figure -> [low, high], 95% (evaluation/intervals.py)
 
     @property
     def speedup(self) -> float:
