@@ -23,8 +23,7 @@ from pathlib import Path
 
 import mlx_kvtrans  # noqa: F401  first: fast BLAS
 
-from frontier import loaded, shipped_directions
-from mlx_kvtrans.blas import blas_report
+from frontier import loaded, merge_and_write, shipped_directions
 from mlx_kvtrans.evaluation import frontier as fr
 from mlx_kvtrans.models import held_out_split
 from mlx_kvtrans.session import dial
@@ -150,17 +149,7 @@ def main():
     for name in names:
         measured[name] = measure(name, models, args)
         print(f"{name}: {measured[name]['minutes']} min", flush=True)
-    previous = json.loads(results_file.read_text()) if results_file.exists() else {}
-    results = previous.get("translators", {}) if previous.get("settings") == settings else {}
-    shipped = set(artifact.shipped_names())
-    results = {k: v for k, v in results.items() if k in shipped}
-    results.update(measured)
-    results = dict(sorted(results.items()))
-    report = blas_report()
-    blas = f"{report.name}, float32 matmul {report.gflops:.0f} GFLOP/s"
-    args.results.mkdir(parents=True, exist_ok=True)
-    results_file.write_text(json.dumps({"blas": blas, "settings": settings,
-                                        "translators": results}, indent=2) + "\n")
+    results, blas = merge_and_write(results_file, settings, measured)
     write_markdown(results, settings, blas, args.results)
 
 

@@ -160,6 +160,23 @@ def ints(text: str | None) -> list[int] | None:
     return [int(x) for x in text.split(",")] if text else None
 
 
+def merge_and_write(results_file: Path, settings: dict, measured: dict) -> tuple[dict, str]:
+    """Write `measured` into `results_file` beside the rows it holds of other shipped
+    translators measured with the same `settings` (read as it is now: other runs may have
+    added to it): (every translator's entry, the BLAS line)."""
+    previous = json.loads(results_file.read_text()) if results_file.exists() else {}
+    results = previous.get("translators", {}) if previous.get("settings") == settings else {}
+    shipped = set(artifact.shipped_names())  # rows of translators no longer shipped go
+    results = {k: v for k, v in results.items() if k in shipped}
+    results = dict(sorted({**results, **measured}.items()))
+    report = blas_report()
+    blas = f"{report.name}, float32 matmul {report.gflops:.0f} GFLOP/s"
+    results_file.parent.mkdir(parents=True, exist_ok=True)
+    results_file.write_text(json.dumps({"blas": blas, "settings": settings,
+                                        "translators": results}, indent=2) + "\n")
+    return results, blas
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--translators", help="a,b (default: every shipped direction)")
@@ -187,19 +204,7 @@ def main():
     for name in names:
         measured[name] = measure(name, models, args)
         print(f"{name}: {measured[name]['minutes']} min", flush=True)
-    # read as it is now: other runs may have added to it
-    results_file = args.results / "frontier.json"
-    previous = json.loads(results_file.read_text()) if results_file.exists() else {}
-    results = previous.get("translators", {}) if previous.get("settings") == settings else {}
-    shipped = set(artifact.shipped_names())  # rows of translators no longer shipped go
-    results = {k: v for k, v in results.items() if k in shipped}
-    results.update(measured)
-    results = dict(sorted(results.items()))
-    report = blas_report()
-    blas = f"{report.name}, float32 matmul {report.gflops:.0f} GFLOP/s"
-    args.results.mkdir(parents=True, exist_ok=True)
-    results_file.write_text(json.dumps({"blas": blas, "settings": settings,
-                                        "translators": results}, indent=2) + "\n")
+    results, blas = merge_and_write(args.results / "frontier.json", settings, measured)
     write_markdown(results, settings, blas, args.results)
     if plot(results, args.results / "frontier.png"):
         print(f"wrote {args.results / 'frontier.png'}")
