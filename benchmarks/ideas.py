@@ -6,12 +6,14 @@ An idea distils (stage 2) a shipped translator further, or fits its pair afresh 
 translator it starts from, through a `Session` at R = 8 (the gate's own tail, the cheapest
 setting), at 256 and 512 tokens (where the bars are read), on the validation split with a draw
 of needles other than the held-out ones (seed 1): the test split and the held-out needles stay
-for reporting (`benchmarks/frontier.py`). An idea is kept where
-the history's worth recovered rises at both lengths and needle recall, over both lengths
-together, does not fall. `--served` also measures the ideas named and their starts at 1,024 and
-2,048 tokens (rows added to those already measured; the keep rule still reads 256 and 512).
+for reporting (`benchmarks/frontier.py`, `benchmarks/bars.py`). An idea is kept where the
+history's worth it recovers over its base, paired on the same windows (64 per length by
+default, with 32 needles), rises with a 95% interval above 0, and needle recall, over both
+lengths together, does not fall. `--served` also measures the ideas named and their starts at
+1,024 and 2,048 tokens (rows added to those already measured; the keep rule still reads 256 and
+512).
 
-    python benchmarks/ideas.py [--ideas NAME,NAME] [--prompts 16] [--needles 16] [--served]
+    python benchmarks/ideas.py [--ideas NAME,NAME] [--prompts 64] [--needles 32] [--served]
     python benchmarks/ideas.py --tabulate
     python benchmarks/ideas.py --ship NAME   # a kept idea replaces its direction's translator
 
@@ -46,6 +48,7 @@ from frontier import ZOO_LENGTHS, loaded
 from mlx_kvtrans.calibrate import calibrate_directory
 from mlx_kvtrans.errors import KvtransError
 from mlx_kvtrans.evaluation import frontier as fr
+from mlx_kvtrans.evaluation.intervals import paired_gain
 from mlx_kvtrans.files import sha256_file
 from mlx_kvtrans.models import held_out_split, weights_dir
 from mlx_kvtrans.translators import artifact
@@ -57,6 +60,7 @@ OUT = Path(__file__).resolve().parent / "results"
 RUNS = Path("runs/ideas")
 SEED = 1  # prose windows and needles: not the held-out draw (seed 0)
 LENGTHS = BAR_LENGTHS  # where the bars are read, and the keep rule
+LEGACY = {"prompts": 16, "needles": 16}  # what every idea was measured on before
 SERVED = (1024, 2048)  # `--served`: the longer lengths a long fit or distillation aims at
 REREAD = 8
 
@@ -262,7 +266,11 @@ def measure(name: str, directory: Path | str, models: dict, args,
                                      args.needles, repeats=1, seed=SEED)
     return {"name": name, "source": src.name, "target": tgt.name,
             "weights_mb": weights_mb(artifact.resolve(directory)),
-            "rows": [row.to_json() for row in frontier.rows]}
+            "settings": settings_of(args), "rows": [row.to_json() for row in frontier.rows]}
+
+
+def settings_of(args) -> dict:
+    return {"prompts": args.prompts, "needles": args.needles}
 
 
 def wanted_lengths(args) -> tuple[int, ...]:
@@ -370,49 +378,72 @@ def ship(idea: Idea, models: dict) -> Path:
         if idea.name in saved["results"]:
             saved["results"][idea.name]["shipped_as"] = place.name
             path.write_text(json.dumps(saved, indent=1))
-            write_markdown(saved["results"], saved["settings"], OUT)
+            write_markdown(saved["results"], OUT)
     print(f"shipped {idea.name} as {place} (in place of {old.name if old else 'none'}); "
           "recorded its frontier")
     return place
 
 
-def shipped_key(start: str) -> tuple[str, str]:
-    """(the results key of the translator `start` as shipped now, its weights' digest): an
-    idea is measured against the weights it started from, which a kept idea may replace."""
+def shipped_key(start: str, settings: dict) -> tuple[str, str]:
+    """(the results key of the translator `start` as shipped now, measured with `settings`,
+    its weights' digest): an idea is measured against the weights it started from, which a
+    kept idea may replace, on the same windows and needles."""
     digest = sha256_file(artifact.resolve(start) / "weights.safetensors")[:12]
-    return f"shipped:{start}@{digest}", digest
+    key = f"shipped:{start}@{digest}"
+    return (key if settings == LEGACY else f"{key}/{settings['prompts']}x"
+            f"{settings['needles']}"), digest
+
+
+def by_length(r: dict) -> dict[int, dict]:
+    return {row["length"]: row for row in r["rows"]}
+
+
+def gain(idea: dict, base: dict) -> tuple[float, float, float] | None:
+    """The idea's paired gain in recovered share over its base at the bars' lengths, with its
+    95% interval (`intervals.paired_gain`), where both kept their windows' figures."""
+    mine, theirs = by_length(idea), by_length(base)
+    pairs = [(mine[n].get("window_agreement"), theirs[n].get("window_agreement"),
+              theirs[n].get("window_floor")) for n in LENGTHS if n in mine and n in theirs]
+    if not pairs or any(p is None for pair in pairs for p in pair):
+        return None
+    return paired_gain(pairs)
 
 
 def kept(idea: dict, base: dict) -> bool:
-    """Recovered rises at every length, and recall over the lengths together does not fall (a
-    needle of 16 at one length is within the draw's noise)."""
-    def by_length(r):
-        return {row["length"]: row for row in r["rows"]}
+    """Recall over the lengths together does not fall, and the recovered share rises: by a
+    paired gain whose 95% interval lies above 0 where the windows' figures were kept, else
+    (ideas measured before) at every length."""
     mine, theirs = by_length(idea), by_length(base)
     bars = [n for n in LENGTHS if n in theirs]
-    return (all(mine[n]["history_recovered"] > theirs[n]["history_recovered"] for n in bars)
-            and sum(mine[n]["recall_translated"] or 0 for n in bars)
-            >= sum(theirs[n]["recall_translated"] or 0 for n in bars))
+    paired = gain(idea, base)
+    rises = (paired[1] > 0 if paired is not None else
+             all(mine[n]["history_recovered"] > theirs[n]["history_recovered"] for n in bars))
+    return rises and (sum(mine[n]["recall_translated"] or 0 for n in bars)
+                      >= sum(theirs[n]["recall_translated"] or 0 for n in bars))
 
 
-def write_markdown(results: dict, settings: dict, out: Path) -> None:
+def write_markdown(results: dict, out: Path) -> None:
     lines = ["# Ideas for translators that hold at length\n",
              "Each idea distils a shipped translator further (or refits its pair, then distils); "
              "it is measured beside that "
              f"translator through a `Session` at R = {REREAD} (the gate's own tail) at "
              f"{' and '.join(map(str, LENGTHS))} tokens, on the validation split with needles "
-             f"of another draw (seed {SEED}): {settings['prompts']} windows and "
-             f"{settings['needles']} needles per length. **Recovered**: the history's worth "
+             f"of another draw (seed {SEED}), **n** windows and needles per length (the "
+             "same windows for an idea and its base). **Recovered**: the history's worth "
              "kept, (agreement - floor) / (1 - floor), teacher-forced on the native greedy "
              "continuation; **match**: greedy tokens of 32 equal to native's; **first**: "
              "first-token agreement; **recall**: needle recall, native / switched; "
              "**applied**: switches the gate let stand; **MB**: the translator's weights "
-             "(blank: not recorded when it was measured). **Kept**: recovered rises at both "
-             "lengths and recall over both together does not fall (rows at 1,024 and 2,048, "
-             "where `--served` measured them, inform and do not decide). Regenerate with "
-             "`python benchmarks/ideas.py`.\n",
-             "| direction | translator | what | L | recovered | first | match | KL | recall "
-             "| applied | MB | kept |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "(blank: not recorded when it was measured). **Gain**: the recovered share over "
+             "the base's, paired on the same windows and averaged over both lengths, with its "
+             "95% interval (`intervals.paired_gain`; blank for ideas measured before the "
+             "windows' figures were kept). **Kept**: the gain's interval lies above 0 (before: "
+             "recovered rises at both lengths) and recall over both lengths together does not "
+             "fall (rows at 1,024 and 2,048, where `--served` measured them, inform and do not "
+             "decide). Regenerate with `python benchmarks/ideas.py`.\n",
+             "| direction | translator | what | n | L | recovered | first | match | KL | recall "
+             "| applied | MB | gain | kept |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for key, r in results.items():
         # ideas measured before bases carried digests name theirs by the start alone
         base = results.get(r.get("base") or f"shipped:{r.get('start')}")
@@ -422,13 +453,17 @@ def write_markdown(results: dict, settings: dict, out: Path) -> None:
             verdict += f", shipped as `{r['shipped_as']}`"
         what = r.get("what", "as shipped before")
         size = f"{r['weights_mb']:.1f}" if "weights_mb" in r else ""
+        paired = None if base is None or key.startswith("shipped:") else gain(r, base)
+        paired = "" if paired is None else "{:+.2f} [{:+.2f}, {:+.2f}]".format(*paired)
+        n = "{prompts} / {needles}".format(**r.get("settings", LEGACY))
         for row in r["rows"]:
             lines.append(
-                f"| {r['source']} -> {r['target']} | {r['name']} | {what} | {row['length']:,} "
+                f"| {r['source']} -> {r['target']} | {r['name']} | {what} | {n} | "
+                f"{row['length']:,} "
                 f"| {row['history_recovered']:.2f} | "
                 f"{row['first_token']:.2f} | {row['greedy_match']:.1f} | {row['kl']:.4f} | "
                 f"{row['recall_native']:.2f} / {row['recall_translated']:.2f} | "
-                f"{row['applied']:.2f} | {size} | {verdict} |")
+                f"{row['applied']:.2f} | {size} | {paired} | {verdict} |")
     out.joinpath("ideas.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
@@ -436,8 +471,8 @@ def write_markdown(results: dict, settings: dict, out: Path) -> None:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ideas", help="comma-separated idea names (default: all)")
-    parser.add_argument("--prompts", type=int, default=16)
-    parser.add_argument("--needles", type=int, default=16)
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--needles", type=int, default=32)
     parser.add_argument("--results", type=Path, default=OUT)
     parser.add_argument("--tabulate", action="store_true",
                         help="rebuild ideas.md from ideas.json")
@@ -452,21 +487,20 @@ def main():
         return ship(by_name[args.ship], {})
     path = args.results / "ideas.json"
     saved = json.loads(path.read_text()) if path.is_file() else {}
-    results, settings = saved.get("results", {}), {"prompts": args.prompts,
-                                                   "needles": args.needles}
+    results = saved.get("results", {})
+    for r in results.values():  # measured before each result kept its own settings
+        r.setdefault("settings", saved.get("settings") or LEGACY)
     if args.tabulate:
         measured_sizes(results)
-        path.write_text(json.dumps({**saved, "results": results}, indent=1))
-        return write_markdown(results, saved["settings"], args.results)
-    if saved and saved.get("settings") != settings:
-        results = {}  # figures of other settings are not comparable
+        path.write_text(json.dumps({"results": results}, indent=1))
+        return write_markdown(results, args.results)
     wanted = set(args.ideas.split(",")) if args.ideas else {i.name for i in IDEAS}
     unknown = wanted - {i.name for i in IDEAS}
     if unknown:
         raise SystemExit(f"unknown ideas: {', '.join(sorted(unknown))}")
-    models = {}
+    models, settings = {}, settings_of(args)
     for idea in [i for i in IDEAS if i.name in wanted]:
-        base, digest = shipped_key(idea.start)
+        base, digest = shipped_key(idea.start, settings)
         if base not in results:
             results[base] = {**measure(idea.start, idea.start, models, args), "digest": digest,
                              "what": f"as shipped (weights sha256 {digest}...)"}
@@ -474,10 +508,12 @@ def main():
         if args.served and idea.name in results:  # the rows it lacks, of what was built
             add_lengths(results[idea.name], built(idea), models, args)
         else:
+            if idea.name in results and results[idea.name]["settings"] != settings:
+                results.pop(idea.name)  # measured again, on these windows: the end of the table
             results[idea.name] = {**run_idea(idea, models, args), "base": base}
         args.results.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"settings": settings, "results": results}, indent=1))
-    write_markdown(results, settings, args.results)
+        path.write_text(json.dumps({"results": results}, indent=1))
+    write_markdown(results, args.results)
 
 
 if __name__ == "__main__":

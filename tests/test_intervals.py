@@ -4,7 +4,8 @@ import random
 
 import pytest
 
-from mlx_kvtrans.evaluation.intervals import bootstrap, recovered_share, wilson, window_intervals
+from mlx_kvtrans.evaluation.intervals import (bootstrap, paired_gain, recovered_share, wilson,
+                                               window_intervals)
 
 
 def test_wilson_matches_the_score_interval():
@@ -49,3 +50,25 @@ def test_recovered_share_and_a_row_of_intervals():
     assert spans["history_recovered"][0] < point < spans["history_recovered"][1]
     assert spans["greedy_match"] == [20.0, 20.0]
     assert spans["recall_translated"] == pytest.approx(list(wilson(0.75, 32)), abs=1e-4)
+
+
+def test_paired_gain_sees_a_small_gain_that_unpaired_intervals_miss():
+    rng = random.Random(2)
+    pairs = []
+    for _ in range(2):  # two lengths, windows of very different difficulty
+        hard = [rng.uniform(0.5, 1.0) for _ in range(64)]
+        floor = [h - 0.3 for h in hard]
+        theirs = hard
+        mine = [min(1.0, h + 0.02) for h in hard]
+        pairs.append((mine, theirs, floor))
+    gain, low, high = paired_gain(pairs)
+    assert 0 < low < gain < high
+    one = bootstrap(recovered_share, [pairs[0][0], pairs[0][2]])
+    other = bootstrap(recovered_share, [pairs[0][1], pairs[0][2]])
+    assert one[0] < other[1]  # unpaired, the two intervals overlap
+
+
+def test_paired_gain_of_a_translator_against_itself_is_zero():
+    floor = [0.7, 0.8, 0.75, 0.6]
+    agree = [0.9, 0.95, 0.85, 0.8]
+    assert paired_gain([(agree, agree, floor)]) == (0.0, 0.0, 0.0)

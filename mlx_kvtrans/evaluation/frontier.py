@@ -21,7 +21,8 @@ Per (length, setting), over held-out prose windows and held-out needles:
   reads the remaining R + 1), measured side by side in one process, medians of a few repeats,
   the source having read the prompt already (a warm switch);
 - intervals: 95% intervals of the recovered share, agreement, greedy match, first token, recall
-  and applied, from the per-window values (evaluation/intervals.py; one process only).
+  and applied, from the per-window values, which rows keep for paired comparisons
+  (evaluation/intervals.py; one process only).
 
 `cheapest` picks from a frontier the setting a session should switch with; `save` / `load` keep
 a frontier as frontier.json in a translator directory.
@@ -319,7 +320,9 @@ def measure(switch: Switch, encode, text_ids: list[int], plan: dict[int, list[Se
                 applied=applied / switches if switches else None,
                 intervals=None if group is not None else window_intervals(
                     scores[s]["agree"], floor, scores[s]["match"], scores[s]["first"], recall,
-                    needles, applied / switches if switches else None, int(switches))))
+                    needles, applied / switches if switches else None, int(switches)),
+                window_agreement=None if group is not None else scores[s]["agree"],
+                window_floor=None if group is not None else list(floor)))
     if progress:
         progress(total, total, "")
     return rows

@@ -61,3 +61,22 @@ def window_intervals(agree: list[float], floor: list[float], match: list[float],
     if applied is not None and switches:
         out["applied"] = wilson(applied, switches)
     return {k: [round(lo, 4), round(hi, 4)] for k, (lo, hi) in out.items()}
+
+
+def paired_gain(pairs: list[tuple[list[float], list[float], list[float]]], draws: int = DRAWS,
+                seed: int = 0) -> tuple[float, float, float]:
+    """(gain, low, high): how much more of the history's worth one translator recovers than
+    another measured on the same windows, averaged over lengths, with its 95% interval.
+    `pairs`: per length, (its agreement, the other's, the floor) per window: the floor is the
+    native target's and the same for both. The windows are redrawn together, so what makes a
+    window hard for both cancels out of the difference."""
+    rng = np.random.default_rng(seed)
+    gains, draws_of = [], []
+    for mine, theirs, floor in pairs:
+        data = np.asarray([mine, theirs, floor], dtype=np.float64)
+        gains.append((data[0].mean() - data[1].mean()) / max(1e-9, 1.0 - data[2].mean()))
+        picks = rng.integers(0, data.shape[1], size=(draws, data.shape[1]))
+        m = data[:, picks].mean(axis=2)
+        draws_of.append((m[0] - m[1]) / np.maximum(1e-9, 1.0 - m[2]))
+    low, high = np.percentile(np.mean(draws_of, axis=0), [2.5, 97.5])
+    return float(np.mean(gains)), float(low), float(high)

@@ -77,6 +77,9 @@ class Row:
     switch_s: float
     applied: float | None = None  # through a session: the share of switches the gate let stand
     intervals: dict | None = None  # figure -> [low, high], 95% (evaluation/intervals.py)
+    # per window, in window order: agreement and the floor's (for paired comparisons)
+    window_agreement: list | None = None
+    window_floor: list | None = None
 
     @property
     def speedup(self) -> float:
