@@ -42,6 +42,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import mlx_kvtrans  # noqa: F401  first: fast BLAS
+import mlx.core as mx
 
 from bars import LENGTHS as BAR_LENGTHS
 from frontier import ZOO_LENGTHS, loaded
@@ -73,6 +74,7 @@ class Idea:
     config: DistillConfig | None  # None: stage 1 alone (with `fit`)
     fit: FitConfig | None = None  # fit the pair afresh so, then distil
     fit_needle_share: float = 0.0
+    stored: str = "float32"  # bfloat16: its matrices are stored so (`artifact.store_as`)
 
 
 # sequence level and the dial's own tail, on prefixes up to 2x the fitting length
@@ -227,6 +229,13 @@ IDEAS = [
          "2,048 random features for target layers 2 and 3, needle-weighted, not distilled", None,
          FitConfig(point=1, nu=2, token_identity="ids", attention_weighted=8,
                    random_features=2048, random_layers=(2, 3)), 0.5),
+    Idea("qwen3-large-to-qwen3-small-random-features-2048-layers-2-3-nearest-bfloat16",
+         "qwen3-large__qwen3-small-distilled",
+         "refit as shipped (the two nearest source layers, token ids, attention-weighted) with "
+         "2,048 random features for target layers 2 and 3, needle-weighted, not distilled; "
+         "its matrices stored in bfloat16", None,
+         FitConfig(point=1, nu=2, token_identity="ids", attention_weighted=8,
+                   random_features=2048, random_layers=(2, 3)), 0.5, stored="bfloat16"),
     *[Idea(f"qwen3.5-a-to-qwen3.5-b-random-features-{width}-layer-3",
            "qwen3.5-a__qwen3.5-b-distilled",
            f"refit as shipped with {width:,} random features for target layer 3 (its "
@@ -325,8 +334,12 @@ def run_idea(idea: Idea, models: dict, args) -> dict:
                            [held_out_split("train")], idea.fit,
                            validation=held_out_split("validation"), out=start,
                            needle_share=idea.fit_needle_share, gate_windows=32)
-    if idea.config is None:  # measured as fitted
+    if idea.config is None and idea.stored == "float32":  # measured as fitted
         out = start
+    elif idea.config is None:
+        if not (out / "weights.safetensors").is_file():
+            artifact.store_as(start, out, getattr(mx, idea.stored))
+            calibrate_directory(out, windows=32)  # the gate judges the stored weights
     elif not (out / "weights.safetensors").is_file():
         resume = (workdir / "state.json").is_file()
         run = distill_translator(start, [held_out_split("train")],
@@ -344,7 +357,8 @@ def run_idea(idea: Idea, models: dict, args) -> dict:
 
 def built(idea: Idea) -> Path:
     """Where the idea's translator is (distilled, or as fitted)."""
-    return RUNS / (idea.name if idea.config else f"{idea.name}-stage1")
+    return RUNS / (idea.name if idea.config or idea.stored != "float32"
+                   else f"{idea.name}-stage1")
 
 
 def ship(idea: Idea, models: dict) -> Path:

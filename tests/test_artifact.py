@@ -113,3 +113,26 @@ def test_a_format_1_artifact_loads_as_format_2():
         assert {k: now[k] for k in entry.keys() & now.keys()} == \
             {k: entry[k] for k in entry.keys() & now.keys()}
         assert {"layer", "name", "recipe", "sources"} <= entry.keys() & now.keys()
+
+
+def test_a_copy_stored_in_bfloat16_halves_its_matrices_and_translates_alike(saved, loaded,
+                                                                            tmp_path):
+    src, tgt = loaded("qwen3"), loaded("llama")
+    half = artifact.store_as(saved, tmp_path / "half")
+    full_bytes = (saved / "weights.safetensors").stat().st_size
+    assert (half / "weights.safetensors").stat().st_size < 0.6 * full_bytes
+    assert not (half / "frontier.json").exists()
+    stored = mx.load(str(half / "weights.safetensors"))
+    assert {v.dtype for v in stored.values() if v.ndim >= 2} == {mx.bfloat16}
+    assert {v.dtype for v in stored.values() if v.ndim < 2} <= {mx.float32}
+    ids = mx.random.randint(0, 259, (1, 24), key=mx.random.key(7))
+    objects = []
+    for directory in (saved, half):
+        tr = artifact.load(directory, src, tgt)
+        recorded = kv.capture(src.model, ids, points=tr.source_points())
+        objects.append(tr.translate(recorded, tgt.model, kv.layout_of(tgt.model), ids)[0])
+    for full, halved in zip(*objects):
+        for name, x in full.items():
+            assert halved[name].dtype == mx.float32
+            scale = float(mx.abs(x).max())
+            assert float(mx.abs(halved[name] - x).max()) <= 0.02 * scale, name

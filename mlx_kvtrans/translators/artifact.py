@@ -62,6 +62,23 @@ def save(translator: Translator, directory: str | Path, source, target) -> Path:
     return directory
 
 
+def store_as(directory: str | Path, out: str | Path, dtype: mx.Dtype = mx.bfloat16) -> Path:
+    """A copy of the translator at `directory` in `out` with its float32 matrices stored in
+    `dtype` (bfloat16 halves a wide map's bytes; its rounding is far below a map's own error,
+    which the frontier measures); vectors stay as they are. Translation reads them as float32.
+    The gate's calibration is copied: recalibrate (`calibrate_directory`) to judge the copy's
+    own translations."""
+    directory, out = resolve(directory), Path(out)
+    params = mx.load(str(directory / "weights.safetensors"))
+    params = {k: v.astype(dtype) if v.ndim >= 2 and v.dtype == mx.float32 else v
+              for k, v in params.items()}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / frontier.FILE).unlink(missing_ok=True)
+    mx.save_safetensors(str(out / "weights.safetensors"), params)
+    _write_manifest(out, read_manifest(directory))
+    return out
+
+
 def _write_manifest(directory: Path, manifest: dict) -> None:
     (directory / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     sums = "".join(f"{sha256_file(directory / name)}  {name}\n" for name in FILES)
