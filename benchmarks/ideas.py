@@ -229,6 +229,14 @@ IDEAS = [
          "2,048 random features for target layers 2 and 3, needle-weighted, not distilled", None,
          FitConfig(point=1, nu=2, token_identity="ids", attention_weighted=8,
                    random_features=2048, random_layers=(2, 3)), 0.5),
+    Idea("dsa-random-features-2048-layers-2-3", "qwen3.5-a__dsa-distilled",
+         "refit as shipped (every source layer, token ids, attention-weighted) with 2,048 "
+         "random features for target layers 2 and 3, needle-weighted, then 500 steps on greedy "
+         "continuations after an 8-token re-read, prefixes 32-512, half needles, with the "
+         "output rehearsal (weight 1); its matrices stored in bfloat16",
+         DistillConfig(**{**SEQUENCE, "output_weight": 1.0}),
+         FitConfig(point=1, nu=2, features="all", token_identity="ids", attention_weighted=8,
+                   random_features=2048, random_layers=(2, 3)), 0.5, stored="bfloat16"),
     Idea("qwen3-large-to-qwen3-small-random-features-2048-layers-2-3-nearest-bfloat16",
          "qwen3-large__qwen3-small-distilled",
          "refit as shipped (the two nearest source layers, token ids, attention-weighted) with "
@@ -334,19 +342,22 @@ def run_idea(idea: Idea, models: dict, args) -> dict:
                            [held_out_split("train")], idea.fit,
                            validation=held_out_split("validation"), out=start,
                            needle_share=idea.fit_needle_share, gate_windows=32)
-    if idea.config is None and idea.stored == "float32":  # measured as fitted
-        out = start
-    elif idea.config is None:
-        if not (out / "weights.safetensors").is_file():
-            artifact.store_as(start, out, getattr(mx, idea.stored))
-            calibrate_directory(out, windows=32)  # the gate judges the stored weights
-    elif not (out / "weights.safetensors").is_file():
+    stored = idea.stored != "float32"
+    made = out.with_name(out.name + "-float32") if stored else out  # before it is stored
+    if idea.config is None:  # as fitted
+        made = start
+    elif not (made / "weights.safetensors").is_file():
         resume = (workdir / "state.json").is_file()
         run = distill_translator(start, [held_out_split("train")],
-                                 held_out_split("validation"), idea.config, out=out,
+                                 held_out_split("validation"), idea.config, out=made,
                                  workdir=workdir, resume=resume, gate_windows=32)
         if not run.finished:
             raise SystemExit(f"{idea.name} stopped part-way; run again to resume")
+    if not stored:
+        out = made
+    elif not (out / "weights.safetensors").is_file():
+        artifact.store_as(made, out, getattr(mx, idea.stored))
+        calibrate_directory(out, windows=32)  # the gate judges the stored weights
     minutes = artifact.read_manifest(out).get("distill", {}).get("minutes", 0.0)
     result = measure(idea.name, out, models, args)
     return {**result, "start": idea.start, "what": idea.what,
