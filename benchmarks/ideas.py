@@ -459,7 +459,8 @@ def write_markdown(results: dict, out: Path) -> None:
              "continuation; **match**: greedy tokens of 32 equal to native's; **first**: "
              "first-token agreement; **recall**: needle recall, native / switched; "
              "**applied**: switches the gate let stand; **MB**: the translator's weights "
-             "(blank: not recorded when it was measured). **Gain**: the recovered share over "
+             "(blank: not recorded when it was measured); **speed-up**: the warm switch at "
+             f"R = {REREAD} over re-prefill, one timed run of each, side by side. **Gain**: the recovered share over "
              "the base's, paired on the same windows and averaged over both lengths, with its "
              "95% interval (`intervals.paired_gain`; blank for ideas measured before the "
              "windows' figures were kept). **Kept**: the gain's interval lies above 0 (before: "
@@ -467,8 +468,8 @@ def write_markdown(results: dict, out: Path) -> None:
              "fall (rows at 1,024 and 2,048, where `--served` measured them, inform and do not "
              "decide). Regenerate with `python benchmarks/ideas.py`.\n",
              "| direction | translator | what | n | L | recovered | first | match | KL | recall "
-             "| applied | MB | gain | kept |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| applied | speed-up | MB | gain | kept |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for key, r in results.items():
         # ideas measured before bases carried digests name theirs by the start alone
         base = results.get(r.get("base") or f"shipped:{r.get('start')}")
@@ -488,7 +489,7 @@ def write_markdown(results: dict, out: Path) -> None:
                 f"| {row['history_recovered']:.2f} | "
                 f"{row['first_token']:.2f} | {row['greedy_match']:.1f} | {row['kl']:.4f} | "
                 f"{row['recall_native']:.2f} / {row['recall_translated']:.2f} | "
-                f"{row['applied']:.2f} | {size} | {paired} | {verdict} |")
+                f"{row['applied']:.2f} | {row['speedup']:.1f}x | {size} | {paired} | {verdict} |")
     out.joinpath("ideas.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
