@@ -237,6 +237,13 @@ IDEAS = [
          DistillConfig(**{**SEQUENCE, "output_weight": 1.0}),
          FitConfig(point=1, nu=2, features="all", token_identity="ids", attention_weighted=8,
                    random_features=2048, random_layers=(2, 3)), 0.5, stored="bfloat16"),
+    Idea("dsa-refit-outputs", "qwen3.5-a__dsa-distilled",
+         "refit as shipped (every source layer, token ids, attention-weighted), needle-weighted, "
+         "then 500 steps on greedy continuations after an 8-token re-read, prefixes 32-512, "
+         "half needles, with the output rehearsal (weight 1): the random-feature run without "
+         "its features", DistillConfig(**{**SEQUENCE, "output_weight": 1.0}),
+         FitConfig(point=1, nu=2, features="all", token_identity="ids", attention_weighted=8),
+         0.5),
     Idea("qwen3-large-to-qwen3-small-random-features-2048-layers-2-3-nearest-bfloat16",
          "qwen3-large__qwen3-small-distilled",
          "refit as shipped (the two nearest source layers, token ids, attention-weighted) with "
