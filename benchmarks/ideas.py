@@ -244,6 +244,13 @@ IDEAS = [
          "its features", DistillConfig(**{**SEQUENCE, "output_weight": 1.0}),
          FitConfig(point=1, nu=2, features="all", token_identity="ids", attention_weighted=8),
          0.5),
+    Idea("qwen3-large-to-qwen3-small-residual-objects", "qwen3-large__qwen3-small-distilled",
+         "refit as shipped with a residual of 64 hidden units per map, needle-weighted, then 400 "
+         "steps (lr 1e-4, prefixes 32-256, half needles) holding each map's objects to the "
+         "target's own (object rehearsal, weight 1) beside the KL: a learned nonlinear map",
+         DistillConfig(steps=400, max_prefix=256, needle_share=0.5, object_weight=1.0,
+                       validation_windows=8),
+         FitConfig(point=1, nu=2, token_identity="ids", attention_weighted=8, residual=64), 0.5),
     Idea("qwen3-large-to-qwen3-small-random-features-2048-layers-2-3-nearest-bfloat16",
          "qwen3-large__qwen3-small-distilled",
          "refit as shipped (the two nearest source layers, token ids, attention-weighted) with "

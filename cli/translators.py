@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from dataclasses import fields
 from pathlib import Path
 
 import typer
@@ -37,6 +38,9 @@ JSON_HELP = "print the result as JSON"
 OUTPUT_WEIGHT = typer.Option(DISTILL.output_weight, min=0.0, callback=finite,
                              help="weight of the output rehearsal: each layer's attention output "
                              "over the translated cache held to its output over its own (0: off)")
+OBJECT_WEIGHT = typer.Option(DISTILL.object_weight, min=0.0, callback=finite,
+                             help="weight of the object rehearsal: each per-token object a map "
+                             "builds held to the target's own (stage 1's objective; 0: off)")
 GATE_WINDOWS_HELP = ("held-out windows of each kind (the source's text, its own reply) and band "
                      "of prefix lengths the fidelity gate is calibrated on")
 
@@ -398,7 +402,7 @@ def distill(translator_dir: Path = typer.Option(..., "--translator", help="stage
                 DISTILL.attention_weight, min=0.0, callback=finite,
                 help="weight of the attention rehearsal: the target's attention over the "
                 "translated cache held to its attention over its own (0: off)"),
-            output_weight: float = OUTPUT_WEIGHT,
+            output_weight: float = OUTPUT_WEIGHT, object_weight: float = OBJECT_WEIGHT,
             needle_share: float = typer.Option(DISTILL.needle_share, min=0.0, max=1.0,
                                                callback=finite, help="share of each batch that "
                                                "is synthetic needles, question and answer last"),
@@ -422,12 +426,8 @@ def distill(translator_dir: Path = typer.Option(..., "--translator", help="stage
     it reading its own (stage 2). Under `mlx.launch` the batch is shared among processes."""
     from mlx_kvtrans.workflows import check_workdir, distill_paths, distill_translator
 
-    config = DistillConfig(steps=steps, lr=lr, warmup=warmup, batch=batch, min_prefix=min_prefix,
-                           max_prefix=max_prefix, continuation=continuation,
-                           indexer_weight=indexer_weight, attention_weight=attention_weight,
-                           output_weight=output_weight, needle_share=needle_share, greedy=greedy,
-                           reread=reread, sink=sink, validate_every=validate_every,
-                           validation_windows=validation_windows, seed=seed)
+    options = locals()  # every stage-2 setting is the option of its name
+    config = DistillConfig(**{f.name: options[f.name] for f in fields(DistillConfig)})
     in_range("--max-prefix", max_prefix, min_prefix,
              position_limit(model_configs(*translator_models(translator_dir)), continuation,
                             "--continuation"))

@@ -45,10 +45,13 @@ def test_gradient_matches_finite_differences(loaded, source, target, recipes, pr
     translator, S, T = tiny_translator(loaded, source, target, recipes)
     windows = mx.random.randint(0, 259, (2, prefix + continuation), key=mx.random.key(9))
     with chunked_recurrence():
-        problem = Problem(translator, S, T, windows, prefix, attention=True, outputs=True)
+        problem = Problem(translator, S, T, windows, prefix, attention=True, outputs=True,
+                          objects=True)
         params = dict(tree_flatten(translator.parameters()))  # flat names: the loss takes either
-        (total, (kl, rehearsal, attention, outputs)), _ = mx.value_and_grad(problem.loss)(params)
+        (total, (kl, rehearsal, attention, outputs, built)), _ = mx.value_and_grad(
+            problem.loss)(params)
         assert float(total) > 0 and float(attention) > 0 and float(outputs) > 0
+        assert float(built) > 0 and problem.rehearsed
         if target == "deepseek_v32":
             assert float(rehearsal) > 0
         keys = mx.random.split(mx.random.key(3), len(params))
@@ -56,19 +59,26 @@ def test_gradient_matches_finite_differences(loaded, source, target, recipes, pr
                      for key, (k, v) in zip(keys, params.items())}
         norm = sum(float((d * d).sum()) for d in direction.values()) ** 0.5
         eps = 1e-2 / norm
-        # the output KL (+ indexer rehearsal), then the attention and output rehearsals alone
-        for loss in (lambda p: problem.loss(p)[0],
+        # the output KL (+ indexer rehearsal), then the attention, output and object
+        # rehearsals alone
+        for which, loss in enumerate((lambda p: problem.loss(p)[0],
                      lambda p: problem.loss(p, 0.0, 1.0)[1][2],
-                     lambda p: problem.loss(p, 0.0, 0.0, 1.0)[1][3]):
+                     lambda p: problem.loss(p, 0.0, 0.0, 1.0)[1][3],
+                     lambda p: problem.loss(p, 0.0, 0.0, 0.0, 1.0)[1][4])):
             grads = mx.grad(loss)(params)
             assert set(grads) == set(params)
 
-            def at(sign):
-                return float(loss({k: params[k] + sign * eps * direction[k] for k in params}))
+            # the object rehearsal is quadratic in the maps: a central difference is exact at
+            # any step, and a small one only loses digits to cancellation
+            step = eps * (100 if which == 3 else 1)
 
-            numeric = (at(1) - at(-1)) / (2 * eps)
+            def at(sign):
+                return float(loss({k: params[k] + sign * step * direction[k] for k in params}))
+
+            numeric = (at(1) - at(-1)) / (2 * step)
             analytic = sum(float((grads[k] * direction[k]).sum()) for k in params)
-            assert abs(numeric - analytic) <= 0.02 * abs(analytic) + 1e-4, (numeric, analytic)
+            assert abs(numeric - analytic) <= 0.02 * abs(analytic) + 1e-4, (which, numeric,
+                                                                         analytic)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "kimi_vl", "kimi_linear"])
@@ -107,7 +117,7 @@ def test_attention_rehearsal_is_zero_for_the_native_cache_and_positive_otherwise
     assert len(problem.native_attention) == len(T.layers)
     assert float(attention_rehearsal(problem.native_attention, problem.native_attention)) \
         == pytest.approx(0.0, abs=1e-6)
-    _, (_, _, attention, _) = problem.loss(translator.params, attention_weight=1.0)
+    _, (_, _, attention, _, _) = problem.loss(translator.params, attention_weight=1.0)
     assert float(attention) > 1e-4
 
 
@@ -130,7 +140,7 @@ def test_output_rehearsal_is_zero_for_the_native_cache_and_positive_otherwise(lo
         with recording_mixer_outputs(T) as again:
             T(windows[:, 32:], cache=native)
         assert float(output_rehearsal(problem.native_outputs, again)) < 1e-8
-        _, (_, _, _, outputs) = problem.loss(translator.params, output_weight=1.0)
+        _, (_, _, _, outputs, _) = problem.loss(translator.params, output_weight=1.0)
     assert float(outputs) > 1e-4
 
 
@@ -199,7 +209,8 @@ def test_a_sink_is_read_natively_and_the_loss_is_what_a_switch_with_it_gives(loa
         numeric = (at(1) - at(-1)) / (2 * eps)
         analytic = sum(float((grads[k] * direction[k]).sum()) for k in params)
         assert abs(analytic) > 1e-3  # a gradient there is
-        assert abs(numeric - analytic) <= 0.02 * abs(analytic) + 1e-4, (numeric, analytic)
+        assert abs(numeric - analytic) <= 0.02 * abs(analytic) + 1e-4, (which, numeric,
+                                                                         analytic)
 
 
 def ids_of(loaded, family):
@@ -363,3 +374,22 @@ def test_the_residual_nonlinearity_is_gelu_with_finite_gradients():
     assert float((mx.abs(gelu(x) - nn.gelu(x)) / mx.maximum(1, mx.abs(x))).max()) <= 1e-6
     grad, ref = (mx.grad(lambda v, f=f: f(v).sum())(x[:-1]) for f in (gelu, nn.gelu))
     assert bool(mx.isfinite(grad).all()) and float(mx.abs(grad - ref).max()) <= 1e-5
+
+
+def test_object_rehearsal_reads_the_targets_own_objects_of_the_translated_span(loaded):
+    """Its targets are the target's own per-token objects at each map's capture point, over the
+    tokens translated (not the re-read tail); a perfect translation of them scores 0."""
+    from mlx_kvtrans.capture import capture
+    from mlx_kvtrans.translators.distill import object_rehearsal
+
+    translator, S, T = tiny_translator(loaded, "qwen3", "llama")
+    windows = mx.random.randint(0, 259, (2, 40), key=mx.random.key(5))
+    problem = Problem(translator, S, T, windows, 32, reread=4, objects=True)
+    assert len(problem.rehearsed) == len(translator.recipes)
+    own = capture(T, windows[:, :28], points=(1,))
+    for (layer, name), native in zip(problem.rehearsed, problem.native_objects):
+        assert native.shape[1] == 28
+        assert mx.allclose(native, own.objects[layer][(name, 1)].astype(mx.float32))
+    assert float(object_rehearsal(problem.native_objects, problem.native_objects)) == 0.0
+    _, parts = problem.loss(translator.params, object_weight=1.0)
+    assert float(parts[4]) > 0  # a fit on random tiny models is far from exact

@@ -16,7 +16,8 @@ supervises the keys, not only the output distribution. The output rehearsal
 output reading the target's own cache, at every continuation position: the relative squared
 error, mean over layers. Every layer's cache objects and recurrent states then have a loss of
 their own, not only through the layers above them (Heo et al. find the attention output's
-agreement predicts what a transfer keeps).
+agreement predicts what a transfer keeps). The object rehearsal (`object_weight`) holds each
+per-token object the translator builds to the target's own (`rehearsal.py`).
 
 Two settings match the loss to what a user sees: `greedy` continues each window with the
 target's own greedy tokens (sequence-level distillation: the frontier's agreement is taken on
@@ -58,11 +59,19 @@ from ..capture import Capture, capture
 from ..errors import KvtransError
 from ..install import install
 from ..capture.instrument import chunked_recurrence, recording_indexer_scores
-from ..layouts import CapturePoint, layout_of, mixer_of
+from ..layouts import CapturePoint, ObjectKind, layout_of
 from ..layouts.linear_attention import RecurrentInputs
 from .attention_weights import recording_attention_probabilities
+from .rehearsal import (  # noqa: F401  the losses' home; tests read them here
+    attention_rehearsal, indexer_rehearsal, object_rehearsal, output_rehearsal,
+    recording_mixer_outputs)
 from .fidelity import kl_per_token
+from .recipes.token_map import TokenMap
 from .translator import Translator, after
+
+# the objects the object rehearsal holds: one row per token, as stage 1 fits them
+TOKEN_KINDS = (ObjectKind.TOKEN_KEY, ObjectKind.TOKEN_VALUE, ObjectKind.MLA_LATENT,
+               ObjectKind.ROPE_KEY, ObjectKind.INDEXER_KEY)
 
 
 @dataclass(frozen=True)
@@ -77,6 +86,7 @@ class DistillConfig:
     indexer_weight: float = 1.0
     attention_weight: float = 0.0  # the attention rehearsal's weight (0: off)
     output_weight: float = 0.0  # the output rehearsal's weight (0: off)
+    object_weight: float = 0.0  # the object rehearsal's weight (0: off; rehearsal.py)
     needle_share: float = 0.0  # share of each batch's rows that are needles, answer at the end
     greedy: bool = False  # continue with the target's own greedy tokens (sequence level)
     reread: int = 0  # the target reads the prefix's last R tokens itself, as a session's dial
@@ -98,44 +108,8 @@ class DistillConfig:
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 
-LATER_DEFAULTS = {"greedy": False, "reread": 0, "sink": 0, "output_weight": 0.0}
-
-
-def indexer_rehearsal(native: list[mx.array], translated: list[mx.array], prefix: int) -> mx.array:
-    """Mean KL(softmax(native scores) || softmax(translated scores)) over the prefix keys."""
-    losses = [kl_per_token(mx.stop_gradient(n[..., :prefix]), t[..., :prefix]).mean()
-              for n, t in zip(native, translated)]
-    return mx.stack(losses).mean() if losses else mx.array(0.0)
-
-
-def attention_rehearsal(native: list[mx.array], translated: list[mx.array]) -> mx.array:
-    """Mean over layers, heads and queries of KL(native attention || translated attention)."""
-    losses = []
-    for n, t in zip(native, translated):
-        kl = mx.where(n > 0, n * (mx.log(mx.maximum(n, 1e-30)) - mx.log(t + 1e-9)), 0.0)
-        losses.append(kl.sum(-1).mean())
-    return mx.stack(losses).mean() if losses else mx.array(0.0)
-
-
-def output_rehearsal(native: list[mx.array], translated: list[mx.array]) -> mx.array:
-    """Mean over layers of |translated - native|^2 / |native|^2 over the continuation."""
-    losses = [((t.astype(mx.float32) - n) ** 2).sum() / mx.maximum((n ** 2).sum(), 1e-12)
-              for n, t in zip(native, translated)]
-    return mx.stack(losses).mean() if losses else mx.array(0.0)
-
-
-@contextlib.contextmanager
-def recording_mixer_outputs(model):
-    """Within the block, each decoder layer's token mixer (its linear or softmax attention
-    module) appends its output (B, L, hidden) to the list yielded, in layer order."""
-    from ..capture.instrument import hook_module
-
-    found: list[mx.array] = []
-    with contextlib.ExitStack() as stack:
-        for layer in model.layers:
-            stack.enter_context(hook_module(mixer_of(layer),
-                                            after=lambda m, a, k, out: found.append(out)))
-        yield found
+LATER_DEFAULTS = {"greedy": False, "reread": 0, "sink": 0, "output_weight": 0.0,
+                  "object_weight": 0.0}
 
 
 class Problem:
@@ -144,7 +118,8 @@ class Problem:
 
     def __init__(self, translator: Translator, source, target, windows: mx.array, prefix: int,
                  attention: bool = False, greedy: bool = False, reread: int = 0,
-                 sink: int = 0, outputs: bool = False, tokenizers: tuple | None = None):
+                 sink: int = 0, outputs: bool = False, tokenizers: tuple | None = None,
+                 objects: bool = False):
         self.translator, self.target, self.attention = translator, target, attention
         self.outputs = outputs
         self.layout = layout_of(target)
@@ -165,6 +140,8 @@ class Problem:
                                       points=(CapturePoint.ENGINE,), layout=self.layout).engine
         native_cache = capture(target, self.prefix_ids, points=(CapturePoint.ENGINE,),
                                layout=self.layout).engine
+        self.rehearsed, self.native_objects = self._native_objects(translated) if objects \
+            else ([], [])
         if greedy:  # on a copy: the native logits below read the prefix's cache as it is
             self.inputs = self._greedy_continuation(copy.deepcopy(native_cache))
         with self._recording() as (scores, probs, mixed):
@@ -174,6 +151,21 @@ class Problem:
         self.native_outputs = [mx.stop_gradient(o.astype(mx.float32)) for o in mixed]
         mx.eval(self.native_logits, self.native_scores, self.native_attention,
                 self.native_outputs)
+
+    def _native_objects(self, translated: int) -> tuple[list, list[mx.array]]:
+        """(the (layer, name) of every per-token object a map builds at (1) or (2),
+        the target's own of each over the translated tokens): the object rehearsal's targets."""
+        wanted = [r for r in self.translator.recipes if isinstance(r, TokenMap)
+                  and r.point in (CapturePoint.RAW, CapturePoint.NORMED)
+                  and self.layout.layers[r.layer].cache.object(r.name).kind in TOKEN_KINDS]
+        if not wanted:
+            return [], []
+        own = capture(self.target, self.prefix_ids[:, :translated],
+                      points={r.point for r in wanted}, layout=self.layout,
+                      select={(r.layer, r.name, r.point) for r in wanted})
+        return ([(r.layer, r.name) for r in wanted],
+                [mx.stop_gradient(own.objects[r.layer][(r.name, r.point)][:, self.sink:]
+                                  .astype(mx.float32)) for r in wanted])
 
     def _greedy_continuation(self, cache) -> mx.array:
         """The window's first continuation token, then what the target says after it reading
@@ -194,9 +186,9 @@ class Problem:
             yield scores, probs, mixed
 
     def loss(self, params: dict, indexer_weight: float = 1.0, attention_weight: float = 0.0,
-             output_weight: float = 0.0):
-        """(total, (KL, indexer rehearsal, attention rehearsal, output rehearsal)) of `params`
-        (a tree or flat) on this batch."""
+             output_weight: float = 0.0, object_weight: float = 0.0):
+        """(total, (KL, indexer rehearsal, attention rehearsal, output rehearsal, object
+        rehearsal)) of `params` (a tree or flat) on this batch."""
         objects, points = self.translator.translate(self.source, self.target, self.layout,
                                                     self.translated_ids, params=params,
                                                     all_rows=self.sink > 0)
@@ -212,9 +204,11 @@ class Problem:
         rehearsal = indexer_rehearsal(self.native_scores, scores, self.prefix)
         attention = attention_rehearsal(self.native_attention, probs)
         outputs = output_rehearsal(self.native_outputs, [o[:, -n:] for o in mixed])
+        built = object_rehearsal(self.native_objects,
+                                 [objects[layer][name] for layer, name in self.rehearsed])
         total = (kl + indexer_weight * rehearsal + attention_weight * attention
-                 + output_weight * outputs)
-        return total, (kl, rehearsal, attention, outputs)
+                 + output_weight * outputs + object_weight * built)
+        return total, (kl, rehearsal, attention, outputs, built)
 
 
 def across_capture(translator: Translator, source, tokenizers: tuple, ids: mx.array) -> Capture:
@@ -386,25 +380,27 @@ class Distiller:
             problem = Problem(self.translator, self.source, self.target, share, prefix,
                               attention=c.attention_weight > 0, greedy=c.greedy,
                               reread=c.reread, sink=c.sink, outputs=c.output_weight > 0,
-                              tokenizers=self.tokenizers)
-            (loss, (kl, rehearsal, attention, outputs)), grads = mx.value_and_grad(
+                              tokenizers=self.tokenizers, objects=c.object_weight > 0)
+            (loss, (kl, rehearsal, attention, outputs, built)), grads = mx.value_and_grad(
                 lambda p: problem.loss(p, c.indexer_weight, c.attention_weight,
-                                       c.output_weight))(self.params)
+                                       c.output_weight, c.object_weight))(self.params)
         if self.size > 1:
             grads = nn.average_gradients(grads, group=self.group)
-            loss, kl, rehearsal, attention, outputs = (
+            loss, kl, rehearsal, attention, outputs, built = (
                 mx.distributed.all_sum(x, group=self.group) / self.size
-                for x in (loss, kl, rehearsal, attention, outputs))
+                for x in (loss, kl, rehearsal, attention, outputs, built))
         finite = mx.isfinite(loss)
         for _, g in tree_flatten(grads):
             finite = finite & mx.all(mx.isfinite(g))
         skipped = not finite.item()  # one bad step must not make every parameter NaN
         if not skipped:
             self.params = self.optimizer.apply_gradients(grads, self.params)
-        mx.eval(self.params, self.optimizer.state, loss, kl, rehearsal, attention, outputs)
+        mx.eval(self.params, self.optimizer.state, loss, kl, rehearsal, attention, outputs,
+                built)
         return {"step": step + 1, "prefix": prefix, "loss": float(loss), "kl": float(kl),
                 "indexer_rehearsal": float(rehearsal), "attention_rehearsal": float(attention),
                 **({"output_rehearsal": float(outputs)} if c.output_weight else {}),
+                **({"object_rehearsal": float(built)} if c.object_weight else {}),
                 **({"skipped": True} if skipped else {})}
 
     def run(self, on_step=None, checkpoint_seconds: float = 120.0, max_minutes=None) -> dict:
