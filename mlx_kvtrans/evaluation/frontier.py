@@ -22,7 +22,7 @@ Per (length, setting), over held-out prose windows and held-out needles:
   the source having read the prompt already (a warm switch);
 - intervals: 95% intervals of the recovered share, agreement, greedy match, first token, recall
   and applied, from the per-window values, which rows keep for paired comparisons
-  (evaluation/intervals.py; one process only).
+  (evaluation/intervals.py).
 
 `cheapest` picks from a frontier the setting a session should switch with; `save` / `load` keep
 a frontier as frontier.json in a translator directory.
@@ -277,9 +277,11 @@ def measure(switch: Switch, encode, text_ids: list[int], plan: dict[int, list[Se
         starts = window_starts(text_ids, length, prompts, seed)
         scores = {s: {k: [] for k in SCORES} for s in settings}
         floor, own = [], []  # per window: the last-16 floor's agreement, native's own
+        owned = []  # the windows this process scores, in order
         for w, start in enumerate(starts):
             if not mine(w, group):
                 continue
+            owned.append(w)
             ref = reference(switch, list(text_ids[start:start + length]))
             floor.append(ref.floor)
             own.append(ref.own)
@@ -308,6 +310,12 @@ def measure(switch: Switch, encode, text_ids: list[int], plan: dict[int, list[Se
             if group is not None:
                 sums = summed(np.array(sums), group).tolist()
             got = {k: v / prompts for k, v in zip(SCORES, sums)}
+
+            def every(key, values=None):  # every window's value, in window order
+                whole = np.zeros(prompts)
+                whole[owned] = scores[s][key] if values is None else values
+                return (whole if group is None else summed(whole, group)).tolist()
+            agree, every_floor = every("agree"), every(None, floor)
             floor_sum, own_sum, applied, switches, reprefill_s, switch_s = sums[len(SCORES):]
             rows.append(Row(
                 length=length, setting=s, windows=prompts, agreement=got["agree"],
@@ -318,11 +326,10 @@ def measure(switch: Switch, encode, text_ids: list[int], plan: dict[int, list[Se
                 recall_native=native_recall, recall_translated=recall,
                 reprefill_s=reprefill_s, switch_s=switch_s,
                 applied=applied / switches if switches else None,
-                intervals=None if group is not None else window_intervals(
-                    scores[s]["agree"], floor, scores[s]["match"], scores[s]["first"], recall,
-                    needles, applied / switches if switches else None, int(switches)),
-                window_agreement=None if group is not None else scores[s]["agree"],
-                window_floor=None if group is not None else list(floor)))
+                intervals=window_intervals(
+                    agree, every_floor, every("match"), every("first"), recall, needles,
+                    applied / switches if switches else None, int(switches)),
+                window_agreement=agree, window_floor=every_floor))
     if progress:
         progress(total, total, "")
     return rows
