@@ -237,6 +237,11 @@ IDEAS = [
          DistillConfig(**{**SEQUENCE, "output_weight": 1.0}),
          FitConfig(point=1, nu=2, features="all", token_identity="ids", attention_weighted=8,
                    random_features=2048, random_layers=(2, 3)), 0.5, stored="bfloat16"),
+    Idea("dsa-random-features-512-layers-2-3", "qwen3.5-a__dsa-distilled",
+         "the same with 512 random features: does the recall hold at a quarter of the width",
+         DistillConfig(**{**SEQUENCE, "output_weight": 1.0}),
+         FitConfig(point=1, nu=2, features="all", token_identity="ids", attention_weighted=8,
+                   random_features=512, random_layers=(2, 3)), 0.5, stored="bfloat16"),
     Idea("dsa-refit-outputs", "qwen3.5-a__dsa-distilled",
          "refit as shipped (every source layer, token ids, attention-weighted), needle-weighted, "
          "then 500 steps on greedy continuations after an 8-token re-read, prefixes 32-512, "
