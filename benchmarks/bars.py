@@ -23,7 +23,7 @@ from pathlib import Path
 
 import mlx_kvtrans  # noqa: F401  first: fast BLAS
 
-from frontier import loaded, merge_and_write, shipped_directions
+from frontier import _cell, loaded, merge_and_write, shipped_directions
 from mlx_kvtrans.evaluation import frontier as fr
 from mlx_kvtrans.models import held_out_split
 from mlx_kvtrans.session import dial
@@ -82,14 +82,10 @@ def checks(row: dict) -> dict[str, tuple[str, str]]:
             row["greedy_match"], spans.get("greedy_match"), BARS["match"])),
         "applied": (cell("applied", ".2f"), verdict(
             row.get("applied"), spans.get("applied"), BARS["applied"])),
-        "recall": (f"{fr_cell(native)} / " + cell("recall_translated", ".2f"),
+        "recall": (f"{_cell(native, '.2f')} / " + cell("recall_translated", ".2f"),
                    "" if recall_bar is None or got is None else verdict(
                        got, spans.get("recall_translated"), recall_bar)),
     }
-
-
-def fr_cell(value) -> str:
-    return "-" if value is None else f"{value:.2f}"
 
 
 def write_markdown(results: dict, settings: dict, blas: str, out: Path) -> None:

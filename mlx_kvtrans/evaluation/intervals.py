@@ -13,6 +13,8 @@ import math
 
 import numpy as np
 
+from ..translators.frontier import history_recovered
+
 Z95 = 1.959964  # the normal quantile of a two-sided 95% interval
 DRAWS = 2000  # bootstrap redraws: the interval's ends move by well under 0.01 beyond this
 
@@ -44,8 +46,9 @@ def bootstrap(statistic, columns: list[list[float]], draws: int = DRAWS,
 
 
 def recovered_share(agreement: float, floor: float) -> float:
-    """(agreement - floor) / (1 - floor); not finite where the floor is 1."""
-    return (agreement - floor) / (1.0 - floor) if floor < 1.0 else math.nan
+    """`history_recovered`, not finite (rather than None) where the floor is 1."""
+    share = history_recovered(agreement, floor)
+    return math.nan if share is None else share
 
 
 def window_intervals(agree: list[float], floor: list[float], match: list[float],

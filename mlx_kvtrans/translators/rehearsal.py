@@ -36,11 +36,17 @@ def attention_rehearsal(native: list[mx.array], translated: list[mx.array]) -> m
     return mx.stack(losses).mean() if losses else mx.array(0.0)
 
 
-def output_rehearsal(native: list[mx.array], translated: list[mx.array]) -> mx.array:
-    """Mean over layers of |translated - native|^2 / |native|^2 over the continuation."""
+def relative_error(native: list[mx.array], translated: list[mx.array]) -> mx.array:
+    """Mean over the pairs of |translated - native|^2 / |native|^2."""
     losses = [((t.astype(mx.float32) - n) ** 2).sum() / mx.maximum((n ** 2).sum(), 1e-12)
               for n, t in zip(native, translated)]
     return mx.stack(losses).mean() if losses else mx.array(0.0)
+
+
+# each decoder layer's token mixer output over the continuation
+output_rehearsal = relative_error
+# each per-token object a map builds, over the translated tokens
+object_rehearsal = relative_error
 
 
 @contextlib.contextmanager
@@ -56,9 +62,3 @@ def recording_mixer_outputs(model):
                                             after=lambda m, a, k, out: found.append(out)))
         yield found
 
-
-def object_rehearsal(native: list[mx.array], translated: list[mx.array]) -> mx.array:
-    """Mean over objects of |translated - native|^2 / |native|^2 over the translated tokens."""
-    losses = [((t.astype(mx.float32) - n) ** 2).sum() / mx.maximum((n ** 2).sum(), 1e-12)
-              for n, t in zip(native, translated)]
-    return mx.stack(losses).mean() if losses else mx.array(0.0)
