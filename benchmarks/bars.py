@@ -102,21 +102,26 @@ def write_markdown(results: dict, settings: dict, blas: str, out: Path) -> None:
              "share and the match, Wilson's for shares); a bar is **missed** (bold) where "
              "even the interval's top falls short of it, *open* (italic) where the interval "
              f"straddles it. Rows at {LONG:,} tokens (4x the zoo's fitting length) inform and "
-             "hold no bar. Regenerate with `python benchmarks/bars.py`; the grid of lengths "
+             "hold no bar. *Near ties*: of the continuation positions whose argmax parts from "
+             f"native's, the share where native's own two likeliest tokens lie within "
+             f"{fr.TIE_NATS} nats (no bar: it says how much of what the recovered share misses "
+             "is a near tie). Regenerate with `python benchmarks/bars.py`; the grid of lengths "
              "and settings is `frontier.md`'s.\n", f"BLAS: {blas}\n",
-             "| translator | L | R | recovered | first | match | applied | recall native / "
-             "switched |", "|---|---|---|---|---|---|---|---|"]
+             "| translator | L | R | recovered | near ties | first | match | applied | recall "
+             "native / switched |", "|---|---|---|---|---|---|---|---|---|"]
     tally = {"met": 0, "open": 0, "missed": 0}
     for name, r in results.items():
         for row in r["rows"]:
             marks = checks(row)
             held = row["length"] in LENGTHS
             cells = []
-            for text, how in marks.values():
+            for bar, (text, how) in marks.items():
                 if held and how:
                     tally[how] += 1
                 cells.append(f"**{text}**" if held and how == "missed"
                              else f"*{text}*" if held and how == "open" else text)
+                if bar == "recovered":
+                    cells.append(_cell(row.get("near_ties"), ".2f"))
             lines.append(f"| {name} | {row['length']:,} | {r['reread']} | "
                          + " | ".join(cells) + " |")
     lines += ["", f"At {' and '.join(map(str, LENGTHS))} tokens: {tally['met']} bars met, "

@@ -118,7 +118,7 @@ def main():
     results = {k: v for k, v in results.items() if k in shipped}
     results.update(measured)
     report = blas_report()
-    blas = f"{report.name}, float32 matmul {report.gflops:.0f} GFLOP/s"
+    blas = str(report)
     OUT.mkdir(parents=True, exist_ok=True)
     results_file.write_text(json.dumps({"blas": blas, "settings": settings,
                                         "translators": dict(sorted(results.items()))},

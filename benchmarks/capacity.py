@@ -230,7 +230,7 @@ def main():
     if not Path("runs/corpus/train.txt").is_file():
         raise SystemExit("no train split: build the zoo corpus with `kvtrans zoo corpus`")
     blas = blas_report()
-    results = {"blas": f"{blas.name}, float32 matmul {blas.gflops:.0f} GFLOP/s", "pairs": []}
+    results = {"blas": str(blas), "pairs": []}
     for spec in args.pairs.split(","):
         source, target = spec.split(":")
         results["pairs"].append(measure(Pair(source, target), args))

@@ -285,7 +285,7 @@ def main() -> None:
     test_text = held_out_split(args.split).read_text()
     directions = [measure_direction(a, b, args, train_file, test_text)
                   for a, b in ((pair,) if args.one_way else (pair, pair[::-1]))]
-    results = {"blas": f"{blas.name}, float32 matmul {blas.gflops:.0f} GFLOP/s",
+    results = {"blas": str(blas),
                "pair": list(pair), "windows": args.windows, "length": args.length,
                "prompts": args.prompts, "needles": args.needles, "directions": directions}
     if args.split != "test":

@@ -170,7 +170,7 @@ def merge_and_write(results_file: Path, settings: dict, measured: dict) -> tuple
     results = {k: v for k, v in results.items() if k in shipped}
     results = dict(sorted({**results, **measured}.items()))
     report = blas_report()
-    blas = f"{report.name}, float32 matmul {report.gflops:.0f} GFLOP/s"
+    blas = str(report)
     results_file.parent.mkdir(parents=True, exist_ok=True)
     results_file.write_text(json.dumps({"blas": blas, "settings": settings,
                                         "translators": results}, indent=2) + "\n")

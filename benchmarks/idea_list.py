@@ -236,4 +236,21 @@ IDEAS = [
          "refit as shipped with every source layer and 1,024 random features, not distilled",
          None, FitConfig(point=1, nu=6, token_identity="codebook", attention_weighted=8,
                          random_features=1024), 0.5),
+    # the loss aimed at the ordering of the top tokens: a switch's disagreements with native
+    # sit where native's top two tokens are nearly tied; each with its control at temperature 1
+    *[Idea(f"{name.split('__')[0]}-to-{name.split('__')[1].removesuffix('-distilled')}"
+           f"-temperature-{t:g}", name,
+           f"300 steps on greedy continuations after an 8-token re-read, prefixes 32-512, half "
+           f"needles, KL at temperature {t:g}", DistillConfig(**{**SEQUENCE, "steps": 300,
+                                                                "temperature": t}))
+      for name in ("qwen3-large__qwen3-small-distilled",) for t in (0.25, 1.0)],
+    # a learned nonlinear map that cannot unlearn the closed form: only the residual trains
+    Idea("qwen3-large-to-qwen3-small-residual-alone", "qwen3-large__qwen3-small-distilled",
+         "refit as shipped with a residual of 128 hidden units per map, needle-weighted, then "
+         "600 steps training the residual alone (lr 1e-3, prefixes 32-256, half needles) on "
+         "the KL and the object rehearsal (weight 1)",
+         DistillConfig(steps=600, lr=1e-3, max_prefix=256, needle_share=0.5, object_weight=1.0,
+                       train_only="residual", validation_windows=8),
+         FitConfig(point=1, nu=2, token_identity="ids", attention_weighted=8, residual=128),
+         0.5),
 ]

@@ -105,10 +105,20 @@ def weights_mb(directory: Path) -> float:
     return round((directory / "weights.safetensors").stat().st_size / 1e6, 2)
 
 
+def validation_kl(directory: Path) -> list | None:
+    """[before, after] of the distillation that made a translator (its manifest's record)."""
+    run = artifact.read_manifest(directory).get("distill") or {}
+    return [run["validation_kl_before"], run["validation_kl_after"]] \
+        if run.get("validation_kl_before") is not None else None
+
+
 def measured_sizes(results: dict) -> None:
-    """Fill in the weights' size of results measured before it was recorded, from the
-    translators still on disk (an idea's run, or the shipped weights of the digest measured)."""
+    """Fill in what results measured before it was recorded (the weights' size, an idea's
+    validation KL before and after its distillation) from the translators still on disk (an
+    idea's run, or the shipped weights of the digest measured)."""
     for key, r in results.items():
+        if r.get("config") and "validation_kl" not in r and (RUNS / key).is_dir():
+            r["validation_kl"] = validation_kl(RUNS / key)
         if "weights_mb" in r:
             continue
         if key.startswith("shipped:"):
@@ -160,6 +170,7 @@ def run_idea(idea: Idea, models: dict, args) -> dict:
     return {**result, "start": idea.start, "what": idea.what,
             "config": asdict(idea.config) if idea.config else None,
             "distill_minutes": minutes,
+            "validation_kl": validation_kl(out) if idea.config else None,
             "measure_minutes": round((time.perf_counter() - started) / 60, 2)}
 
 

@@ -87,7 +87,7 @@ def main():
     results = json.loads(results_file.read_text())["pairs"] if results_file.exists() else {}
     results.update(measured)
     report = blas_report()
-    blas = f"{report.name}, float32 matmul {report.gflops:.0f} GFLOP/s"
+    blas = str(report)
     OUT.mkdir(parents=True, exist_ok=True)
     results_file.write_text(json.dumps({"blas": blas, "pairs": results}, indent=2) + "\n")
     write_markdown(results, blas)

@@ -170,7 +170,7 @@ def main() -> None:
                "sink": args.sink,
                "frontier": {str(sink): [row.to_json() for row in f.rows]
                             for sink, f in frontiers.items()}, "chat": chat,
-               "blas": f"{report.name}, float32 matmul {report.gflops:.0f} GFLOP/s",
+               "blas": str(report),
                "minutes": round((time.perf_counter() - started) / 60, 1)}
     OUT.mkdir(exist_ok=True)
     (OUT / "real.json").write_text(json.dumps(results, indent=2) + "\n")

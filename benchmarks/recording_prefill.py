@@ -99,7 +99,7 @@ def main() -> None:
         del model
         mx.clear_cache()
     report = blas_report()
-    results = {"rows": rows, "blas": f"{report.name}, float32 matmul {report.gflops:.0f} GFLOP/s",
+    results = {"rows": rows, "blas": str(report),
                "runs": args.runs}
     OUT.mkdir(exist_ok=True)
     (OUT / "recording_prefill.json").write_text(json.dumps(results, indent=1) + "\n")

@@ -311,7 +311,7 @@ def main() -> None:
                for mode in ("translate", "reprefill")}
     report = blas_report()
     results = json.loads(json.dumps(results))  # lengths become the JSON's string keys
-    results.update(blas=f"{report.name}, float32 matmul {report.gflops:.0f} GFLOP/s",
+    results.update(blas=str(report),
                    lengths=lengths, repeats=args.repeats, rounds=args.rounds, clients=clients,
                    idle=args.idle,
                    conversations=args.conversations, turns=args.turns, reply=args.reply,

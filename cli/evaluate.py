@@ -411,17 +411,20 @@ def _frontier_table(frontier, prompts: int, needles: int) -> FitTable:
                      f"windows, {needles} needles per length", caption=(
                          f"agree: teacher-forced agreement with native's {fr.GENERATED} greedy "
                          f"tokens; floor: the target reading the last {fr.FLOOR_TOKENS} tokens "
-                         "only; kept: history recovered; match: greedy tokens equal to native's; "
+                         "only; kept: history recovered; ties: of the positions parted from "
+                         "native, the share native itself nearly ties; match: greedy tokens equal "
+                         "to native's; "
                          "1st: first token; KL: nats/token; recall: native/switched; applied: "
                          "switches the gate let stand; x: speed-up over re-prefill"),
                      caption_justify="left")
-    for col in ("L", "R", "agree", "floor", "kept", "match", "1st", "KL", "recall", "applied",
-                "x"):
+    for col in ("L", "R", "agree", "floor", "kept", "ties", "match", "1st", "KL", "recall",
+                "applied", "x"):
         table.add_column(col, right=True)
     for r in frontier.rows:
         table.add_row(f"{r.length:,}", str(r.setting.reread), f"{r.agreement:.3f}",
                       f"{r.agreement_last16:.3f}", cell(r.history_recovered, ".2f"),
-                      f"{r.greedy_match:.1f}", f"{r.first_token:.2f}", f"{r.kl:.4f}",
+                      cell(r.near_ties, ".2f"), f"{r.greedy_match:.1f}", f"{r.first_token:.2f}",
+                      f"{r.kl:.4f}",
                       f"{cell(r.recall_native, '.2f')}/{cell(r.recall_translated, '.2f')}",
                       cell(r.applied, ".2f"), f"{r.speedup:.1f}")
     return table

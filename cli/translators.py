@@ -41,6 +41,13 @@ OUTPUT_WEIGHT = typer.Option(DISTILL.output_weight, min=0.0, callback=finite,
 OBJECT_WEIGHT = typer.Option(DISTILL.object_weight, min=0.0, callback=finite,
                              help="weight of the object rehearsal: each per-token object a map "
                              "builds held to the target's own (stage 1's objective; 0: off)")
+TEMPERATURE = typer.Option(DISTILL.temperature, callback=positive,
+                           help="the KL's temperature: below 1 it weighs the order of the top "
+                           "tokens, where a switch's argmax parts from native's")
+KEEP = typer.Option(DISTILL.keep, help="the parameters written: last (the last step's) or best "
+                    "(of the lowest held-out KL measured, the start's included)")
+TRAIN_ONLY = typer.Option(DISTILL.train_only, help="train only the parameters whose names hold "
+                          "this, e.g. residual (`fit --residual H`); the rest stay as they are")
 GATE_WINDOWS_HELP = ("held-out windows of each kind (the source's text, its own reply) and band "
                      "of prefix lengths the fidelity gate is calibrated on")
 
@@ -403,6 +410,7 @@ def distill(translator_dir: Path = typer.Option(..., "--translator", help="stage
                 help="weight of the attention rehearsal: the target's attention over the "
                 "translated cache held to its attention over its own (0: off)"),
             output_weight: float = OUTPUT_WEIGHT, object_weight: float = OBJECT_WEIGHT,
+            temperature: float = TEMPERATURE, train_only: str = TRAIN_ONLY, keep: str = KEEP,
             needle_share: float = typer.Option(DISTILL.needle_share, min=0.0, max=1.0,
                                                callback=finite, help="share of each batch that "
                                                "is synthetic needles, question and answer last"),
@@ -431,6 +439,7 @@ def distill(translator_dir: Path = typer.Option(..., "--translator", help="stage
     in_range("--max-prefix", max_prefix, min_prefix,
              position_limit(model_configs(*translator_models(translator_dir)), continuation,
                             "--continuation"))
+    _check_train_only(translator_dir, train_only)
     files = text_files("--data", data, "train")
     held_out = text_file("--validation", validation, "validation")
     default_out, default_workdir = distill_paths(translator_dir)
@@ -450,6 +459,18 @@ def distill(translator_dir: Path = typer.Option(..., "--translator", help="stage
         _print_distill(run, out_dir, as_json)
 
 
+def _check_train_only(translator_dir: Path, train_only: str) -> None:
+    """Refused before any work: --train-only that names none of the translator's parameters."""
+    import mlx.core as mx
+
+    from mlx_kvtrans.translators import artifact
+
+    names = mx.load(str(artifact.resolve(translator_dir) / "weights.safetensors")).keys()
+    if train_only and not any(train_only in name for name in names):
+        raise KvtransError(f"--train-only {train_only}: no parameter of the translator is named "
+                           "so (residual needs `kvtrans fit --residual`)")
+
+
 def _print_distill(run, out_dir: Path, as_json: bool) -> None:
     summary = run.summary
     if as_json:
@@ -460,4 +481,11 @@ def _print_distill(run, out_dir: Path, as_json: bool) -> None:
               f"{summary['validation_kl_after']:.4f} nats/token after {summary['steps']} steps "
               f"({summary['minutes']:.1f} min, peak memory "
               f"{summary['peak_memory_bytes'] / 2**20:.0f} MiB) · wrote {out_dir}")
+    kept = summary.get("kept")
+    if kept is not None:
+        out.print(f"kept the parameters of step {kept['step']} (held-out KL "
+                  f"{kept['validation_kl']:.4f}), the lowest measured")
+    elif summary["validation_kl_after"] > summary["validation_kl_before"]:
+        out.print("held-out KL ended above where it began: --keep best returns the parameters "
+                  "of the lowest measured, the start's included")
     out.print(_gate_line(run.translator.info["gate"]))

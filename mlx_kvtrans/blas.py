@@ -94,6 +94,9 @@ class BlasReport:
     def fix(self) -> str | None:
         return FIX if self.slow else None
 
+    def __str__(self) -> str:  # as every results file names it
+        return f"{self.name}, float32 matmul {self.gflops:.0f} GFLOP/s"
+
 
 def median_seconds(fn, repeats: int, warmup: int = 2) -> float:
     """Median wall time of `fn` over `repeats` runs, after `warmup` runs."""

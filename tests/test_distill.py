@@ -15,6 +15,7 @@ from mlx.utils import tree_flatten
 
 import mlx_kvtrans as kv
 from mlx_kvtrans.capture.instrument import chunked_recurrence
+from mlx_kvtrans.errors import KvtransError
 from mlx_kvtrans.translators import artifact
 from mlx_kvtrans.translators.distill import DistillConfig, Distiller, Problem
 from mlx_kvtrans.translators.fit import FitConfig, fit
@@ -77,8 +78,7 @@ def test_gradient_matches_finite_differences(loaded, source, target, recipes, pr
 
             numeric = (at(1) - at(-1)) / (2 * step)
             analytic = sum(float((grads[k] * direction[k]).sum()) for k in params)
-            assert abs(numeric - analytic) <= 0.02 * abs(analytic) + 1e-4, (which, numeric,
-                                                                         analytic)
+            assert abs(numeric - analytic) <= 0.02 * abs(analytic) + 1e-4, (numeric, analytic)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "kimi_vl", "kimi_linear"])
@@ -209,8 +209,7 @@ def test_a_sink_is_read_natively_and_the_loss_is_what_a_switch_with_it_gives(loa
         numeric = (at(1) - at(-1)) / (2 * eps)
         analytic = sum(float((grads[k] * direction[k]).sum()) for k in params)
         assert abs(analytic) > 1e-3  # a gradient there is
-        assert abs(numeric - analytic) <= 0.02 * abs(analytic) + 1e-4, (which, numeric,
-                                                                         analytic)
+        assert abs(numeric - analytic) <= 0.02 * abs(analytic) + 1e-4, (numeric, analytic)
 
 
 def ids_of(loaded, family):
@@ -363,6 +362,55 @@ def test_residual_nonlinearity_starts_at_zero_and_distils(loaded):
     assert down and all(float(mx.abs(grads[k]).sum()) > 0 for k in down)
 
 
+def test_train_only_moves_the_parameters_named_and_no_other(loaded, tmp_path):
+    S, T = loaded("qwen3").model, loaded("llama").model
+    data = [mx.random.randint(0, 259, (4, 48), key=mx.random.key(i)) for i in range(2)]
+    translator = fit(S, T, data, config=FitConfig(point=1, residual=8))
+    ids = ids_of(loaded, "llama")
+    config = DistillConfig(steps=3, lr=1e-3, warmup=1, batch=2, min_prefix=16, max_prefix=32,
+                           continuation=8, validate_every=3, validation_windows=2,
+                           train_only="residual")
+    run = Distiller(translator, S, T, ids[:15000], ids[15000:], config, tmp_path / "run")
+    run.run()
+    after = run.distilled().params
+    moved = {k for k in after if not mx.array_equal(after[k], translator.params[k])}
+    assert moved and all("residual" in k for k in moved), moved
+    with pytest.raises(KvtransError, match="--train-only tables"):
+        Distiller(translator, S, T, ids, ids, replace(config, train_only="tables"),
+                  tmp_path / "other")
+
+
+def test_keep_best_returns_the_lowest_validated_parameters_and_resumes_them(loaded, tmp_path,
+                                                                           monkeypatch):
+    """`keep` best: the parameters of the lowest validation KL measured, the start's included
+    (a run whose KL only rises leaves the start's), kept through a checkpoint and a resume."""
+    translator, S, T = tiny_translator(loaded, "qwen3", "llama")
+    ids = ids_of(loaded, "llama")
+    config = DistillConfig(steps=6, lr=1e-3, warmup=1, batch=2, min_prefix=16, max_prefix=32,
+                           continuation=8, validate_every=2, validation_windows=2, keep="best")
+    run = Distiller(translator, S, T, ids[:15000], ids[15000:], config, tmp_path / "a")
+    summary = run.run()
+    measured = [summary["validation_kl_before"]] + [
+        r["validation_kl"] for r in summary["curve"] if "validation_kl" in r]
+    assert summary["kept"]["validation_kl"] == min(measured)
+    assert run.validate(run.distilled().parameters()) == pytest.approx(min(measured), rel=1e-4)
+    first = Distiller(translator, S, T, ids[:15000], ids[15000:], config, tmp_path / "b")
+    first.run(max_minutes=1e-9)
+    second = Distiller(translator, S, T, ids[:15000], ids[15000:], config, tmp_path / "b")
+    second.resume()
+    assert second.run()["kept"] == summary["kept"]
+    kept, resumed = (dict(tree_flatten(d.kept_params())) for d in (run, second))
+    assert all(mx.array_equal(v, resumed[k]) for k, v in kept.items())
+    rising = iter(range(100))
+    monkeypatch.setattr(Distiller, "validate", lambda self, params=None: float(next(rising)))
+    wild = Distiller(translator, S, T, ids[:15000], ids[15000:], config, tmp_path / "c")
+    assert wild.run()["kept"]["step"] == 0
+    assert all(mx.array_equal(v, translator.params[k])
+               for k, v in wild.distilled().params.items())
+    with pytest.raises(KvtransError, match="--keep"):
+        replace(config, keep="first")
+
+
 def test_the_residual_nonlinearity_is_gelu_with_finite_gradients():
     """The residual's gelu (erf by a polynomial off a GPU, where MLX's erf is slow) is
     nn.gelu to within 1e-6 of max(1, |x|), and its gradient is finite everywhere."""
@@ -393,3 +441,47 @@ def test_object_rehearsal_reads_the_targets_own_objects_of_the_translated_span(l
     assert float(object_rehearsal(problem.native_objects, problem.native_objects)) == 0.0
     _, parts = problem.loss(translator.params, object_weight=1.0)
     assert float(parts[4]) > 0  # a fit on random tiny models is far from exact
+
+
+def test_a_low_temperature_weighs_a_flipped_near_tie_above_an_equal_kl_elsewhere():
+    """At T = 1 the tempered KL is the KL. Below 1 it weighs a position whose two top tokens,
+    nearly tied in native, come out in the other order above a position with as much KL whose
+    argmax stays: what the frontier's agreement counts."""
+    from mlx_kvtrans.translators.fidelity import kl_per_token, tempered_kl
+
+    native = mx.array([[0.05, 0.0, -4.0, -4.0], [3.0, 0.0, -4.0, -4.0]])
+    flipped = mx.array([[0.0, 0.05, -4.0, -4.0]])
+    target = float(kl_per_token(native[:1], flipped)[0])  # the KL the other position is given
+    kept = mx.array([[3.0 - _shift_for_kl(target), 0.0, -4.0, -4.0]])
+    assert abs(float(kl_per_token(native[1:], kept)[0]) - target) < 1e-3 * target
+    assert mx.allclose(tempered_kl(native, native[::-1], 1.0), kl_per_token(native, native[::-1]))
+    assert float(tempered_kl(native[:1], native[:1], 0.25)[0]) < 1e-9
+    cold = [float(tempered_kl(a, b, 0.25)[0]) for a, b in ((native[:1], flipped),
+                                                            (native[1:], kept))]
+    assert cold[0] > 3 * cold[1]
+
+
+def _shift_for_kl(target: float) -> float:
+    """The drop of the top logit of [3, 0, -4, -4] whose KL from it is `target` (bisection)."""
+    from mlx_kvtrans.translators.fidelity import kl_per_token
+
+    base = mx.array([[3.0, 0.0, -4.0, -4.0]])
+    lo, hi = 0.0, 3.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        moved = mx.array([[3.0 - mid, 0.0, -4.0, -4.0]])
+        lo, hi = (mid, hi) if float(kl_per_token(base, moved)[0]) < target else (lo, mid)
+    return (lo + hi) / 2
+
+
+def test_the_loss_takes_its_kl_at_the_temperature_and_reports_it_at_one(loaded):
+
+    translator, S, T = tiny_translator(loaded, "qwen3", "llama")
+    windows = mx.random.randint(0, 259, (2, 40), key=mx.random.key(6))
+    problem = Problem(translator, S, T, windows, 32)
+    plain, (kl, *_) = problem.loss(translator.params, indexer_weight=0.0)
+    cold, (cold_kl, *_) = problem.loss(translator.params, indexer_weight=0.0, temperature=0.25)
+    assert float(plain) == float(kl) == float(cold_kl)
+    assert abs(float(cold) - float(plain)) > 1e-6 * float(plain)
+    with pytest.raises(KvtransError, match="temperature"):
+        DistillConfig(temperature=0.0)

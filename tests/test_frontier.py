@@ -45,6 +45,7 @@ def test_self_translation_and_reprefill_measure_as_native(self_switch):
         assert abs(r.kl) < 1e-4
         assert r.recall_translated == r.recall_native
         assert r.history_recovered == 1.0 and r.agreement_last16 < 1.0
+        assert r.near_ties is None  # nothing parted from native
     reprefill = rows[-1]
     assert reprefill.kl == 0.0 and reprefill.speedup == 1.0
 
@@ -58,7 +59,15 @@ def test_a_cache_that_forgot_the_prompt_scores_below_native(self_switch):
     rows = fr.measure(fr.Switch(zeroed, lm.model, lm.model), lm.tokenizer.encode, text,
                       {LENGTH: [fr.Setting(0)]}, prompts=2, needles=0, repeats=1)
     assert rows[0].agreement < 1.0 and rows[0].kl > 1e-3
+    assert 0.0 <= rows[0].near_ties <= 1.0
     assert rows[0].recall_native is None and rows[0].recall_translated is None
+
+
+def test_a_near_tie_is_two_likeliest_tokens_within_the_margin():
+    logits = mx.array([[2.0, 2.0 - fr.TIE_NATS / 2, -1.0],  # within: a near tie
+                       [-1.0, 2.0, 2.0 - 2 * fr.TIE_NATS],  # outside, whatever the order
+                       [5.0, 0.0, 4.9]])
+    assert fr.near_tie(logits).tolist() == [True, False, True]
 
 
 def test_default_rereads_and_the_fitting_length():

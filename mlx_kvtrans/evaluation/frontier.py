@@ -20,6 +20,8 @@ Per (length, setting), over held-out prose windows and held-out needles:
 - speedup = time(target re-prefills L tokens) / time(translate the first L - 1 - R, the target
   reads the remaining R + 1), measured side by side in one process, medians of a few repeats,
   the source having read the prompt already (a warm switch);
+- near_ties: of the positions whose argmax parts from native's, the share where native's own
+  two likeliest tokens lie within TIE_NATS: how much of what agreement misses is a near tie;
 - intervals: 95% intervals of the recovered share, agreement, greedy match, first token, recall
   and applied, from the per-window values, which rows keep for paired comparisons
   (evaluation/intervals.py).
@@ -244,18 +246,31 @@ def floor_agreement(target, prompt: list[int], tokens: list[int]) -> float:
 
 def score(switch: Switch, setting: Setting, ref: Reference) -> dict:
     """How the switched cache of one window continues, against native: teacher-forced
-    agreement and KL, and of its own greedy tokens the matches, all-equal and the first."""
+    agreement and KL, and of its own greedy tokens the matches, all-equal and the first; and
+    of the positions whose argmax parts from native's, how many and how many of those native
+    itself nearly ties (`near_tie`)."""
     target = switch.target
     recorded = switch.read(setting, ref.prefix)
     logits = target(ref.inputs, cache=switch.cache(setting, ref.prefix, recorded))[0]
     generated = greedy(target, ref.last, switch.cache(setting, ref.prefix, recorded), GENERATED)
     same = [a == b for a, b in zip(generated, ref.tokens)]
-    return {"agree": float((mx.argmax(logits, -1) == mx.array(ref.tokens)).mean()),
+    parted = mx.argmax(logits, -1) != mx.array(ref.tokens)
+    return {"agree": 1.0 - float(parted.mean()),
             "kl": float(kl_per_token(ref.logits, logits).mean()), "match": sum(same),
-            "exact": float(all(same)), "first": float(same[0])}
+            "exact": float(all(same)), "first": float(same[0]),
+            "parted": int(parted.sum()), "tied": int((parted & near_tie(ref.logits)).sum())}
 
 
-SCORES = ("agree", "kl", "match", "exact", "first")  # per window and setting (`score`)
+TIE_NATS = 0.3  # native's top two log-probabilities this close: a near tie
+
+
+def near_tie(logits: mx.array) -> mx.array:
+    """Per position, whether the two likeliest tokens lie within TIE_NATS of each other."""
+    top = mx.topk(logits.astype(mx.float32), 2, axis=-1)  # logits differ as log-probs do
+    return mx.abs(top[..., 0] - top[..., 1]) < TIE_NATS
+
+
+SCORES = ("agree", "kl", "match", "exact", "first", "parted", "tied")  # per window (`score`)
 
 
 def measure(switch: Switch, encode, text_ids: list[int], plan: dict[int, list[Setting]],
@@ -329,7 +344,8 @@ def measure(switch: Switch, encode, text_ids: list[int], plan: dict[int, list[Se
                 intervals=window_intervals(
                     agree, every_floor, every("match"), every("first"), recall, needles,
                     applied / switches if switches else None, int(switches)),
-                window_agreement=agree, window_floor=every_floor))
+                window_agreement=agree, window_floor=every_floor,
+                near_ties=got["tied"] / got["parted"] if got["parted"] else None))
     if progress:
         progress(total, total, "")
     return rows

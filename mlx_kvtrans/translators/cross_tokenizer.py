@@ -20,7 +20,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..alignment import POOLINGS, align, char_spans
-from ..capture import Capture
+from ..capture import Capture, capture
 from ..layouts import CapturePoint
 from ..layouts.linear_attention import RecurrentInputs
 from .features import feature_point
@@ -183,3 +183,25 @@ def translate_captured(translator, source: Capture, target_model, text: AlignedT
         raise ValueError(f"the text's groups are pooled by {text.how}; the translator was "
                          f"fitted on {fitted} (aligned_text(..., how={fitted!r}))")
     return translate_into(translator, realigned(source, text), target_model, text.target)[2]
+
+
+def across_capture(translator, source, tokenizers: tuple, ids: mx.array) -> Capture:
+    """The source's capture of each row's text, its own tokens of it read, pooled onto the
+    target's tokens `ids` (B, T) as the translator was fitted: a batch of target positions.
+    `tokenizers`: (the source's, the target's)."""
+    how = translator.info["alignment"]["pooling"]
+    rows = []
+    for row in ids.tolist():
+        text = aligned_ids(*tokenizers, row, how)
+        rows.append(realigned(capture(source, text.source, points=translator.source_points()),
+                              text))
+    objects = [{key: _stacked([r.objects[i][key] for r in rows]) for key in layer}
+               for i, layer in enumerate(rows[0].objects)]
+    return Capture(rows[0].layout, ids, objects, None)
+
+
+def _stacked(values: list):
+    """Rows of one object (each batch 1) as one batch."""
+    if isinstance(values[0], RecurrentInputs):
+        return RecurrentInputs.concatenate(values, axis=0)
+    return mx.concatenate(values, axis=0)

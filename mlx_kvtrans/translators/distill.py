@@ -5,26 +5,22 @@ KL(p_T(. | native cache, cont<i) || p_T(. | translated cache, cont<i)), with gra
 through the frozen target into every translator parameter (maps, token-identity columns, state
 corrections, replay maps). Source and target never change.
 
-Indexer keys (DSA targets) receive no gradient through the top-k selection, so a rehearsal loss
-asks the target's indexer scores over the prefix, read against predicted keys, to match its
-scores against its own keys: KL between the two score distributions per query, weighted by
-`indexer_weight`. The attention rehearsal (`attention_weight`) does the same for every softmax
-attention layer: KL between the target's per-head attention distributions reading its own cache
-and reading the translated one, for every continuation query, so every query and head
-supervises the keys, not only the output distribution. The output rehearsal
-(`output_weight`) holds each decoder layer's token mixer (softmax or linear attention) to its
-output reading the target's own cache, at every continuation position: the relative squared
-error, mean over layers. Every layer's cache objects and recurrent states then have a loss of
-their own, not only through the layers above them (Heo et al. find the attention output's
-agreement predicts what a transfer keeps). The object rehearsal (`object_weight`) holds each
-per-token object the translator builds to the target's own (`rehearsal.py`).
+Rehearsals (`rehearsal.py`) add losses of their own, each weighted: a DSA target's indexer
+scores (`indexer_weight`: its keys get no gradient through the top-k selection otherwise), every
+softmax layer's per-head attention (`attention_weight`), every layer's token-mixer output
+(`output_weight`: every layer's objects and states get a loss of their own; Heo et al. find the
+attention output's agreement predicts what a transfer keeps) and each per-token object the
+translator builds (`object_weight`), all against the target reading its own cache.
 
 Two settings match the loss to what a user sees: `greedy` continues each window with the
 target's own greedy tokens (sequence-level distillation: the frontier's agreement is taken on
 them), and `reread` = R translates all but the prefix's last R tokens, which the target reads
 itself over the translated cache before the continuation, as a session switching at R does;
 `sink` = S has the target read the prefix's first S tokens itself, the translation following
-them, as a session with that attention sink does.
+them, as a session with that attention sink does. `temperature` below 1 takes the KL between
+sharpened distributions, which weighs the order of the likeliest tokens; `train_only` trains
+only the parameters named so (a residual beside the closed form it must not move); `keep`
+best returns the parameters of the lowest validation KL measured, the start's included.
 
 Recurrences run through the chunkwise-parallel gated delta rule (it has a backward pass on every
 device; the Metal kernel has none). Each step's batch depends only on (seed, step), and the
@@ -55,17 +51,17 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..capture import Capture, capture
+from ..capture import capture
 from ..errors import KvtransError
 from ..install import install
 from ..capture.instrument import chunked_recurrence, recording_indexer_scores
 from ..layouts import CapturePoint, ObjectKind, layout_of
-from ..layouts.linear_attention import RecurrentInputs
 from .attention_weights import recording_attention_probabilities
+from .cross_tokenizer import across_capture
 from .rehearsal import (  # noqa: F401  the losses' home; tests read them here
     attention_rehearsal, indexer_rehearsal, object_rehearsal, output_rehearsal,
     recording_mixer_outputs)
-from .fidelity import kl_per_token
+from .fidelity import kl_per_token, tempered_kl
 from .recipes.token_map import TokenMap
 from .translator import Translator, after
 
@@ -87,6 +83,9 @@ class DistillConfig:
     attention_weight: float = 0.0  # the attention rehearsal's weight (0: off)
     output_weight: float = 0.0  # the output rehearsal's weight (0: off)
     object_weight: float = 0.0  # the object rehearsal's weight (0: off; rehearsal.py)
+    temperature: float = 1.0  # the KL's; below 1 it weighs the ordering of the top tokens
+    train_only: str = ""  # train only the parameters whose names hold this (e.g. residual)
+    keep: str = "last"  # or best: the parameters of the lowest validation KL, start included
     needle_share: float = 0.0  # share of each batch's rows that are needles, answer at the end
     greedy: bool = False  # continue with the target's own greedy tokens (sequence level)
     reread: int = 0  # the target reads the prefix's last R tokens itself, as a session's dial
@@ -98,6 +97,10 @@ class DistillConfig:
     def __post_init__(self):
         if self.min_prefix > self.max_prefix:
             raise KvtransError("--min-prefix must not exceed --max-prefix")
+        if self.keep not in KEEP:
+            raise KvtransError(f"--keep must be {' or '.join(KEEP)}, not {self.keep!r}")
+        if not self.temperature > 0:
+            raise KvtransError("--temperature must be above 0")
         if self.reread + self.sink >= self.min_prefix:
             raise KvtransError("--reread and --sink together must be below --min-prefix: every "
                                "prefix is partly translated")
@@ -109,7 +112,8 @@ class DistillConfig:
 
 
 LATER_DEFAULTS = {"greedy": False, "reread": 0, "sink": 0, "output_weight": 0.0,
-                  "object_weight": 0.0}
+                  "object_weight": 0.0, "temperature": 1.0, "train_only": "", "keep": "last"}
+KEEP = ("last", "best")
 
 
 class Problem:
@@ -186,9 +190,10 @@ class Problem:
             yield scores, probs, mixed
 
     def loss(self, params: dict, indexer_weight: float = 1.0, attention_weight: float = 0.0,
-             output_weight: float = 0.0, object_weight: float = 0.0):
+             output_weight: float = 0.0, object_weight: float = 0.0, temperature: float = 1.0):
         """(total, (KL, indexer rehearsal, attention rehearsal, output rehearsal, object
-        rehearsal)) of `params` (a tree or flat) on this batch."""
+        rehearsal)) of `params` (a tree or flat) on this batch. The total's KL is taken at
+        `temperature` (`tempered_kl`); the KL returned is at 1."""
         objects, points = self.translator.translate(self.source, self.target, self.layout,
                                                     self.translated_ids, params=params,
                                                     all_rows=self.sink > 0)
@@ -201,38 +206,16 @@ class Problem:
         scores = [s[:, -n:] for s in scores]
         probs = [p[..., -n:, :] for p in probs]
         kl = kl_per_token(self.native_logits, logits).mean()
+        tempered = kl if temperature == 1.0 else tempered_kl(self.native_logits, logits,
+                                                             temperature).mean()
         rehearsal = indexer_rehearsal(self.native_scores, scores, self.prefix)
         attention = attention_rehearsal(self.native_attention, probs)
         outputs = output_rehearsal(self.native_outputs, [o[:, -n:] for o in mixed])
         built = object_rehearsal(self.native_objects,
                                  [objects[layer][name] for layer, name in self.rehearsed])
-        total = (kl + indexer_weight * rehearsal + attention_weight * attention
+        total = (tempered + indexer_weight * rehearsal + attention_weight * attention
                  + output_weight * outputs + object_weight * built)
         return total, (kl, rehearsal, attention, outputs, built)
-
-
-def across_capture(translator: Translator, source, tokenizers: tuple, ids: mx.array) -> Capture:
-    """The source's capture of each row's text, its own tokens of it read, pooled onto the
-    target's tokens `ids` (B, T) as the translator was fitted: a batch of target positions.
-    `tokenizers`: (the source's, the target's)."""
-    from .cross_tokenizer import aligned_ids, realigned
-
-    how = translator.info["alignment"]["pooling"]
-    rows = []
-    for row in ids.tolist():
-        text = aligned_ids(*tokenizers, row, how)
-        rows.append(realigned(capture(source, text.source, points=translator.source_points()),
-                              text))
-    objects = [{key: _stacked([r.objects[i][key] for r in rows]) for key in layer}
-               for i, layer in enumerate(rows[0].objects)]
-    return Capture(rows[0].layout, ids, objects, None)
-
-
-def _stacked(values: list):
-    """Rows of one object (each batch 1) as one batch."""
-    if isinstance(values[0], RecurrentInputs):
-        return RecurrentInputs.concatenate(values, axis=0)
-    return mx.concatenate(values, axis=0)
 
 
 def start_fingerprint(translator: Translator) -> str:
@@ -271,9 +254,10 @@ def draw_windows(ids, step: int, config: DistillConfig, needles=None) -> tuple[m
 MAX_SKIPPED = 10  # steps in a row with non-finite gradients before a run stops
 # what a checkpoint directory holds (each also as the .tmp it is written to first): nothing
 # else is ever written there
-CHECKPOINT_FILES = ("params.safetensors", "optimizer.safetensors", "state.json",
-                    "params.safetensors.tmp.safetensors",
-                    "optimizer.safetensors.tmp.safetensors", "state.json.tmp")
+CHECKPOINT_FILES = ("params.safetensors", "optimizer.safetensors", "best.safetensors",
+                    "state.json", "params.safetensors.tmp.safetensors",
+                    "optimizer.safetensors.tmp.safetensors", "best.safetensors.tmp.safetensors",
+                    "state.json.tmp")
 
 
 class Distiller:
@@ -301,11 +285,16 @@ class Distiller:
             raise KvtransError(f"the batch ({config.batch}) must divide among {self.size} "
                                "processes")
         self.params = translator.parameters()  # a tree: Adam, checkpoints, all-reduce
+        self.frozen = {k for k in translator.params if config.train_only not in k}
+        if len(self.frozen) == len(translator.params):
+            raise KvtransError(f"--train-only {config.train_only}: no parameter of the "
+                               "translator is named so (residual needs `kvtrans fit --residual`)")
         self.optimizer = optim.Adam(learning_rate=_schedule(config))
         self.optimizer.init(self.params)
         self.state = {"step": 0, "seconds": 0.0, "config": config.fingerprint(),
                       "start": start_fingerprint(translator), "history": []}
         self._validation = None
+        self.best_params = None  # `keep` best: the parameters of the lowest validation KL
 
     # -- checkpoints -------------------------------------------------------------------------
     def save_checkpoint(self):
@@ -316,6 +305,8 @@ class Distiller:
         self.workdir.mkdir(parents=True, exist_ok=True)
         written = {"params.safetensors": dict(tree_flatten(self.params)),
                    "optimizer.safetensors": dict(tree_flatten(self.optimizer.state))}
+        if self.best_params is not None:  # `keep` best, found after the start
+            written["best.safetensors"] = dict(tree_flatten(self.best_params))
         for name, arrays in written.items():
             mx.save_safetensors(str(self.workdir / f"{name}.tmp.safetensors"), arrays)
         tmp = self.workdir / "state.json.tmp"
@@ -340,6 +331,9 @@ class Distiller:
         self.params = tree_unflatten(list(mx.load(str(self.workdir / "params.safetensors")).items()))
         self.optimizer.state = tree_unflatten(
             list(mx.load(str(self.workdir / "optimizer.safetensors")).items()))
+        if state.get("best", {}).get("step"):
+            self.best_params = tree_unflatten(
+                list(mx.load(str(self.workdir / "best.safetensors")).items()))
         return True
 
     # -- measuring ---------------------------------------------------------------------------
@@ -383,7 +377,11 @@ class Distiller:
                               tokenizers=self.tokenizers, objects=c.object_weight > 0)
             (loss, (kl, rehearsal, attention, outputs, built)), grads = mx.value_and_grad(
                 lambda p: problem.loss(p, c.indexer_weight, c.attention_weight,
-                                       c.output_weight, c.object_weight))(self.params)
+                                       c.output_weight, c.object_weight,
+                                       c.temperature))(self.params)
+        if self.frozen:  # Adam leaves a parameter whose gradients are all 0 where it is
+            grads = tree_unflatten([(k, mx.zeros_like(g) if k in self.frozen else g)
+                                    for k, g in tree_flatten(grads)])
         if self.size > 1:
             grads = nn.average_gradients(grads, group=self.group)
             loss, kl, rehearsal, attention, outputs, built = (
@@ -410,6 +408,7 @@ class Distiller:
         mx.reset_peak_memory()
         if "validation_kl_before" not in self.state:
             self.state["validation_kl_before"] = self.validate(self.translator.parameters())
+            self.state["best"] = {"step": 0, "validation_kl": self.state["validation_kl_before"]}
         started = time.perf_counter() - self.state["seconds"]
         last_save = time.perf_counter()
         in_a_row = 0
@@ -427,6 +426,9 @@ class Distiller:
                     "lower --lr or --max-prefix")
             if record["step"] % c.validate_every == 0 or record["step"] == c.steps:
                 record["validation_kl"] = self.validate()
+                if c.keep == "best" and record["validation_kl"] < self.state["best"][
+                        "validation_kl"]:
+                    self.state["best"], self.best_params = record.copy(), self.params
             record["seconds"] = round(time.perf_counter() - started, 2)
             # kept in the checkpoint, so a resumed run reports the whole run's peak
             self.state["peak_memory_bytes"] = max(self.state.get("peak_memory_bytes", 0),
@@ -449,16 +451,24 @@ class Distiller:
         return {"stage": 2, "steps": self.state["step"], "config": asdict(self.config),
                 "minutes": round(self.state["seconds"] / 60, 2), "processes": self.size,
                 "validation_kl_before": self.state.get("validation_kl_before"),
+                **({"kept": self.state["best"]} if self.config.keep == "best" else {}),
                 "validation_kl_after": validated[-1]["validation_kl"] if validated else None,
                 "peak_memory_bytes": self.state.get("peak_memory_bytes", mx.get_peak_memory()),
                 "curve": [{k: r[k] for k in ("step", "loss", "kl", "indexer_rehearsal",
                                              "attention_rehearsal", "validation_kl") if k in r}
                           for r in self.state["history"]]}
 
+    def kept_params(self):
+        """The parameters the run returns (`keep`): the last step's, or the best validated."""
+        if self.config.keep == "last":
+            return self.params
+        return self.best_params if self.best_params is not None else \
+            self.translator.parameters()
+
     def distilled(self) -> Translator:
         """The translator with the distilled parameters (in the closed-form dtype); the stage-1
         gate calibration does not carry over (`calibrate.calibrate` measures one anew)."""
-        trained = dict(tree_flatten(self.params))
+        trained = dict(tree_flatten(self.kept_params()))
         params = {k: trained[k].astype(v.dtype) for k, v in self.translator.params.items()}
         info = {k: v for k, v in self.translator.info.items() if k != "gate"}
         return replace(self.translator, params=params, info=info)

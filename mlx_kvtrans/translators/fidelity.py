@@ -25,6 +25,16 @@ def kl_per_token(native_logits: mx.array, other_logits: mx.array) -> mx.array:
     return (mx.exp(p) * (p - q)).sum(-1)
 
 
+def tempered_kl(native_logits: mx.array, other_logits: mx.array, temperature: float) -> mx.array:
+    """T^2 KL(softmax(native / T) || softmax(other / T)) per token: at T below 1 it grows where
+    native's top tokens are nearly tied and the other orders them differently, the positions
+    where a switched target's argmax parts from native's; T^2 keeps its gradients' scale."""
+    if temperature == 1.0:
+        return kl_per_token(native_logits, other_logits)
+    return temperature ** 2 * kl_per_token(native_logits / temperature,
+                                           other_logits / temperature)
+
+
 def greedy(model, first_token: int, cache, n: int) -> list[int]:
     from mlx_lm.generate import generate_step
 

@@ -80,6 +80,7 @@ class Row:
     # per window, in window order: agreement and the floor's (for paired comparisons)
     window_agreement: list | None = None
     window_floor: list | None = None
+    near_ties: float | None = None  # of the positions parted from native, the near ties' share
 
     @property
     def speedup(self) -> float:
