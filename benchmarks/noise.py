@@ -6,8 +6,9 @@ every cached array given Gaussian noise of `eps` times its own RMS (`--eps`, a f
 scored as the frontier scores a switch (`evaluation/frontier.py`): teacher-forced on native's
 greedy continuation, the recovered share over the last-16 floor, KL(native || noised) per
 continuation token, and of the positions whose argmax parts from native's the share that
-native itself nearly ties. The whole prompt but its last token is cached (no re-read): a
-cache of unstructured error whose KL matches a translator's says how much of that
+native itself nearly ties. As a switch at R (`--reread`, default the gate's 8) does, the noise
+is in the cache of all but the prompt's last R + 1 tokens, which the target then reads over
+it. A cache of unstructured error whose KL matches a translator's says how much of that
 translator's loss comes with any error of that size, and how much is its own. On the test
 split, 64 windows per length by default; each figure with its 95% bootstrap interval.
 
@@ -38,29 +39,41 @@ from mlx_kvtrans.translators.fidelity import kl_per_token
 
 OUT = Path(__file__).resolve().parent / "results"
 LENGTHS = (256, 512)  # where the bars are read
-EPS = (0.1, 0.2, 0.4, 0.8)
+EPS = (0.1, 0.2, 0.3, 0.4, 0.6)
+REREAD = 8  # the gate's tail, which every shipped direction but one reads at its default
 
 
 def noised(cache: list, eps: float, seed: int) -> list:
-    """`cache` with every floating array of every layer's state (nested, as a CacheList's is)
-    given N(0, (eps * its RMS)^2) noise."""
+    """`cache` (mlx-lm's caches, one per layer) with every cached array, up to each cache's
+    offset, given N(0, (eps * its RMS)^2) noise."""
     drawn = iter(range(1_000_000))
 
-    def noisy(value):
-        if isinstance(value, (list, tuple)):
-            return type(value)(noisy(v) for v in value)
-        if not (isinstance(value, mx.array) and mx.issubdtype(value.dtype, mx.floating)):
-            return value
+    def noisy(value: mx.array) -> mx.array:
         rms = mx.sqrt(mx.mean(value.astype(mx.float32) ** 2))
         noise = mx.random.normal(value.shape, key=mx.random.key(seed * 100_003 + next(drawn)))
         return (value + eps * rms * noise).astype(value.dtype)
 
-    for layer in cache:
-        layer.state = noisy(layer.state)
+    def into(c) -> int:  # arrays noised
+        if hasattr(c, "caches"):  # CacheList
+            return sum(into(sub) for sub in c.caches)
+        if getattr(c, "keys", None) is not None:  # KVCache and its kind: the filled slots
+            c.keys, c.values = (noisy(a[..., :c.offset, :]) for a in (c.keys, c.values))
+            return 2
+        if isinstance(getattr(c, "cache", None), list):  # ArraysCache: conv and state
+            c.cache = [a if a is None else noisy(a) for a in c.cache]
+            return sum(a is not None for a in c.cache)
+        return 0
+
+    for i, layer in enumerate(cache):
+        if not into(layer):
+            raise ValueError(f"layer {i}: no noise for a {type(layer).__name__}")
     return cache
 
 
-def measure(alias: str, model, text_ids: list[int], eps_grid, prompts: int) -> list[dict]:
+def measure(alias: str, model, text_ids: list[int], eps_grid, prompts: int,
+            reread: int) -> list[dict]:
+    """Per length and noise scale: the target's own cache of all but the prompt's last
+    `reread` + 1 tokens noised, then those read over it, as a switch at R = `reread` does."""
     switch = fr.Switch(None, model.model, model.model)
     rows = []
     for length in LENGTHS:
@@ -70,15 +83,18 @@ def measure(alias: str, model, text_ids: list[int], eps_grid, prompts: int) -> l
         for eps in eps_grid:
             agree, kls, parted, tied = [], [], 0, 0
             for w, ref in enumerate(refs):
-                cache = noised(switch.native(ref.prefix), eps, w)
+                n = len(ref.prefix) - reread
+                cache = noised(switch.native(ref.prefix[:n]), eps, w)
+                if reread:
+                    model.model(mx.array(ref.prefix[n:])[None], cache=cache)
                 logits = model.model(ref.inputs, cache=cache)[0]
                 wrong = mx.argmax(logits, -1) != mx.array(ref.tokens)
                 agree.append(1.0 - float(wrong.mean()))
                 kls.append(float(kl_per_token(ref.logits, logits).mean()))
                 parted += int(wrong.sum())
                 tied += int((wrong & fr.near_tie(ref.logits)).sum())
-            rows.append({"target": alias, "length": length, "eps": eps, "windows": prompts,
-                         "kl": float(np.mean(kls)),
+            rows.append({"target": alias, "length": length, "eps": eps, "reread": reread,
+                         "windows": prompts, "kl": float(np.mean(kls)),
                          "history_recovered": recovered_share(np.mean(agree), np.mean(floor)),
                          "interval": bootstrap(recovered_share, [agree, floor]),
                          "near_ties": tied / parted if parted else None})
@@ -99,6 +115,7 @@ def translator_rows() -> list[dict]:
                 out.append({"translator": name, "target": r["target"], "length": row["length"],
                             "reread": r["reread"], "kl": row["kl"],
                             "history_recovered": row["history_recovered"],
+                            "interval": row["intervals"]["history_recovered"],
                             "near_ties": row.get("near_ties")})
     return out
 
@@ -108,7 +125,8 @@ def write_markdown(saved: dict, out: Path) -> None:
     lines = ["# What a given KL buys\n",
              "The history's worth kept (recovered share, teacher-forced against native's greedy "
              "continuation, above the last-16 floor) by a target reading its own cache with "
-             "Gaussian noise of eps times each cached array's RMS, beside the shipped "
+             "Gaussian noise of eps times each cached array's RMS, then the prompt's last R "
+             "tokens over it as a switch at R does, beside the shipped "
              f"translators at their default setting (`bars.md`), on the test split, "
              f"{saved['settings']['prompts']} windows per length. *Near ties*: of the "
              "positions whose argmax parts from native's, the share where native's two likeliest "
@@ -120,15 +138,17 @@ def write_markdown(saved: dict, out: Path) -> None:
              "|---|---|---|---|---|---|"]
     for row in saved["rows"]:
         lo, hi = row["interval"]
-        lines.append(f"| {row['target']} | {row['length']} | own, noise {row['eps']:g} | "
+        lines.append(f"| {row['target']} | {row['length']} | own, noise {row['eps']:g}, R = "
+                     f"{row['reread']} | "
                      f"{row['kl']:.4f} | {row['history_recovered']:.2f} [{lo:.2f}, {hi:.2f}] | "
                      f"{cell(row['near_ties'], '.2f')} |")
     targets = {row["target"] for row in saved["rows"]}
     for row in translator_rows():
         if row["target"] in targets:
+            lo, hi = row["interval"]
             lines.append(f"| {row['target']} | {row['length']} | {row['translator']}, R = "
-                         f"{row['reread']} | {row['kl']:.4f} | {row['history_recovered']:.2f} | "
-                         f"{cell(row['near_ties'], '.2f')} |")
+                         f"{row['reread']} | {row['kl']:.4f} | {row['history_recovered']:.2f} "
+                         f"[{lo:.2f}, {hi:.2f}] | {cell(row['near_ties'], '.2f')} |")
     (out / "noise.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
@@ -139,6 +159,8 @@ def main():
     parser.add_argument("--eps", default=",".join(map(str, EPS)),
                         help="noise scales, times each array's RMS")
     parser.add_argument("--prompts", type=int, default=64, help="held-out windows per length")
+    parser.add_argument("--reread", type=int, default=REREAD,
+                        help="the prompt's last R tokens (and the last) read over the noise")
     parser.add_argument("--results", type=Path, default=OUT)
     parser.add_argument("--tabulate", action="store_true", help="only rebuild noise.md")
     args = parser.parse_args()
@@ -152,8 +174,9 @@ def main():
     for alias in targets:
         model = kv.load(alias)
         ids = model.tokenizer.encode(held_out_split("test").read_text())
-        rows += measure(alias, model, ids, eps_grid, args.prompts)
-    saved = {"blas": str(blas_report()), "settings": {"prompts": args.prompts, "eps": eps_grid},
+        rows += measure(alias, model, ids, eps_grid, args.prompts, args.reread)
+    saved = {"blas": str(blas_report()), "settings": {"prompts": args.prompts, "eps": eps_grid,
+                                                      "reread": args.reread},
              "minutes": round((time.perf_counter() - started) / 60, 2), "rows": rows}
     args.results.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(saved, indent=1))

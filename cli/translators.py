@@ -45,9 +45,11 @@ TEMPERATURE = typer.Option(DISTILL.temperature, callback=positive,
                            help="the KL's temperature: below 1 it weighs the order of the top "
                            "tokens, where a switch's argmax parts from native's")
 KEEP = typer.Option(DISTILL.keep, help="the parameters written: last (the last step's) or best "
-                    "(of the lowest held-out KL measured, the start's included)")
+                    "(of the lowest held-out KL measured, the start's included; with --resume, "
+                    "of a finished run too)")
 TRAIN_ONLY = typer.Option(DISTILL.train_only, help="train only the parameters whose names hold "
-                          "this, e.g. residual (`fit --residual H`); the rest stay as they are")
+                          "this text, e.g. residual (`fit --residual H`); the rest stay as they "
+                          "are")
 GATE_WINDOWS_HELP = ("held-out windows of each kind (the source's text, its own reply) and band "
                      "of prefix lengths the fidelity gate is calibrated on")
 
@@ -461,14 +463,14 @@ def distill(translator_dir: Path = typer.Option(..., "--translator", help="stage
 
 def _check_train_only(translator_dir: Path, train_only: str) -> None:
     """Refused before any work: --train-only that names none of the translator's parameters."""
-    import mlx.core as mx
+    if train_only:
+        import mlx.core as mx
 
-    from mlx_kvtrans.translators import artifact
+        from mlx_kvtrans.translators import artifact
+        from mlx_kvtrans.translators.distill import frozen
 
-    names = mx.load(str(artifact.resolve(translator_dir) / "weights.safetensors")).keys()
-    if train_only and not any(train_only in name for name in names):
-        raise KvtransError(f"--train-only {train_only}: no parameter of the translator is named "
-                           "so (residual needs `kvtrans fit --residual`)")
+        frozen(mx.load(str(artifact.resolve(translator_dir) / "weights.safetensors")),
+               train_only)
 
 
 def _print_distill(run, out_dir: Path, as_json: bool) -> None:
@@ -481,11 +483,12 @@ def _print_distill(run, out_dir: Path, as_json: bool) -> None:
               f"{summary['validation_kl_after']:.4f} nats/token after {summary['steps']} steps "
               f"({summary['minutes']:.1f} min, peak memory "
               f"{summary['peak_memory_bytes'] / 2**20:.0f} MiB) · wrote {out_dir}")
-    kept = summary.get("kept")
-    if kept is not None:
-        out.print(f"kept the parameters of step {kept['step']} (held-out KL "
-                  f"{kept['validation_kl']:.4f}), the lowest measured")
-    elif summary["validation_kl_after"] > summary["validation_kl_before"]:
-        out.print("held-out KL ended above where it began: --keep best returns the parameters "
-                  "of the lowest measured, the start's included")
+    best = summary["best"]
+    if summary["config"]["keep"] == "best":
+        out.print(f"wrote the parameters of step {best['step']} (held-out KL "
+                  f"{best['validation_kl']:.4f}), the lowest measured" if best["step"] else
+                  "no step lowered the held-out KL: wrote the parameters it started from")
+    elif best["step"] != summary["steps"]:
+        out.print(f"held-out KL was lowest at step {best['step']} ({best['validation_kl']:.4f}): "
+                  "--resume --keep best --force writes those parameters instead")
     out.print(_gate_line(run.translator.info["gate"]))

@@ -383,7 +383,8 @@ def test_train_only_moves_the_parameters_named_and_no_other(loaded, tmp_path):
 def test_keep_best_returns_the_lowest_validated_parameters_and_resumes_them(loaded, tmp_path,
                                                                            monkeypatch):
     """`keep` best: the parameters of the lowest validation KL measured, the start's included
-    (a run whose KL only rises leaves the start's), kept through a checkpoint and a resume."""
+    (a run whose KL only rises leaves the start's), kept through a checkpoint and a resume; a
+    finished run resumed with `keep` best writes those without training again."""
     translator, S, T = tiny_translator(loaded, "qwen3", "llama")
     ids = ids_of(loaded, "llama")
     config = DistillConfig(steps=6, lr=1e-3, warmup=1, batch=2, min_prefix=16, max_prefix=32,
@@ -392,19 +393,24 @@ def test_keep_best_returns_the_lowest_validated_parameters_and_resumes_them(load
     summary = run.run()
     measured = [summary["validation_kl_before"]] + [
         r["validation_kl"] for r in summary["curve"] if "validation_kl" in r]
-    assert summary["kept"]["validation_kl"] == min(measured)
+    assert summary["best"]["validation_kl"] == min(measured)
     assert run.validate(run.distilled().parameters()) == pytest.approx(min(measured), rel=1e-4)
     first = Distiller(translator, S, T, ids[:15000], ids[15000:], config, tmp_path / "b")
     first.run(max_minutes=1e-9)
     second = Distiller(translator, S, T, ids[:15000], ids[15000:], config, tmp_path / "b")
     second.resume()
-    assert second.run()["kept"] == summary["kept"]
+    assert second.run()["best"] == summary["best"]
     kept, resumed = (dict(tree_flatten(d.kept_params())) for d in (run, second))
     assert all(mx.array_equal(v, resumed[k]) for k, v in kept.items())
+    last = Distiller(translator, S, T, ids[:15000], ids[15000:], replace(config, keep="last"),
+                     tmp_path / "a")
+    assert last.resume() and last.run()["steps"] == 6  # finished: nothing runs again
+    assert all(mx.array_equal(v, dict(tree_flatten(last.params))[k])
+               for k, v in tree_flatten(run.params))
     rising = iter(range(100))
     monkeypatch.setattr(Distiller, "validate", lambda self, params=None: float(next(rising)))
     wild = Distiller(translator, S, T, ids[:15000], ids[15000:], config, tmp_path / "c")
-    assert wild.run()["kept"]["step"] == 0
+    assert wild.run()["best"]["step"] == 0
     assert all(mx.array_equal(v, translator.params[k])
                for k, v in wild.distilled().params.items())
     with pytest.raises(KvtransError, match="--keep"):
@@ -459,6 +465,9 @@ def test_a_low_temperature_weighs_a_flipped_near_tie_above_an_equal_kl_elsewhere
     cold = [float(tempered_kl(a, b, 0.25)[0]) for a, b in ((native[:1], flipped),
                                                             (native[1:], kept))]
     assert cold[0] > 3 * cold[1]
+    half = (native.astype(mx.bfloat16), native[::-1].astype(mx.bfloat16))  # summed in float32
+    assert mx.allclose(tempered_kl(*half, 0.3),
+                       tempered_kl(*(h.astype(mx.float32) for h in half), 0.3), rtol=1e-5)
 
 
 def _shift_for_kl(target: float) -> float:

@@ -3,35 +3,26 @@
 Loss (hybrid-translation paper, stage 2): the mean over continuation positions of
 KL(p_T(. | native cache, cont<i) || p_T(. | translated cache, cont<i)), with gradients flowing
 through the frozen target into every translator parameter (maps, token-identity columns, state
-corrections, replay maps). Source and target never change.
+corrections, replay maps). Source and target never change. Rehearsals (`rehearsal.py`) add
+weighted losses of their own against the target reading its own cache: a DSA target's indexer
+scores (its keys get no gradient through the top-k otherwise), per-head attention, each layer's
+token-mixer output (Heo et al. find its agreement predicts what a transfer keeps) and each
+per-token object the translator builds.
 
-Rehearsals (`rehearsal.py`) add losses of their own, each weighted: a DSA target's indexer
-scores (`indexer_weight`: its keys get no gradient through the top-k selection otherwise), every
-softmax layer's per-head attention (`attention_weight`), every layer's token-mixer output
-(`output_weight`: every layer's objects and states get a loss of their own; Heo et al. find the
-attention output's agreement predicts what a transfer keeps) and each per-token object the
-translator builds (`object_weight`), all against the target reading its own cache.
-
-Two settings match the loss to what a user sees: `greedy` continues each window with the
-target's own greedy tokens (sequence-level distillation: the frontier's agreement is taken on
-them), and `reread` = R translates all but the prefix's last R tokens, which the target reads
-itself over the translated cache before the continuation, as a session switching at R does;
-`sink` = S has the target read the prefix's first S tokens itself, the translation following
-them, as a session with that attention sink does. `temperature` below 1 takes the KL between
-sharpened distributions, which weighs the order of the likeliest tokens; `train_only` trains
-only the parameters named so (a residual beside the closed form it must not move); `keep`
+What a user sees: `greedy` continues each window with the target's own greedy tokens
+(sequence level: the frontier's agreement is taken on them); `reread` = R translates all but
+the prefix's last R tokens, which the target reads itself, and `sink` = S its first S, as a
+session does; `temperature` below 1 weighs the order of the likeliest tokens. `train_only`
+trains only the parameters named so (a residual beside a closed form it must not move); `keep`
 best returns the parameters of the lowest validation KL measured, the start's included.
 
 Recurrences run through the chunkwise-parallel gated delta rule (it has a backward pass on every
 device; the Metal kernel has none). Each step's batch depends only on (seed, step), and the
-parameters and Adam state are checkpointed, so a resumed run continues bit-identically. With
-several processes (`mlx.launch`), each takes its share of the rows of the same global batch and
-gradients are averaged.
-
-Corpus text rarely asks the target to copy a fact from far back, which is what exact recall
-needs; `needle_share` replaces that share of every batch with synthetic needles (training seeds)
-cut so that the continuation ends with the question and the answer, where native and translated
-caches disagree most when the fact is lost.
+parameters and Adam state are checkpointed, so a resumed run continues bit-identically. Under
+`mlx.launch` each process takes its share of the same global batch and gradients are averaged.
+Corpus text rarely asks the target to copy a fact from far back, which exact recall needs:
+`needle_share` replaces that share of every batch with synthetic needles (training seeds) whose
+continuation ends with the question and the answer.
 """
 
 from __future__ import annotations
@@ -106,13 +97,15 @@ class DistillConfig:
                                "prefix is partly translated")
 
     def fingerprint(self) -> str:
-        fields = {k: v for k, v in asdict(self).items()  # settings added later, at their
-                  if k not in LATER_DEFAULTS or LATER_DEFAULTS[k] != v}  # defaults, keep old runs
+        """What a checkpoint must match to resume: every setting but `keep`, which only
+        chooses among the parameters a run holds (a finished run resumes to write the other)."""
+        fields = {k: v for k, v in asdict(self).items() if k != "keep" and (  # settings added
+                  k not in LATER_DEFAULTS or LATER_DEFAULTS[k] != v)}  # later, at their defaults
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 
 LATER_DEFAULTS = {"greedy": False, "reread": 0, "sink": 0, "output_weight": 0.0,
-                  "object_weight": 0.0, "temperature": 1.0, "train_only": "", "keep": "last"}
+                  "object_weight": 0.0, "temperature": 1.0, "train_only": ""}
 KEEP = ("last", "best")
 
 
@@ -218,6 +211,15 @@ class Problem:
         return total, (kl, rehearsal, attention, outputs, built)
 
 
+def frozen(names, train_only: str) -> set[str]:
+    """The parameters `--train-only` holds as they are: those whose names lack its text."""
+    held = {k for k in names if train_only not in k} if train_only else set()
+    if train_only and len(held) == len(names):
+        raise KvtransError(f"--train-only {train_only}: no parameter of the translator is named "
+                           "so (residual needs `kvtrans fit --residual`)")
+    return held
+
+
 def start_fingerprint(translator: Translator) -> str:
     """A hash of the parameters a run starts from: a checkpoint continues only its own start (a
     refitted translator, or one fitted to a retrained model, starts afresh)."""
@@ -285,16 +287,13 @@ class Distiller:
             raise KvtransError(f"the batch ({config.batch}) must divide among {self.size} "
                                "processes")
         self.params = translator.parameters()  # a tree: Adam, checkpoints, all-reduce
-        self.frozen = {k for k in translator.params if config.train_only not in k}
-        if len(self.frozen) == len(translator.params):
-            raise KvtransError(f"--train-only {config.train_only}: no parameter of the "
-                               "translator is named so (residual needs `kvtrans fit --residual`)")
+        self.frozen = frozen(translator.params, config.train_only)
         self.optimizer = optim.Adam(learning_rate=_schedule(config))
         self.optimizer.init(self.params)
         self.state = {"step": 0, "seconds": 0.0, "config": config.fingerprint(),
                       "start": start_fingerprint(translator), "history": []}
         self._validation = None
-        self.best_params = None  # `keep` best: the parameters of the lowest validation KL
+        self.best_params = None  # of the lowest validation KL after the start (`keep` best)
 
     # -- checkpoints -------------------------------------------------------------------------
     def save_checkpoint(self):
@@ -305,7 +304,7 @@ class Distiller:
         self.workdir.mkdir(parents=True, exist_ok=True)
         written = {"params.safetensors": dict(tree_flatten(self.params)),
                    "optimizer.safetensors": dict(tree_flatten(self.optimizer.state))}
-        if self.best_params is not None:  # `keep` best, found after the start
+        if self.best_params is not None:
             written["best.safetensors"] = dict(tree_flatten(self.best_params))
         for name, arrays in written.items():
             mx.save_safetensors(str(self.workdir / f"{name}.tmp.safetensors"), arrays)
@@ -379,7 +378,7 @@ class Distiller:
                 lambda p: problem.loss(p, c.indexer_weight, c.attention_weight,
                                        c.output_weight, c.object_weight,
                                        c.temperature))(self.params)
-        if self.frozen:  # Adam leaves a parameter whose gradients are all 0 where it is
+        if self.frozen:  # plain Adam (no decay) leaves a parameter of zero gradients where it is
             grads = tree_unflatten([(k, mx.zeros_like(g) if k in self.frozen else g)
                                     for k, g in tree_flatten(grads)])
         if self.size > 1:
@@ -408,7 +407,8 @@ class Distiller:
         mx.reset_peak_memory()
         if "validation_kl_before" not in self.state:
             self.state["validation_kl_before"] = self.validate(self.translator.parameters())
-            self.state["best"] = {"step": 0, "validation_kl": self.state["validation_kl_before"]}
+        self.state.setdefault("best", {"step": 0,
+                                       "validation_kl": self.state["validation_kl_before"]})
         started = time.perf_counter() - self.state["seconds"]
         last_save = time.perf_counter()
         in_a_row = 0
@@ -426,8 +426,7 @@ class Distiller:
                     "lower --lr or --max-prefix")
             if record["step"] % c.validate_every == 0 or record["step"] == c.steps:
                 record["validation_kl"] = self.validate()
-                if c.keep == "best" and record["validation_kl"] < self.state["best"][
-                        "validation_kl"]:
+                if record["validation_kl"] < self.state["best"]["validation_kl"]:
                     self.state["best"], self.best_params = record.copy(), self.params
             record["seconds"] = round(time.perf_counter() - started, 2)
             # kept in the checkpoint, so a resumed run reports the whole run's peak
@@ -451,7 +450,8 @@ class Distiller:
         return {"stage": 2, "steps": self.state["step"], "config": asdict(self.config),
                 "minutes": round(self.state["seconds"] / 60, 2), "processes": self.size,
                 "validation_kl_before": self.state.get("validation_kl_before"),
-                **({"kept": self.state["best"]} if self.config.keep == "best" else {}),
+                "best": {k: v for k, v in self.state.get("best", {}).items()
+                         if k in ("step", "validation_kl")},  # what `keep` best returns
                 "validation_kl_after": validated[-1]["validation_kl"] if validated else None,
                 "peak_memory_bytes": self.state.get("peak_memory_bytes", mx.get_peak_memory()),
                 "curve": [{k: r[k] for k in ("step", "loss", "kl", "indexer_rehearsal",

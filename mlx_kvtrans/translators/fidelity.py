@@ -28,11 +28,12 @@ def kl_per_token(native_logits: mx.array, other_logits: mx.array) -> mx.array:
 def tempered_kl(native_logits: mx.array, other_logits: mx.array, temperature: float) -> mx.array:
     """T^2 KL(softmax(native / T) || softmax(other / T)) per token: at T below 1 it grows where
     native's top tokens are nearly tied and the other orders them differently, the positions
-    where a switched target's argmax parts from native's; T^2 keeps its gradients' scale."""
+    where a switched target's argmax parts from native's, and fades where native is sure; T^2
+    keeps a near tie's gradient at about its size at T = 1."""
     if temperature == 1.0:
         return kl_per_token(native_logits, other_logits)
-    return temperature ** 2 * kl_per_token(native_logits / temperature,
-                                           other_logits / temperature)
+    return temperature ** 2 * kl_per_token(native_logits.astype(mx.float32) / temperature,
+                                           other_logits.astype(mx.float32) / temperature)
 
 
 def greedy(model, first_token: int, cache, n: int) -> list[int]:
