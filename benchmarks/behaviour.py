@@ -117,8 +117,7 @@ def main():
     shipped = set(artifact.shipped_names())  # rows of translators no longer shipped go
     results = {k: v for k, v in results.items() if k in shipped}
     results.update(measured)
-    report = blas_report()
-    blas = str(report)
+    blas = str(blas_report())
     OUT.mkdir(parents=True, exist_ok=True)
     results_file.write_text(json.dumps({"blas": blas, "settings": settings,
                                         "translators": dict(sorted(results.items()))},

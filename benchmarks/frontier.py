@@ -169,8 +169,7 @@ def merge_and_write(results_file: Path, settings: dict, measured: dict) -> tuple
     shipped = set(artifact.shipped_names())  # rows of translators no longer shipped go
     results = {k: v for k, v in results.items() if k in shipped}
     results = dict(sorted({**results, **measured}.items()))
-    report = blas_report()
-    blas = str(report)
+    blas = str(blas_report())
     results_file.parent.mkdir(parents=True, exist_ok=True)
     results_file.write_text(json.dumps({"blas": blas, "settings": settings,
                                         "translators": results}, indent=2) + "\n")

@@ -86,8 +86,7 @@ def main():
     results_file = OUT / "multiturn.json"  # read as it is now: other runs may have added to it
     results = json.loads(results_file.read_text())["pairs"] if results_file.exists() else {}
     results.update(measured)
-    report = blas_report()
-    blas = str(report)
+    blas = str(blas_report())
     OUT.mkdir(parents=True, exist_ok=True)
     results_file.write_text(json.dumps({"blas": blas, "pairs": results}, indent=2) + "\n")
     write_markdown(results, blas)

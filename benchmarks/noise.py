@@ -35,7 +35,6 @@ from mlx_kvtrans.evaluation import frontier as fr
 from mlx_kvtrans.evaluation.intervals import bootstrap, recovered_share
 from mlx_kvtrans.models import held_out_split
 from mlx_kvtrans.translators import artifact
-from mlx_kvtrans.translators.fidelity import kl_per_token
 
 OUT = Path(__file__).resolve().parent / "results"
 LENGTHS = (256, 512)  # where the bars are read
@@ -87,12 +86,10 @@ def measure(alias: str, model, text_ids: list[int], eps_grid, prompts: int,
                 cache = noised(switch.native(ref.prefix[:n]), eps, w)
                 if reread:
                     model.model(mx.array(ref.prefix[n:])[None], cache=cache)
-                logits = model.model(ref.inputs, cache=cache)[0]
-                wrong = mx.argmax(logits, -1) != mx.array(ref.tokens)
-                agree.append(1.0 - float(wrong.mean()))
-                kls.append(float(kl_per_token(ref.logits, logits).mean()))
-                parted += int(wrong.sum())
-                tied += int((wrong & fr.near_tie(ref.logits)).sum())
+                got = fr.against(ref, model.model(ref.inputs, cache=cache)[0])
+                agree.append(got["agree"])
+                kls.append(got["kl"])
+                parted, tied = parted + got["parted"], tied + got["tied"]
             rows.append({"target": alias, "length": length, "eps": eps, "reread": reread,
                          "windows": prompts, "kl": float(np.mean(kls)),
                          "history_recovered": recovered_share(np.mean(agree), np.mean(floor)),

@@ -245,19 +245,24 @@ def floor_agreement(target, prompt: list[int], tokens: list[int]) -> float:
 
 
 def score(switch: Switch, setting: Setting, ref: Reference) -> dict:
-    """How the switched cache of one window continues, against native: teacher-forced
-    agreement and KL, and of its own greedy tokens the matches, all-equal and the first; and
-    of the positions whose argmax parts from native's, how many and how many of those native
-    itself nearly ties (`near_tie`)."""
+    """How the switched cache of one window continues, against native: `against` its
+    teacher-forced logits, and of its own greedy tokens the matches, all-equal and the first."""
     target = switch.target
     recorded = switch.read(setting, ref.prefix)
     logits = target(ref.inputs, cache=switch.cache(setting, ref.prefix, recorded))[0]
     generated = greedy(target, ref.last, switch.cache(setting, ref.prefix, recorded), GENERATED)
     same = [a == b for a, b in zip(generated, ref.tokens)]
+    return {**against(ref, logits), "match": sum(same), "exact": float(all(same)),
+            "first": float(same[0])}
+
+
+def against(ref: Reference, logits: mx.array) -> dict:
+    """Teacher-forced `logits` (GENERATED, V) of a cache against native's: agreement, KL, and of
+    the positions whose argmax parts from native's, how many, and how many of those native
+    itself nearly ties (`near_tie`)."""
     parted = mx.argmax(logits, -1) != mx.array(ref.tokens)
     return {"agree": 1.0 - float(parted.mean()),
-            "kl": float(kl_per_token(ref.logits, logits).mean()), "match": sum(same),
-            "exact": float(all(same)), "first": float(same[0]),
+            "kl": float(kl_per_token(ref.logits, logits).mean()),
             "parted": int(parted.sum()), "tied": int((parted & near_tie(ref.logits)).sum())}
 
 
@@ -270,7 +275,7 @@ def near_tie(logits: mx.array) -> mx.array:
     return mx.abs(top[..., 0] - top[..., 1]) < TIE_NATS
 
 
-SCORES = ("agree", "kl", "match", "exact", "first", "parted", "tied")  # per window (`score`)
+SCORES = ("agree", "kl", "parted", "tied", "match", "exact", "first")  # per window (`score`)
 
 
 def measure(switch: Switch, encode, text_ids: list[int], plan: dict[int, list[Setting]],

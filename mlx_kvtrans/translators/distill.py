@@ -293,7 +293,7 @@ class Distiller:
         self.state = {"step": 0, "seconds": 0.0, "config": config.fingerprint(),
                       "start": start_fingerprint(translator), "history": []}
         self._validation = None
-        self.best_params = None  # of the lowest validation KL after the start (`keep` best)
+        self.best_params, self.best_unsaved = None, False  # lowest validation KL (keep best)
 
     # -- checkpoints -------------------------------------------------------------------------
     def save_checkpoint(self):
@@ -304,7 +304,7 @@ class Distiller:
         self.workdir.mkdir(parents=True, exist_ok=True)
         written = {"params.safetensors": dict(tree_flatten(self.params)),
                    "optimizer.safetensors": dict(tree_flatten(self.optimizer.state))}
-        if self.best_params is not None:
+        if self.best_unsaved:  # the file holds it already otherwise
             written["best.safetensors"] = dict(tree_flatten(self.best_params))
         for name, arrays in written.items():
             mx.save_safetensors(str(self.workdir / f"{name}.tmp.safetensors"), arrays)
@@ -313,6 +313,7 @@ class Distiller:
         for name in written:
             (self.workdir / f"{name}.tmp.safetensors").replace(self.workdir / name)
         tmp.replace(self.workdir / "state.json")
+        self.best_unsaved = False
 
     def resume(self) -> bool:
         """Load the checkpoint in `workdir` if there is one; refuse one of another config."""
@@ -427,7 +428,8 @@ class Distiller:
             if record["step"] % c.validate_every == 0 or record["step"] == c.steps:
                 record["validation_kl"] = self.validate()
                 if record["validation_kl"] < self.state["best"]["validation_kl"]:
-                    self.state["best"], self.best_params = record.copy(), self.params
+                    self.state["best"] = {k: record[k] for k in ("step", "validation_kl")}
+                    self.best_params, self.best_unsaved = self.params, True
             record["seconds"] = round(time.perf_counter() - started, 2)
             # kept in the checkpoint, so a resumed run reports the whole run's peak
             self.state["peak_memory_bytes"] = max(self.state.get("peak_memory_bytes", 0),
@@ -450,8 +452,7 @@ class Distiller:
         return {"stage": 2, "steps": self.state["step"], "config": asdict(self.config),
                 "minutes": round(self.state["seconds"] / 60, 2), "processes": self.size,
                 "validation_kl_before": self.state.get("validation_kl_before"),
-                "best": {k: v for k, v in self.state.get("best", {}).items()
-                         if k in ("step", "validation_kl")},  # what `keep` best returns
+                "best": self.state.get("best"),  # what `keep` best returns
                 "validation_kl_after": validated[-1]["validation_kl"] if validated else None,
                 "peak_memory_bytes": self.state.get("peak_memory_bytes", mx.get_peak_memory()),
                 "curve": [{k: r[k] for k in ("step", "loss", "kl", "indexer_rehearsal",
