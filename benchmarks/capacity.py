@@ -9,7 +9,13 @@ inputs would keep more of the history: on attention pairs (GQA keys and values, 
   token id (the shipped plan's features, without needle windows or attention weighting);
 - every source layer and the token id;
 - every source layer and the token id, plus H random ReLU features of them (relu(x P), P fixed
-  Gaussian): a closed-form nonlinear map, H = 1,024 and 4,096,
+  Gaussian): a closed-form nonlinear map, H = 1,024 and 4,096;
+- every source layer and the token id, with the previous token's beside them: whether a
+  position's map lacks what its neighbour's features hold;
+- every source layer and the token id, plus 512 hidden units learned by Adam on the squared
+  error of every target layer's keys and values (each layer's scaled to unit variance), from
+  the linear fit: whether a learned nonlinearity reaches what random features do at a fraction
+  of the width,
 
 each measured on held-out windows of the validation split: held-out R^2 of the keys and
 values, and the history's worth recovered, (agreement - floor) / (1 - floor), with the
@@ -34,6 +40,8 @@ from pathlib import Path
 
 import mlx_kvtrans as kv  # first: fast BLAS
 import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
 import numpy as np
 
 from mlx_kvtrans.blas import blas_report
@@ -49,10 +57,15 @@ LENGTH = 256  # fitting and measuring windows, the shipped translators' fitting 
 REREADS = (0, 8, 32)
 SEED = 7  # validation windows: not any other benchmark's draw
 RIDGE = 1e-3  # relative to the mean diagonal of the features' second moments
-# (name, source layers: "nearest" 2 or "every", random ReLU features)
-VARIANTS = [("linear, 2 nearest layers", "nearest", 0), ("linear, every layer", "every", 0),
-            ("1,024 random ReLU features, every layer", "every", 1024),
-            ("4,096 random ReLU features, every layer", "every", 4096)]
+# (name, source layers: "nearest" 2 or "every", hidden units, kind: random features, the
+# previous token's features beside each position's, or hidden units learned by Adam)
+VARIANTS = [("linear, 2 nearest layers", "nearest", 0, "random"),
+            ("linear, every layer", "every", 0, "random"),
+            ("linear, every layer and the previous token's", "every", 0, "previous"),
+            ("1,024 random ReLU features, every layer", "every", 1024, "random"),
+            ("4,096 random ReLU features, every layer", "every", 4096, "random"),
+            ("512 learned GELU units, every layer", "every", 512, "learned")]
+LEARNED_STEPS, LEARNED_BATCH, LEARNED_LR = 1500, 4096, 1e-3  # Adam, cosine to a twentieth
 
 
 def per_token(cap, layer: int) -> list[np.ndarray]:
@@ -89,11 +102,19 @@ class Pair:
         return relative_depth(self.n_source, self.n_target, layer, 2)
 
 
+def previous(x: np.ndarray, window: int) -> np.ndarray:
+    """Each row beside the row before it in its `window` of rows (zeros before a window's
+    first)."""
+    w = x.reshape(-1, window, x.shape[-1])
+    before = np.concatenate([np.zeros_like(w[:, :1]), w[:, :-1]], axis=1)
+    return np.concatenate([w, before], -1).reshape(len(x), -1)
+
+
 class Map:
     """Per target layer, a ridge fit of keys and values on the variant's features."""
 
-    def __init__(self, pair: Pair, which: str, hidden: int, data):
-        self.pair, self.which, self.hidden = pair, which, hidden
+    def __init__(self, pair: Pair, which: str, hidden: int, data, kind: str = "random"):
+        self.pair, self.which, self.hidden, self.kind = pair, which, hidden, kind
         layers, identity, targets = data
         self.norms, self.proj, self.weights = {}, {}, {}
         for j in range(pair.n_target):
@@ -110,9 +131,10 @@ class Map:
             self.weights[j] = np.linalg.solve(gram, (f.T @ targets[j]).astype(np.float64)
                                               ).astype(np.float32)
 
-    def _raw(self, layers, identity, j):
-        return np.concatenate([layers[s] for s in self.pair.sources(j, self.which)]
-                              + [identity], -1)
+    def _raw(self, layers, identity, j, window: int = LENGTH):
+        x = np.concatenate([layers[s] for s in self.pair.sources(j, self.which)] + [identity],
+                           -1)
+        return previous(x, window) if self.kind == "previous" else x
 
     def _expand(self, x, j):
         mean, std = self.norms[j]
@@ -120,19 +142,67 @@ class Map:
         parts = [z] + ([np.maximum(z @ self.proj[j], 0)] if self.hidden else [])
         return np.concatenate(parts + [np.ones((len(z), 1), np.float32)], -1)
 
-    def predict(self, layers, identity) -> list[np.ndarray]:
-        return [self._expand(self._raw(layers, identity, j), j) @ self.weights[j]
+    def predict(self, layers, identity, window: int = LENGTH) -> list[np.ndarray]:
+        """Per target layer, the keys and values of rows stacked in windows of `window`."""
+        return [self._expand(self._raw(layers, identity, j, window), j) @ self.weights[j]
                 for j in range(self.pair.n_target)]
 
     def cache(self, ids: list[int]) -> list:
         """The target's cache of `ids`, keys and values from the map."""
-        out = self.predict(*self.pair.features(ids))
+        out = self.predict(*self.pair.features(ids), window=len(ids))
         objects, points = [], []
         for y, width in zip(out, self.pair.key_widths):
             objects.append({"keys": mx.array(y[None, :, :width]),
                             "values": mx.array(y[None, :, width:])})
             points.append({"keys": 1, "values": 1})
         return install(self.pair.tl, objects, points)
+
+
+class Learned(Map):
+    """Every target layer's keys and values from one hidden layer of the standardized input
+    of every source layer and the id: y = x W + gelu(x U + c) D, W from the linear ridge fit,
+    U drawn, D zero, then all trained by Adam on the squared error."""
+
+    def __init__(self, pair: Pair, which: str, hidden: int, data, kind: str = "learned"):
+        super().__init__(pair, which, 0, data, "random")
+        layers, identity, targets = data
+        z = mx.array(self._expand(self._raw(layers, identity, 0), 0))  # the same for every j
+        self.widths = [t.shape[1] for t in targets]
+        # each layer's error counts alike: its outputs scaled to unit variance
+        self.scale = np.concatenate([np.full(t.shape[1], t.std()) for t in targets]
+                                    ).astype(np.float32)
+        linear = np.concatenate([self.weights[j] for j in range(pair.n_target)], -1)
+        self.net = HiddenLayer(linear / self.scale, hidden)
+        y = mx.array(np.concatenate(targets, -1) / self.scale)
+        schedule = optim.cosine_decay(LEARNED_LR, LEARNED_STEPS, LEARNED_LR / 20)
+        optimizer = optim.Adam(learning_rate=schedule)
+        step = nn.value_and_grad(self.net, lambda net, zb, yb: ((net(zb) - yb) ** 2).mean())
+        rng = np.random.default_rng(0)
+        for _ in range(LEARNED_STEPS):
+            rows = mx.array(rng.integers(0, z.shape[0], LEARNED_BATCH))
+            _, grads = step(self.net, z[rows], y[rows])
+            optimizer.update(self.net, grads)
+            mx.eval(self.net.parameters(), optimizer.state)
+
+    def predict(self, layers, identity, window: int = LENGTH) -> list[np.ndarray]:
+        z = mx.array(self._expand(self._raw(layers, identity, 0, window), 0))
+        y = np.concatenate([np.array(self.net(z[i:i + 8192]))
+                            for i in range(0, z.shape[0], 8192)]) * self.scale
+        edges = np.cumsum([0] + self.widths)
+        return [y[:, a:b] for a, b in zip(edges[:-1], edges[1:])]
+
+
+class HiddenLayer(nn.Module):
+    """z W + gelu(z U + c) D: `linear` is W (its input carries the ridge fit's ones column)."""
+
+    def __init__(self, linear: np.ndarray, hidden: int):
+        super().__init__()
+        self.linear = mx.array(linear)
+        self.up = nn.Linear(linear.shape[0], hidden)
+        self.down = mx.zeros((hidden, linear.shape[1]))
+
+    def __call__(self, z):
+        return z @ self.linear + nn.gelu(self.up(z)) @ self.down
 
 
 def windows_of(text_ids: list[int], count: int, seed: int) -> list[list[int]]:
@@ -148,10 +218,15 @@ def stacked(pair: Pair, windows: list[list[int]]):
             [np.concatenate(y) for y in zip(*(t for _, _, t in read))])
 
 
+def r2_layers(pred: list[np.ndarray], truth: list[np.ndarray]) -> list[float]:
+    """Per target layer, 1 - residual / total sum of squares."""
+    return [float(1 - ((p - y) ** 2).sum() / ((y - y.mean(0)) ** 2).sum())
+            for p, y in zip(pred, truth)]
+
+
 def r2(pred: list[np.ndarray], truth: list[np.ndarray]) -> float:
     """Mean over target layers of 1 - residual / total sum of squares."""
-    return float(np.mean([1 - ((p - y) ** 2).sum() / ((y - y.mean(0)) ** 2).sum()
-                          for p, y in zip(pred, truth)]))
+    return float(np.mean(r2_layers(pred, truth)))
 
 
 def measure(pair: Pair, args) -> dict:
@@ -166,12 +241,13 @@ def measure(pair: Pair, args) -> dict:
     refs = [fr.reference(switch, p) for p in prompts]
     floor = float(np.mean([r.floor for r in refs]))
     rows = []
-    for name, which, hidden in VARIANTS:
+    for name, which, hidden, kind in VARIANTS:
         began = time.perf_counter()
-        fitted = Map(pair, which, hidden, data)
+        fitted = (Learned if kind == "learned" else Map)(pair, which, hidden, data, kind)
         row = {"variant": name, "fit_s": round(time.perf_counter() - began, 1),
                "r2_train": r2(fitted.predict(data[0], data[1]), data[2]),
-               "r2_held_out": r2(fitted.predict(held[0], held[1]), held[2])}
+               "r2_held_out_layers": r2_layers(fitted.predict(held[0], held[1]), held[2])}
+        row["r2_held_out"] = float(np.mean(row["r2_held_out_layers"]))
         for R in REREADS:
             agree = []
             for ref in refs:
@@ -198,8 +274,10 @@ def tabulate(results: dict) -> str:
              "maps of attention pairs' keys and values (capture point (1)) fitted by ridge "
              "regression on windows of 256 tokens of the train split, from the source layers "
              "named, the token id's target embedding beside them, and for the nonlinear rows H "
-             "random ReLU features of those inputs. **R^2**: mean over target layers, fitting "
-             "windows / 16 held-out windows. **Recovered**: the history's worth kept, "
+             "random ReLU features of those inputs (or hidden units learned by Adam, or the "
+             "previous token's features beside them). **R^2**: mean over target layers, "
+             "fitting windows / 16 held-out windows; **by layer**: held out, per target layer, "
+             "first to last. **Recovered**: the history's worth kept, "
              "(agreement - floor) / (1 - floor), teacher-forced on the native greedy "
              "continuation of held-out prompts of 256 tokens (validation split) with the target "
              "reading the last R prompt tokens itself (mean over prompts, standard error in "
@@ -209,12 +287,13 @@ def tabulate(results: dict) -> str:
         lines += [f"## {p['pair']}\n",
                   f"{p['tokens']:,} fitting tokens, {p['prompts']} prompts, floor "
                   f"{p['floor']:.3f}; {p['minutes']} min.\n",
-                  "| map | R^2 fit / held out | " + " | ".join(f"recovered, R = {R}"
-                                                            for R in REREADS) + " |",
-                  "|---|---|" + "---|" * len(REREADS)]
+                  "| map | R^2 fit / held out | by layer | "
+                  + " | ".join(f"recovered, R = {R}" for R in REREADS) + " |",
+                  "|---|---|---|" + "---|" * len(REREADS)]
         for r in p["rows"]:
+            layers = " / ".join(f"{x:.2f}" for x in r.get("r2_held_out_layers", []))
             lines.append(f"| {r['variant']} | {r['r2_train']:.3f} / {r['r2_held_out']:.3f} | "
-                         + " | ".join(f"{r[f'recovered_R{R}']:.2f} "
+                         f"{layers or '-'} | " + " | ".join(f"{r[f'recovered_R{R}']:.2f} "
                                       f"({r[f'recovered_R{R}_se']:.2f})" for R in REREADS)
                          + " |")
         lines.append("")

@@ -244,6 +244,16 @@ IDEAS = [
            f"needles, KL at temperature {t:g}", DistillConfig(**{**SEQUENCE, "steps": 300,
                                                                 "temperature": t}))
       for name in ("qwen3-large__qwen3-small-distilled",) for t in (0.25, 1.0)],
+    # width where qwen3-large's history is lost (its last two layers, layers.md), as the width
+    # kept for the reverse direction: the shipped fit's features and tables, stage 1 alone
+    Idea("qwen3-small-to-qwen3-large-random-features-2048-layers-3-4-bfloat16",
+         "qwen3-small__qwen3-large-distilled",
+         "refit as shipped (the two nearest source layers, token ids, rank-32 identity tables, "
+         "attention-weighted) with 2,048 random features for target layers 3 and 4, "
+         "needle-weighted, not distilled; its matrices stored in bfloat16", None,
+         FitConfig(point=1, nu=2, token_identity="ids", attention_weighted=8,
+                   identity_tables=32, random_features=2048, random_layers=(3, 4)), 0.5,
+         stored="bfloat16"),
     # a learned nonlinear map that cannot unlearn the closed form: only the residual trains
     Idea("qwen3-large-to-qwen3-small-residual-alone", "qwen3-large__qwen3-small-distilled",
          "refit as shipped with a residual of 128 hidden units per map, needle-weighted, then "
