@@ -66,6 +66,8 @@ VARIANTS = [("linear, 2 nearest layers", "nearest", 0, "random"),
             ("4,096 random ReLU features, every layer", "every", 4096, "random"),
             ("512 learned GELU units, every layer", "every", 512, "learned")]
 LEARNED_STEPS, LEARNED_BATCH, LEARNED_LR = 1500, 4096, 1e-3  # Adam, cosine to a twentieth
+PREDICT_ROWS = 8192  # rows per forward of the learned map: the hidden units of every row at once
+# would take gigabytes
 
 
 def per_token(cap, layer: int) -> list[np.ndarray]:
@@ -164,11 +166,14 @@ class Learned(Map):
     U drawn, D zero, then all trained by Adam on the squared error."""
 
     def __init__(self, pair: Pair, which: str, hidden: int, data, kind: str = "learned"):
-        super().__init__(pair, which, 0, data, "random")
+        if which != "every":
+            raise ValueError("the learned map reads every source layer: one input for all")
+        super().__init__(pair, which, 0, data)  # the linear ridge fit it starts from
+        self.kind = kind
         layers, identity, targets = data
         z = mx.array(self._expand(self._raw(layers, identity, 0), 0))  # the same for every j
         self.widths = [t.shape[1] for t in targets]
-        # each layer's error counts alike: its outputs scaled to unit variance
+        # each layer's error counts alike: its outputs scaled by their RMS about the mean
         self.scale = np.concatenate([np.full(t.shape[1], t.std()) for t in targets]
                                     ).astype(np.float32)
         linear = np.concatenate([self.weights[j] for j in range(pair.n_target)], -1)
@@ -186,14 +191,15 @@ class Learned(Map):
 
     def predict(self, layers, identity, window: int = LENGTH) -> list[np.ndarray]:
         z = mx.array(self._expand(self._raw(layers, identity, 0, window), 0))
-        y = np.concatenate([np.array(self.net(z[i:i + 8192]))
-                            for i in range(0, z.shape[0], 8192)]) * self.scale
+        y = np.concatenate([np.array(self.net(z[i:i + PREDICT_ROWS]))
+                            for i in range(0, z.shape[0], PREDICT_ROWS)]) * self.scale
         edges = np.cumsum([0] + self.widths)
         return [y[:, a:b] for a, b in zip(edges[:-1], edges[1:])]
 
 
 class HiddenLayer(nn.Module):
-    """z W + gelu(z U + c) D: `linear` is W (its input carries the ridge fit's ones column)."""
+    """z W + gelu(z U + c) D: `linear` is W. The input z carries the ridge fit's ones column,
+    so W holds the intercept (and c only repeats what U can do with that column)."""
 
     def __init__(self, linear: np.ndarray, hidden: int):
         super().__init__()
