@@ -254,6 +254,19 @@ IDEAS = [
          FitConfig(point=1, nu=2, token_identity="ids", attention_weighted=8,
                    identity_tables=32, random_features=2048, random_layers=(3, 4)), 0.5,
          stored="bfloat16"),
+    # the recurrence inputs a token-wise map fits worst are the convolved ones (each mixes K
+    # tokens): replay predicts the rows before the target's own short convolution instead
+    Idea("kimi-vl-to-kimi-linear-convolved-stage1", "kimi-vl__kimi-linear-distilled",
+         "refit as shipped (codebook, attention-weighted, needle-weighted), replay's k and v "
+         "predicted before the target's short convolution and passed through it, not distilled",
+         None, FitConfig(point=1, nu=2, token_identity="codebook", attention_weighted=8,
+                   replay_convolve=True), 0.5),
+    Idea("kimi-vl-to-kimi-linear-convolved", "kimi-vl__kimi-linear-distilled",
+         "the same, then 300 steps on greedy continuations after an 8-token re-read, prefixes "
+         "32-512, half needles, with the output rehearsal (weight 1)",
+         DistillConfig(**{**SEQUENCE, "steps": 300, "output_weight": 1.0}),
+         FitConfig(point=1, nu=2, token_identity="codebook", attention_weighted=8,
+                   replay_convolve=True), 0.5),
     # a learned nonlinear map that cannot unlearn the closed form: only the residual trains
     Idea("qwen3-large-to-qwen3-small-residual-alone", "qwen3-large__qwen3-small-distilled",
          "refit as shipped with a residual of 128 hidden units per map, needle-weighted, then "

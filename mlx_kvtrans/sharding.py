@@ -27,7 +27,10 @@ from .capture import Capture, capture
 from .errors import UnsupportedModelError
 from .install import NotFinite, all_finite, install, to_engine
 from .layouts import CapturePoint, ModelLayout, layout_of
-from .layouts.linear_attention import RecurrentInputs
+from .layouts.linear_attention import RawRecurrentInputs, RecurrentInputs
+
+# what a gathered recurrent object is, by its class's name
+RECURRENT = {cls.__name__: cls for cls in (RecurrentInputs, RawRecurrentInputs)}
 
 _TENSOR_SHARDED = (distributed.AllToShardedLinear, distributed.ShardedToAllLinear,
                    distributed.QuantizedAllToShardedLinear,
@@ -271,7 +274,8 @@ def _from_owners(mine: dict, group) -> dict:
         arrays = value.arrays() if isinstance(value, RecurrentInputs) else [value]
         return [[list(a.shape), str(a.dtype).rsplit(".", 1)[-1]] for a in arrays]
 
-    payload = json.dumps([[list(key), described(v), isinstance(v, RecurrentInputs)]
+    payload = json.dumps([[list(key), described(v),
+                           type(v).__name__ if isinstance(v, RecurrentInputs) else ""]
                           for key, v in sorted(mine.items())]) + "\n"
     lines = gathered([np.frombuffer(payload.encode(), np.uint8)], group)[0].tobytes()
     out = {}
@@ -284,7 +288,7 @@ def _from_owners(mine: dict, group) -> dict:
             summed = [mx.distributed.all_sum(
                 arrays[j] if held is not None else mx.zeros(shape, getattr(mx, dtype)),
                 group=group, stream=mx.cpu) for j, (shape, dtype) in enumerate(shapes)]
-            out[key] = RecurrentInputs(*summed) if recurrent else summed[0]
+            out[key] = RECURRENT[recurrent](*summed) if recurrent else summed[0]
     mx.eval([v.arrays() if isinstance(v, RecurrentInputs) else v for v in out.values()])
     return out
 

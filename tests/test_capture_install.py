@@ -94,6 +94,36 @@ def test_replay_reproduces_state(loaded, family):
 
 
 @pytest.mark.parametrize("family", HYBRID_RECURRENT)
+def test_rows_before_the_convolution_give_the_recurrence_inputs(loaded, family):
+    """The rows entering a layer's short convolution, passed through it after the history
+    before them, are its recurrence inputs: replay's `convolve` rebuilds the state exactly."""
+    from mlx_kvtrans.layouts.linear_attention import RawRecurrentInputs
+
+    model = loaded(family).model
+    cap = kv.capture(model, tokens()[:, :PREFIX])
+    checked = 0
+    for layer in cap.layout.layers:
+        if layer.mixer not in ("gdn", "kda"):
+            continue
+        cache, native = layer.cache, cap.layer(layer.index, 2)["state"]
+        rows = {name: cap.layer(layer.index, 1)[name] for name in cache.conv_names}
+        k, v = cache.raw_rows(rows)
+        B, T = k.shape[:2]
+        raw = RawRecurrentInputs(native.q, k.reshape(native.k.shape),
+                                 v.reshape(native.v.shape), native.a, native.b)
+        whole = cache.convolved(raw, {})
+        # the tokens after the first 25, after the conv history those leave
+        before = {name: cache.conv_history(r[:, :25]) for name, r in rows.items()}
+        rest = cache.convolved(RawRecurrentInputs(*(x[:, 25:] for x in raw.arrays())), before)
+        for got, want in ((whole, native), (rest, native.slice(25, T))):
+            assert max_abs_diff(got.k, want.k) <= 1e-5 and max_abs_diff(got.v, want.v) <= 1e-5
+        _, state = kv.replay(cache, whole)
+        assert max_abs_diff(state, cap.layer(layer.index, 3)["state"]) <= 1e-5
+        checked += 1
+    assert checked == 3
+
+
+@pytest.mark.parametrize("family", HYBRID_RECURRENT)
 def test_conv_history_is_last_raw_rows(loaded, family):
     model = loaded(family).model
     short = tokens()[:, :2]  # fewer tokens than K-1: the history is zero-padded in front

@@ -16,7 +16,7 @@ from mlx_kvtrans.translators import artifact
 from mlx_kvtrans.translators.cross_tokenizer import aligned_text, translate_text
 from mlx_kvtrans.translators.fit import FitConfig, fit
 from mlx_kvtrans.translators.plan import plan, relative_depth
-from mlx_kvtrans.translators.recipes import BuildInputs, RecipeError
+from mlx_kvtrans.translators.recipes import BuildInputs, RecipeError, recipe_from_json
 from mlx_kvtrans.translators.recipes.state import bilinear_r2, fit_bilinear
 from mlx_kvtrans.translators.token_identity import (build_codebook, confirm_ids, decode_ids,
                                                     first_duplicates)
@@ -381,6 +381,25 @@ def test_replay_is_the_default_when_the_source_has_no_state(loaded):
     state = cache[0][3]
     assert state.shape == (1, 2, 32, 32)  # the tiny kimi_linear: 2 heads of 32
     assert float(mx.abs(state).sum()) > 0  # replayed, not empty
+
+
+def test_replay_through_the_convolution_is_planned_saved_and_refused_off_1(loaded):
+    """`replay_convolve`: replay's k and v before the target's short convolution, which
+    installing applies (its exactness: test_capture_install); a manifest keeps it; from
+    features at (2), already convolved, it is refused."""
+    S, T = loaded("kimi_vl").model, loaded("kimi_linear").model
+    specs = FitConfig(replay_convolve=True).plan(kv.layout_of(S), kv.layout_of(T))
+    replays = [s for s in specs if s.recipe == "replay"]
+    assert replays and all(s.convolve for s in replays)
+    assert not any(s.convolve for s in plan(kv.layout_of(S), kv.layout_of(T))
+                   if s.recipe == "replay")
+    tr = fit(S, T, batches(3), specs)
+    saved = [recipe_from_json(json.loads(json.dumps(r.to_json()))) for r in tr.recipes]
+    assert all(r.convolve for r in saved if r.recipe == "replay")
+    cache = translate_cache(tr, S, T, mx.random.randint(0, 259, (1, 40), key=mx.random.key(5)))
+    assert float(mx.abs(cache[0][3]).sum()) > 0
+    with pytest.raises(RecipeError, match="features at"):
+        FitConfig(point=2, replay_convolve=True).plan(kv.layout_of(S), kv.layout_of(T))
 
 
 def test_best_single_fit_finds_the_same_layer_on_itself(loaded):

@@ -17,6 +17,7 @@ import sys
 from dataclasses import dataclass, fields
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from .base import LayerCache
 from .gated_delta import gated_delta_update_chunked, metal_recurrence_available
@@ -47,6 +48,13 @@ class RecurrentInputs:
     def concatenate(cls, parts: list["RecurrentInputs"], axis: int = 1) -> "RecurrentInputs":
         """`parts` joined along the tokens (axis 1), or along the batch (axis 0)."""
         return cls(*(mx.concatenate(xs, axis=axis) for xs in zip(*(p.arrays() for p in parts))))
+
+
+@dataclass
+class RawRecurrentInputs(RecurrentInputs):
+    """Recurrence inputs whose k and v are still the rows entering the layer's short
+    convolution (q unused): `DeltaRuleLayer.convolved` passes them through it when installed,
+    after the conv history the cache already holds."""
 
 
 def _recurrence(mixer):
@@ -134,6 +142,8 @@ class DeltaRuleLayer(LayerCache):
                 rows = self.conv_history(rows, previous.get(name))
             out[name] = rows
         state = objects["state"]
+        if isinstance(state, RawRecurrentInputs):
+            state = self.convolved(state, previous)
         if self.point_of("state", point) == CapturePoint.NORMED:
             # as `fastest_recurrence` prefills: mlx-lm's Metal kernel on a Mac GPU, elsewhere
             # the chunkwise form
@@ -141,6 +151,23 @@ class DeltaRuleLayer(LayerCache):
                                    parallel=not metal_recurrence_available(), state_only=True)
         out["state"] = state
         return out
+
+    # -- recurrence inputs from the rows entering the short convolution ---------------------
+    def raw_rows(self, rows: dict[str, mx.array]) -> tuple[mx.array, mx.array]:
+        """(k, v) rows entering the short convolution, each (B, T, heads x dim), from the conv
+        histories' rows at (1)."""
+        raise NotImplementedError
+
+    def convolved(self, raw: RawRecurrentInputs, previous: dict) -> RecurrentInputs:
+        """The recurrence inputs (2) of `raw`: k and v through this layer's own short
+        convolution and SiLU, after the `previous` conv histories (zeros without), k normalized
+        as the module does."""
+        raise NotImplementedError
+
+    def _normalized(self, k: mx.array) -> mx.array:
+        from mlx_lm.models.gated_delta import normalize_qk
+
+        return normalize_qk(k, k, inv_scale=self.dk ** -0.5, eps=1e-6)[1]
 
     def conv_history(self, rows: mx.array, previous: mx.array | None = None) -> mx.array:
         """The engine's conv history after `rows` (B, T, C): the last K-1 rows, zeros in front."""
@@ -169,6 +196,26 @@ class GatedDeltaNet(DeltaRuleLayer):
     def recurrence_constants(self):
         return self.mixer_module.A_log, self.mixer_module.dt_bias
 
+    def raw_rows(self, rows):
+        key = self.heads_k * self.dk  # the conv's channels: q | k | v
+        _, k, v = mx.split(rows["conv"], [key, 2 * key], axis=-1)
+        return k, v
+
+    def convolved(self, raw, previous):
+        B, T = raw.k.shape[:2]
+        rows = [mx.zeros((B, T, self.heads_k * self.dk), raw.k.dtype),
+                raw.k.reshape(B, T, -1), raw.v.reshape(B, T, -1).astype(raw.k.dtype)]
+        rows = mx.concatenate(rows, axis=-1)
+        before = previous.get("conv")
+        if before is None:
+            before = mx.zeros((B, self.kernel - 1, rows.shape[-1]), rows.dtype)
+        out = nn.silu(self.mixer_module.conv1d(mx.concatenate([before.astype(rows.dtype), rows],
+                                                              axis=1)))
+        _, k, v = mx.split(out, [self.heads_k * self.dk, 2 * self.heads_k * self.dk], axis=-1)
+        k = self._normalized(k.reshape(B, T, self.heads_k, self.dk))
+        return RecurrentInputs(mx.zeros_like(k), k, v.reshape(B, T, self.heads_v, self.dv),
+                               raw.a, raw.b)
+
 
 class KimiDeltaAttention(DeltaRuleLayer):
     mixer = "kda"
@@ -193,3 +240,15 @@ class KimiDeltaAttention(DeltaRuleLayer):
     def recurrence_constants(self):
         m = self.mixer_module
         return m.A_log.reshape(m.num_heads, 1), m.dt_bias.reshape(m.num_heads, m.head_dim)
+
+    def raw_rows(self, rows):
+        return rows["conv_k"], rows["conv_v"]
+
+    def convolved(self, raw, previous):
+        B, T = raw.k.shape[:2]
+        m = self.mixer_module
+        k, _ = m.k_conv(raw.k.reshape(B, T, -1), previous.get("conv_k"), None, None)
+        v, _ = m.v_conv(raw.v.reshape(B, T, -1), previous.get("conv_v"), None, None)
+        k = self._normalized(k.reshape(B, T, self.heads_k, self.dk))
+        return RecurrentInputs(mx.zeros_like(k), k, v.reshape(B, T, self.heads_v, self.dv),
+                               raw.a, raw.b)

@@ -15,7 +15,7 @@ import mlx.core as mx
 from ..capture import capture
 from ..install import install, to_engine
 from ..layouts import ModelLayout, ObjectKind, layout_of
-from ..layouts.linear_attention import RecurrentInputs
+from ..layouts.linear_attention import RawRecurrentInputs, RecurrentInputs
 from ..prompt_cache import read_prompt_cache, write_prompt_cache
 
 SAMPLE_TEXT = (
@@ -122,9 +122,9 @@ def run_checks(model, tokenizer, prefix: int | None = None, continuation: int = 
                     max(diffs), scale)
 
     if ObjectKind.RECURRENT_STATE in layout.kinds():
-        whole, chunked, scale = [0.0], [0.0], 0.0
+        whole, chunked, convolved, scale, input_scale = [0.0], [0.0], [0.0], 0.0, 0.0
         chunk = max(1, prefix // 3 + 1)
-        for layer, objects, native in zip(layout.layers, cap.at(2), cap.at(3)):
+        for layer, raw, objects, native in zip(layout.layers, cap.at(1), cap.at(2), cap.at(3)):
             inputs = objects.get("state")
             if not isinstance(inputs, RecurrentInputs):
                 continue
@@ -133,7 +133,15 @@ def run_checks(model, tokenizer, prefix: int | None = None, continuation: int = 
             whole.append(max_abs_diff(state, native["state"]))
             chunked.append(max_abs_diff(state_chunked, native["state"]))
             scale = max(scale, _scale(native["state"]))
+            k, v = layer.cache.raw_rows({name: raw[name] for name in layer.cache.conv_names})
+            made = layer.cache.convolved(RawRecurrentInputs(
+                inputs.q, k.reshape(inputs.k.shape), v.reshape(inputs.v.shape), inputs.a,
+                inputs.b), {})
+            convolved.append(max(max_abs_diff(made.k, inputs.k), max_abs_diff(made.v, inputs.v)))
+            input_scale = max(input_scale, _scale(inputs.k), _scale(inputs.v))
         add("replay of captured (2) inputs reproduces the recurrent state", max(whole), scale)
+        add("the rows before the short convolution, convolved, are the (2) inputs",
+            max(convolved), input_scale)
         add("replay in chunks reproduces the recurrent state", max(chunked), scale,
             f"chunks of {chunk} tokens")
 

@@ -203,5 +203,5 @@ def across_capture(translator, source, tokenizers: tuple, ids: mx.array) -> Capt
 def _stacked(values: list):
     """Rows of one object (each batch 1) as one batch."""
     if isinstance(values[0], RecurrentInputs):
-        return RecurrentInputs.concatenate(values, axis=0)
+        return type(values[0]).concatenate(values, axis=0)
     return mx.concatenate(values, axis=0)

@@ -26,7 +26,7 @@ from .cross_tokenizer import AlignedText, batch_ids, realigned
 from .features import layer_features, projection_name
 from .fit_checkpoint import FitCheckpoint, held_interrupt
 from .plan import plan
-from .recipes import FitBatch, Recipe, RecipeError, TokenMap
+from .recipes import FitBatch, Recipe, RecipeError, Replay, TokenMap
 from .shared_sums import check_batches, combine, mine, summed
 from .random_features import RandomFeatures
 from .stats import Covariance, SharedMoments
@@ -54,6 +54,7 @@ class FitConfig:
     residual: int = 0  # h > 0: every token map gets a residual nonlinearity (stage 2 trains it)
     random_features: int = 0  # H > 0: every map's input gains H random features (random_features)
     random_layers: tuple[int, ...] = ()  # only these target layers' maps read them (): all
+    replay_convolve: bool = False  # replay predicts k, v before the target's short convolution
     share_moments: bool = True  # maps reading the same features share one moment matrix
     windows: int = 256  # fitting windows (the command line's data)
     length: int = 256  # tokens per window
@@ -67,6 +68,12 @@ class FitConfig:
             if self.token_identity == "off":
                 raise RecipeError("identity tables need token identity: ids or codebook")
             recipes = [replace(r, tables=self.identity_tables) if isinstance(r, TokenMap) else r
+                       for r in recipes]
+        if self.replay_convolve:
+            if self.point != CapturePoint.RAW:
+                raise RecipeError("replay through the target's convolution reads features at "
+                                  "(1): the rows before it")
+            recipes = [replace(r, convolve=True) if isinstance(r, Replay) else r
                        for r in recipes]
         if self.residual:
             recipes = [replace(r, residual=self.residual) if isinstance(r, TokenMap) else r

@@ -2,6 +2,12 @@
 target's per-token recurrence inputs (k, v, gate and beta logits; q only reads the state out)
 from the source's features, and `install` runs the target's `gated_delta_update` over them. The
 default for a target state the source has nothing like.
+
+`convolve` (`FitConfig.replay_convolve`, from features at (1)): k and v are predicted as the
+rows entering the layer's short convolution, which `install` passes through the target's own
+convolution, after the conv history it holds. Each convolved row mixes the last K tokens, which
+a token-wise map of one position's features fits poorly; the rows before it are one token's
+projection each.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ import mlx.core as mx
 import numpy as np
 
 from ...layouts import CapturePoint, ObjectKind
-from ...layouts.linear_attention import RecurrentInputs
+from ...layouts.linear_attention import RawRecurrentInputs, RecurrentInputs
 from ..stats import Moments, solve
 from .base import UNEXPANDED, Recipe, RecipeError, concat_features
 
@@ -28,6 +34,7 @@ class Replay(Recipe):
     # per input: its per-token shape in the target, e.g. {"k": [Hk, Dk], "a": [Hv]}
     shapes: dict = field(default_factory=dict, hash=False, compare=False)
     expand: bool = True  # whether the translator's random features join its input
+    convolve: bool = False  # k and v as the rows entering the short convolution (above)
 
     @classmethod
     def plan(cls, obj, layer, ctx):
@@ -43,7 +50,19 @@ class Replay(Recipe):
         return {(s, ()) for s in self.sources}
 
     def target_points(self):
-        return {CapturePoint.NORMED}
+        return {CapturePoint.NORMED} | ({CapturePoint.RAW} if self.convolve else set())
+
+    def _targets(self, target) -> dict[str, mx.array]:
+        """Per input, what the maps are fitted to in a target capture: the recurrence inputs
+        (2), with k and v the rows entering the convolution when `convolve`."""
+        inputs = target.objects[self.layer][(self.name, CapturePoint.NORMED)]
+        out = {name: getattr(inputs, name) for name in REPLAY_INPUTS}
+        if self.convolve:
+            layer = target.layout.layers[self.layer].cache
+            rows = {name: target.objects[self.layer][(name, CapturePoint.RAW)]
+                    for name in layer.conv_names}
+            out["k"], out["v"] = layer.raw_rows(rows)
+        return out
 
     def with_shapes(self, inputs: RecurrentInputs) -> "Replay":
         shapes = {name: list(getattr(inputs, name).shape[2:]) for name in REPLAY_INPUTS}
@@ -55,8 +74,9 @@ class Replay(Recipe):
         inputs = batch.target.objects[self.layer][(self.name, CapturePoint.NORMED)]
         entry = stats.setdefault(self.key, {"recipe": self.with_shapes(inputs), "moments": {},
                                             "shared": batch.shared is not None})
+        targets = self._targets(batch.target)
         for name in REPLAY_INPUTS:
-            y = getattr(inputs, name)
+            y = targets[name]
             if entry["shared"]:
                 batch.shared.add(self.feature_key(), x, f"{self.key}.{name}",
                                  y.reshape(*y.shape[:2], -1))
@@ -106,6 +126,8 @@ class Replay(Recipe):
         B, T, _ = outputs["k"].shape
         pred = {name: outputs[name].reshape(B, T, *self.shapes[name]) for name in REPLAY_INPUTS}
         k = pred["k"]
+        if self.convolve:  # install convolves them after the history the cache holds
+            return RawRecurrentInputs(mx.zeros_like(k), k, pred["v"], pred["a"], pred["b"])
         _, k = normalize_qk(k, k, inv_scale=k.shape[-1] ** -0.5, eps=1e-6)  # the target's own
         return RecurrentInputs(mx.zeros_like(k), k, pred["v"], pred["a"], pred["b"])
 
