@@ -84,8 +84,8 @@ def _zero_front(value, cut: int, length: int):
     if isinstance(value, RecurrentInputs):
         if value.length != length:
             return value
-        front = RecurrentInputs(*(mx.zeros_like(x) for x in value.slice(0, cut).arrays()))
-        return RecurrentInputs.concatenate([front, value.slice(cut, length)])
+        front = type(value)(*(mx.zeros_like(x) for x in value.slice(0, cut).arrays()))
+        return type(value).concatenate([front, value.slice(cut, length)])
     if value.ndim == 3 and value.shape[1] == length:
         return mx.concatenate([mx.zeros_like(value[:, :cut]), value[:, cut:]], axis=1)
     return value  # a fixed-size object, or conv rows of the last tokens only

@@ -124,6 +124,58 @@ def test_rows_before_the_convolution_give_the_recurrence_inputs(loaded, family):
 
 
 @pytest.mark.parametrize("family", HYBRID_RECURRENT)
+def test_raw_rows_install_and_are_recorded_as_the_inputs_they_make(loaded, family):
+    """Installed, replay's rows before the convolution make the native cache, onto a fresh
+    cache and onto one holding the first tokens; a session records them convolved."""
+    from mlx_kvtrans.layouts.linear_attention import RawRecurrentInputs
+    from mlx_kvtrans.session.handover import _recorded
+
+    model = loaded(family).model
+    toks = tokens()[:, :PREFIX]
+    cap = kv.capture(model, toks)
+    layout = cap.layout
+
+    def raw_span(start, stop):
+        objects, points = [], []
+        for layer in layout.layers:
+            found, made = cap.layer(layer.index, 1), {}
+            for obj in layer.objects:
+                if obj.kind == kv.layouts.ObjectKind.RECURRENT_STATE:
+                    native = cap.layer(layer.index, 2)["state"].slice(start, stop)
+                    k, v = layer.cache.raw_rows({n: found[n][:, start:stop]
+                                                 for n in layer.cache.conv_names})
+                    made[obj.name] = RawRecurrentInputs(native.q, k.reshape(native.k.shape),
+                                                        v.reshape(native.v.shape), native.a,
+                                                        native.b)
+                else:
+                    made[obj.name] = cap.layer(layer.index, 1)[obj.name][:, start:stop]
+            objects.append(made)
+            points.append({n: 2 if isinstance(v, RawRecurrentInputs) else 1
+                           for n, v in made.items()})
+        return objects, points
+
+    tail = mx.array([[5, 9, 2]])
+    native = model(tail, cache=kv.install(layout, cap.at(3)))
+    for cut in (0, 25):
+        cache = None
+        if cut:
+            head, head_points = raw_span(0, cut)
+            cache = kv.install(layout, head, head_points)
+        objects, points = raw_span(cut, PREFIX)
+        before = [layer.cache.read_engine(c) if cache else {}
+                  for layer, c in zip(layout.layers, cache or [None] * len(layout.layers))]
+        cache = kv.install(layout, objects, points, offset=cut, cache=cache)
+        assert max_abs_diff(model(tail, cache=cache), native) <= 1e-4
+        for layer, made, prior in zip(layout.layers, objects, before):
+            for value in made.values():
+                if isinstance(value, RawRecurrentInputs):
+                    recorded = _recorded(layer.cache, value, prior)
+                    want = cap.layer(layer.index, 2)["state"].slice(cut, PREFIX)
+                    assert type(recorded) is kv.layouts.RecurrentInputs
+                    assert max_abs_diff(recorded.k, want.k) <= 1e-5
+
+
+@pytest.mark.parametrize("family", HYBRID_RECURRENT)
 def test_conv_history_is_last_raw_rows(loaded, family):
     model = loaded(family).model
     short = tokens()[:, :2]  # fewer tokens than K-1: the history is zero-padded in front

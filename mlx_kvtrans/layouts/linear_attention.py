@@ -42,7 +42,7 @@ class RecurrentInputs:
         return self.q.shape[1]
 
     def slice(self, start: int, stop: int) -> "RecurrentInputs":
-        return RecurrentInputs(*(x[:, start:stop] for x in self.arrays()))
+        return type(self)(*(x[:, start:stop] for x in self.arrays()))
 
     @classmethod
     def concatenate(cls, parts: list["RecurrentInputs"], axis: int = 1) -> "RecurrentInputs":

@@ -48,7 +48,9 @@ from ..capture import PREFILL_CHUNK, Capture
 from ..install import NotFinite
 from ..sharding import translate_into
 from ..translators.cross_tokenizer import AlignedText, pooling, realigned
+from ..errors import KvtransError
 from ..layouts import CapturePoint, ObjectKind
+from ..layouts.linear_attention import RawRecurrentInputs
 from . import dial
 from .line import CacheLine, covers, fixed_slots
 from .status import Outcome, SwitchStatus, Verdict
@@ -235,12 +237,16 @@ def _translate(session: Session, translator, src: CacheLine, tgt: CacheLine, sta
     layers = tgt.layout.layers
     all_rows = any(layers[i].cache.object(name).kind == ObjectKind.CONV_HISTORY
                    for i, name, _ in select)
+    # the conv histories before the span: a replay's raw rows are recorded convolved after them
+    before = ([{}] * len(layers) if fresh else [None] * len(layers) if tgt.shards is not None
+              else [layer.cache.read_engine(c) for layer, c in zip(layers, tgt.cache)])
     objects, points, cache = translate_into(translator, span, tgt.lm.model, span.tokens,
                                             offset=start, cache=None if fresh else tgt.cache,
                                             all_rows=all_rows, finite=True)
     if fresh:
         tgt.recorded, tgt.tail, tgt.states = [], None, {}
-    held = [{(name, points[i][name]): value for name, value in objs.items()
+    held = [{(name, points[i][name]): _recorded(layers[i].cache, value, before[i])
+             for name, value in objs.items()
              if (i, name, points[i][name]) in select and covers(value, stop - start)}
             for i, objs in enumerate(objects)]
     if tgt.shards is not None:  # each process translated the layers it holds
@@ -248,6 +254,19 @@ def _translate(session: Session, translator, src: CacheLine, tgt: CacheLine, sta
     session.keep(tgt, start, Capture(tgt.layout, span.tokens, held, cache), own=False)
     tgt.cache, tgt.seen = cache, stop
     status.tokens_translated = stop - start
+
+
+def _recorded(layer, value, before: dict | None):
+    """What the target records of a translated object: replay's rows before the convolution
+    (`RawRecurrentInputs`) as the recurrence inputs installing made of them, after the conv
+    histories `before` (None: not read, on a sharded target), so a switch onwards reads what a
+    recorded (2) is."""
+    if not isinstance(value, RawRecurrentInputs):
+        return value
+    if before is None:
+        raise KvtransError("a sharded target cannot yet record a replay through its "
+                           "convolution after a span it holds; fit without replay_convolve")
+    return layer.convolved(value, before)
 
 
 def _across(session: Session, translator, src: CacheLine, tgt: CacheLine, start: int,
