@@ -97,8 +97,6 @@ def test_replay_reproduces_state(loaded, family):
 def test_rows_before_the_convolution_give_the_recurrence_inputs(loaded, family):
     """The rows entering a layer's short convolution, passed through it after the history
     before them, are its recurrence inputs: replay's `convolve` rebuilds the state exactly."""
-    from mlx_kvtrans.layouts.linear_attention import RawRecurrentInputs
-
     model = loaded(family).model
     cap = kv.capture(model, tokens()[:, :PREFIX])
     checked = 0
@@ -107,14 +105,12 @@ def test_rows_before_the_convolution_give_the_recurrence_inputs(loaded, family):
             continue
         cache, native = layer.cache, cap.layer(layer.index, 2)["state"]
         rows = {name: cap.layer(layer.index, 1)[name] for name in cache.conv_names}
-        k, v = cache.raw_rows(rows)
-        B, T = k.shape[:2]
-        raw = RawRecurrentInputs(native.q, k.reshape(native.k.shape),
-                                 v.reshape(native.v.shape), native.a, native.b)
+        raw = cache.raw_inputs(rows, native)
+        T = raw.length
         whole = cache.convolved(raw, {})
         # the tokens after the first 25, after the conv history those leave
         before = {name: cache.conv_history(r[:, :25]) for name, r in rows.items()}
-        rest = cache.convolved(RawRecurrentInputs(*(x[:, 25:] for x in raw.arrays())), before)
+        rest = cache.convolved(raw.slice(25, T), before)
         for got, want in ((whole, native), (rest, native.slice(25, T))):
             assert max_abs_diff(got.k, want.k) <= 1e-5 and max_abs_diff(got.v, want.v) <= 1e-5
         _, state = kv.replay(cache, whole)
@@ -142,11 +138,8 @@ def test_raw_rows_install_and_are_recorded_as_the_inputs_they_make(loaded, famil
             for obj in layer.objects:
                 if obj.kind == kv.layouts.ObjectKind.RECURRENT_STATE:
                     native = cap.layer(layer.index, 2)["state"].slice(start, stop)
-                    k, v = layer.cache.raw_rows({n: found[n][:, start:stop]
-                                                 for n in layer.cache.conv_names})
-                    made[obj.name] = RawRecurrentInputs(native.q, k.reshape(native.k.shape),
-                                                        v.reshape(native.v.shape), native.a,
-                                                        native.b)
+                    made[obj.name] = layer.cache.raw_inputs(
+                        {n: found[n][:, start:stop] for n in layer.cache.conv_names}, native)
                 else:
                     made[obj.name] = cap.layer(layer.index, 1)[obj.name][:, start:stop]
             objects.append(made)

@@ -158,6 +158,13 @@ class DeltaRuleLayer(LayerCache):
         histories' rows at (1)."""
         raise NotImplementedError
 
+    def raw_inputs(self, rows: dict[str, mx.array], inputs: RecurrentInputs
+                   ) -> RawRecurrentInputs:
+        """`inputs` (2) with k and v the conv histories' `rows` (1) before the convolution."""
+        k, v = self.raw_rows(rows)
+        return RawRecurrentInputs(inputs.q, k.reshape(inputs.k.shape), v.reshape(inputs.v.shape),
+                                  inputs.a, inputs.b)
+
     def convolved(self, raw: RawRecurrentInputs, previous: dict) -> RecurrentInputs:
         """The recurrence inputs (2) of `raw`: k and v through this layer's own short
         convolution and SiLU, after the `previous` conv histories (zeros without), k normalized

@@ -238,7 +238,9 @@ def _translate(session: Session, translator, src: CacheLine, tgt: CacheLine, sta
     all_rows = any(layers[i].cache.object(name).kind == ObjectKind.CONV_HISTORY
                    for i, name, _ in select)
     # the conv histories before the span: a replay's raw rows are recorded convolved after them
-    before = ([{}] * len(layers) if fresh else [None] * len(layers) if tgt.shards is not None
+    raw = any(getattr(r, "convolve", False) for r in translator.recipes)
+    before = ([{}] * len(layers) if fresh or not raw else [None] * len(layers)
+              if tgt.shards is not None
               else [layer.cache.read_engine(c) for layer, c in zip(layers, tgt.cache)])
     objects, points, cache = translate_into(translator, span, tgt.lm.model, span.tokens,
                                             offset=start, cache=None if fresh else tgt.cache,

@@ -15,7 +15,7 @@ import mlx.core as mx
 from ..capture import capture
 from ..install import install, to_engine
 from ..layouts import ModelLayout, ObjectKind, layout_of
-from ..layouts.linear_attention import RawRecurrentInputs, RecurrentInputs
+from ..layouts.linear_attention import RecurrentInputs
 from ..prompt_cache import read_prompt_cache, write_prompt_cache
 
 SAMPLE_TEXT = (
@@ -133,10 +133,8 @@ def run_checks(model, tokenizer, prefix: int | None = None, continuation: int = 
             whole.append(max_abs_diff(state, native["state"]))
             chunked.append(max_abs_diff(state_chunked, native["state"]))
             scale = max(scale, _scale(native["state"]))
-            k, v = layer.cache.raw_rows({name: raw[name] for name in layer.cache.conv_names})
-            made = layer.cache.convolved(RawRecurrentInputs(
-                inputs.q, k.reshape(inputs.k.shape), v.reshape(inputs.v.shape), inputs.a,
-                inputs.b), {})
+            made = layer.cache.convolved(layer.cache.raw_inputs(
+                {name: raw[name] for name in layer.cache.conv_names}, inputs), {})
             convolved.append(max(max_abs_diff(made.k, inputs.k), max_abs_diff(made.v, inputs.v)))
             input_scale = max(input_scale, _scale(inputs.k), _scale(inputs.v))
         add("replay of captured (2) inputs reproduces the recurrent state", max(whole), scale)
