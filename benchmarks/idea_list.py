@@ -267,6 +267,13 @@ IDEAS = [
          DistillConfig(**{**SEQUENCE, "steps": 300, "output_weight": 1.0}),
          FitConfig(point=1, nu=2, token_identity="codebook", attention_weighted=8,
                    replay_convolve=True), 0.5),
+    Idea("kimi-vl-to-kimi-linear-convolved-500", "kimi-vl__kimi-linear-distilled",
+         "the same fit, then 500 steps (as many as the shipped translator's two runs) on "
+         "greedy continuations after an 8-token re-read, prefixes 32-512, half needles, with "
+         "the output rehearsal (weight 1)",
+         DistillConfig(**{**SEQUENCE, "output_weight": 1.0}),
+         FitConfig(point=1, nu=2, token_identity="codebook", attention_weighted=8,
+                   replay_convolve=True), 0.5),
     # a learned nonlinear map that cannot unlearn the closed form: only the residual trains
     Idea("qwen3-large-to-qwen3-small-residual-alone", "qwen3-large__qwen3-small-distilled",
          "refit as shipped with a residual of 128 hidden units per map, needle-weighted, then "

@@ -222,6 +222,9 @@ def fit(source: str = typer.Option(..., "--from", help="source model"),
         random_features: int = typer.Option(FIT.random_features, min=0,
                                             help=RANDOM_FEATURES_HELP),
         random_layers: str = typer.Option(None, help=RANDOM_LAYERS_HELP),
+        replay_convolve: bool = typer.Option(FIT.replay_convolve, help="linear-attention "
+                                             "targets: replay predicts k, v before the "
+                                             "target's short convolution (needs --capture 1)"),
         needle_share: float = typer.Option(0.0, min=0.0, max=1.0, callback=finite,
                                            help="about this share of the fitting windows are "
                                            "synthetic needles, question and answer last (with "
@@ -253,7 +256,8 @@ def fit(source: str = typer.Option(..., "--from", help="source model"),
                          random_features=random_features, windows=windows, length=length, mix=tuple(
                              int_list("--mix-lengths", mix_lengths, 2) if mix_lengths else ()),
                          pooling=pooling,
-                         random_layers=_random_layers(random_layers, random_features, target))
+                         random_layers=_random_layers(random_layers, random_features, target),
+                         replay_convolve=replay_convolve)
     _check_window_lengths(config, source, target)
     files = text_files("--data", data, "train")
     held_out = text_file("--validation", validation, "validation")

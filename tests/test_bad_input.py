@@ -129,6 +129,12 @@ CASES = {
     "fit: random layers not integers": (
         ["fit", "--from", "kimi-linear", "--to", "kimi-vl", "--out", "{out}",
          "--random-features", "8", "--random-layers", "top"], "--random-layers"),
+    "fit: replay through the convolution into a target without linear attention": (
+        ["fit", "--from", "kimi-linear", "--to", "kimi-vl", "--out", "{out}", "--data", "{text}",
+         "--replay-convolve"], "replays no recurrent state"),
+    "fit: replay through the convolution from features after it": (
+        ["fit", "--from", "kimi-vl", "--to", "kimi-linear", "--out", "{out}", "--data", "{text}",
+         "--capture", "2", "--replay-convolve"], "reads features at (1)"),
     "fit: needle share over 1": (["fit", "--from", "kimi-linear", "--to", "kimi-vl", "--out",
                                   "{out}", "--needle-share", "1.5"], "--needle-share"),
     "fit: zero windows": (["fit", "--from", "kimi-linear", "--to", "kimi-vl", "--out", "{out}",

@@ -73,6 +73,9 @@ class FitConfig:
             if self.point != CapturePoint.RAW:
                 raise RecipeError("replay through the target's convolution reads features at "
                                   "(1): the rows before it")
+            if not any(isinstance(r, Replay) for r in recipes):
+                raise RecipeError("replay through the target's convolution: the plan replays "
+                                  "no recurrent state (the target has no linear attention)")
             recipes = [replace(r, convolve=True) if isinstance(r, Replay) else r
                        for r in recipes]
         if self.residual:
