@@ -1,11 +1,13 @@
 """Capture -> install -> continue, and the identities between capture points, on every family."""
 
+import math
+
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import load_prompt_cache
 
 import mlx_kvtrans as kv
-from mlx_kvtrans.install import NotFinite, to_engine
+from mlx_kvtrans.install import NotFinite, all_finite, to_engine
 from mlx_kvtrans.tools.verify import max_abs_diff
 from mlx_kvtrans.zoo.families import FAMILIES
 
@@ -313,3 +315,14 @@ def test_install_refuses_objects_that_are_not_finite(loaded):
     with pytest.raises(NotFinite):
         kv.install(model, poisoned, 1, offset=PREFIX, cache=cache, finite=True)
     assert [c.offset for c in cache] == before  # refused before any cache grew
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
+def test_one_value_not_finite_is_found_in_any_dtype(bad, dtype):
+    """One bad value among many is found, and large finite float16 values whose float16 sum
+    would overflow are not mistaken for it."""
+    big = mx.full((4, 4096), 60000.0 if dtype == mx.float16 else 1.0, dtype)
+    assert all_finite([{"a": big, "b": -big[:1]}, {"c": big}])
+    poisoned = mx.concatenate([big[:, :7], mx.full((4, 1), bad, dtype), big[:, 8:]], axis=1)
+    assert not all_finite([{"a": big}, {"b": poisoned}])
