@@ -12,6 +12,9 @@ inputs would keep more of the history: on attention pairs (GQA keys and values, 
   Gaussian): a closed-form nonlinear map, H = 1,024 and 4,096;
 - every source layer and the token id, with the previous token's beside them: whether a
   position's map lacks what its neighbour's features hold;
+- every source layer and the token id, with their running means over the window so far beside
+  them (decayed by 0.95 a token, and plain): whether a position's map lacks the context a
+  summary of the earlier features holds;
 - every source layer and the token id, plus 512 hidden units learned by Adam on the squared
   error of every target layer's keys and values (each layer's scaled to unit variance), from
   the linear fit: whether a learned nonlinearity reaches what random features do at a fraction
@@ -26,7 +29,7 @@ own option (`kvtrans fit --random-features`, `translators/random_features.py`) i
 through a session by `benchmarks/ideas.py`.
 
     python benchmarks/capacity.py [--pairs qwen3-large:qwen3-small,...] [--windows 256]
-                                  [--prompts 32]
+                                  [--prompts 32] [--only NAME]
 
 Writes benchmarks/results/capacity.{json,md}.
 """
@@ -62,6 +65,7 @@ RIDGE = 1e-3  # relative to the mean diagonal of the features' second moments
 VARIANTS = [("linear, 2 nearest layers", "nearest", 0, "random"),
             ("linear, every layer", "every", 0, "random"),
             ("linear, every layer and the previous token's", "every", 0, "previous"),
+            ("linear, every layer and its running means", "every", 0, "context"),
             ("1,024 random ReLU features, every layer", "every", 1024, "random"),
             ("4,096 random ReLU features, every layer", "every", 4096, "random"),
             ("512 learned GELU units, every layer", "every", 512, "learned")]
@@ -112,6 +116,24 @@ def previous(x: np.ndarray, window: int) -> np.ndarray:
     return np.concatenate([w, before], -1).reshape(len(x), -1)
 
 
+CONTEXT_DECAYS = (0.95, 1.0)  # running means: a recent one (half-life ~14 tokens) and all
+
+
+def running_means(x: np.ndarray, window: int) -> np.ndarray:
+    """Each row beside the means of its `window`'s rows up to and including it, each earlier
+    row weighted by decay^distance (1: the plain mean of the rows so far)."""
+    w = x.reshape(-1, window, x.shape[-1]).astype(np.float64)
+    parts = [w]
+    for decay in CONTEXT_DECAYS:
+        total, weight = np.zeros_like(w[:, 0]), 0.0
+        means = np.empty_like(w)
+        for t in range(window):
+            total, weight = decay * total + w[:, t], decay * weight + 1.0
+            means[:, t] = total / weight
+        parts.append(means)
+    return np.concatenate(parts, -1).astype(np.float32).reshape(len(x), -1)
+
+
 class Map:
     """Per target layer, a ridge fit of keys and values on the variant's features."""
 
@@ -136,6 +158,8 @@ class Map:
     def _raw(self, layers, identity, j, window: int = LENGTH):
         x = np.concatenate([layers[s] for s in self.pair.sources(j, self.which)] + [identity],
                            -1)
+        if self.kind == "context":
+            return running_means(x, window)
         return previous(x, window) if self.kind == "previous" else x
 
     def _expand(self, x, j):
@@ -248,6 +272,8 @@ def measure(pair: Pair, args) -> dict:
     floor = float(np.mean([r.floor for r in refs]))
     rows = []
     for name, which, hidden, kind in VARIANTS:
+        if args.only and args.only not in name:
+            continue
         began = time.perf_counter()
         fitted = (Learned if kind == "learned" else Map)(pair, which, hidden, data, kind)
         row = {"variant": name, "fit_s": round(time.perf_counter() - began, 1),
@@ -306,11 +332,24 @@ def tabulate(results: dict) -> str:
     return "\n".join(lines)
 
 
+def merged(old: dict, new: dict) -> dict:
+    """`old`'s results with `new`'s rows in place of (or beside) theirs, in VARIANTS order."""
+    order = [v[0] for v in VARIANTS]
+    pairs = {p["pair"]: p for p in old["pairs"]}
+    for p in new["pairs"]:
+        before = pairs.setdefault(p["pair"], {**p, "rows": []})
+        rows = {r["variant"]: r for r in before["rows"]} | {r["variant"]: r for r in p["rows"]}
+        before["rows"] = sorted(rows.values(), key=lambda r: order.index(r["variant"]))
+    return {**old, "pairs": list(pairs.values())}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pairs", default="qwen3-large:qwen3-small,qwen3-small:qwen3-large")
     parser.add_argument("--windows", type=int, default=256, help="fitting windows of 256")
     parser.add_argument("--prompts", type=int, default=32, help="held-out prompts")
+    parser.add_argument("--only", help="only the variants whose names hold this; the other "
+                                       "rows of capacity.json are kept")
     args = parser.parse_args()
     if not Path("runs/corpus/train.txt").is_file():
         raise SystemExit("no train split: build the zoo corpus with `kvtrans zoo corpus`")
@@ -319,6 +358,8 @@ def main():
     for spec in args.pairs.split(","):
         source, target = spec.split(":")
         results["pairs"].append(measure(Pair(source, target), args))
+    if args.only:
+        results = merged(json.loads((OUT / "capacity.json").read_text()), results)
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "capacity.json").write_text(json.dumps(results, indent=1) + "\n")
     (OUT / "capacity.md").write_text(tabulate(results))
