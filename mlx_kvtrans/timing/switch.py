@@ -185,20 +185,37 @@ def first_token(target, last: mx.array, cache: list) -> mx.array:
     return token
 
 
-def _median(fn, repeats: int, setup=None) -> tuple[float, float]:
+QUICK_S, QUICK_RUNS = 1.0, 25  # a timing of milliseconds repeats up to this long, this often
+
+
+def _median(fn, repeats: int, setup=None, quick: bool = True) -> tuple[float, float]:
     """(median seconds, peak MB above what was resident before: the weights and any source
-    cache) of `fn` (of `setup()`'s result, built untimed, when given), each run evaluated."""
-    times, peaks = [], []
-    for _ in range(repeats):
-        args = (setup(),) if setup else ()
-        mx.clear_cache()
-        mx.reset_peak_memory()
-        resident = mx.get_active_memory()
-        start = time.perf_counter()
-        fn(*args)
-        times.append(time.perf_counter() - start)
-        peaks.append((mx.get_peak_memory() - resident) / 2**20)
-    return statistics.median(times), max(peaks)
+    cache) of `fn` (of `setup()`'s result, built untimed, when given), each run evaluated.
+    At least `repeats` runs, and more while they have taken under `QUICK_S` in all (up to
+    `QUICK_RUNS`, unless not `quick`): a median of three runs of a few milliseconds moves by
+    tens of percent."""
+    return _medians({"": fn}, repeats, setup, quick)[""]
+
+
+def _medians(runs: dict[str, Callable], repeats: int, setup=None, quick: bool = True
+             ) -> dict[str, tuple[float, float]]:
+    """`_median` of each of `runs`, taken in turn, so that the runs compared see the same load."""
+    times = {name: [] for name in runs}
+    peaks = {name: [] for name in runs}
+
+    def more(done: list[float]) -> bool:
+        return len(done) < repeats or quick and sum(done) < QUICK_S and len(done) < QUICK_RUNS
+    while any(more(t) for t in times.values()):
+        for name, fn in runs.items():
+            args = (setup(),) if setup else ()
+            mx.clear_cache()
+            mx.reset_peak_memory()
+            resident = mx.get_active_memory()
+            start = time.perf_counter()
+            fn(*args)
+            times[name].append(time.perf_counter() - start)
+            peaks[name].append((mx.get_peak_memory() - resident) / 2**20)
+    return {name: (statistics.median(times[name]), max(peaks[name])) for name in runs}
 
 
 def _main_dtype(model) -> mx.Dtype:
@@ -227,7 +244,7 @@ def bench_switch(translator: Translator, source, target, lengths: list[int], rep
     translator.prepare()
     vocab = vocab or 256
     rows = []
-    phases = (8 if target_is_hybrid else 7) + bool(gate_tokens)
+    phases = 8 if target_is_hybrid else 7
     done = 0
 
     def step(what: str, length: int):
@@ -274,7 +291,7 @@ def bench_switch(translator: Translator, source, target, lengths: list[int], rep
                 reprefill()
 
         step("cold switch", length)
-        t_cold, _ = _median(cold, 1)
+        t_cold, _ = _median(cold, 1, quick=False)  # a user's first switch happens once
         step("bound", length)
         warm()  # compile and allocate once
         install_bytes = cache_nbytes(translate_only())
@@ -284,14 +301,11 @@ def bench_switch(translator: Translator, source, target, lengths: list[int], rep
         t_step, _ = _median(lambda cache: first_token(target, last, cache), repeats,
                             setup=translate_only)
         step("warm switch", length)
-        t_warm, peak_switch = _median(warm, repeats)
-        step("source prefill + switch", length)
-        t_prefill_switch, _ = _median(prefill_and_switch, repeats)
+        runs = {"warm": warm}
         tail = min(gate_tokens, prompt.shape[1] - 1)
         t_gated = outcome = t_gate_read = None
         read = 0
-        if tail:
-            step("gated switch", length)
+        if tail:  # what a session does, timed in turn with the warm switch
             session = gated_session(translator, source, target, prompt[0].tolist(),
                                     int(last.item()), tail)
             status, _ = gated_switch(session)  # compile and allocate once
@@ -299,10 +313,16 @@ def bench_switch(translator: Translator, source, target, lengths: list[int], rep
                        if status.status == Outcome.APPLIED else
                        f"{status.status.value}: {status.reason}")
             statuses = []
-            t_gated, _ = _median(lambda: statuses.append(gated_switch(session)[0]), repeats)
+            runs["gated"] = lambda: statuses.append(gated_switch(session)[0])
+        timed = _medians(runs, repeats)
+        t_warm, peak_switch = timed["warm"]
+        if tail:
+            t_gated = timed["gated"][0]
             read = status.tokens_read
             if status.status == Outcome.APPLIED:  # else the time is a re-prefill's
                 t_gate_read = statistics.median(s.gate_seconds for s in statuses)
+        step("source prefill + switch", length)
+        t_prefill_switch, _ = _median(prefill_and_switch, repeats)
         step("re-prefill", length)
         t_full, peak_full = _median(reprefill, repeats)
         if target_is_hybrid:
