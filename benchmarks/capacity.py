@@ -29,7 +29,7 @@ own option (`kvtrans fit --random-features`, `translators/random_features.py`) i
 through a session by `benchmarks/ideas.py`.
 
     python benchmarks/capacity.py [--pairs qwen3-large:qwen3-small,...] [--windows 256]
-                                  [--prompts 32] [--only NAME]
+                                  [--prompts 32] [--only NAME] [--tabulate]
 
 Writes benchmarks/results/capacity.{json,md}.
 """
@@ -61,7 +61,8 @@ REREADS = (0, 8, 32)
 SEED = 7  # validation windows: not any other benchmark's draw
 RIDGE = 1e-3  # relative to the mean diagonal of the features' second moments
 # (name, source layers: "nearest" 2 or "every", hidden units, kind: random features, the
-# previous token's features beside each position's, or hidden units learned by Adam)
+# previous token's features beside each position's, running means of the window so far beside
+# them, or hidden units learned by Adam)
 VARIANTS = [("linear, 2 nearest layers", "nearest", 0, "random"),
             ("linear, every layer", "every", 0, "random"),
             ("linear, every layer and the previous token's", "every", 0, "previous"),
@@ -307,7 +308,8 @@ def tabulate(results: dict) -> str:
              "regression on windows of 256 tokens of the train split, from the source layers "
              "named, the token id's target embedding beside them, and for the nonlinear rows H "
              "random ReLU features of those inputs (or hidden units learned by Adam, or the "
-             "previous token's features beside them). **R^2**: mean over target layers, "
+             "previous token's features beside them, or their running means over the window "
+             "so far, decayed by 0.95 a token and plain). **R^2**: mean over target layers, "
              "fitting windows / 16 held-out windows; **by layer**: held out, per target layer, "
              "first to last. **Recovered**: the history's worth kept, "
              "(agreement - floor) / (1 - floor), teacher-forced on the native greedy "
@@ -333,14 +335,20 @@ def tabulate(results: dict) -> str:
 
 
 def merged(old: dict, new: dict) -> dict:
-    """`old`'s results with `new`'s rows in place of (or beside) theirs, in VARIANTS order."""
+    """`old`'s results with `new`'s rows in place of (or beside) theirs, in VARIANTS order
+    (rows of variants no longer listed last); a pair measured with other windows or prompts
+    is replaced whole."""
     order = [v[0] for v in VARIANTS]
     pairs = {p["pair"]: p for p in old["pairs"]}
     for p in new["pairs"]:
-        before = pairs.setdefault(p["pair"], {**p, "rows": []})
+        before = pairs.get(p["pair"])
+        if before is None or any(before[k] != p[k] for k in ("windows", "prompts")):
+            pairs[p["pair"]] = p
+            continue
         rows = {r["variant"]: r for r in before["rows"]} | {r["variant"]: r for r in p["rows"]}
-        before["rows"] = sorted(rows.values(), key=lambda r: order.index(r["variant"]))
-    return {**old, "pairs": list(pairs.values())}
+        before["rows"] = sorted(rows.values(), key=lambda r: order.index(r["variant"])
+                                if r["variant"] in order else len(order))
+    return {**new, "pairs": list(pairs.values())}
 
 
 def main():
@@ -350,16 +358,24 @@ def main():
     parser.add_argument("--prompts", type=int, default=32, help="held-out prompts")
     parser.add_argument("--only", help="only the variants whose names hold this; the other "
                                        "rows of capacity.json are kept")
+    parser.add_argument("--tabulate", action="store_true", help="only rebuild capacity.md")
     args = parser.parse_args()
+    if args.tabulate:
+        (OUT / "capacity.md").write_text(tabulate(json.loads((OUT / "capacity.json").read_text())))
+        return
     if not Path("runs/corpus/train.txt").is_file():
         raise SystemExit("no train split: build the zoo corpus with `kvtrans zoo corpus`")
+    if args.only and not any(args.only in v[0] for v in VARIANTS):
+        raise SystemExit(f"--only {args.only!r}: no variant's name holds it")
+    saved = OUT / "capacity.json"
+    old = json.loads(saved.read_text()) if args.only and saved.is_file() else {"pairs": []}
     blas = blas_report()
     results = {"blas": str(blas), "pairs": []}
     for spec in args.pairs.split(","):
         source, target = spec.split(":")
         results["pairs"].append(measure(Pair(source, target), args))
     if args.only:
-        results = merged(json.loads((OUT / "capacity.json").read_text()), results)
+        results = merged(old, results)
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "capacity.json").write_text(json.dumps(results, indent=1) + "\n")
     (OUT / "capacity.md").write_text(tabulate(results))

@@ -28,7 +28,9 @@ def bench(source: str = typer.Option(None, "--from", help="default: the translat
           token_identity: str = typer.Option("ids", help="--realistic: the fitted "
                                              "translator's token identity, ids or off"),
           lengths: str = typer.Option("1024,2048,4096", help="prompt lengths (comma-separated)"),
-          repeats: int = typer.Option(3, min=1, help="timed runs per measurement (the median)"),
+          repeats: int = typer.Option(3, min=1, help="timed runs per measurement, at least "
+                                      "(the median; up to 25 within a second for runs of "
+                                      "milliseconds)"),
           dtype: str = typer.Option("float32", help="float32 or bfloat16 (bf16 is far slower on a "
                                     "CPU; Macs run it)"),
           out_dir: Path = typer.Option(None, help="write the JSON and PNG here"),

@@ -35,6 +35,9 @@ RANDOM_FEATURES_HELP = ("H > 0: every map's input (or those of --random-layers) 
 RANDOM_LAYERS_HELP = ("with --random-features: only these target layers' maps read them, e.g. "
                       "2,3 (where `eval ablate` finds the translation loses most)")
 JSON_HELP = "print the result as JSON"
+REPLAY_CONVOLVE = typer.Option(FIT.replay_convolve, help="linear-attention targets: replay "
+                               "predicts k, v before the target's short convolution and runs "
+                               "it (needs --capture 1)")
 OUTPUT_WEIGHT = typer.Option(DISTILL.output_weight, min=0.0, callback=finite,
                              help="weight of the output rehearsal: each layer's attention output "
                              "over the translated cache held to its output over its own (0: off)")
@@ -222,9 +225,7 @@ def fit(source: str = typer.Option(..., "--from", help="source model"),
         random_features: int = typer.Option(FIT.random_features, min=0,
                                             help=RANDOM_FEATURES_HELP),
         random_layers: str = typer.Option(None, help=RANDOM_LAYERS_HELP),
-        replay_convolve: bool = typer.Option(FIT.replay_convolve, help="linear-attention "
-                                             "targets: replay predicts k, v before the "
-                                             "target's short convolution (needs --capture 1)"),
+        replay_convolve: bool = REPLAY_CONVOLVE,
         needle_share: float = typer.Option(0.0, min=0.0, max=1.0, callback=finite,
                                            help="about this share of the fitting windows are "
                                            "synthetic needles, question and answer last (with "
@@ -255,9 +256,8 @@ def fit(source: str = typer.Option(..., "--from", help="source model"),
                          identity_tables=identity_tables, residual=residual,
                          random_features=random_features, windows=windows, length=length, mix=tuple(
                              int_list("--mix-lengths", mix_lengths, 2) if mix_lengths else ()),
-                         pooling=pooling,
-                         random_layers=_random_layers(random_layers, random_features, target),
-                         replay_convolve=replay_convolve)
+                         pooling=pooling, replay_convolve=replay_convolve,
+                         random_layers=_random_layers(random_layers, random_features, target))
     _check_window_lengths(config, source, target)
     files = text_files("--data", data, "train")
     held_out = text_file("--validation", validation, "validation")

@@ -107,7 +107,8 @@ def all_finite(layers: list[dict[str, mx.array]]) -> bool:
     """Whether every (3) object is finite (one evaluation for all of them). A NaN or an
     infinity makes its tensor's sum one too, and a sum is one pass over the tensor where
     `isfinite(...).all()` on a CPU is two and several times slower. Finite values whose sum
-    overflows float32 (3.4e38) read as not finite: no usable cache holds them."""
-    sums = [(v.astype(mx.float32) if v.dtype == mx.float16 else v).sum()  # float16 tops 65504
+    overflows float32 (3.4e38) read as not finite: no usable cache holds them. float16
+    tensors (whose sums pass 65504 easily) are summed in float32."""
+    sums = [(v.astype(mx.float32) if v.dtype == mx.float16 else v).sum()
             for layer in layers for v in layer.values()]
     return not sums or bool(mx.isfinite(mx.stack(sums).sum()))

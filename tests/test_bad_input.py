@@ -132,6 +132,9 @@ CASES = {
     "fit: replay through the convolution into a target without linear attention": (
         ["fit", "--from", "kimi-linear", "--to", "kimi-vl", "--out", "{out}", "--data", "{text}",
          "--replay-convolve"], "replays no recurrent state"),
+    "fit: replay through the convolution of a state the plan copies": (
+        ["fit", "--from", "qwen3.5-a", "--to", "qwen3.5-b", "--out", "{out}", "--data", "{text}",
+         "--replay-convolve"], "recurrent_state=replay"),
     "fit: replay through the convolution from features after it": (
         ["fit", "--from", "kimi-vl", "--to", "kimi-linear", "--out", "{out}", "--data", "{text}",
          "--capture", "2", "--replay-convolve"], "reads features at (1)"),

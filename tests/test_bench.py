@@ -3,7 +3,9 @@ whose source prefill runs the chunkwise recurrence yet yields the same first tok
 switch that is a session's switch. No timed assertions: timings are only checked to exist and
 to add up."""
 
+import importlib
 import json
+import time
 
 import mlx.core as mx
 import pytest
@@ -18,6 +20,29 @@ from mlx_kvtrans.timing.switch import (bench_switch, cache_nbytes, first_token, 
                                        gated_switch, source_prefill, switch_cache)
 from mlx_kvtrans.translators.fit import FitConfig, fit
 from mlx_kvtrans.translators.plan import plan
+
+
+TIMING = importlib.import_module("mlx_kvtrans.timing.switch")
+
+
+def test_timings_alternate_repeat_while_quick_and_stop_at_their_own_counts(monkeypatch):
+    """Runs compared are taken in turn; runs of milliseconds repeat up to QUICK_RUNS within
+    QUICK_S (a slow run past the budget stops at `repeats`); a run that must happen once
+    (`quick=False`) runs `repeats` times."""
+    monkeypatch.setattr(TIMING, "QUICK_RUNS", 5)
+    monkeypatch.setattr(TIMING, "QUICK_S", 60.0)
+    calls = []
+    medians = TIMING._medians({"a": lambda: calls.append("a"),
+                               "b": lambda: calls.append("b")}, repeats=2)
+    assert calls == ["a", "b"] * 5 and set(medians) == {"a", "b"}
+    calls.clear()
+    TIMING._median(lambda: calls.append("once"), 1, quick=False)
+    assert calls == ["once"]
+    calls.clear()
+    monkeypatch.setattr(TIMING, "QUICK_S", 0.01)
+    TIMING._medians({"fast": lambda: calls.append("fast"),
+                     "slow": lambda: (calls.append("slow"), time.sleep(0.02))}, repeats=3)
+    assert calls.count("slow") == 3 and calls.count("fast") >= 3
 
 
 def batches(n=3, length=48, seed=0):

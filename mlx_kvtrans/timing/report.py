@@ -17,7 +17,7 @@ from ..blas import blas_report
 from ..models import LoadedModel, cast_parameters
 from ..models import input_embedding
 from ..translators.translator import Translator
-from .switch import bench_switch
+from .switch import QUICK_RUNS, QUICK_S, bench_switch
 
 
 def switch_report(translator: Translator, source: LoadedModel, target: LoadedModel,
@@ -43,7 +43,8 @@ def switch_report(translator: Translator, source: LoadedModel, target: LoadedMod
               "device": str(mx.default_device()), "blas": blas.name,
               "matmul_peak_gflops": round(statistics.median(r.matmul_peak_gflops for r in rows), 1),
               "memory_bandwidth_gbs": round(statistics.median(r.bandwidth_gbs for r in rows), 1),
-              "repeats": repeats, "rows": [r.to_json() for r in rows]}
+              "repeats": repeats, "quick": {"seconds": QUICK_S, "runs": QUICK_RUNS},
+              "rows": [r.to_json() for r in rows]}
     if fit_record is not None:
         result["fit"] = {**fit_record, "features": translator.info["features"],
                          "token_identity": translator.token_identity}
@@ -72,6 +73,15 @@ def write_report(result: dict, out_dir: Path) -> tuple[Path, Path | None]:
     return json_path, plot_switch(result, out_dir / f"{stem}.png")
 
 
+def runs_of(result: dict) -> str:
+    """How many runs each timing of a result took the median of."""
+    quick = result.get("quick")
+    if not quick:  # written before short timings were repeated more
+        return f"{result['repeats']} runs"
+    return (f"{result['repeats']} runs or more (up to {quick['runs']} within "
+            f"{quick['seconds']:g} s)")
+
+
 def report_table(result: dict) -> tuple[str, list[str], list[list[str]], list[str]]:
     """(title, columns, rows, notes) of a result, as `kvtrans bench` prints it."""
     rows = result["rows"]
@@ -79,7 +89,7 @@ def report_table(result: dict) -> tuple[str, list[str], list[list[str]], list[st
     gated = any(r["gated_switch_s"] is not None for r in rows)
     title = (f"TTFT after a switch · {result['pair']} · {result['dtype']} · {result['blas']} "
              f"({result['matmul_peak_gflops']:.0f} GFLOP/s peak, "
-             f"{result['memory_bandwidth_gbs']:.0f} GB/s) · median of {result['repeats']}")
+             f"{result['memory_bandwidth_gbs']:.0f} GB/s) · median of {runs_of(result)}")
     columns = ["tokens", "re-prefill", *(["re-prefill chunked"] if chunked else []),
                "warm switch", "speed-up", "bound", "warm / bound",
                *(["gated switch", "speed-up"] if gated else []), "cold switch", "speed-up",

@@ -191,22 +191,28 @@ QUICK_S, QUICK_RUNS = 1.0, 25  # a timing of milliseconds repeats up to this lon
 def _median(fn, repeats: int, setup=None, quick: bool = True) -> tuple[float, float]:
     """(median seconds, peak MB above what was resident before: the weights and any source
     cache) of `fn` (of `setup()`'s result, built untimed, when given), each run evaluated.
-    At least `repeats` runs, and more while they have taken under `QUICK_S` in all (up to
-    `QUICK_RUNS`, unless not `quick`): a median of three runs of a few milliseconds moves by
-    tens of percent."""
+    At least `repeats` runs, and more while the runs (setups included) have taken under
+    `QUICK_S` (up to `QUICK_RUNS`, unless not `quick`): a median of three runs of a few
+    milliseconds moves by tens of percent."""
     return _medians({"": fn}, repeats, setup, quick)[""]
 
 
 def _medians(runs: dict[str, Callable], repeats: int, setup=None, quick: bool = True
              ) -> dict[str, tuple[float, float]]:
-    """`_median` of each of `runs`, taken in turn, so that the runs compared see the same load."""
+    """`_median` of each of `runs`, taken in turn while more than one wants more runs, so that
+    the runs compared see the same load; each stops at its own count."""
     times = {name: [] for name in runs}
     peaks = {name: [] for name in runs}
+    began = {name: time.perf_counter() for name in runs}
 
-    def more(done: list[float]) -> bool:
-        return len(done) < repeats or quick and sum(done) < QUICK_S and len(done) < QUICK_RUNS
-    while any(more(t) for t in times.values()):
+    def more(name: str) -> bool:
+        done = len(times[name])
+        return done < repeats or (quick and done < QUICK_RUNS
+                                  and time.perf_counter() - began[name] < QUICK_S)
+    while any(more(name) for name in runs):
         for name, fn in runs.items():
+            if not more(name):
+                continue
             args = (setup(),) if setup else ()
             mx.clear_cache()
             mx.reset_peak_memory()

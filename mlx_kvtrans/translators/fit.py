@@ -75,7 +75,8 @@ class FitConfig:
                                   "(1): the rows before it")
             if not any(isinstance(r, Replay) for r in recipes):
                 raise RecipeError("replay through the target's convolution: the plan replays "
-                                  "no recurrent state (the target has no linear attention)")
+                                  "no recurrent state (the target has none, or its states are "
+                                  "copied or mapped: ask for recurrent_state=replay)")
             recipes = [replace(r, convolve=True) if isinstance(r, Replay) else r
                        for r in recipes]
         if self.residual:
