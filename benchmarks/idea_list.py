@@ -274,6 +274,12 @@ IDEAS = [
          DistillConfig(**{**SEQUENCE, "output_weight": 1.0}),
          FitConfig(point=1, nu=2, token_identity="codebook", attention_weighted=8,
                    replay_convolve=True), 0.5),
+    # what keeps recall into kimi-vl (EVERY_IDEA), in the other direction
+    Idea("kimi-vl-to-kimi-linear-every-idea", "kimi-vl__kimi-linear-distilled",
+         "refit with every source layer, token ids, identity tables and a residual, "
+         "needle-weighted, then 500 steps on greedy continuations after an 8-token re-read, "
+         "prefixes 32-512, half needles, with the output rehearsal (weight 1)",
+         DistillConfig(**{**SEQUENCE, "output_weight": 1.0}), EVERY_IDEA, 0.5),
     # a learned nonlinear map that cannot unlearn the closed form: only the residual trains
     Idea("qwen3-large-to-qwen3-small-residual-alone", "qwen3-large__qwen3-small-distilled",
          "refit as shipped with a residual of 128 hidden units per map, needle-weighted, then "
