@@ -29,6 +29,9 @@ SEQUENCE = dict(steps=500, max_prefix=512, needle_share=0.5, greedy=True, reread
 # the stage 1 and 2 that keep recall into kimi-vl (benchmarks/translators.py, EVERY_IDEA)
 EVERY_IDEA = FitConfig(point=1, nu=2, features="all", token_identity="ids", attention_weighted=8,
                        identity_tables=32, residual=32)
+# kimi-vl -> kimi-linear refitted as shipped, replay predicting the rows before the convolution
+CONVOLVED = FitConfig(point=1, nu=2, token_identity="codebook", attention_weighted=8,
+                      replay_convolve=True)
 IDEAS = [
     Idea("dsa-sequence", "qwen3.5-a__dsa",
          "500 steps on greedy continuations after an 8-token re-read, prefixes 32-512, "
@@ -259,21 +262,18 @@ IDEAS = [
     Idea("kimi-vl-to-kimi-linear-convolved-stage1", "kimi-vl__kimi-linear-distilled",
          "refit as shipped (codebook, attention-weighted, needle-weighted), replay's k and v "
          "predicted before the target's short convolution and passed through it, not distilled",
-         None, FitConfig(point=1, nu=2, token_identity="codebook", attention_weighted=8,
-                   replay_convolve=True), 0.5),
+         None, CONVOLVED, 0.5),
     Idea("kimi-vl-to-kimi-linear-convolved", "kimi-vl__kimi-linear-distilled",
          "the same, then 300 steps on greedy continuations after an 8-token re-read, prefixes "
          "32-512, half needles, with the output rehearsal (weight 1)",
          DistillConfig(**{**SEQUENCE, "steps": 300, "output_weight": 1.0}),
-         FitConfig(point=1, nu=2, token_identity="codebook", attention_weighted=8,
-                   replay_convolve=True), 0.5),
+         CONVOLVED, 0.5),
     Idea("kimi-vl-to-kimi-linear-convolved-500", "kimi-vl__kimi-linear-distilled",
          "the same fit, then 500 steps (as many as the shipped translator's two runs) on "
          "greedy continuations after an 8-token re-read, prefixes 32-512, half needles, with "
          "the output rehearsal (weight 1)",
          DistillConfig(**{**SEQUENCE, "output_weight": 1.0}),
-         FitConfig(point=1, nu=2, token_identity="codebook", attention_weighted=8,
-                   replay_convolve=True), 0.5),
+         CONVOLVED, 0.5),
     # what keeps recall into kimi-vl (EVERY_IDEA), in the other direction
     Idea("kimi-vl-to-kimi-linear-every-idea", "kimi-vl__kimi-linear-distilled",
          "refit with every source layer, token ids, identity tables and a residual, "
