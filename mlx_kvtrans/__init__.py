@@ -26,6 +26,7 @@ stages in their folders (`capture`, `translators`, `session`, ...).
 """
 
 from . import blas  # noqa: F401  (first: selects a fast BLAS before mlx.core loads)
+from . import buffer_cache  # noqa: F401  (sizes MLX's CPU buffer cache)
 from . import layouts
 from ._version import __version__
 from .capture import capture

@@ -122,19 +122,19 @@ def matmul_gflops(n: int = 1024, repeats: int = 8, dtype=None) -> float:
     return 2 * n**3 / median_seconds(lambda: mx.eval(a @ b), repeats) / 1e9
 
 
-def memory_bandwidth_gbs(mib: int = 256, repeats: int = 5) -> float:
+def memory_bandwidth_gbs(mib: int = 256, repeats: int = 5, fresh: bool = False) -> float:
     """Measured memory bandwidth through MLX on the default device, GB/s: the median time of
     copying a `mib` MiB float32 array (`a + 0`: every byte read once and written once), counting
     bytes read + written.
 
     The output buffer is reused from MLX's cache (its limit raised for the measurement, then
-    restored): MLX's CPU cache keeps only 32 MiB by default, and a fresh 256 MiB buffer costs
-    page faults (about 10x the copy on Linux), which measure the allocator, not the memory."""
+    restored), unless `fresh`: on Linux a fresh 256 MiB buffer costs page faults (several times
+    the copy), which measure the allocator, not the memory (`buffer_cache`)."""
     import mlx.core as mx
 
     a = mx.arange(mib * 2**20 // 4, dtype=mx.float32)
     mx.eval(a)
-    limit = mx.set_cache_limit(mx.get_cache_memory() + 2 * a.nbytes)
+    limit = mx.set_cache_limit(0 if fresh else mx.get_cache_memory() + 2 * a.nbytes)
     try:
         seconds = median_seconds(lambda: mx.eval(a + 0), repeats)
     finally:

@@ -5,6 +5,7 @@ to add up."""
 
 import importlib
 import json
+import os
 import time
 
 import mlx.core as mx
@@ -124,8 +125,29 @@ def test_doctor_reports_memory_bandwidth_and_the_exponential_rates():
     from mlx_kvtrans.tools.doctor import diagnose
 
     report = diagnose()
-    assert report["memory_bandwidth_gbs"] > 0
+    assert report["memory_bandwidth_gbs"] > 0 and report["fresh_buffer_bandwidth_gbs"] > 0
     assert report["exp_mlx_mvalues_per_s"] > 0 and report["exp_fast_math_mvalues_per_s"] > 0
+
+
+def test_the_cpu_buffer_cache_is_sized_at_import(monkeypatch):
+    """Without Metal the package keeps freed buffers for reuse (1/8 of MLX's memory limit, at
+    most 4 GiB, or `KVTRANS_CPU_CACHE_MB`; 0 or an unreadable value leaves MLX's own)."""
+    from mlx_kvtrans import buffer_cache
+
+    if mx.metal.is_available():
+        assert buffer_cache.CPU_CACHE_LIMIT is None
+        return
+    limit = buffer_cache.CPU_CACHE_LIMIT
+    if buffer_cache.ENV not in os.environ:
+        assert limit == int(min(mx.get_memory_limit() / 8, 4 << 30))
+    assert limit > 32 << 20  # MLX's own
+    monkeypatch.setenv(buffer_cache.ENV, "64")
+    assert buffer_cache.cpu_cache_limit() == 64 << 20
+    monkeypatch.setenv(buffer_cache.ENV, "0")
+    assert buffer_cache.cpu_cache_limit() is None
+    monkeypatch.setenv(buffer_cache.ENV, "lots")
+    with pytest.warns(RuntimeWarning, match="KVTRANS_CPU_CACHE_MB"):
+        assert buffer_cache.cpu_cache_limit() is None
 
 
 @pytest.mark.parametrize("source,target", [("kimi_linear", "kimi_vl"), ("kimi_vl", "kimi_linear")])

@@ -640,10 +640,10 @@ def test_a_conv_history_maps_only_the_rows_it_keeps(length, zoo):
 @pytest.mark.parametrize("name", ["kimi-linear__kimi-vl-distilled", "qwen3-small__qwen3-large-distilled"])
 def test_fused_maps_equal_each_map_built_alone(name, zoo):
     """Maps of one input run as one matmul, identity tables and residuals included: the objects
-    equal each recipe's own build."""
+    equal each recipe's own build, for each row of a batch."""
     tr = kv.load_translator(name)
     src, tgt = zoo(tr.info["source"]["name"]), zoo(tr.info["target"]["name"])
-    tokens = mx.random.randint(0, 4000, (1, 40), key=mx.random.key(5))
+    tokens = mx.random.randint(0, 4000, (2, 40), key=mx.random.key(5))
     source = kv.capture(src.model, tokens, points=tr.source_points())
     layout = kv.layout_of(tgt.model)
     objects, _ = tr.translate(source, tgt.model, layout, tokens)
@@ -653,9 +653,10 @@ def test_fused_maps_equal_each_map_built_alone(name, zoo):
     ids = tr.identity.ids(source, tokens)
     identity = input_embedding(tgt.model)(ids).astype(mx.float32)
     for r in tr.recipes:
-        inputs = BuildInputs(source, features, identity if r.reads_identity else None, 1,
+        inputs = BuildInputs(source, features, identity if r.reads_identity else None, 2,
                              layout.layers[r.layer].cache.object(r.name), False, ids)
         built = r.build(inputs, tr.params_of(r))
+        assert objects[r.layer][r.name].shape == built.shape, r.key
         assert max_abs_diff(objects[r.layer][r.name], built) <= 1e-4, r.key
         assert max_abs_diff(alone[r.layer][r.name], built) <= 1e-4, r.key
 

@@ -214,7 +214,6 @@ def _medians(runs: dict[str, Callable], repeats: int, setup=None, quick: bool = 
             if not more(name):
                 continue
             args = (setup(),) if setup else ()
-            mx.clear_cache()
             mx.reset_peak_memory()
             resident = mx.get_active_memory()
             start = time.perf_counter()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import platform
 
+from .. import buffer_cache
 from ..blas import blas_report, matmul_gflops, median_seconds, memory_bandwidth_gbs
 
 
@@ -30,6 +31,10 @@ def diagnose() -> dict:
         "matmul_bfloat16_gflops": round(matmul_gflops(n=512, repeats=4, dtype=mx.bfloat16), 1),
         # a 256 MiB float32 copy, bytes read + written: what installing a cache moves at
         "memory_bandwidth_gbs": round(memory_bandwidth_gbs(), 1),
+        # the same copy into a fresh buffer each time: what a buffer cache too small costs
+        "fresh_buffer_bandwidth_gbs": round(memory_bandwidth_gbs(fresh=True), 1),
+        "cpu_buffer_cache_mb": (None if buffer_cache.CPU_CACHE_LIMIT is None
+                                else round(buffer_cache.CPU_CACHE_LIMIT / 2**20)),
         # float32 exponentials per second: MLX's own, and fast_math's that a CPU runs instead
         "exp_mlx_mvalues_per_s": round(exp_rate(mx.exp), 1),
         "exp_fast_math_mvalues_per_s": round(exp_rate(fast_math.exp), 1),

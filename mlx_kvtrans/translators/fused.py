@@ -5,12 +5,14 @@ each perhaps with identity tables (a gather of the token's and the previous toke
 a small matmul) and a residual (a small two-layer net). Run one by one, these are small,
 memory-bound steps; fused, each feature set is one GEMM near the matmul peak:
 
-    y = x @ W + b,  then map m's columns += [u0[id_t] | u1[id_t-1] | gelu(rms(x) @ up.T)]_m @ V_m
+    [y | h] = x @ [W | up.T] + [b | 0],  then map m's columns += [u0[id_t] | u1[id_t-1] | g]_m @ V_m
 
-where W holds every map's weight side by side, u0, u1 and up every map's tables and hidden
-units side by side (one gather per lag, one matmul for every hidden unit), and V_m stacks map
-m's own table and residual rows: they reach its outputs only, so a block-diagonal matmul
-does their arithmetic and no more.
+with g = gelu(h / rms(x)) (the residual's rms(x) @ up.T, its normalisation applied after the
+matmul), W every map's weight side by side, up every map's hidden units, u0 and u1 every map's
+tables side by side (one gather per lag), and V_m stacking map m's own table and residual rows:
+they reach its outputs only. Maps whose terms have one shape (rank, hidden units, width) form a
+group whose columns lie together, so the group's terms are one batched matmul, not one small
+matmul per map.
 """
 
 from __future__ import annotations
@@ -21,49 +23,59 @@ import mlx.core as mx
 
 from .recipes.base import Recipe, gelu
 
+RMS_EPS = 1e-6  # the residual's rms_norm
+
 
 @dataclass
-class Block:
-    """One map's table and residual terms: its columns of the gathered rows and of the hidden
-    units, and what sends them to its own outputs."""
+class BlockGroup:
+    """Maps whose table and residual terms have one shape: their output columns, their columns
+    of the gathered table rows and of the hidden units (each a run of equal widths, one per
+    map), and what sends those to each map's own outputs."""
 
-    recipe: Recipe
-    start: int  # its first output column
-    ranks: slice | None  # its columns of the gathered table rows (either lag)
-    hidden: slice | None  # its columns of the hidden units
-    weight: mx.array  # (2 x rank + hidden, width): v0, v1 and down.T stacked
+    recipes: list[Recipe]
+    columns: slice
+    ranks: slice | None
+    hidden: slice | None
+    weight: mx.array  # (maps, 2 x rank + hidden, width): each map's v0, v1 and down.T stacked
 
 
 @dataclass
 class FusedMaps:
     parts: list[tuple[Recipe, str, int]]  # (recipe, part, output width), in column order
-    weight: mx.array  # (din, sum of widths)
+    weight: mx.array  # (din, sum of widths + hidden units): the maps' weights, then up.T
     bias: mx.array
+    width: int  # sum of the parts' widths: the columns after them are the hidden units
     tables: tuple[mx.array, mx.array] | None  # every map's u0 and u1 side by side: (V, ranks)
-    up: mx.array | None  # every map's residual up rows: (hidden units, din)
-    blocks: list[Block]  # the maps with tables or a residual, in column order
+    groups: list[BlockGroup]  # the maps with tables or a residual
     arrays: list[mx.array]  # the parameters it was built from
 
     def __call__(self, x: mx.array, ids: mx.array | None) -> dict[Recipe, dict[str, mx.array]]:
         """Per recipe, part -> its output."""
         y = mx.addmm(self.bias, x, self.weight)
+        rows = (-1,)  # the group terms run on (tokens, ...) rows
         now = before = hidden = None
         if self.tables is not None:
-            now = self.tables[0][ids]
+            now = self.tables[0][ids].reshape(*rows, self.tables[0].shape[1])
             before = mx.pad(self.tables[1][ids[:, :-1]], [(0, 0), (1, 0), (0, 0)])
-        if self.up is not None:
-            hidden = gelu(mx.fast.rms_norm(x, None, 1e-6) @ self.up.T)
-        added = {}
-        for b in self.blocks:
-            terms = [now[..., b.ranks], before[..., b.ranks]] if b.ranks is not None else []
-            terms += [hidden[..., b.hidden]] if b.hidden is not None else []
-            added[b.recipe] = (b.start, mx.concatenate(terms, axis=-1) @ b.weight)
+            before = before.reshape(*rows, self.tables[1].shape[1])
+        if y.shape[-1] > self.width:
+            scale = mx.rsqrt(mx.mean(mx.square(x), axis=-1, keepdims=True) + RMS_EPS)
+            hidden = gelu(y[..., self.width:] * scale).reshape(*rows, y.shape[-1] - self.width)
+        grouped = {}
+        for g in self.groups:
+            n, width = len(g.recipes), g.weight.shape[-1]
+            terms = [t[:, s].reshape(-1, n, (s.stop - s.start) // n).transpose(1, 0, 2)
+                     for t, s in ((now, g.ranks), (before, g.ranks), (hidden, g.hidden))
+                     if s is not None]
+            z = mx.concatenate(terms, axis=-1)  # (maps, tokens, K), contiguous for the matmul
+            base = y[..., g.columns].reshape(-1, n, width).transpose(1, 0, 2)
+            total = base + z @ g.weight  # (maps, tokens, width)
+            for i, r in enumerate(g.recipes):
+                grouped[r] = total[i].reshape(*y.shape[:-1], width)
         start, outputs = 0, {}
         for r, part, width in self.parts:
-            out = y[..., start:start + width]
-            if r in added:  # its parts' columns lie within its block's
-                at, term = added[r]
-                out = out + term[..., start - at:start - at + width]
+            # a grouped map has a single part
+            out = grouped[r] if r in grouped else y[..., start:start + width]
             outputs.setdefault(r, {})[part] = out
             start += width
         return outputs
@@ -80,35 +92,57 @@ def parameters(group: list[Recipe], params_of) -> list[mx.array]:
     return out
 
 
+def _term_shape(recipe: Recipe, params: dict) -> tuple[int, int, int] | None:
+    """(table rank, hidden units, width) of a map's added terms, or None without any."""
+    terms = recipe.added_terms(params)
+    if not terms:
+        return None
+    rank = terms["tables"][0].shape[1] if "tables" in terms else 0
+    hidden = terms["residual"][0].shape[0] if "residual" in terms else 0
+    (_, weight, _), = recipe.linear_parts(params)
+    return rank, hidden, weight.shape[0]
+
+
 def fuse(group: list[Recipe], params_of) -> FusedMaps:
     """The fused maps of `group` (recipes of one input, from `Recipe.fused_input`)."""
-    parts, weights, biases, blocks = [], [], [], []
-    u0, u1, up = [], [], []
-    for r in group:
+    shapes = {r: _term_shape(r, params_of(r)) for r in group}
+    kinds = list(dict.fromkeys(s for s in shapes.values() if s is not None))
+    # maps with terms first, one run per shape, so that each group's columns lie together
+    ordered = [r for kind in kinds for r in group if shapes[r] == kind]
+    ordered += [r for r in group if shapes[r] is None]
+    parts, weights, biases = [], [], []
+    u0, u1, up, rows = [], [], [], {}
+    for r in ordered:
         params = params_of(r)
-        start = sum(w.shape[0] for w in weights)
         for part, w, b in r.linear_parts(params):
             parts.append((r, part, w.shape[0]))
             weights.append(w)
             biases.append(b)
         terms = r.added_terms(params)
-        if not terms:
-            continue
-        rows, ranks, hidden = [], None, None
+        stacked = []
         if "tables" in terms:
             t = terms["tables"]
-            at = sum(u.shape[1] for u in u0)
-            ranks = slice(at, at + t[0].shape[1])
             u0.append(t[0])
             u1.append(t[2])
-            rows += [t[1], t[3]]
+            stacked += [t[1], t[3]]
         if "residual" in terms:
             u, down = terms["residual"]
-            at = sum(h.shape[0] for h in up)
-            hidden = slice(at, at + u.shape[0])
             up.append(u)
-            rows.append(down.T)
-        blocks.append(Block(r, start, ranks, hidden, mx.concatenate(rows)))
+            stacked.append(down.T)
+        if stacked:
+            rows[r] = mx.concatenate(stacked)
+    width = sum(w.shape[0] for w in weights)
+    groups, column, rank_at, hidden_at = [], 0, 0, 0
+    for rank, hidden, out in kinds:
+        members = [r for r in ordered if shapes[r] == (rank, hidden, out)]
+        n = len(members)
+        groups.append(BlockGroup(
+            members, slice(column, column + n * out),
+            slice(rank_at, rank_at + n * rank) if rank else None,
+            slice(hidden_at, hidden_at + n * hidden) if hidden else None,
+            mx.stack([rows[r] for r in members])))
+        column, rank_at, hidden_at = column + n * out, rank_at + n * rank, hidden_at + n * hidden
     tables = (mx.concatenate(u0, axis=1), mx.concatenate(u1, axis=1)) if u0 else None
-    return FusedMaps(parts, mx.concatenate(weights).T, mx.concatenate(biases), tables,
-                     mx.concatenate(up) if up else None, blocks, parameters(group, params_of))
+    weight = mx.concatenate(weights + up).T
+    bias = mx.concatenate(biases + ([mx.zeros((hidden_at,), biases[0].dtype)] if up else []))
+    return FusedMaps(parts, weight, bias, width, tables, groups, parameters(group, params_of))
