@@ -659,6 +659,12 @@ def test_fused_maps_equal_each_map_built_alone(name, zoo):
         assert objects[r.layer][r.name].shape == built.shape, r.key
         assert max_abs_diff(objects[r.layer][r.name], built) <= 1e-4, r.key
         assert max_abs_diff(alone[r.layer][r.name], built) <= 1e-4, r.key
+    steps = []  # a benchmark's pauses between the steps change nothing
+    lapped, _ = tr.translate(source, tgt.model, layout, tokens,
+                             lap=lambda step, arrays: steps.append(step) or mx.eval(arrays))
+    assert {"features", "matmul", "layout", "group matmul", "rest"} <= set(steps)
+    for r in tr.recipes:
+        assert mx.array_equal(lapped[r.layer][r.name], objects[r.layer][r.name]), r.key
 
 
 def test_fit_reads_chat_logs_rendered_with_the_models_template(model_dirs, tmp_path):

@@ -49,27 +49,37 @@ class FusedMaps:
     groups: list[BlockGroup]  # the maps with tables or a residual
     arrays: list[mx.array]  # the parameters it was built from
 
-    def __call__(self, x: mx.array, ids: mx.array | None) -> dict[Recipe, dict[str, mx.array]]:
-        """Per recipe, part -> its output."""
+    def __call__(self, x: mx.array, ids: mx.array | None, lap=None
+                 ) -> dict[Recipe, dict[str, mx.array]]:
+        """Per recipe, part -> its output. `lap(step, arrays)`, when given, follows each step
+        with what it made (`benchmarks/translate_steps.py` evaluates them there, to time it)."""
+        lap = lap or (lambda step, arrays: None)
         y = mx.addmm(self.bias, x, self.weight)
-        rows = (-1,)  # the group terms run on (tokens, ...) rows
-        now = before = hidden = None
+        lap("matmul", [y])
+        now = before = hidden = None  # the group terms run on rows of (tokens, columns)
         if self.tables is not None:
-            now = self.tables[0][ids].reshape(*rows, self.tables[0].shape[1])
+            now = self.tables[0][ids].reshape(-1, self.tables[0].shape[1])
             before = mx.pad(self.tables[1][ids[:, :-1]], [(0, 0), (1, 0), (0, 0)])
-            before = before.reshape(*rows, self.tables[1].shape[1])
+            before = before.reshape(-1, self.tables[1].shape[1])
+            lap("gather", [now, before])
         if y.shape[-1] > self.width:
             scale = mx.rsqrt(mx.mean(mx.square(x), axis=-1, keepdims=True) + RMS_EPS)
-            hidden = gelu(y[..., self.width:] * scale).reshape(*rows, y.shape[-1] - self.width)
-        grouped = {}
+            hidden = gelu(y[..., self.width:] * scale).reshape(-1, y.shape[-1] - self.width)
+            lap("gelu", [hidden])
+        inputs = []
         for g in self.groups:
-            n, width = len(g.recipes), g.weight.shape[-1]
+            n = len(g.recipes)
             terms = [t[:, s].reshape(-1, n, (s.stop - s.start) // n).transpose(1, 0, 2)
                      for t, s in ((now, g.ranks), (before, g.ranks), (hidden, g.hidden))
                      if s is not None]
-            z = mx.concatenate(terms, axis=-1)  # (maps, tokens, K), contiguous for the matmul
+            inputs.append(mx.concatenate(terms, axis=-1))  # (maps, tokens, K), contiguous
+        lap("layout", inputs)
+        grouped = {}
+        for g, z in zip(self.groups, inputs):
+            n, width = len(g.recipes), g.weight.shape[-1]
             base = y[..., g.columns].reshape(-1, n, width).transpose(1, 0, 2)
             total = base + z @ g.weight  # (maps, tokens, width)
+            lap("group matmul", [total])
             for i, r in enumerate(g.recipes):
                 grouped[r] = total[i].reshape(*y.shape[:-1], width)
         start, outputs = 0, {}

@@ -109,21 +109,24 @@ class Translator:
     # -- translating ------------------------------------------------------------------------
     def translate(self, source: Capture, target_model, target_layout: ModelLayout | None = None,
                   token_ids: mx.array | None = None, all_rows: bool = False,
-                  params: dict | None = None, layers: Collection[int] | None = None
-                  ) -> tuple[list[dict[str, mx.array]], list[dict[str, int]]]:
+                  params: dict | None = None, layers: Collection[int] | None = None,
+                  lap=None) -> tuple[list[dict[str, mx.array]], list[dict[str, int]]]:
         """(per target layer: object name -> tensor, per target layer: name -> capture point).
 
         `params`: parameters to translate with (flat or a tree; default the translator's own).
         `layers`: only these target layers (a process of a pipeline-sharded target); the
         others are left empty.
         Conv histories keep K-1 rows, so only those are mapped, unless `all_rows` (a session
-        that keeps every token's objects, to translate them onwards later)."""
+        that keeps every token's objects, to translate them onwards later).
+        `lap(step, arrays)`: see `FusedMaps.__call__`."""
         target_layout = target_layout or layout_of(target_model)
         flat = self.params if params is None else dict(tree_flatten(params))
         recipes = [r for r in self.recipes if layers is None or r.layer in layers]
         features = self.features(source, flat, recipes)
         ids = self.identity.ids(source, token_ids)
         identity = None if ids is None else input_embedding(target_model)(ids).astype(mx.float32)
+        if lap:
+            lap("features", list(features.values()) + ([] if identity is None else [identity]))
         objects = [{} for _ in target_layout.layers]
         points = [{} for _ in target_layout.layers]
         inputs = {r: BuildInputs(source, features, identity if r.reads_identity else None,
@@ -142,7 +145,7 @@ class Translator:
             maps = self._fused_maps(key, group, flat, keep=params is None)
             x = concat_features(features, sources, kinds, inputs[group[0]].identity,
                                 self.expansion if expanded(key[0]) else None)
-            outputs = maps(x, inputs[group[0]].ids)
+            outputs = maps(x, inputs[group[0]].ids, lap)
             for r in group:
                 objects[r.layer][r.name] = r.from_parts(inputs[r], outputs[r])
                 points[r.layer][r.name] = r.point
@@ -152,6 +155,8 @@ class Translator:
                     objects[layer.index][r.name] = r.build(inputs[r], self.params_of(r, flat))
                     points[layer.index][r.name] = r.point
             mx.eval(list(objects[layer.index].values()))
+        if lap:
+            lap("rest", [])
         return objects, points
 
     def _fused_maps(self, key, group: list[Recipe], flat: dict, keep: bool) -> FusedMaps:
