@@ -229,6 +229,57 @@ def test_a_translator_that_reads_the_source_state_stops_at_a_snapshot(zoo):
     assert max_abs_diff(tgt.model(x, cache=s.lines["b"].cache), tgt.model(x, cache=cache)) <= 1e-4
 
 
+@pytest.mark.parametrize("pair", [("qwen3-small", "qwen3-large"), ("qwen3.5-a", "qwen3.5-b")])
+def test_a_fired_gate_reads_more_before_it_rereads(pair, zoo, monkeypatch):
+    """A switch whose gate fires at r tokens tries once more with 4r read natively (a
+    translator that reads the source's state stopping at a snapshot 4r-8r back), judged by the
+    gate again: applied, it holds the translation of the head and the target's own reading of
+    the rest. By default (no `escalate`) it re-reads the span at once."""
+    tr, src, tgt = shipped(used(*pair), zoo)
+    firsts, calibrated = [], gate.threshold
+
+    def first_fires(calibration, tail, generated, length):  # the first reading fails
+        firsts.append(length)
+        threshold = calibrated(calibration, tail, generated, length)
+        return (-1e9, "") if len(firsts) == 1 else threshold
+    monkeypatch.setattr(gate, "threshold", first_fires)
+    tokens = held_out(src.tokenizer, 150, 11)
+    s = Session({"a": src, "b": tgt}, {("a", "b"): tr}, active="a", reread=0, escalate=True)
+    s.add(tokens)
+    list(s.generate(0))
+    status = s.switch("b")
+    assert (status.status, status.gate, status.reread) == ("applied", "passed", 32), status
+    assert "the gate fired at R = 8" in status.setting_note and len(firsts) == 2
+    n = s.lines["a"].seen
+    assert 32 <= status.tokens_read < 64 and status.tokens_translated == n - status.tokens_read
+    head = mx.array([s.tokens[:n - status.tokens_read]])
+    layout = kv.layout_of(tgt.model)
+    cache = install(layout, *tr.translate(capture(src.model, head, points=tr.source_points()),
+                                          tgt.model, layout, head))
+    mx.eval(tgt.model(mx.array([s.tokens[n - status.tokens_read:n]]), cache=cache))
+    x = mx.array([[5, 6]])
+    assert max_abs_diff(tgt.model(x, cache=s.lines["b"].cache), tgt.model(x, cache=cache)) <= 1e-4
+    firsts.clear()
+    s = Session({"a": src, "b": tgt}, {("a", "b"): tr}, active="a", reread=0)  # by default
+    s.add(tokens)
+    list(s.generate(0))
+    status = s.switch("b")
+    assert (status.status, status.gate) == ("fallback_reprefill", "fired"), status
+    assert len(firsts) == 1 and status.tokens_reprefilled == 150
+
+
+def test_a_fired_gate_on_a_short_span_rereads_at_once(zoo, monkeypatch):
+    """Where 4r would read half the span or more, a fired gate re-reads the span."""
+    tr, src, tgt = shipped(used("qwen3-small", "qwen3-large"), zoo)
+    monkeypatch.setattr(gate, "threshold", lambda *args: (-1e9, ""))
+    s = Session({"a": src, "b": tgt}, {("a", "b"): tr}, active="a", reread=0, escalate=True)
+    s.add(held_out(src.tokenizer, 60, 12))
+    list(s.generate(0))
+    status = s.switch("b")
+    assert (status.status, status.gate, status.reread) == ("fallback_reprefill", "fired", 0)
+    assert "R = 32" not in status.setting_note
+
+
 def test_a_span_within_the_tail_is_read_not_translated(zoo):
     tr, src, tgt = shipped(used("kimi-linear", "kimi-vl"), zoo)
     s = Session({"a": src, "b": tgt}, {("a", "b"): tr}, active="a", reread=0)

@@ -141,13 +141,14 @@ class SessionSwitch(Switch):
     gate: the target re-reads). `statuses` keeps every switch's status."""
 
     def __init__(self, translator, source, target, gate_tokens: int | None = None,
-                 sink: int = 0):
+                 sink: int = 0, escalate: bool = False):
         from ..session.views import tokenizer_groups
 
         across = len(set(tokenizer_groups({"s": source, "t": target}).values())) > 1
         super().__init__(translator, source.model, target.model,
                          tokenizers=(source.tokenizer, target.tokenizer) if across else None)
         self.lms, self.gate_tokens, self.sink = (source, target), gate_tokens, sink
+        self.escalate = escalate
         self.statuses: dict[Setting, list] = {}
         self._last = None  # (setting, prefix) -> its evaluated cache: one session per window
 
@@ -162,7 +163,8 @@ class SessionSwitch(Switch):
             options = {} if self.gate_tokens is None else {"gate_tokens": self.gate_tokens}
             session = Session({"source": self.lms[0], "target": self.lms[1]},
                               {("source", "target"): self.translator}, active="source",
-                              reread=setting.reread, sink=self.sink, **options)
+                              reread=setting.reread, sink=self.sink,
+                              escalate=self.escalate, **options)
             session.add(prefix, model="target")  # the target's tokens (and their text)
             list(session.generate(0))  # the source reads the prefix
             self.statuses.setdefault(setting, []).append(session.switch("target"))

@@ -40,12 +40,17 @@ class Session:
     that receives it from its start reads itself (`handover`; `SINK_TOKENS` for a pretrained
     target). `groups`: model -> its tokenizer group (`views.tokenizer_groups`), when the
     caller has it (comparing vocabularies costs time at a real vocabulary's size).
+    `escalate`: a switch whose gate fires tries once more with `dial.ESCALATION` times the
+    tokens read before it re-reads the span: fewer re-reads, but a weaker gate (the second
+    reading's tail follows more native tokens), which lets more lost needles through
+    (`benchmarks/results/escalation.md`); off by default.
     """
 
     def __init__(self, models: dict, translators: dict | None = None, active: str | None = None,
                  strategy: str = "segment", refresh_every: int = 4, max_context: int | None = None,
                  gate_tokens: int = gate.GATE_TOKENS, reread: int | None = None,
-                 fidelity: float | None = None, sink: int = 0, groups: dict | None = None):
+                 fidelity: float | None = None, sink: int = 0, groups: dict | None = None,
+                 escalate: bool = False):
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}")
         if gate_tokens < 0:
@@ -70,7 +75,7 @@ class Session:
         if sink < 0:
             raise ValueError("sink must be 0 or more")
         self.gate_tokens, self.sink = gate_tokens, sink
-        self.reread, self.fidelity = reread, fidelity
+        self.reread, self.fidelity, self.escalate = reread, fidelity, escalate
         self.switches: list[SwitchStatus] = []
         self.prepared: dict[str, SwitchStatus] = {}  # target -> its hand-over made ahead
         self.prepared_from: dict[str, int] = {}  # target -> where that hand-over began
@@ -137,6 +142,8 @@ class Session:
             else:
                 rereads = {dial.default_reread(translator)[0]}
             marks |= {max(r, self.gate_tokens) for r in rereads}
+        if self.gate_tokens and self.escalate and dial.ESCALATION > 1:  # a fired gate's stop
+            marks |= {dial.ESCALATION * m for m in marks}
         return sorted((m for m in marks if m > 0), reverse=True)
 
     def keeps_states(self, name: str) -> bool:

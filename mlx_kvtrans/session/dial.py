@@ -10,6 +10,10 @@ much of both, per length, on held-out data. A session asks for one of:
   at the switch's length (none: the target re-reads the span, with the reason);
 - neither: the translator's default, the cheapest R that meets `DEFAULT_AGREEMENT` at twice its
   fitting length (none meets it: the most faithful R measured there); R = 0 without a frontier.
+
+With `Session(escalate=True)`, a switch whose gate fired tries once more with `ESCALATION`
+times the tokens re-read before it re-prefills the span (a translation can err on the first
+tokens the target reads, and a few more read natively mend that), judged by the gate again.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from dataclasses import dataclass
 from ..translators.frontier import cheapest_row, fitting_length, rows_at
 
 DEFAULT_AGREEMENT = 0.9  # the default setting meets this agreement at 2x the fitting length
+# a switch whose gate fired re-reads this many times as many tokens before re-prefilling
+ESCALATION = 4
 
 
 @dataclass(frozen=True)
@@ -48,6 +54,14 @@ def _expecting(frontier, reread: int, length: int, note: str) -> Choice:
     if row is None:
         return Choice(reread, note=note)
     return Choice(reread, row.agreement, row.speedup, note)
+
+
+def escalated(read: int, span: int) -> int | None:
+    """After the gate fired on a switch whose target read `read` of the `span` tokens it was
+    given: the wider re-read to try before re-prefilling the span, or None where that would
+    read half the span or more (a re-prefill then costs little more)."""
+    wider = ESCALATION * read
+    return wider if ESCALATION > 1 and read > 0 and wider < span / 2 else None
 
 
 def default_reread(translator) -> tuple[int, str]:

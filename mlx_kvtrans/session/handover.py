@@ -104,7 +104,7 @@ def hand_over(session: Session, source: str, target: str, reread: bool = True,
                 status.expected_agreement = choice.expected_agreement
                 status.expected_speedup = choice.expected_speedup
                 _translate_and_gate(session, translator, src, tgt, start, n, status,
-                                    choice.reread, reread)
+                                    choice.reread, reread, session.escalate)
     status.translate_seconds = time.perf_counter() - started
     return status
 
@@ -131,9 +131,10 @@ def handoff_point(translator, src: CacheLine, start: int, n: int, r: int,
 
 def _translate_and_gate(session: Session, translator, src: CacheLine, tgt: CacheLine,
                         start: int, n: int, status: SwitchStatus, reread: int = 0,
-                        read_fallback: bool = True) -> None:
+                        read_fallback: bool = True, escalate: bool = True) -> None:
     """Translate [start, C), let the target read [C, n), and let the gate judge its last
-    tokens: over its threshold, the target re-reads [start, n) instead (`read_fallback`)."""
+    tokens: over its threshold, the target reads more of the span itself (`dial.escalated`,
+    once, if `escalate`), else re-reads [start, n) instead (`read_fallback`)."""
     r = session.gate_tokens
     handoff, why = handoff_point(translator, src, start, n, max(r, reread), reread)
     if handoff == n and reread and why:  # no state to stop at: everything translated
@@ -201,6 +202,16 @@ def _translate_and_gate(session: Session, translator, src: CacheLine, tgt: Cache
         status.gate = Verdict.FIRED
         tgt.rewind(start, before)
         status.tokens_translated = status.tokens_read = 0
+        wider = dial.escalated(max(r, reread), n - start) if escalate else None
+        if wider is not None and start < handoff_point(translator, src, start, n, max(r, wider),
+                                                       wider)[0] < n:  # and the gate can judge
+            status.setting_note += (f"; the gate fired at R = {max(r, reread)} (gap "
+                                    f"{reading.gap:+.2f}, threshold {threshold:.2f}): "
+                                    f"R = {wider}")
+            status.reread = wider
+            _translate_and_gate(session, translator, src, tgt, start, n, status, wider,
+                                read_fallback, escalate=False)
+            return
         _fallback(session, tgt, n, status, f"fidelity gate: the target's NLL on the last "
                                            f"{reading.tokens} tokens is {reading.gap:+.2f} "
                                            f"nats/token from the source's, over the "
