@@ -8,7 +8,7 @@ and 512 tokens, on the validation split with a needle draw other than the held-o
 1), as ideas are (`ideas.py`): the share of switches applied, the history's worth recovered,
 greedy match and needle recall. Writes results/escalation.md and .json.
 
-    python benchmarks/escalation.py [--translators A,B] [--prompts 64] [--needles 96]
+    python benchmarks/escalation.py [--translators A,B] [--prompts 64] [--needles 96] [--tabulate]
 """
 
 from __future__ import annotations
@@ -57,8 +57,10 @@ def write_markdown(saved: dict, out: Path) -> None:
              "gate re-reads the span) beside `Session(escalate=True)` (a fired gate first "
              "tries 4r tokens read natively, judged again), on the same windows of the "
              "validation split and a needle draw other than the held-out one: "
-             f"{saved['prompts']} windows and {saved['needles']} needles per length. Regenerate "
-             f"with `python benchmarks/escalation.py`.\n\nBLAS: {saved['blas']}\n",
+             f"{saved['prompts']} windows and {saved['needles']} needles per length. Recovered, "
+             "first token and greedy match are read on the prose windows, recall on the "
+             "needles; applied counts the switches of both. Regenerate with "
+             f"`python benchmarks/escalation.py`.\n\nBLAS: {saved['blas']}\n",
              "| translator | L | switch | applied | recovered | first token | greedy match "
              "| recall (native) |", "|---|---|---|---|---|---|---|---|"]
     for name, result in saved["translators"].items():
@@ -77,7 +79,11 @@ def main():
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--needles", type=int, default=96)
     parser.add_argument("--results", type=Path, default=OUT)
+    parser.add_argument("--tabulate", action="store_true", help="only rebuild escalation.md")
     args = parser.parse_args()
+    if args.tabulate:
+        return write_markdown(json.loads((args.results / "escalation.json").read_text()),
+                              args.results)
     started, models = time.perf_counter(), {}
     results = {name: measure(name, models, args.prompts, args.needles)
                for name in args.translators.split(",")}

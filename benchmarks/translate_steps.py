@@ -8,7 +8,7 @@ shows which steps the bound leaves out: the gathers, the nonlinearity and the la
 the fused maps (`translators/fused.py`), which run at the CPU's elementwise rate, not its
 matmul peak. Writes results/translate-steps.md and .json.
 
-    python benchmarks/translate_steps.py [--translators A,B] [--lengths 1024,4096]
+    python benchmarks/translate_steps.py [--translators A,B] [--lengths 1024,4096] [--tabulate]
 """
 
 from __future__ import annotations
@@ -89,12 +89,14 @@ def write_markdown(saved: dict, out: Path) -> None:
     lines = ["# Where a translation's time goes\n",
              "Each step of a warm switch's translation and install, evaluated before the next "
              "starts (median of the runs), on held-out text; `whole`: the same run without the "
-             "pauses, in turn with it. Matmul: the fused maps' one GEMM (and the residuals' "
-             "hidden units); gather: the identity tables' rows; gelu: the residuals' "
+             "pauses, in turn with it. Features: the source's features and token "
+             "identities; matmul: the fused maps' input (features and identities side by "
+             "side, built lazily with it) and their one GEMM, the residuals' hidden units "
+             "included; gather: the identity tables' rows; gelu: the residuals' "
              "nonlinearity; layout: the table rows and hidden units of each group of maps "
              "copied into its batched matmul's layout; group matmul: the groups' table and "
-             "residual terms; features: the source's features and token identities; rest: "
-             "maps not fused and the conversion to each object's shape. The bound's terms "
+             "residual terms; rest: maps not fused and each object's shape from the maps' "
+             "outputs. The bound's terms "
              "beside them: the translation's FLOPs at the measured matmul peak and the "
              "installed bytes at the measured memory bandwidth. Regenerate with "
              f"`python benchmarks/translate_steps.py`.\n\nBLAS: {saved['blas']}\n",
@@ -116,7 +118,11 @@ def main():
     parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--results", type=Path, default=OUT)
+    parser.add_argument("--tabulate", action="store_true", help="only rebuild the .md")
     args = parser.parse_args()
+    if args.tabulate:
+        return write_markdown(json.loads((args.results / "translate-steps.json").read_text()),
+                              args.results)
     lengths = [int(n) for n in args.lengths.split(",")]
     rows = []
     for name in args.translators.split(","):

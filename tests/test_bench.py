@@ -130,24 +130,33 @@ def test_doctor_reports_memory_bandwidth_and_the_exponential_rates():
 
 
 def test_the_cpu_buffer_cache_is_sized_at_import(monkeypatch):
-    """Without Metal the package keeps freed buffers for reuse (1/8 of MLX's memory limit, at
-    most 4 GiB, or `KVTRANS_CPU_CACHE_MB`; 0 or an unreadable value leaves MLX's own)."""
+    """Without a GPU the package keeps freed buffers for reuse (1/8 of MLX's memory limit, at
+    most 4 GiB, or `KVTRANS_CPU_CACHE_MB`; 0 or an unreadable value leaves MLX's own), unless
+    the program set a limit of its own first."""
     from mlx_kvtrans import buffer_cache
 
     if mx.metal.is_available():
         assert buffer_cache.CPU_CACHE_LIMIT is None
         return
-    limit = buffer_cache.CPU_CACHE_LIMIT
     if buffer_cache.ENV not in os.environ:
-        assert limit == int(min(mx.get_memory_limit() / 8, 4 << 30))
-    assert limit > 32 << 20  # MLX's own
+        assert buffer_cache.CPU_CACHE_LIMIT == int(min(mx.get_memory_limit() / 8, 4 << 30))
+        assert buffer_cache.CPU_CACHE_LIMIT > buffer_cache.MLX_CPU_DEFAULT
     monkeypatch.setenv(buffer_cache.ENV, "64")
     assert buffer_cache.cpu_cache_limit() == 64 << 20
     monkeypatch.setenv(buffer_cache.ENV, "0")
     assert buffer_cache.cpu_cache_limit() is None
-    monkeypatch.setenv(buffer_cache.ENV, "lots")
-    with pytest.warns(RuntimeWarning, match="KVTRANS_CPU_CACHE_MB"):
-        assert buffer_cache.cpu_cache_limit() is None
+    for unreadable in ("lots", "inf", "-5"):
+        monkeypatch.setenv(buffer_cache.ENV, unreadable)
+        with pytest.warns(RuntimeWarning, match="KVTRANS_CPU_CACHE_MB"):
+            assert buffer_cache.cpu_cache_limit() is None
+    monkeypatch.setenv(buffer_cache.ENV, "64")
+    current = mx.set_cache_limit(123 << 20)  # a program's own limit stays
+    try:
+        assert buffer_cache.configure() is None
+        assert mx.set_cache_limit(buffer_cache.MLX_CPU_DEFAULT) == 123 << 20
+        assert buffer_cache.configure() == 64 << 20  # MLX's own is raised
+    finally:
+        mx.set_cache_limit(current)
 
 
 @pytest.mark.parametrize("source,target", [("kimi_linear", "kimi_vl"), ("kimi_vl", "kimi_linear")])

@@ -56,6 +56,12 @@ def _expecting(frontier, reread: int, length: int, note: str) -> Choice:
     return Choice(reread, row.agreement, row.speedup, note)
 
 
+def expecting(translator, reread: int, length: int) -> Choice:
+    """What the translator's frontier expects of `reread` at `length` tokens (nothing where it
+    measured no such row)."""
+    return _expecting(getattr(translator, "frontier", None), reread, length, "")
+
+
 def escalated(read: int, span: int) -> int | None:
     """After the gate fired on a switch whose target read `read` of the `span` tokens it was
     given: the wider re-read to try before re-prefilling the span, or None where that would

@@ -10,7 +10,8 @@ translated tensors are not finite, or when the context is longer than the transl
 The fidelity dial (`dial`) and the gate: the translation covers the span except its last
 max(R, r) tokens (R: the dial's setting, r = `gate_tokens`), which the target then reads itself;
 its NLL on the last of them is compared with the source's, and over the translator's
-calibrated threshold the target re-reads the span instead. The source's side
+calibrated threshold the target re-reads the span instead (with `Session(escalate=True)` it
+first tries once more reading 4 max(R, r) tokens itself, `dial.escalated`). The source's side
 comes from the final-norm rows every model keeps of the last tokens it read (`CacheLine.tail`).
 A translator that copies the source's recurrent state needs that state where the translation
 stops, so the translation stops at one of the source's state snapshots.
@@ -208,9 +209,15 @@ def _translate_and_gate(session: Session, translator, src: CacheLine, tgt: Cache
             status.setting_note += (f"; the gate fired at R = {max(r, reread)} (gap "
                                     f"{reading.gap:+.2f}, threshold {threshold:.2f}): "
                                     f"R = {wider}")
-            status.reread = wider
+            first_seconds = status.gate_seconds
+            expected = dial.expecting(translator, wider, n + 1)
+            status.reread, status.expected_agreement, status.expected_speedup = (
+                wider, expected.expected_agreement, expected.expected_speedup)
+            status.gate_gap = status.gate_threshold = status.gate_agreement = None
+            status.gate_tokens = 0  # the second reading's, or none
             _translate_and_gate(session, translator, src, tgt, start, n, status, wider,
                                 read_fallback, escalate=False)
+            status.gate_seconds += first_seconds
             return
         _fallback(session, tgt, n, status, f"fidelity gate: the target's NLL on the last "
                                            f"{reading.tokens} tokens is {reading.gap:+.2f} "

@@ -7,7 +7,7 @@ memory-bound steps; fused, each feature set is one GEMM near the matmul peak:
 
     [y | h] = x @ [W | up.T] + [b | 0],  then map m's columns += [u0[id_t] | u1[id_t-1] | g]_m @ V_m
 
-with g = gelu(h / rms(x)) (the residual's rms(x) @ up.T, its normalisation applied after the
+with g = gelu(h / rms(x)) (the residual's rms_norm(x) @ up.T, the norm's scale applied after the
 matmul), W every map's weight side by side, up every map's hidden units, u0 and u1 every map's
 tables side by side (one gather per lag), and V_m stacking map m's own table and residual rows:
 they reach its outputs only. Maps whose terms have one shape (rank, hidden units, width) form a
@@ -21,9 +21,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .recipes.base import Recipe, gelu
-
-RMS_EPS = 1e-6  # the residual's rms_norm
+from .recipes.base import RMS_EPS, Recipe, gelu
 
 
 @dataclass
@@ -109,8 +107,11 @@ def _term_shape(recipe: Recipe, params: dict) -> tuple[int, int, int] | None:
         return None
     rank = terms["tables"][0].shape[1] if "tables" in terms else 0
     hidden = terms["residual"][0].shape[0] if "residual" in terms else 0
-    (_, weight, _), = recipe.linear_parts(params)
-    return rank, hidden, weight.shape[0]
+    parts = recipe.linear_parts(params)
+    if len(parts) != 1:
+        raise ValueError(f"{recipe.key}: added terms need a single linear part, not "
+                         f"{len(parts)}")
+    return rank, hidden, parts[0][1].shape[0]
 
 
 def fuse(group: list[Recipe], params_of) -> FusedMaps:

@@ -102,6 +102,8 @@ def _polynomial_gelu(x: mx.array) -> mx.array:
 _compiled_polynomial_gelu = mx.compile(_polynomial_gelu, shapeless=True)
 
 
+RMS_EPS = 1e-6  # the residual term's rms_norm of its input
+
 UNEXPANDED = "unexpanded"  # ends the feature key of a map that reads no random features
 
 

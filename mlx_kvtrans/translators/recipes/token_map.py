@@ -24,8 +24,8 @@ from ...layouts import CapturePoint, ObjectKind, layout_of
 from ..features import layer_features
 from ..identity_tables import LAGS, TableMoments, table_offsets, table_shapes
 from ..stats import LinearFit, Moments, solve
-from .base import (UNEXPANDED, BuildInputs, FitBatch, PlanContext, Recipe, RecipeError,
-                   concat_features, gelu)
+from .base import (RMS_EPS, UNEXPANDED, BuildInputs, FitBatch, PlanContext, Recipe,
+                   RecipeError, concat_features, gelu)
 
 PER_TOKEN = {ObjectKind.TOKEN_KEY, ObjectKind.TOKEN_VALUE, ObjectKind.MLA_LATENT,
              ObjectKind.ROPE_KEY, ObjectKind.INDEXER_KEY}
@@ -163,7 +163,7 @@ class TokenMap(Recipe):
             offsets = table_offsets(params, inputs.ids[:, max(start - 1, 0):])
             y = y + (offsets[:, 1:] if start > 0 else offsets)
         if self.residual:
-            hidden = gelu(mx.fast.rms_norm(x, None, 1e-6) @ params["residual.up"].T)
+            hidden = gelu(mx.fast.rms_norm(x, None, RMS_EPS) @ params["residual.up"].T)
             y = y + hidden @ params["residual.down"].T
         return self.from_parts(inputs, {"": y})
 
