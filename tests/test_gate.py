@@ -250,6 +250,7 @@ def test_a_fired_gate_reads_more_before_it_rereads(pair, zoo, monkeypatch):
     status = s.switch("b")
     assert (status.status, status.gate, status.reread) == ("applied", "passed", 32), status
     assert "the gate fired at R = 8" in status.setting_note and len(firsts) == 2
+    assert status.gate_gap <= status.gate_threshold  # the second reading's, not the first's
     n = s.lines["a"].seen
     assert 32 <= status.tokens_read < 64 and status.tokens_translated == n - status.tokens_read
     head = mx.array([s.tokens[:n - status.tokens_read]])
