@@ -142,7 +142,7 @@ class Session:
             else:
                 rereads = {dial.default_reread(translator)[0]}
             marks |= {max(r, self.gate_tokens) for r in rereads}
-        if self.gate_tokens and self.escalate and dial.ESCALATION > 1:  # a fired gate's stop
+        if self.gate_tokens and self.escalate:  # where a switch whose gate fired stops
             marks |= {dial.ESCALATION * m for m in marks}
         return sorted((m for m in marks if m > 0), reverse=True)
 

@@ -67,7 +67,7 @@ def escalated(read: int, span: int) -> int | None:
     given: the wider re-read to try before re-prefilling the span, or None where that would
     read half the span or more (a re-prefill then costs little more)."""
     wider = ESCALATION * read
-    return wider if ESCALATION > 1 and read > 0 and wider < span / 2 else None
+    return wider if wider < span / 2 else None
 
 
 def default_reread(translator) -> tuple[int, str]:

@@ -116,7 +116,8 @@ def _term_shape(recipe: Recipe, params: dict) -> tuple[int, int, int] | None:
 
 def fuse(group: list[Recipe], params_of) -> FusedMaps:
     """The fused maps of `group` (recipes of one input, from `Recipe.fused_input`)."""
-    shapes = {r: _term_shape(r, params_of(r)) for r in group}
+    params = {r: params_of(r) for r in group}
+    shapes = {r: _term_shape(r, params[r]) for r in group}
     kinds = list(dict.fromkeys(s for s in shapes.values() if s is not None))
     # maps with terms first, one run per shape, so that each group's columns lie together
     ordered = [r for kind in kinds for r in group if shapes[r] == kind]
@@ -124,12 +125,11 @@ def fuse(group: list[Recipe], params_of) -> FusedMaps:
     parts, weights, biases = [], [], []
     u0, u1, up, rows = [], [], [], {}
     for r in ordered:
-        params = params_of(r)
-        for part, w, b in r.linear_parts(params):
+        for part, w, b in r.linear_parts(params[r]):
             parts.append((r, part, w.shape[0]))
             weights.append(w)
             biases.append(b)
-        terms = r.added_terms(params)
+        terms = r.added_terms(params[r])
         stacked = []
         if "tables" in terms:
             t = terms["tables"]
@@ -156,4 +156,5 @@ def fuse(group: list[Recipe], params_of) -> FusedMaps:
     tables = (mx.concatenate(u0, axis=1), mx.concatenate(u1, axis=1)) if u0 else None
     weight = mx.concatenate(weights + up).T
     bias = mx.concatenate(biases + ([mx.zeros((hidden_at,), biases[0].dtype)] if up else []))
-    return FusedMaps(parts, weight, bias, width, tables, groups, parameters(group, params_of))
+    return FusedMaps(parts, weight, bias, width, tables, groups,
+                     parameters(group, params.__getitem__))
