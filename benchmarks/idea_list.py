@@ -191,6 +191,13 @@ IDEAS = [
          DistillConfig(**{**SEQUENCE, "output_weight": 1.0}),
          FitConfig(point=1, nu=2, features="all", token_identity="ids", attention_weighted=8,
                    random_features=512, random_layers=(2, 3)), 0.5, stored="bfloat16"),
+    # the ablation puts the direction's lost needles in target layer 2's latent
+    # (`kvtrans eval ablate --translator qwen3.5-a__dsa-distilled`): width there alone
+    Idea("dsa-random-features-2048-layer-2", "qwen3.5-a__dsa-distilled",
+         "the 2,048-feature run with the features for target layer 2 alone, where the "
+         "ablation loses the needles", DistillConfig(**{**SEQUENCE, "output_weight": 1.0}),
+         FitConfig(point=1, nu=2, features="all", token_identity="ids", attention_weighted=8,
+                   random_features=2048, random_layers=(2,)), 0.5, stored="bfloat16"),
     Idea("dsa-refit-outputs", "qwen3.5-a__dsa-distilled",
          "refit as shipped (every source layer, token ids, attention-weighted), needle-weighted, "
          "then 500 steps on greedy continuations after an 8-token re-read, prefixes 32-512, "

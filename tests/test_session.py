@@ -61,6 +61,19 @@ def test_segment_wise_transfer_translates_only_new_tokens(kimi_pair):
     assert s.lines[b.name].seen - 1 == s.lines[a.name].seen == len(s.tokens) - 1
 
 
+def test_token_ids_outside_the_vocabulary_are_refused_and_nothing_is_added(kimi_pair):
+    a, b, _ = kimi_pair
+    s = session_for(kimi_pair)
+    s.add([60, 61])
+    rows = kv.models.input_embedding(a.model).weight.shape[0]
+    for bad in (rows, -1):
+        with pytest.raises(ValueError, match="outside .* vocabulary"):
+            s.add([62, bad])
+    assert s.view(a.name) == [60, 61]
+    s.add([rows - 1])
+    assert s.view(b.name)[-1] == rows - 1
+
+
 def test_translating_ahead_is_the_switch_made_early(kimi_pair):
     """`prepare(target)` between turns gives the target what a switch would, without making
     it active; the switch then gives only what came since, reports the hand-over made ahead,

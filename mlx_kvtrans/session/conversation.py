@@ -17,6 +17,7 @@ from typing import Iterator
 from .. import gate
 from ..capture import Capture
 from ..layouts import CapturePoint
+from ..models import input_embedding
 from . import decode, dial
 from .handover import hand_over
 from .line import CacheLine, capture_bytes, fixed_slots
@@ -236,9 +237,24 @@ class Session:
     def add(self, token_ids: list[int], model: str | None = None) -> None:
         """Append tokens to the conversation (a user turn, a generation prompt): ids of the
         tokenizer of `model` (default: the active one); across tokenizers the other models
-        read their text."""
+        read their text. An id outside the vocabulary of a model that reads them is refused
+        (MLX does not bound a lookup: it would read past the embedding)."""
+        name = model or self.active
+        ids = [int(t) for t in token_ids]
+        if ids:
+            rows = self._vocabulary(name)
+            bad = next((t for t in ids if not 0 <= t < rows), None)
+            if bad is not None:
+                raise ValueError(f"token id {bad} is outside {name}'s vocabulary "
+                                 f"(0..{rows - 1})")
         self._finish_turn()
-        self.view(model or self.active).extend(int(t) for t in token_ids)
+        self.view(name).extend(ids)
+
+    def _vocabulary(self, name: str) -> int:
+        """The fewest embedding rows among the models that read `name`'s tokens."""
+        group = self.groups[name]
+        return min(input_embedding(line.lm.model).weight.shape[0]
+                   for other, line in self.lines.items() if self.groups[other] == group)
 
     def add_text(self, text: str) -> None:
         """Append text to the conversation, each model reading its own tokens of it."""
