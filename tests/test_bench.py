@@ -127,6 +127,8 @@ def test_doctor_reports_memory_bandwidth_and_the_exponential_rates():
     report = diagnose()
     assert report["memory_bandwidth_gbs"] > 0 and report["fresh_buffer_bandwidth_gbs"] > 0
     assert report["exp_mlx_mvalues_per_s"] > 0 and report["exp_fast_math_mvalues_per_s"] > 0
+    assert set(report["short_read_matmul_ms"]) == {"1", "9", "16"}
+    assert all(ms > 0 for ms in report["short_read_matmul_ms"].values())
 
 
 def test_the_cpu_buffer_cache_is_sized_at_import(monkeypatch):

@@ -35,6 +35,10 @@ def diagnose() -> dict:
         "fresh_buffer_bandwidth_gbs": round(memory_bandwidth_gbs(fresh=True), 1),
         "cpu_buffer_cache_mb": (None if buffer_cache.CPU_CACHE_LIMIT is None
                                 else round(buffer_cache.CPU_CACHE_LIMIT / 2**20)),
+        # a gated switch's one forward reads 9 rows (the gate's 8 tokens and the last) where a
+        # decode step reads 1: a real-width layer's matmul at each (a BLAS's kernels for few
+        # rows are not a row's cost times the rows)
+        "short_read_matmul_ms": short_read_matmul_ms(),
         # float32 exponentials per second: MLX's own, and fast_math's that a CPU runs instead
         "exp_mlx_mvalues_per_s": round(exp_rate(mx.exp), 1),
         "exp_fast_math_mvalues_per_s": round(exp_rate(fast_math.exp), 1),
@@ -50,3 +54,20 @@ def exp_rate(exp, n: int = 2**20, repeats: int = 5) -> float:
     x = mx.random.normal((n,))
     mx.eval(x)
     return n / median_seconds(lambda: mx.eval(exp(x)), repeats) / 1e6
+
+
+def short_read_matmul_ms(rows=(1, 9, 16), width: int = 4096, out: int = 16384,
+                         repeats: int = 5) -> dict[str, float]:
+    """Milliseconds of a float32 (rows x `width`) @ (`width` x `out`) matmul per row count: a
+    real checkpoint's layer read by a decode step (1 row), a gated switch's forward (9) and a
+    wider read (16), median of `repeats`."""
+    import mlx.core as mx
+
+    weight = mx.random.normal((width, out))
+    mx.eval(weight)
+    timed = {}
+    for n in rows:
+        x = mx.random.normal((n, width))
+        mx.eval(x)
+        timed[str(n)] = round(median_seconds(lambda: mx.eval(x @ weight), repeats) * 1e3, 1)
+    return timed
