@@ -113,6 +113,8 @@ def doctor(as_json: bool = typer.Option(False, "--json", help=JSON_HELP)):
     table.add_column()
     table.add_column()
     for key, value in report.items():
+        if isinstance(value, dict):  # per row count: "1 / 9 / 16 rows: a / b / c ms"
+            value = (f"{' / '.join(value)} rows: {' / '.join(map(str, value.values()))} ms")
         if key != "fix":
             table.add_row(key, str(value))
     out.print(table)

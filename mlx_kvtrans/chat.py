@@ -185,10 +185,10 @@ class Chat:
         raises KeyboardInterrupt, as a press between turns does."""
         if not text.strip():
             raise KvtransError("an empty line is not a turn")
-        self.transcript.add("user", text=text)
         opening = self._opening(text)
+        self.session.add(self._encode(opening))  # first: an id it refuses leaves no turn behind
+        self.transcript.add("user", text=text)
         self.messages += self._new_messages(text)
-        self.session.add(self._encode(opening))
         tok, model = self.tokenizer, self.session.active
         stops = set(tok.eos_token_ids)
         reply_from = len(self.session.tokens)

@@ -252,6 +252,19 @@ def input_embedding(model) -> Any:
     raise ValueError("the model has no token embedding")
 
 
+def vocabulary_rows(model) -> int:
+    """How many token ids `model` embeds: its config's `vocab_size` (which stays when a server
+    unloads the weights), else its embedding's rows."""
+    found = model.__dict__.get("_kvtrans_vocabulary")
+    if found is None:
+        sizes = (getattr(getattr(m, "args", None), "vocab_size", None)
+                 for m in [model] + [m for _, m in model.named_modules()])
+        found = next((v for v in sizes if isinstance(v, int)), None)
+        found = model.__dict__["_kvtrans_vocabulary"] = (
+            found if found is not None else input_embedding(model).weight.shape[0])
+    return found
+
+
 def embedding_dims(model) -> int:
     """Width of the model's token embedding (a quantized one packs its weight's columns)."""
     embed = input_embedding(model)

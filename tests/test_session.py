@@ -72,6 +72,12 @@ def test_token_ids_outside_the_vocabulary_are_refused_and_nothing_is_added(kimi_
     assert s.view(a.name) == [60, 61]
     s.add([rows - 1])
     assert s.view(b.name)[-1] == rows - 1
+    # a model whose weights a server has unloaded still has its vocabulary
+    from mlx_kvtrans.serve.residency import _empty
+
+    emptied = kv.load(b.name)
+    _empty(emptied.model)
+    assert kv.models.vocabulary_rows(emptied.model) == rows
 
 
 def test_translating_ahead_is_the_switch_made_early(kimi_pair):

@@ -23,6 +23,7 @@ from typing import Callable
 import mlx.core as mx
 
 from ..errors import KvtransError
+from ..models import vocabulary_rows
 from ..session import Outcome, Session, SwitchStatus
 from ..session.views import conversation_groups, tokenizer_groups
 from .config import ServeConfig, context_length, find_translators, load_models
@@ -198,7 +199,8 @@ class Engine:
     def text_prompt(self, model: str, prompt: str | list) -> list[int]:
         self.check_model(model)
         if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)):
-            vocab = len(self.models[model].tokenizer)
+            lm = self.models[model]
+            vocab = min(len(lm.tokenizer), vocabulary_rows(lm.model))
             if any(not 0 <= t < vocab for t in prompt):
                 raise RequestError(f"token ids must be in 0..{vocab - 1}", param="prompt")
             return list(prompt)

@@ -17,7 +17,7 @@ from typing import Iterator
 from .. import gate
 from ..capture import Capture
 from ..layouts import CapturePoint
-from ..models import input_embedding
+from ..models import vocabulary_rows
 from . import decode, dial
 from .handover import hand_over
 from .line import CacheLine, capture_bytes, fixed_slots
@@ -237,7 +237,7 @@ class Session:
     def add(self, token_ids: list[int], model: str | None = None) -> None:
         """Append tokens to the conversation (a user turn, a generation prompt): ids of the
         tokenizer of `model` (default: the active one); across tokenizers the other models
-        read their text. An id outside the vocabulary of a model that reads them is refused
+        read their text. An added id outside the vocabulary of a model that reads it is refused
         (MLX does not bound a lookup: it would read past the embedding)."""
         name = model or self.active
         ids = [int(t) for t in token_ids]
@@ -251,9 +251,9 @@ class Session:
         self.view(name).extend(ids)
 
     def _vocabulary(self, name: str) -> int:
-        """The fewest embedding rows among the models that read `name`'s tokens."""
+        """The smallest vocabulary among the models that read `name`'s tokens."""
         group = self.groups[name]
-        return min(input_embedding(line.lm.model).weight.shape[0]
+        return min(vocabulary_rows(line.lm.model)
                    for other, line in self.lines.items() if self.groups[other] == group)
 
     def add_text(self, text: str) -> None:

@@ -35,9 +35,8 @@ def diagnose() -> dict:
         "fresh_buffer_bandwidth_gbs": round(memory_bandwidth_gbs(fresh=True), 1),
         "cpu_buffer_cache_mb": (None if buffer_cache.CPU_CACHE_LIMIT is None
                                 else round(buffer_cache.CPU_CACHE_LIMIT / 2**20)),
-        # a gated switch's one forward reads 9 rows (the gate's 8 tokens and the last) where a
-        # decode step reads 1: a real-width layer's matmul at each (a BLAS's kernels for few
-        # rows are not a row's cost times the rows)
+        # a decode step's rows, a gated switch's (the gate's tail and the last token) and 16:
+        # a few rows need not cost one row's time times the rows
         "short_read_matmul_ms": short_read_matmul_ms(),
         # float32 exponentials per second: MLX's own, and fast_math's that a CPU runs instead
         "exp_mlx_mvalues_per_s": round(exp_rate(mx.exp), 1),
@@ -56,12 +55,16 @@ def exp_rate(exp, n: int = 2**20, repeats: int = 5) -> float:
     return n / median_seconds(lambda: mx.eval(exp(x)), repeats) / 1e6
 
 
-def short_read_matmul_ms(rows=(1, 9, 16), width: int = 4096, out: int = 16384,
-                         repeats: int = 5) -> dict[str, float]:
-    """Milliseconds of a float32 (rows x `width`) @ (`width` x `out`) matmul per row count: a
-    real checkpoint's layer read by a decode step (1 row), a gated switch's forward (9) and a
-    wider read (16), median of `repeats`."""
+def short_read_matmul_ms(rows: tuple[int, ...] | None = None, width: int = 4096,
+                         out: int = 16384, repeats: int = 5) -> dict[str, float]:
+    """Milliseconds of a float32 (rows x `width`) @ (`width` x `out`) matmul per row count, a
+    real checkpoint's layer: by default a decode step's 1 row, a gated switch's forward (the
+    gate's tail and the last token) and 16; median of `repeats`."""
     import mlx.core as mx
+
+    from ..gate import GATE_TOKENS
+
+    rows = rows or (1, GATE_TOKENS + 1, 16)
 
     weight = mx.random.normal((width, out))
     mx.eval(weight)
@@ -69,5 +72,5 @@ def short_read_matmul_ms(rows=(1, 9, 16), width: int = 4096, out: int = 16384,
     for n in rows:
         x = mx.random.normal((n, width))
         mx.eval(x)
-        timed[str(n)] = round(median_seconds(lambda: mx.eval(x @ weight), repeats) * 1e3, 1)
+        timed[str(n)] = round(median_seconds(lambda: mx.eval(x @ weight), repeats) * 1e3, 3)
     return timed
