@@ -70,8 +70,12 @@ def codebook_of(source, cache_dir: Path | None = None) -> mx.array:
                            weights_fingerprint(source.path), cache_dir or default_cache_dir())
 
 
+TIE = 1e-5  # squared distances this close, relative to the norms, are one: the lowest id wins
+
+
 def decode_ids(latents: mx.array, codebook: mx.array, chunk: int = 1024) -> mx.array:
-    """Nearest codebook row of each latent (B, T, r) -> ids (B, T)."""
+    """Nearest codebook row of each latent (B, T, r) -> ids (B, T); of rows tied to rounding,
+    the lowest id."""
     B, T, r = latents.shape
     flat = latents.reshape(-1, r).astype(mx.float32)
     book = codebook.astype(mx.float32)
@@ -80,13 +84,17 @@ def decode_ids(latents: mx.array, codebook: mx.array, chunk: int = 1024) -> mx.a
     for start in range(0, flat.shape[0], chunk):
         x = flat[start:start + chunk]
         dist = book_sq[None, :] - 2 * (x @ book.T)  # ||x||^2 is the same for every row
-        out.append(mx.argmin(dist, axis=-1))
+        # a multithreaded BLAS computes columns by different kernels, so equal rows can differ
+        # in the last bits here: a tie is any row within rounding of the nearest
+        scale = (x * x).sum(-1, keepdims=True) + book_sq.max()
+        near = dist <= dist.min(axis=-1, keepdims=True) + TIE * scale
+        out.append(mx.argmax(near.astype(mx.uint8), axis=-1))
     return mx.concatenate(out).reshape(B, T)
 
 
 def first_duplicates(codebook: mx.array) -> mx.array:
     """(vocab,) the lowest id whose codebook row equals each id's, bit for bit: the id
-    `decode_ids` returns for a latent equal to that row (argmin takes the first of a tie)."""
+    `decode_ids` returns for a latent equal to that row (a tie goes to the lowest id)."""
     rows = np.asarray(codebook.astype(mx.float32))
     _, index, inverse = np.unique(rows, axis=0, return_index=True, return_inverse=True)
     return mx.array(index[inverse.reshape(-1)].astype(np.int32))
