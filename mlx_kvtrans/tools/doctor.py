@@ -65,7 +65,6 @@ def short_read_matmul_ms(rows: tuple[int, ...] | None = None, width: int = 4096,
     from ..gate import GATE_TOKENS
 
     rows = rows or (1, GATE_TOKENS + 1, 16)
-
     weight = mx.random.normal((width, out))
     mx.eval(weight)
     timed = {}

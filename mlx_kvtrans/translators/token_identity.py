@@ -80,13 +80,14 @@ def decode_ids(latents: mx.array, codebook: mx.array, chunk: int = 1024) -> mx.a
     flat = latents.reshape(-1, r).astype(mx.float32)
     book = codebook.astype(mx.float32)
     book_sq = (book * book).sum(-1)
+    largest = book_sq.max()
     out = []
     for start in range(0, flat.shape[0], chunk):
         x = flat[start:start + chunk]
         dist = book_sq[None, :] - 2 * (x @ book.T)  # ||x||^2 is the same for every row
         # a multithreaded BLAS computes columns by different kernels, so equal rows can differ
         # in the last bits here: a tie is any row within rounding of the nearest
-        scale = (x * x).sum(-1, keepdims=True) + book_sq.max()
+        scale = (x * x).sum(-1, keepdims=True) + largest
         near = dist <= dist.min(axis=-1, keepdims=True) + TIE * scale
         out.append(mx.argmax(near.astype(mx.uint8), axis=-1))
     return mx.concatenate(out).reshape(B, T)
