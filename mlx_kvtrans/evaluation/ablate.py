@@ -114,12 +114,13 @@ class Ablation:
 
 def ablate(model, encode, token_ids: list[int], lengths: list[int], windows: int = 4,
            needles: int = 20, continuation: int = 32, generated: int = 16, translator=None,
-           source=None, seed: int = 0, progress=None, only: set[str] | None = None
-           ) -> list[dict]:
+           source=None, seed: int = 0, progress=None, only: set[str] | None = None,
+           make=None) -> list[dict]:
     """Per case: {"case", "layer", "object", "lengths": {L: {"kl", "agreement", "recovered",
     "recall"}}} (recovered None where the floor already agrees everywhere).
     `encode`: the model's tokenizer encode (for the needles); `token_ids`: held-out text;
-    `only`: the labels of the cases to run (all by default)."""
+    `only`: the labels of the cases to run (all by default); `make`: the needles' format
+    (`needles.needle_report`)."""
     ablation = Ablation(model, translator, source)
     todo = [c for c in cases(ablation.layout, translator is not None)
             if only is None or c.label in only]
@@ -159,7 +160,7 @@ def ablate(model, encode, token_ids: list[int], lengths: list[int], windows: int
                 predicted = mx.argmax(model(tokens, cache=copy.deepcopy(built))[0], -1)
                 forced.append(agreement(said[:GENERATED], predicted.tolist()))
             recall, _ = needle_scores(
-                model, encode, length, needles,
+                model, encode, length, needles, make=make,
                 cache_for=lambda ids, case=case: ablation.cache(case, mx.array(ids)))
             row["lengths"][str(length)] = {"kl": sum(kls) / len(kls),
                                            "agreement": sum(agrees) / len(agrees),

