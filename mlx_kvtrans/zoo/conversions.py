@@ -21,6 +21,8 @@ it cannot:
 - KDA + MLA hybrid (`kimi_linear`): the same even layers become Kimi Delta Attention, initialised
   the same way; odd layers are the MLA conversion's layers without RoPE (Kimi-Linear's MLA has
   none), so the pair (MLA conversion, KDA hybrid) has the shape of Kimi-VL <-> Kimi-Linear.
+- MLA + sparse-attention indexer (`deepseek_v32`): the MLA conversion with an indexer that scores
+  keys by the attention's own rope queries and key; exact up to `index_topk` keys.
 """
 
 from __future__ import annotations
@@ -215,8 +217,7 @@ def to_mla(parent, config: dict, calibration: Calibration) -> tuple[dict, dict, 
            "moe_intermediate_size": config["intermediate_size"],
            "num_hidden_layers": config["num_hidden_layers"],
            "num_attention_heads": g.heads, "num_key_value_heads": g.heads,
-           "n_routed_experts": None, "n_shared_experts": None,
-           "first_k_dense_replace": config["num_hidden_layers"],
+           "first_k_dense_replace": config["num_hidden_layers"],  # dense: no experts
            "kv_lora_rank": nope + g.kv_heads * g.head_dim + 1, "q_lora_rank": None,
            "qk_rope_head_dim": g.head_dim, "qk_nope_head_dim": nope, "v_head_dim": g.head_dim,
            "rms_norm_eps": config["rms_norm_eps"], "rope_theta": g.theta,
@@ -403,3 +404,43 @@ def to_kda(parent, config: dict, calibration: Calibration) -> tuple[dict, dict, 
                                   "head_dim": g.head_dim, "short_conv_kernel_size": 4}}
     return new, weights, {"kda_layers": kda,
                          "converted": list(range(config["num_hidden_layers"]))}
+
+
+# --- MLA + sparse-attention indexer -----------------------------------------------------------
+
+def to_dsa(mla, config: dict, calibration: Calibration, index_topk: int = 256
+           ) -> tuple[dict, dict, dict]:
+    """deepseek_v32 config and weights from the (healed) MLA conversion `mla`: its attention as
+    it is, the query through a full-rank q_lora path (identity rows and a constant channel, so
+    `q_a_layernorm` is a near-constant scale), and an indexer whose heads score keys by each
+    attention head's rope query and the rope key (rows permuted: the indexer rotates half-split
+    pairs, MLA interleaved ones), so it keeps the keys the attention's positional part favours.
+    Up to `index_topk` keys the model is the MLA conversion exactly."""
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    nope, rope = config["qk_nope_head_dim"], config["qk_rope_head_dim"]
+    half = np.concatenate([np.arange(0, rope, 2), np.arange(1, rope, 2)])
+    weights = dict(_flat_parameters(mla))
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}.self_attn."
+        x = calibration.inputs[i]
+        q = _np(weights.pop(p + "q_proj.weight")).reshape(heads, nope + rope, hidden)
+        constant = NORM_CHANNEL_SCALE * float(np.linalg.norm(x, axis=1).max())
+        scale = float(np.sqrt((np.mean(np.sum(x ** 2, axis=1)) + constant ** 2) / (hidden + 1)))
+        weights[p + "q_a_proj.weight"] = _mx(np.eye(hidden + 1, hidden))
+        weights[p + "q_a_proj.bias"] = _mx(np.r_[np.zeros(hidden), constant])
+        weights[p + "q_a_layernorm.weight"] = _mx(np.r_[np.full(hidden, scale),
+                                                         1 / np.sqrt(hidden + 1)])
+        weights[p + "q_b_proj.weight"] = _mx(np.pad(q.reshape(-1, hidden), ((0, 0), (0, 1))))
+        rope_key = _np(weights[p + "kv_a_proj_with_mqa.weight"])[-rope:][half]
+        keys = x @ rope_key.T
+        weights[p + "indexer.wq_b.weight"] = _mx(np.pad(
+            q[:, nope:][:, half].reshape(-1, hidden), ((0, 0), (0, 1))))
+        weights[p + "indexer.wk.weight"] = _mx(rope_key)
+        weights[p + "indexer.k_norm.weight"] = _mx(np.full(rope, keys.std()))
+        weights[p + "indexer.k_norm.bias"] = mx.zeros(rope)
+        weights[p + "indexer.weights_proj.weight"] = _mx(
+            np.tile(_unit_gate(x, 1.0, hidden), (heads, 1)))
+    new = {**config, "model_type": "deepseek_v32", "q_lora_rank": hidden + 1,
+           "index_n_heads": heads, "index_head_dim": rope, "index_topk": index_topk,
+           "indexer_rope_interleave": False}
+    return new, weights, {"index_topk": index_topk}

