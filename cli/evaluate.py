@@ -114,6 +114,45 @@ def eval_needle(model: str = typer.Option(None, "--model", help="zoo alias, dire
 
 
 
+@eval_app.command("perplexity")
+@user_errors
+def eval_perplexity(model: str = typer.Option(..., "--model", help="zoo alias, directory or "
+                                              "HF id"),
+                    reference: str = typer.Option(None, help="a model to measure beside it "
+                                                  "(its parent, say): the ratio is reported"),
+                    text: Path = typer.Option(None, help="held-out text (default: the zoo's "
+                                              "test split)"),
+                    length: int = typer.Option(256, min=2, help="tokens per window"),
+                    windows: int = typer.Option(16, min=1, help="windows of the text"),
+                    seed: int = typer.Option(0, **SEEDS, help="window starts"),
+                    as_json: bool = typer.Option(False, "--json", help=JSON_HELP)):
+    """Perplexity of a model on held-out text (exp of the mean next-token loss over random
+    windows), and of a reference model on the same windows."""
+    from mlx_kvtrans.evaluation.perplexity import perplexity
+
+    names = (model,) + ((reference,) if reference else ())
+    int_list("--length", str(length), 2, position_limit(model_configs(*names)))
+    text = text_file("--text", text, "test")
+    result = {"text": str(text), "length": length, "windows": windows}
+    for key, name in zip(("model", "reference"), names):
+        lm = mlx_kvtrans.load(name)
+        ids = lm.tokenizer.encode(text.read_text(errors="replace"))
+        if len(ids) < length + 2:
+            raise KvtransError(f"--text {text}: {len(ids)} tokens, fewer than --length + 2")
+        result[key] = {"name": name, "perplexity": perplexity(lm.model, ids, length, windows,
+                                                              seed)}
+    if reference:
+        result["ratio"] = result["model"]["perplexity"] / result["reference"]["perplexity"]
+    if as_json:
+        print(json.dumps(result, indent=2))
+        return
+    line = f"{model}: perplexity {result['model']['perplexity']:.2f}"
+    if reference:
+        line += (f"; {reference}: {result['reference']['perplexity']:.2f} "
+                 f"({result['ratio']:.2f}x)")
+    out.print(f"{line} ({windows} windows of {length} tokens of {text})")
+
+
 @eval_app.command("fidelity")
 @user_errors
 def eval_fidelity(translator_dir: Path = typer.Option(..., "--translator",
@@ -376,6 +415,7 @@ def eval_frontier(translator_dir: Path = typer.Option(..., "--translator",
                                               "median is kept)"),
                   text: Path = typer.Option(None, help="held-out text (default: zoo test "
                                             "split)"),
+                  needle_format: str = typer.Option("auto", help=NEEDLE_FORMAT_HELP),
                   seed: int = typer.Option(0, **SEEDS, help="prose window starts and "
                                            "needles (0: the held-out needles every benchmark "
                                            "reads; record a frontier with another)"),
@@ -397,6 +437,7 @@ def eval_frontier(translator_dir: Path = typer.Option(..., "--translator",
 
     from .common import refuse_existing
 
+    check_needle_format(needle_format)
     manifest = artifact.read_manifest(translator_dir)
     names = manifest["source"]["name"], manifest["target"]["name"]
     limit = position_limit(model_configs(*names), fr.GENERATED, "the continuation")
@@ -420,16 +461,18 @@ def eval_frontier(translator_dir: Path = typer.Option(..., "--translator",
     translator = artifact.load(directory, src, tgt, across_tokenizers=True)
     ids = tgt.tokenizer.encode(text.read_text(errors="replace"))
     group = launched_group()  # under mlx.launch: the windows and needles are shared out
+    make = needle_maker(needle_format, 1, tgt)
     try:
         with progress_bar("frontier") as progress:  # silent under mlx.launch (no terminal)
             frontier = fr.measure_translator(directory, src, tgt, translator, ids, sizes,
                                              reads, prompts, needles, repeats, seed, progress,
-                                             group=group)
+                                             group=group, make=make)
     except ValueError as e:
         raise KvtransError(f"--text {text}: {e}")
     if group is not None and group.rank() != 0:  # the first process reports and writes
         return
     frontier.settings["text"] = str(text)
+    frontier.settings["needle_format"] = "chat" if make else "text"
     written = [fr.save(frontier, path, force=True)
                for path in (out_file, directory / fr.FILE if record else None) if path]
     if as_json:

@@ -132,10 +132,10 @@ def zoo_real(out_dir: Path = typer.Argument(..., metavar="OUT_DIR",
     unknown = [m for m in members or () if m not in MEMBERS]
     if unknown:
         raise KvtransError(f"--member {unknown[0]}: choose among {', '.join(MEMBERS)}")
-    require_gguf()
     output_dir("OUT_DIR", out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise KvtransError(f"OUT_DIR {out_dir} is a file")
+    require_gguf()
     chosen = tuple(members) if members else MEMBERS
     built = [m for m in chosen if (out_dir / m / "config.json").is_file()]
     if built and not force:

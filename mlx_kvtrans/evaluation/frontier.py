@@ -282,18 +282,19 @@ SCORES = ("agree", "kl", "parted", "tied", "match", "exact", "first")  # per win
 
 def measure(switch: Switch, encode, text_ids: list[int], plan: dict[int, list[Setting]],
             prompts: int = 16, needles: int = 16, repeats: int = 3, seed: int = 0,
-            progress=None, group=None) -> list[Row]:
+            progress=None, group=None, make=None) -> list[Row]:
     """One row per (length, setting) of `plan` (prompt length -> settings), over `prompts`
     held-out windows of `text_ids` (`window_starts`) and `needles` held-out needles (0: no
     recall; seed 0: the needles every benchmark reads, another seed another draw of them).
-    `encode`: the target tokenizer's. `progress(done, total, what)` follows the windows.
+    `encode`: the target tokenizer's; `make`: the needles' format (`needles.needle_report`).
+    `progress(done, total, what)` follows the windows.
     `group`: the processes of `mlx.launch`: each scores its share of the windows and needles,
     the first alone times the switch, and every process returns the same rows."""
     from ..translators.shared_sums import mine, summed
 
     target, rows = switch.target, []
     total, done = sum(len(s) for s in plan.values()) * (prompts + 2), 0
-    filler = held_out_filler() if needles else None
+    filler = held_out_filler() if needles and make is None else None
     timer = group is None or group.rank() == 0
     for length, settings in plan.items():
         starts = window_starts(text_ids, length, prompts, seed)
@@ -315,14 +316,14 @@ def measure(switch: Switch, encode, text_ids: list[int], plan: dict[int, list[Se
                     scores[s][key].append(value)
         needle_seed = HELD_OUT_SEED + seed * NEEDLE_DRAW  # seed 0: the held-out needles
         native_recall = needle_report(target, encode, length, needles, filler, needle_seed,
-                                      group=group)["recall"] if needles else None
+                                      group=group, make=make)["recall"] if needles else None
         for s in settings:
             if progress:
                 progress(done, total, f"{length:,} tokens, needles and timing, {s.label()}")
             done += 2
             recall = needle_report(target, encode, length, needles, filler, needle_seed,
                                    cache_for=lambda ids, s=s: switch.cache(s, ids),
-                                   group=group)["recall"] if needles else None
+                                   group=group, make=make)["recall"] if needles else None
             made = getattr(switch, "statuses", {}).pop(s, None) or []  # a session's switches
             timed = time_switch(switch, s, list(text_ids[starts[0]:starts[0] + length]),
                                 repeats) if timer else (0.0, 0.0)
@@ -361,7 +362,7 @@ def measure(switch: Switch, encode, text_ids: list[int], plan: dict[int, list[Se
 def measure_translator(directory, source, target, translator, text_ids: list[int],
                        lengths: list[int] | None = None, rereads: list[int] | None = None,
                        prompts: int = 16, needles: int = 16, repeats: int = 3, seed: int = 0,
-                       progress=None, sink: int = 0, group=None) -> Frontier:
+                       progress=None, sink: int = 0, group=None, make=None) -> Frontier:
     """The frontier of a loaded translator (`source`, `target`: LoadedModels) from the
     translator directory `directory`: at `lengths` (default 1x-8x its fitting length) and
     R in `rereads` (default `default_rereads`); settings that translate nothing are left out.
@@ -382,7 +383,7 @@ def measure_translator(directory, source, target, translator, text_ids: list[int
             raise ValueError(f"no setting of R in {wanted} translates anything at {n} tokens")
     switch = SessionSwitch(translator.prepare(), source, target, sink=sink)
     rows = measure(switch, target.tokenizer.encode, text_ids, plan, prompts, needles, repeats,
-                   seed, progress, group)
+                   seed, progress, group, make)
     weights = directory / "weights.safetensors"
     settings = {"prompts": prompts, "needles": needles, "repeats": repeats, "seed": seed}
     if group is not None:
