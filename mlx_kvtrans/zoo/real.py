@@ -170,8 +170,6 @@ def _model_of(config: dict, weights: dict):
 def _convert(name: str, parent: LoadedModel, probe: np.ndarray, config: FamilyConfig,
              out: Path):
     """(model, config, conversion report) of member `name` before healing."""
-    from mlx.utils import tree_flatten
-
     from . import conversions
     from ..tools.gguf import load_gguf
 
