@@ -3,8 +3,8 @@
 Per member: architecture, parameters, cache objects and bytes per token; the healing spent
 (from the family's record); perplexity on the corpus's test split and on a held-out text of
 another domain (Python's reference documentation, `chat_needles.other_domain_prose`), each
-against the parent's; chat needle recall (`chat_needles.ChatNeedles`: one fact, and three facts
-with one asked for) per prompt length, with 95% Wilson intervals; and for the hybrids what the
+against the parent's; chat needle recall (`chat_needles.ChatNeedles`: one fact per prompt length,
+with 95% Wilson intervals, and three facts with one asked for at two lengths); and for the hybrids what the
 recurrent states carry (`evaluation.ablate`: KL over 32 continuation tokens and chat needle
 recall with every recurrent state, or every conv history, zeroed).
 
@@ -14,7 +14,8 @@ recall measurably. Each member's figures are kept in FAMILY/bench.json as they a
 a stopped run resumes; the results go to benchmarks/results/real-family.{json,md}.
 
     python benchmarks/real_family.py [--family runs/real-family] [--lengths 128,256,512,1024,2048]
-                                     [--needles 16] [--windows 16] [--ablate-lengths 256,1024]
+                                     [--multi-lengths 256,1024] [--needles 12] [--windows 16]
+                                     [--ablate-lengths 256,1024] [--members a,b]
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ from mlx_kvtrans.zoo.real import MEMBERS, PARENT, RECORD
 OUT = Path(__file__).resolve().parent / "results"
 PPL_BAR, RECALL_BAR = 1.3, 0.1
 STATE_KINDS = ("recurrent_state", "conv_history")
-FACTS = (1, 3)
 
 
 def parameters(model) -> int:
@@ -61,11 +61,11 @@ def measure(path: Path, args) -> dict:
            "perplexity": {"test": perplexity(lm.model, test, 256, args.windows),
                           "other_domain": perplexity(lm.model, other, 256, args.windows)},
            "recall": {}}
-    for facts in FACTS:
+    for facts, lengths in ((1, args.lengths), (3, args.multi_lengths)):
         make = ChatNeedles(lm.tokenizer, facts=facts)
         row["recall"][str(facts)] = {
             str(n): needle_report(lm.model, encode, n, args.needles, make=make)["recall"]
-            for n in args.lengths}
+            for n in lengths}
     kinds = [k for k in STATE_KINDS if k in row["cache_objects"]]
     if kinds:
         labels = {"native"} | {f"zero every {k}" for k in kinds}
@@ -76,14 +76,14 @@ def measure(path: Path, args) -> dict:
     return row
 
 
-def bars(rows: dict, lengths: list[int]) -> dict:
+def bars(rows: dict) -> dict:
     parent = rows[PARENT]
     out = {}
     for name, row in rows.items():
         if name == PARENT:
             continue
         ratios = {k: row["perplexity"][k] / parent["perplexity"][k] for k in row["perplexity"]}
-        gaps = {f: max(parent["recall"][f][str(n)] - row["recall"][f][str(n)] for n in lengths)
+        gaps = {f: max(parent["recall"][f][n] - row["recall"][f][n] for n in row["recall"][f])
                 for f in row["recall"]}
         check = {"perplexity_ratio": ratios, "recall_gap": gaps,
                  "perplexity_met": all(r <= PPL_BAR for r in ratios.values()),
@@ -127,15 +127,17 @@ def write_markdown(results: dict, path: Path) -> None:
             f"{', '.join(row['cache_objects'])} | {row['bytes_per_token']:,} | {tokens} | "
             f"{ppl['test']:.1f} ({ppl['test'] / parent['test']:.2f}x) | "
             f"{ppl['other_domain']:.1f} ({ppl['other_domain'] / parent['other_domain']:.2f}x) |")
-    lines += ["", "Chat needle recall, one fact / three facts:", "",
+    lines += ["", "Chat needle recall, one fact [95% interval] / three facts (at "
+              f"{', '.join(f'{n:,}' for n in results['multi_lengths'])} tokens):", "",
               "| member | " + " | ".join(f"{n:,}" for n in lengths) + " |",
               "|---|" + "---|" * len(lengths)]
     for name, row in rows.items():
         cells = []
         for n in lengths:
-            one, three = row["recall"]["1"][str(n)], row["recall"]["3"][str(n)]
+            one, three = row["recall"]["1"][str(n)], row["recall"]["3"].get(str(n))
             low, high = wilson(one, results["needles"])
-            cells.append(f"{one:.2f} [{low:.2f}, {high:.2f}] / {three:.2f}")
+            cells.append(f"{one:.2f} [{low:.2f}, {high:.2f}]" +
+                         (f" / {three:.2f}" if three is not None else ""))
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     hybrids = [n for n, r in rows.items() if "states_zeroed" in r]
     if hybrids:
@@ -169,23 +171,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", type=Path, default=Path("runs/real-family"))
     parser.add_argument("--lengths", default="128,256,512,1024,2048")
+    parser.add_argument("--multi-lengths", default="256,1024", help="three-fact needles")
     parser.add_argument("--ablate-lengths", default="256,1024")
-    parser.add_argument("--needles", type=int, default=16)
+    parser.add_argument("--needles", type=int, default=12)
     parser.add_argument("--windows", type=int, default=16)
+    parser.add_argument("--members", default=",".join(MEMBERS),
+                        help="measure these members (comma-separated); the others' figures kept")
     args = parser.parse_args()
     args.lengths = [int(n) for n in args.lengths.split(",")]
     args.ablate_lengths = [int(n) for n in args.ablate_lengths.split(",")]
+    args.multi_lengths = [int(n) for n in args.multi_lengths.split(",")]
     record_file = args.family / RECORD
     if not record_file.is_file():
         raise SystemExit(f"no family in {args.family}: build it with `kvtrans zoo real "
                          f"{args.family}`")
     started = time.perf_counter()
     cache_file = args.family / "bench.json"
-    settings = {k: v for k, v in vars(args).items() if k != "family"}
+    settings = {k: v for k, v in vars(args).items() if k not in ("family", "members")}
     cache = json.loads(cache_file.read_text()) if cache_file.is_file() else {}
     if cache.get("settings") != settings:
         cache = {"settings": settings, "members": {}}
-    for name in MEMBERS:
+    for name in args.members.split(","):
         if name in cache["members"] or not (args.family / name / "config.json").is_file():
             continue
         print(f"{name} ...", flush=True)
@@ -193,9 +199,10 @@ def main() -> None:
         cache_file.write_text(json.dumps(cache, indent=2) + "\n")
     rows = {n: cache["members"][n] for n in MEMBERS if n in cache["members"]}
     results = {"family_record": json.loads(record_file.read_text()), "lengths": args.lengths,
+               "multi_lengths": args.multi_lengths,
                "ablate_lengths": args.ablate_lengths, "needles": args.needles,
                "windows": args.windows, "blas": str(blas_report()), "members": rows,
-               "bars": bars(rows, args.lengths) if PARENT in rows else {},
+               "bars": bars(rows) if PARENT in rows else {},
                "minutes": round((time.perf_counter() - started) / 60, 1)}
     OUT.mkdir(exist_ok=True)
     (OUT / "real-family.json").write_text(json.dumps(results, indent=2) + "\n")

@@ -251,3 +251,23 @@ def test_help_lists_every_command_with_its_whole_summary():
     # a summary sentence ends on its full stop, however it wraps
     assert "Show every cache object of every layer: kind, shape, rotation,\n" \
            "             capture points, bytes." in shown
+
+
+def test_eval_perplexity_reports_the_ratio_to_its_reference():
+    result = CliRunner().invoke(app, ["eval", "perplexity", "--model", "qwen3-small",
+                                      "--reference", "qwen3-large", "--windows", "2",
+                                      "--length", "32", "--json"])
+    assert result.exit_code == 0, result.output
+    got = json.loads(result.output)
+    small, large = got["model"]["perplexity"], got["reference"]["perplexity"]
+    assert 1 < small < 4096 and 1 < large < 4096  # better than a uniform guess over 4,096
+    assert abs(got["ratio"] - small / large) < 1e-9
+
+
+def test_eval_needle_in_chat_format_names_its_format():
+    result = CliRunner().invoke(app, ["eval", "needle", "--model", "qwen3-small", "--lengths",
+                                      "128", "--samples", "2", "--needle-format", "chat",
+                                      "--facts", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    got = json.loads(result.output)
+    assert got["format"] == "chat" and got["facts"] == 2 and 0 <= got["recall"]["128"] <= 1
