@@ -55,7 +55,7 @@ def _default_healing() -> dict[str, Healing]:
             # the conversion alone: 40 steps of distillation (Adam, 5e-5) raised its KL
             MLA: Healing(0, 5e-5),
             GDN: Healing(60, 1e-4, transfer_steps=100, transfer_lr=3e-4),
-            KDA: Healing(60, 1e-4, transfer_steps=100, transfer_lr=3e-4),
+            KDA: Healing(30, 1e-4, transfer_steps=60, transfer_lr=3e-4),
             # exact up to index_topk keys, and the healed MLA's weights: nothing to heal
             DSA: Healing(0, 1e-4)}
 
@@ -121,7 +121,8 @@ def token_ids(tokenizer, text: Path) -> np.ndarray:
 def corpus_windows(ids: np.ndarray, count: int, length: int, seed: int) -> np.ndarray:
     """(count, length) token windows of `ids` at random starts."""
     starts = np.random.default_rng(seed).integers(0, len(ids) - length, size=count)
-    return np.stack([ids[s:s + length] for s in starts])
+    return np.stack([ids[s:s + length] for s in starts]) if count else \
+        np.zeros((0, length), dtype=np.int32)
 
 
 def layer_outputs(model, tokens: mx.array) -> list[mx.array]:
