@@ -54,8 +54,9 @@ def _default_healing() -> dict[str, Healing]:
     return {SIBLING: Healing(60, 1e-4), CONTINUED: Healing(40, 2e-5, objective="text"),
             # the conversion alone: 40 steps of distillation (Adam, 5e-5) raised its KL
             MLA: Healing(0, 5e-5),
-            GDN: Healing(60, 1e-4, transfer_steps=100, transfer_lr=3e-4),
-            KDA: Healing(30, 1e-4, transfer_steps=60, transfer_lr=3e-4),
+            # attention transfer alone, within the family's time budget on 2 cores
+            GDN: Healing(0, 1e-4, transfer_steps=100, transfer_lr=3e-4),
+            KDA: Healing(0, 1e-4, transfer_steps=100, transfer_lr=3e-4),
             # exact up to index_topk keys, and the healed MLA's weights: nothing to heal
             DSA: Healing(0, 1e-4)}
 
