@@ -119,14 +119,14 @@ def _train(student, state_dir: Path, steps: int, lr: float, step_loss, save_ever
     optimizer = optim.Adam(learning_rate=lr)
     optimizer.init(student.trainable_parameters())
     step, curve = _resume(state_dir, student, optimizer)
-    started = time.perf_counter()
     while step < steps:
+        started = time.perf_counter()
         loss, grads = step_loss(step)
         optimizer.update(student, grads)
         mx.eval(student.parameters(), optimizer.state, loss)
         step += 1
         curve.append({"step": step, "loss": round(float(loss.item()), 4),
-                      "seconds": round(time.perf_counter() - started, 1)})
+                      "seconds": round(time.perf_counter() - started, 2)})  # this step's
         if step % save_every == 0 or step == steps:
             _save(state_dir, student, optimizer, step, curve)
         if on_step:

@@ -244,6 +244,7 @@ def build(out: Path, config: FamilyConfig = FamilyConfig(), members=MEMBERS, for
         else:
             log(f"{name}: converting")
             model, model_config, report = _convert(name, parent, probe, config, out)
+            converted_s = time.perf_counter() - started
             healing = config.healing[name]
             steps = healing.transfer_steps + healing.steps
             windows = corpus_windows(ids, steps * config.batch, config.length,
@@ -258,9 +259,11 @@ def build(out: Path, config: FamilyConfig = FamilyConfig(), members=MEMBERS, for
                 "model_type": model_config["model_type"], **report,
                 "healing": {**asdict(healing), "tokens": steps * config.batch * config.length,
                             **{stage: {"first": curve[0]["loss"], "last": curve[-1]["loss"],
-                                       "seconds": sum(r["seconds"] for r in curve[-1:])}
+                                       "seconds": round(sum(r["seconds"] for r in curve))}
                                for stage, curve in curves.items() if curve}},
-                "minutes": round((time.perf_counter() - started) / 60, 2)}
+                # converting, then every healing step, across the runs that took them
+                "minutes": round((converted_s + sum(r["seconds"] for c in curves.values()
+                                                    for r in c)) / 60, 2)}
         record_file.write_text(json.dumps(record, indent=2) + "\n")
         log(f"{name}: written to {out / name} ({record['members'][name]['minutes']} min)")
     return record
