@@ -246,7 +246,7 @@ def _head_rms(outputs: np.ndarray, g: Geometry) -> np.ndarray:
     return np.sqrt((per_head ** 2).mean(axis=(0, 2)))
 
 
-def _unit_gate(x: np.ndarray, target: float, hidden: int) -> np.ndarray:
+def _unit_gate(x: np.ndarray, target: float) -> np.ndarray:
     """A row w with w @ x about `target` on the calibration inputs (along their mean)."""
     mean = x.mean(axis=0)
     return target * mean / float(mean @ mean)
@@ -258,7 +258,7 @@ def gated_deltanet_layer(parent, layer: int, g: Geometry, cal: Calibration,
     q, k, v, o = _attention(parent, layer, g)
     k, v = _expanded(k, g), _expanded(v, g)
     # the output is silu(z) * RMSNorm(out): z about 1.28 (silu = 1), norm weight the head's rms
-    z = np.tile(_unit_gate(cal.inputs[layer], 1.2785, g.hidden), (g.head_dim, 1))
+    z = np.tile(_unit_gate(cal.inputs[layer], 1.2785), (g.head_dim, 1))
     qkvz = np.concatenate([np.concatenate([q[h], k[h], v[h], z]) for h in range(g.heads)])
     conv = np.zeros((3 * g.heads * g.head_dim, kernel, 1))
     conv[:, -1, 0] = 1.0
@@ -439,7 +439,7 @@ def to_dsa(mla, config: dict, calibration: Calibration, index_topk: int = 256
         weights[p + "indexer.k_norm.weight"] = _mx(np.full(rope, keys.std()))
         weights[p + "indexer.k_norm.bias"] = mx.zeros(rope)
         weights[p + "indexer.weights_proj.weight"] = _mx(
-            np.tile(_unit_gate(x, 1.0, hidden), (heads, 1)))
+            np.tile(_unit_gate(x, 1.0), (heads, 1)))
     new = {**config, "model_type": "deepseek_v32", "q_lora_rank": hidden + 1,
            "index_n_heads": heads, "index_head_dim": rope, "index_topk": index_topk,
            "indexer_rope_interleave": False}
