@@ -10,8 +10,9 @@ recall with every recurrent state, or every conv history, zeroed).
 
 The issue's bars are checked beside the figures: perplexity within 1.3x of the parent's on both
 texts, chat recall within 0.1 of the parent's at every length, zeroed states costing KL or
-recall measurably. Each member's figures are kept in FAMILY/bench.json as they are measured, so
-a stopped run resumes; the results go to benchmarks/results/real-family.{json,md}.
+recall measurably. Each member's figures are kept in FAMILY/bench.json as they are measured, with
+the build they measured, so a stopped run resumes and a rebuilt member is measured again; the
+results go to benchmarks/results/real-family.{json,md}.
 
     python benchmarks/real_family.py [--family runs/real-family] [--lengths 128,256,512,1024,2048]
                                      [--multi-lengths 256,1024] [--needles 12] [--windows 16]
@@ -191,11 +192,14 @@ def main() -> None:
     cache = json.loads(cache_file.read_text()) if cache_file.is_file() else {}
     if cache.get("settings") != settings:
         cache = {"settings": settings, "members": {}}
+    built = json.loads(record_file.read_text())["members"]
     for name in args.members.split(","):
-        if name in cache["members"] or not (args.family / name / "config.json").is_file():
+        if not (args.family / name / "config.json").is_file():
             continue
+        if cache["members"].get(name, {}).get("built") == built.get(name):
+            continue  # measured since it was last built
         print(f"{name} ...", flush=True)
-        cache["members"][name] = measure(args.family / name, args)
+        cache["members"][name] = {**measure(args.family / name, args), "built": built.get(name)}
         cache_file.write_text(json.dumps(cache, indent=2) + "\n")
     rows = {n: cache["members"][n] for n in MEMBERS if n in cache["members"]}
     results = {"family_record": json.loads(record_file.read_text()), "lengths": args.lengths,

@@ -109,9 +109,9 @@ def test_the_mla_conversion_reads_like_the_parent_before_healing(parent, calibra
     raw = attn.kv_a_proj_with_mqa(x)[:, :config["kv_lora_rank"]]
     normed = attn.kv_a_layernorm(raw)
     assert float(mx.abs(normed[:, :-1] - raw[:, :-1]).max() / mx.abs(raw[:, :-1]).max()) < 1e-3
-    assert config["qk_rope_head_dim"] == 64 and len(report["rope_energy_kept"]) == 30
-    # what is lost is the rotation of the two minor key components: measured, bounded
-    assert kl(parent.model, mla, mx.array(windows[2:])) < 0.4
+    assert config["qk_rope_head_dim"] == 128 and len(report["rope_energy_kept"]) == 30
+    # what is lost is the rotation of the least key component: measured, bounded
+    assert kl(parent.model, mla, mx.array(windows[2:])) < 0.1
     # the indexer model is the MLA model exactly while every key fits its top-k
     dsa_config, dsa_weights, _ = conversions.to_dsa(mla, config, conversions.calibrate(
         mla, windows[:2]), index_topk=96)

@@ -7,12 +7,12 @@ The conversions are exact where the target architecture can express the parent a
 it cannot:
 
 - MLA (`deepseek_v3`, TransMLA's RoRoPE): per rotary frequency, the 3 KV groups' key pairs are
-  mixed by an orthogonal 3x3 matrix that puts most of their energy in one component (mixing
-  groups commutes with RoPE, which rotates each pair by the same angle in every group). That
-  component becomes the decoupled rope key; the other two lose their rotation and join the values
-  in the latent. `kv_a_layernorm` is made a constant scale by one latent channel of large constant
-  bias, so the latent's norm hardly varies. What is lost: the rotation of the two minor
-  components.
+  mixed by an orthogonal 3x3 matrix that orders their energy (mixing groups commutes with RoPE,
+  which rotates each pair by the same angle in every group). The leading components become the
+  decoupled rope key, each pair rotating at its own frequency (mlx-lm's `longrope` with per-pair
+  factors); the last loses its rotation and joins the values in the latent (deepseek_v3 needs a
+  latent key part). `kv_a_layernorm` is made a constant scale by one latent channel of large
+  constant bias, so the latent's norm hardly varies. What is lost: the last component's rotation.
 - Gated DeltaNet hybrid (`qwen3_next`): odd layers keep full attention, exactly (head_dim 128 with
   partial RoPE over the parent's 64 dims; one constant channel per head, from the bias, makes
   `q_norm` / `k_norm` a near-constant scale; the output gate's bias saturates the sigmoid). Even
@@ -124,26 +124,31 @@ def _attention(parent, layer: int, g: Geometry):
 @dataclass
 class MlaLayer:
     """One converted layer: q (heads, nope + rope, hidden) with the score scale folded in;
-    latent rows (rank, hidden) [minor key components; values]; rope key rows (rope, hidden);
+    latent rows (rank, hidden) [minor key components; values]; rope key rows (rope, hidden) in
+    half-split pair order (pair p at rows p and p + rope / 2) with each pair's wavelength;
     per-head key and value reads of the latent."""
     q: np.ndarray
     latent: np.ndarray
     rope_key: np.ndarray
+    wavelengths: np.ndarray  # (rope / 2,): the parent's wavelength of each rope-key pair
     embed_q: np.ndarray  # (heads, rank, nope): k_nope_h = latent @ embed_q[h]
     unembed_out: np.ndarray  # (heads, v_dim, rank): v_h = latent @ unembed_out[h].T
     o: np.ndarray  # (hidden, heads * v_dim)
     kept_energy: float  # share of the keys' energy that keeps its rotation
 
 
-def mla_layer(parent, layer: int, g: Geometry, x: np.ndarray) -> MlaLayer:
-    """RoRoPE: per frequency pair j, the orthogonal mix U_j of the KV groups' key pairs whose first
-    component carries the most energy on the calibration inputs `x`."""
+def mla_layer(parent, layer: int, g: Geometry, x: np.ndarray, components: int) -> MlaLayer:
+    """RoRoPE: per frequency pair j, the orthogonal mix U_j of the KV groups' key pairs whose
+    first `components` components carry the most energy on the calibration inputs `x`; they
+    keep their rotation (the rope key, `components` x head_dim wide), the rest join the latent."""
     q, k, v, o = _attention(parent, layer, g)
     pairs = g.head_dim // 2
-    nope = (g.kv_heads - 1) * g.head_dim
-    q_new = np.zeros((g.heads, nope + g.head_dim, g.hidden))
+    nope = (g.kv_heads - components) * g.head_dim
+    rope = components * g.head_dim
+    q_new = np.zeros((g.heads, nope + rope, g.hidden))
     minor = np.zeros((nope, g.hidden))
-    rope_key = np.zeros((g.head_dim, g.hidden))
+    rope_key = np.zeros((rope, g.hidden))
+    wavelengths = np.zeros(rope // 2)
     kept = total = 0.0
     for j in range(pairs):
         rows = slice(2 * j, 2 * j + 2)
@@ -151,19 +156,22 @@ def mla_layer(parent, layer: int, g: Geometry, x: np.ndarray) -> MlaLayer:
         energy = np.einsum("gnc,hnc->gh", keys, keys)
         eigenvalues, vectors = np.linalg.eigh(energy)
         mix = vectors[:, ::-1].T  # rows: components by falling energy; U @ U.T = I
-        kept += eigenvalues[-1]
+        kept += eigenvalues[::-1][:components].sum()
         total += eigenvalues.sum()
         mixed = np.einsum("mg,gcd->mcd", mix, k[:, rows])  # (kv, 2, hidden)
-        rope_key[rows] = mixed[0]
-        for m in range(1, g.kv_heads):
-            minor[(m - 1) * g.head_dim + 2 * j:(m - 1) * g.head_dim + 2 * j + 2] = mixed[m]
-        for h in range(g.heads):
-            grp = h // g.group
-            q_new[h, nope + 2 * j:nope + 2 * j + 2] = mix[0, grp] * q[h, rows]
-            for m in range(1, g.kv_heads):
-                at = (m - 1) * g.head_dim + 2 * j
-                q_new[h, at:at + 2] = mix[m, grp] * q[h, rows]
-    q_new *= np.sqrt((nope + g.head_dim) / g.head_dim)  # MLA scales scores by (nope+rope)^-1/2
+        for m in range(g.kv_heads):
+            if m < components:
+                pair = m * pairs + j
+                at = [nope + pair, nope + pair + rope // 2]
+                rope_key[[pair, pair + rope // 2]] = mixed[m]
+                wavelengths[pair] = g.theta ** (2 * j / g.head_dim)
+            else:
+                start = (m - components) * g.head_dim + 2 * j
+                at = [start, start + 1]
+                minor[start:start + 2] = mixed[m]
+            for h in range(g.heads):
+                q_new[h, at] = mix[m, h // g.group] * q[h, rows]
+    q_new *= np.sqrt((nope + rope) / g.head_dim)  # MLA scales scores by (nope+rope)^-1/2
     latent = np.concatenate([minor, v.reshape(-1, g.hidden)])
     rank = len(latent)
     embed_q = np.zeros((g.heads, rank, nope))
@@ -172,8 +180,18 @@ def mla_layer(parent, layer: int, g: Geometry, x: np.ndarray) -> MlaLayer:
     for h in range(g.heads):
         start = nope + (h // g.group) * g.head_dim
         unembed_out[h, np.arange(g.head_dim), start + np.arange(g.head_dim)] = 1.0
-    return MlaLayer(q_new, latent, rope_key, embed_q, unembed_out,
+    return MlaLayer(q_new, latent, rope_key, wavelengths, embed_q, unembed_out,
                     o.reshape(g.hidden, -1), float(kept / total))
+
+
+def rope_scaling(wavelengths: np.ndarray, theta: float, max_positions: int) -> dict:
+    """mlx-lm's `longrope` (SuScaledRoPE, half-split pairs) with each pair's own wavelength:
+    its factor divides out the default wavelength theta^(2p / dims) of pair p; equal maximum and
+    original positions make its magnitude scale 1."""
+    dims = 2 * len(wavelengths)
+    factors = [float(w / theta ** (2 * p / dims)) for p, w in enumerate(wavelengths)]
+    return {"rope_type": "longrope", "original_max_position_embeddings": max_positions,
+            "short_factor": factors, "long_factor": factors}
 
 
 def _norm_channel(latent: np.ndarray, x: np.ndarray) -> tuple[float, float]:
@@ -186,14 +204,16 @@ def _norm_channel(latent: np.ndarray, x: np.ndarray) -> tuple[float, float]:
     return constant, scale
 
 
-def to_mla(parent, config: dict, calibration: Calibration) -> tuple[dict, dict, dict]:
-    """deepseek_v3 config and weights, and a report of what each layer kept."""
+def to_mla(parent, config: dict, calibration: Calibration, components: int = 2
+           ) -> tuple[dict, dict, dict]:
+    """deepseek_v3 config and weights, and a report of what each layer kept. `components`: how
+    many of each frequency's KV-group components keep their rotation (`mla_layer`)."""
     g = Geometry.of(config)
     weights = _shared(parent)
     weights["lm_head.weight"] = weights["model.embed_tokens.weight"]  # deepseek_v3 ties nothing
     kept = []
     for i in range(config["num_hidden_layers"]):
-        layer = mla_layer(parent, i, g, calibration.inputs[i])
+        layer = mla_layer(parent, i, g, calibration.inputs[i], components)
         constant, scale = _norm_channel(layer.latent, calibration.inputs[i])
         rank = len(layer.latent) + 1
         p = f"model.layers.{i}.self_attn."
@@ -211,7 +231,8 @@ def to_mla(parent, config: dict, calibration: Calibration) -> tuple[dict, dict, 
         weights[p + "o_proj.weight"] = _mx(layer.o)
         weights[p + "o_proj.bias"] = mx.zeros(g.hidden)
         kept.append(round(layer.kept_energy, 4))
-    nope = (g.kv_heads - 1) * g.head_dim
+    nope = (g.kv_heads - components) * g.head_dim
+    rope = components * g.head_dim
     new = {"model_type": "deepseek_v3", "vocab_size": config["vocab_size"],
            "hidden_size": g.hidden, "intermediate_size": config["intermediate_size"],
            "moe_intermediate_size": config["intermediate_size"],
@@ -219,11 +240,13 @@ def to_mla(parent, config: dict, calibration: Calibration) -> tuple[dict, dict, 
            "num_attention_heads": g.heads, "num_key_value_heads": g.heads,
            "first_k_dense_replace": config["num_hidden_layers"],  # dense: no experts
            "kv_lora_rank": nope + g.kv_heads * g.head_dim + 1, "q_lora_rank": None,
-           "qk_rope_head_dim": g.head_dim, "qk_nope_head_dim": nope, "v_head_dim": g.head_dim,
+           "qk_rope_head_dim": rope, "qk_nope_head_dim": nope, "v_head_dim": g.head_dim,
            "rms_norm_eps": config["rms_norm_eps"], "rope_theta": g.theta,
+           "rope_scaling": rope_scaling(layer.wavelengths, g.theta,
+                                        config["max_position_embeddings"]),
            "max_position_embeddings": config["max_position_embeddings"],
            "attention_bias": True, "tie_word_embeddings": False}
-    return new, weights, {"rope_energy_kept": kept,
+    return new, weights, {"rope_components": components, "rope_energy_kept": kept,
                          "converted": list(range(config["num_hidden_layers"]))}
 
 
@@ -361,7 +384,8 @@ def kda_layer(parent, layer: int, g: Geometry, cal: Calibration) -> dict[str, np
             "o_proj.weight": o.reshape(g.hidden, -1)}
 
 
-def to_kda(parent, config: dict, calibration: Calibration) -> tuple[dict, dict, dict]:
+def to_kda(parent, config: dict, calibration: Calibration, components: int = 2
+           ) -> tuple[dict, dict, dict]:
     """kimi_linear config and weights: the Gated DeltaNet hybrid's linear layers as KDA, the rest
     the MLA conversion's layers without RoPE or the constant channel (kimi_linear's MLA has no
     bias)."""
@@ -375,7 +399,7 @@ def to_kda(parent, config: dict, calibration: Calibration) -> tuple[dict, dict, 
             for name, value in kda_layer(parent, i, g, calibration).items():
                 weights[p + "self_attn." + name] = _mx(value)
             continue
-        layer = mla_layer(parent, i, g, calibration.inputs[i])
+        layer = mla_layer(parent, i, g, calibration.inputs[i], components)
         norms = np.linalg.norm(calibration.inputs[i] @ layer.latent.T, axis=1)
         scale = float(np.sqrt(np.mean(norms ** 2) / len(layer.latent)))
         weights[p + "self_attn.q_proj.weight"] = _mx(layer.q.reshape(-1, g.hidden))
@@ -385,15 +409,15 @@ def to_kda(parent, config: dict, calibration: Calibration) -> tuple[dict, dict, 
         weights[p + "self_attn.embed_q.weight"] = _mx(layer.embed_q)
         weights[p + "self_attn.unembed_out.weight"] = _mx(layer.unembed_out)
         weights[p + "self_attn.o_proj.weight"] = _mx(layer.o)
-    nope = (g.kv_heads - 1) * g.head_dim
+    nope = (g.kv_heads - components) * g.head_dim
     new = {"model_type": "kimi_linear", "vocab_size": config["vocab_size"],
            "hidden_size": g.hidden, "intermediate_size": config["intermediate_size"],
            "moe_intermediate_size": config["intermediate_size"],
            "num_hidden_layers": config["num_hidden_layers"],
            "num_attention_heads": g.heads, "num_key_value_heads": g.heads, "head_dim": g.head_dim,
            "kv_lora_rank": nope + g.kv_heads * g.head_dim, "q_lora_rank": None,
-           "qk_rope_head_dim": g.head_dim, "qk_nope_head_dim": nope, "v_head_dim": g.head_dim,
-           "mla_use_nope": True, "num_experts": 0, "rope_theta": g.theta,
+           "qk_rope_head_dim": components * g.head_dim, "qk_nope_head_dim": nope,
+           "v_head_dim": g.head_dim, "mla_use_nope": True, "num_experts": 0, "rope_theta": g.theta,
            "model_max_length": config["max_position_embeddings"],
            "rms_norm_eps": config["rms_norm_eps"],
            "max_position_embeddings": config["max_position_embeddings"],
@@ -402,7 +426,7 @@ def to_kda(parent, config: dict, calibration: Calibration) -> tuple[dict, dict, 
                                   "full_attn_layers": [i + 1 for i in range(
                                       config["num_hidden_layers"]) if i + 1 not in kda],
                                   "head_dim": g.head_dim, "short_conv_kernel_size": 4}}
-    return new, weights, {"kda_layers": kda,
+    return new, weights, {"kda_layers": kda, "rope_components": components,
                          "converted": list(range(config["num_hidden_layers"]))}
 
 
@@ -413,12 +437,11 @@ def to_dsa(mla, config: dict, calibration: Calibration, index_topk: int = 256
     """deepseek_v32 config and weights from the (healed) MLA conversion `mla`: its attention as
     it is, the query through a full-rank q_lora path (identity rows and a constant channel, so
     `q_a_layernorm` is a near-constant scale), and an indexer whose heads score keys by each
-    attention head's rope query and the rope key (rows permuted: the indexer rotates half-split
-    pairs, MLA interleaved ones), so it keeps the keys the attention's positional part favours.
+    attention head's rope query and the rope key (both rotate half-split pairs by the same
+    `longrope` wavelengths), so it keeps the keys the attention's positional part favours.
     Up to `index_topk` keys the model is the MLA conversion exactly."""
     hidden, heads = config["hidden_size"], config["num_attention_heads"]
     nope, rope = config["qk_nope_head_dim"], config["qk_rope_head_dim"]
-    half = np.concatenate([np.arange(0, rope, 2), np.arange(1, rope, 2)])
     weights = dict(_flat_parameters(mla))
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}.self_attn."
@@ -431,10 +454,10 @@ def to_dsa(mla, config: dict, calibration: Calibration, index_topk: int = 256
         weights[p + "q_a_layernorm.weight"] = _mx(np.r_[np.full(hidden, scale),
                                                          1 / np.sqrt(hidden + 1)])
         weights[p + "q_b_proj.weight"] = _mx(np.pad(q.reshape(-1, hidden), ((0, 0), (0, 1))))
-        rope_key = _np(weights[p + "kv_a_proj_with_mqa.weight"])[-rope:][half]
+        rope_key = _np(weights[p + "kv_a_proj_with_mqa.weight"])[-rope:]
         keys = x @ rope_key.T
         weights[p + "indexer.wq_b.weight"] = _mx(np.pad(
-            q[:, nope:][:, half].reshape(-1, hidden), ((0, 0), (0, 1))))
+            q[:, nope:].reshape(-1, hidden), ((0, 0), (0, 1))))
         weights[p + "indexer.wk.weight"] = _mx(rope_key)
         weights[p + "indexer.k_norm.weight"] = _mx(np.full(rope, keys.std()))
         weights[p + "indexer.k_norm.bias"] = mx.zeros(rope)

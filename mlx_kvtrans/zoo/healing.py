@@ -29,6 +29,7 @@ class Healing:
     transfer_steps: int = 0  # attention-transfer steps first (converted layers alone)
     transfer_lr: float = 1e-3
     save_every: int = 10
+    warmup: float = 0.1  # share of each stage's steps over which its learning rate rises from 0
 
 
 def _trainable(model) -> None:
@@ -113,10 +114,19 @@ def _transfer_loss(student, io):
     return total / len(io)
 
 
+def _schedule(lr: float, steps: int, warmup: float):
+    """Linear warm-up over `warmup` of the steps, then cosine decay to a tenth: the first
+    updates of a converted model are its largest otherwise, and they undo what it converted."""
+    rise = max(1, round(warmup * steps))
+    return optim.join_schedules([optim.linear_schedule(lr / rise, lr, rise),
+                                 optim.cosine_decay(lr, max(1, steps - rise), lr / 10)], [rise])
+
+
 def _train(student, state_dir: Path, steps: int, lr: float, step_loss, save_every: int,
-           on_step=None) -> list[dict]:
-    """The resumable loop: `step_loss(step)` -> (loss, grads) for the trainable parameters."""
-    optimizer = optim.Adam(learning_rate=lr)
+           warmup: float, on_step=None) -> list[dict]:
+    """The resumable loop: `step_loss(step)` -> (loss, grads) for the trainable parameters.
+    The optimizer's state holds its step, so a resumed run continues the same schedule."""
+    optimizer = optim.Adam(learning_rate=_schedule(lr, steps, warmup), bias_correction=True)
     optimizer.init(student.trainable_parameters())
     step, curve = _resume(state_dir, student, optimizer)
     while step < steps:
@@ -151,7 +161,8 @@ def heal(student, teacher, windows: np.ndarray, healing: Healing, state_dir: Pat
             student, state_dir / "transfer", healing.transfer_steps, healing.transfer_lr,
             lambda step: transfer_grad(student, _mixer_io(teacher, list(converted),
                                                           batch_of(step))),
-            healing.save_every, on_step and (lambda *a: on_step("transfer", *a)))
+            healing.save_every, healing.warmup,
+            on_step and (lambda *a: on_step("transfer", *a)))
     _trainable(student)
     loss_and_grad = nn.value_and_grad(student, _loss)
 
@@ -164,6 +175,6 @@ def heal(student, teacher, windows: np.ndarray, healing: Healing, state_dir: Pat
 
     curves[healing.objective] = _train(student, state_dir / "end-to-end", healing.steps,
                                        healing.lr, end_to_end, healing.save_every,
-                                       on_step and (lambda *a: on_step(healing.objective, *a)))
+                                       healing.warmup, on_step and (lambda *a: on_step(healing.objective, *a)))
     student.freeze()
     return curves
