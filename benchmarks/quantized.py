@@ -66,27 +66,27 @@ def seed_from_history(name: str) -> Path:
 
 
 def lineage_rows() -> list[dict]:
-    """How far each conversion of kimi-vl, another seed and a fine-tune of the same config
-    read from the checkpoint (`models.same_lineage`'s two measures)."""
-    import numpy as np
+    """Which tensor's recorded row each conversion of kimi-vl, another seed, a fine-tune of the
+    same config and one changed matrix do not hold (`models.lineage_difference`)."""
+    import mlx.core as mx
 
-    from mlx_kvtrans.models import lineage, same_lineage
+    from mlx_kvtrans.models import lineage, lineage_difference
 
-    def row(label: str, base: str, other: str) -> dict:
-        a, b = lineage(kv.load(base).model), lineage(kv.load(other).model)
-        e, f = np.array(a["embedding"]), np.array(b["embedding"])
-        n, m = np.array(a["norms"]), np.array(b["norms"])
-        return {"model": label, "embedding_cosine": round(float(
-                    e @ f / np.linalg.norm(e) / np.linalg.norm(f)), 4),
-                "norm_deviation": round(float(np.max(np.abs(n - m) / np.maximum(
-                    np.maximum(np.abs(n), np.abs(m)), 1e-6))), 4),
-                "same_lineage": same_lineage(a, b)}
+    def row(label: str, base: str, other) -> dict:
+        model = kv.load(other).model if isinstance(other, str) else other
+        differs = lineage_difference(lineage(kv.load(base).model), model)
+        return {"model": label, "first_difference": differs or None,
+                "same_lineage": not differs}
 
     rows = [row(f"kimi-vl, {bits}-bit affine", TARGET, str(converted(TARGET, bits)))
             for bits in (2, 3, 4, 8)]
     rows.append(row("kimi-vl, mxfp4", TARGET, str(converted(TARGET, 4, "mxfp4"))))
     rows.append(row("kimi-vl, another seed", TARGET, str(seed_from_history("kimi-vl-1"))))
     rows.append(row("qwen3.5-b, a fine-tune of qwen3.5-a", "qwen3.5-a", "qwen3.5-b"))
+    tuned = kv.load(TARGET).model  # a merged fine-tune of one matrix, as a LoRA's would be
+    proj = tuned.language_model.model.layers[3].self_attn.q_b_proj
+    proj.weight = proj.weight + 0.01 * mx.random.normal(proj.weight.shape, key=mx.random.key(0))
+    rows.append(row("kimi-vl, layer 3 q_b_proj + noise 0.01", TARGET, tuned))
     return rows
 
 
@@ -159,11 +159,11 @@ def main():
                          f"{row['recall_translated']:.2f} | {row['applied']:.2f} |")
     lines += ["\n## Lineage\n",
               "What tells a checkpoint's conversions from other weights of the same config "
-              "(`models.same_lineage`): the cosine of a fixed sample of dequantized embedding "
-              "values (at least 0.9) and the largest relative change of the sampled norm "
-              "scales (at most 1%).\n",
-              "| model | embedding cosine | norm deviation | same lineage |", "|---|---|---|---|"]
-    lines += [f"| {r['model']} | {r['embedding_cosine']:.4f} | {r['norm_deviation']:.4f} | "
+              "(`models.lineage_difference`): a fixed row of every tensor, recorded at the fit, "
+              "rounded to the model's float dtype or quantized as it is quantized reproduces "
+              "the model's own row exactly; the first tensor that does not is named.\n",
+              "| model | first tensor that differs | same lineage |", "|---|---|---|"]
+    lines += [f"| {r['model']} | {r['first_difference'] or '-'} | "
               f"{'yes' if r['same_lineage'] else 'no'} |" for r in lineage]
     (OUT / "quantized.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

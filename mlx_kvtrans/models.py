@@ -234,9 +234,9 @@ def weights_fingerprint(path: Path) -> str:
 # what a conversion may change in config.json without changing the model
 CONVERSION_KEYS = ("quantization", "quantization_config", "torch_dtype", "dtype",
                    "vision_config")  # mlx-lm's conversion keeps the text model alone
-LINEAGE_SAMPLES = 16  # embedding rows and columns sampled
-NORM_TOLERANCE = 1e-2  # relative: a norm rounded to bfloat16 moves by at most 2^-8
-EMBEDDING_COSINE = 0.9  # 4-bit affine, group 32: 0.997 on the zoo; other weights: about 0
+LINEAGE_COLUMNS = 128  # values of each tensor's recorded row: a multiple of every group size
+CONVERSION_DTYPES = ("float32", "bfloat16", "float16")  # what mlx-lm converts to
+REQUANTIZED_COSINE = 0.98  # rows quantized two ways (4-bit vs 8-bit: about 0.99)
 
 
 def architecture_fingerprint(config: dict) -> str:
@@ -271,41 +271,145 @@ def embedding_dims(model) -> int:
     return getattr(embed, "dims", None) or embed.weight.shape[-1]
 
 
-def lineage(model) -> dict:
-    """What a checkpoint's quantizations keep of its weights: the norms' scales (mlx-lm never
-    quantizes them; a conversion at most rounds them to its dtype) and a fixed sample of the
-    token embedding, dequantized. Other weights of the same config differ in one or the other:
-    a fine-tune moves its norms, another seed its embedding."""
+def _quantized_modules(model) -> dict[str, Any]:
+    """Path -> module for every quantized module (QuantizedLinear, QuantizedEmbedding,
+    mlx-lm's QuantizedSwitchLinear...): they hold packed `weight`, `scales` and `biases`."""
+    return {name: m for name, m in model.named_modules()
+            if hasattr(m, "scales") and hasattr(m, "bits") and hasattr(m, "group_size")}
+
+
+def _row(value, row: int | None = None):
+    """(row index, its first LINEAGE_COLUMNS values) of a tensor seen as (rows, last dim)."""
+    flat = value.reshape(-1, value.shape[-1]) if value.ndim > 1 else value.reshape(1, -1)
+    row = flat.shape[0] // 2 if row is None else row
+    return row, flat[row]
+
+
+def _packed_row(module, params: dict, owner: str, row: int | None = None):
+    """(row, [packed weight, scales, biases] of that row's first LINEAGE_COLUMNS columns)."""
+    columns = LINEAGE_COLUMNS // module.group_size
+    parts = [params[f"{owner}.weight"], params[f"{owner}.scales"], params.get(f"{owner}.biases")]
+    widths = [LINEAGE_COLUMNS * module.bits // 32, columns, columns]
+    found = []
+    for part, width in zip(parts, widths):
+        if part is not None:
+            row, values = _row(part, row)
+            found.append(values[:width])
+    return row, found
+
+
+def _quantization(module) -> dict:
+    return {"bits": module.bits, "group_size": module.group_size,
+            "mode": getattr(module, "mode", "affine")}
+
+
+def _dequantized(quantization: dict, parts):
+    import mlx.core as mx
+
+    w, scales, *biases = [p[None] for p in parts]
+    return mx.dequantize(w, scales, biases[0] if biases else None, quantization["group_size"],
+                         quantization["bits"], mode=quantization["mode"])[0]
+
+
+def _encode(a) -> str:
+    import base64
+
     import mlx.core as mx
     import numpy as np
-    from mlx.utils import tree_flatten
 
-    embed = input_embedding(model)
-    rng = np.random.default_rng(0)
-    rows = np.sort(rng.choice(embed.weight.shape[0], LINEAGE_SAMPLES, replace=False))
-    values = embed(mx.array(rows)).astype(mx.float32)
-    cols = np.sort(rng.choice(values.shape[-1], LINEAGE_SAMPLES, replace=False))
-    norms = [v for k, v in sorted(tree_flatten(model.parameters())) if v.ndim == 1 and "norm" in k]
-    norms = [norms[i].reshape(-1)[:4].astype(mx.float32)  # 4 values of at most 64 norms
-             for i in np.unique(np.linspace(0, len(norms) - 1, min(len(norms), 64)).round()
-                                .astype(int))] if norms else []
-    def floats(x):
-        return [float(f"{v:.6g}") for v in np.array(x).ravel()]
-    return {"norms": floats(mx.concatenate(norms)) if norms else [],
-            "embedding": floats(values[:, mx.array(cols)])}
+    a = a if a.dtype == mx.uint32 else a.astype(mx.float32)
+    return base64.b64encode(np.asarray(a).tobytes()).decode()
 
 
-def same_lineage(recorded: dict, have: dict) -> bool:
-    """Whether two `lineage` readings are of one checkpoint's weights (quantized or not)."""
+def _decode(text: str, packed: bool = False):
+    import base64
+
+    import mlx.core as mx
     import numpy as np
 
-    a, b = (np.array(recorded["norms"]), np.array(have["norms"]))
-    e, f = (np.array(recorded["embedding"]), np.array(have["embedding"]))
-    if a.shape != b.shape or e.shape != f.shape or not e.size:
-        return False
-    close = np.abs(a - b) <= NORM_TOLERANCE * np.maximum(np.abs(a), np.abs(b)) + 1e-6
-    cosine = float(e @ f / max(np.linalg.norm(e) * np.linalg.norm(f), 1e-30))
-    return bool(close.all()) and cosine >= EMBEDDING_COSINE
+    return mx.array(np.frombuffer(base64.b64decode(text),
+                                  dtype=np.uint32 if packed else np.float32))
+
+
+def lineage(model) -> dict:
+    """A fixed row of every parameter tensor (its first LINEAGE_COLUMNS values) as the
+    checkpoint holds it: its packed weight, scales and biases where the module is quantized.
+    `lineage_difference` re-rounds or re-quantizes these rows to tell a checkpoint's
+    conversions from any other weights, one changed matrix included."""
+    from mlx.utils import tree_flatten
+
+    params = dict(tree_flatten(model.parameters()))
+    quantized = _quantized_modules(model)
+    rows = {}
+    for name, value in sorted(params.items()):
+        owner, _, leaf = name.rpartition(".")
+        if owner in quantized:
+            if leaf != "weight":
+                continue  # scales and biases are read with their weight
+            row, parts = _packed_row(quantized[owner], params, owner)
+            rows[name] = {"row": row, "quantization": _quantization(quantized[owner]),
+                          "packed": [_encode(p) for p in parts]}
+        else:
+            row, values = _row(value)
+            rows[name] = {"row": row, "values": _encode(values[:LINEAGE_COLUMNS])}
+    return {"rows": rows}
+
+
+def _same_packed(quantized: list, packed: list) -> bool:
+    import mlx.core as mx
+
+    return len(quantized) == len(packed) and all(
+        mx.array_equal(a.astype(b.dtype), b).item() for a, b in zip(quantized, packed))
+
+
+def lineage_difference(recorded: dict, model) -> str:
+    """"" when `model` holds every row `recorded` (a `lineage`): the same values rounded to a
+    float dtype (a conversion's, before the loader widens them), or quantized as the other
+    side is, which reproduces the packed rows exactly; else the name of the first tensor that
+    differs."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    params = dict(tree_flatten(model.parameters()))
+    quantized = _quantized_modules(model)
+    dtypes = [getattr(mx, name) for name in CONVERSION_DTYPES]
+
+    def requantized(values, q) -> list:  # the row quantized from each float dtype
+        return [[a[0] for a in mx.quantize(values.astype(dtype)[None], q["group_size"],
+                                           q["bits"], mode=q["mode"])] for dtype in dtypes]
+
+    for name, entry in recorded["rows"].items():
+        if name not in params:
+            return name
+        owner, _, leaf = name.rpartition(".")
+        module = quantized.get(owner) if leaf == "weight" else None
+        recorded_q = entry.get("quantization")
+        if recorded_q:
+            want = [_decode(p, packed=i == 0) for i, p in enumerate(entry["packed"])]
+        else:
+            want = _decode(entry["values"])
+        if module is not None:
+            _, have = _packed_row(module, params, owner, entry["row"])
+            have_q = _quantization(module)
+            if recorded_q is None:
+                same = any(_same_packed(q, have) for q in requantized(want, have_q))
+            elif recorded_q == have_q:
+                same = _same_packed(have, want)
+            else:  # quantized two ways: only near
+                a, b = (_dequantized(recorded_q, want), _dequantized(have_q, have))
+                cosine = (a * b).sum() / (mx.linalg.norm(a) * mx.linalg.norm(b))
+                same = cosine.item() >= REQUANTIZED_COSINE
+        else:
+            _, have = _row(params[name], entry["row"])
+            have = have[:LINEAGE_COLUMNS]
+            if recorded_q:  # the recorded model was quantized, this one not
+                same = any(_same_packed(q, want) for q in requantized(have, recorded_q))
+            else:
+                same = any(mx.array_equal(want.astype(dtype).astype(have.dtype), have).item()
+                           for dtype in dtypes)
+        if not same:
+            return name
+    return ""
 
 
 def model_identity(lm) -> dict:
@@ -320,6 +424,6 @@ def model_identity(lm) -> dict:
 
 
 __all__ = ["LoadedModel", "SUPPORTED_FAMILIES", "architecture_fingerprint", "config_fingerprint",
-           "embedding_dims", "input_embedding", "lineage", "load", "load_config_only",
-           "model_identity", "resolve", "same_lineage", "weights_dir", "weights_fingerprint",
+           "embedding_dims", "input_embedding", "lineage", "lineage_difference", "load",
+           "load_config_only", "model_identity", "resolve", "weights_dir", "weights_fingerprint",
            "zoo_aliases"]

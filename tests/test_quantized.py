@@ -6,11 +6,12 @@ import json
 import shutil
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 
 import mlx_kvtrans as kv
 from mlx_kvtrans.errors import KvtransError
-from mlx_kvtrans.models import lineage, load_config_only, same_lineage
+from mlx_kvtrans.models import lineage, lineage_difference, load_config_only
 from mlx_kvtrans.session import Session
 from mlx_kvtrans.translators import artifact
 from mlx_kvtrans.translators.cost import weights_bytes
@@ -33,6 +34,7 @@ def zoo_4bit(tmp_path_factory):
     root = tmp_path_factory.mktemp("quantized")
     found = {name: quantized(weights_dir() / name, root / f"{name}-4bit")
              for name in ("kimi-linear", "kimi-vl")}
+    found["kimi-vl 8-bit"] = quantized(weights_dir() / "kimi-vl", root / "kimi-vl-8bit", bits=8)
     # kimi-vl's config with other weights (its tokenizer too)
     config = json.loads((weights_dir() / "kimi-vl" / "config.json").read_text())
     other = write_random_model("kimi_vl", root / "other", seed=5, config=config)
@@ -44,11 +46,27 @@ def zoo_4bit(tmp_path_factory):
 
 def test_a_quantization_keeps_the_lineage_and_other_weights_do_not(zoo_4bit):
     kimi_vl = lineage(kv.load("kimi-vl").model)
-    assert same_lineage(kimi_vl, lineage(kv.load(str(zoo_4bit["kimi-vl"])).model))
-    assert not same_lineage(kimi_vl, lineage(kv.load(str(zoo_4bit["other weights"])).model))
-    # a fine-tune of the same config (the zoo's "next generation") moves its norms
-    assert not same_lineage(lineage(kv.load("qwen3.5-a").model),
-                            lineage(kv.load("qwen3.5-b").model))
+    # re-quantizing the recorded rows reproduces the 4- and 8-bit checkpoints' packed rows
+    assert lineage_difference(kimi_vl, kv.load(str(zoo_4bit["kimi-vl"])).model) == ""
+    assert lineage_difference(kimi_vl, kv.load(str(zoo_4bit["kimi-vl 8-bit"])).model) == ""
+    # and the other way: a translator fitted on the 4-bit checkpoint knows the original
+    assert lineage_difference(lineage(kv.load(str(zoo_4bit["kimi-vl"])).model),
+                              kv.load("kimi-vl").model) == ""
+    assert lineage_difference(kimi_vl, kv.load(str(zoo_4bit["other weights"])).model) != ""
+    # a fine-tune of the same config (the zoo's "next generation")
+    assert lineage_difference(lineage(kv.load("qwen3.5-a").model), kv.load("qwen3.5-b").model)
+
+
+def test_one_changed_matrix_is_another_model(zoo_4bit):
+    """A merged LoRA fine-tune of the target changes one matrix and no file's first megabyte."""
+    src, tgt = kv.load("kimi-linear"), kv.load("kimi-vl")
+    path = artifact.shipped("kimi-linear", "kimi-vl")
+    attn = tgt.model.language_model.model.layers[3].self_attn
+    name = "q_b_proj" if hasattr(attn, "q_b_proj") else "q_proj"
+    weight = getattr(attn, name).weight
+    getattr(attn, name).weight = weight + 0.01 * mx.random.normal(weight.shape, key=mx.random.key(0))
+    with pytest.raises(KvtransError, match=f"layers.3.self_attn.{name}.weight differs"):
+        artifact.load(path, src, tgt)
 
 
 def test_the_shipped_translator_serves_the_4bit_pair_and_says_so(zoo_4bit):

@@ -23,7 +23,7 @@ from .._version import __version__
 from ..errors import KvtransError
 from ..files import sha256_file
 from ..layouts import CapturePoint
-from ..models import model_identity, same_lineage
+from ..models import lineage_difference, model_identity
 from . import frontier
 from .recipes import recipe_from_json
 from .random_features import RandomFeatures
@@ -174,8 +174,9 @@ def _migrate_v1(manifest: dict, params: dict) -> tuple[dict, dict]:
 
 def check_pair(manifest: dict, source, target, identities: tuple | None = None) -> str:
     """Refuse a model pair the translator was not fitted for. A model may be a quantization (or
-    other conversion) of the checkpoint it was fitted on: the same architecture and lineage
-    (`models.same_lineage`). Returns "" for the very checkpoints, else a note naming the
+    other conversion) of the checkpoint it was fitted on: the same architecture, and every
+    tensor's recorded row held as it would be rounded or quantized
+    (`models.lineage_difference`). Returns "" for the very checkpoints, else a note naming the
     converted ones. `identities`: the two models' `model_identity`, when already taken."""
     notes = []
     identities = identities or (model_identity(source), model_identity(target))
@@ -183,17 +184,19 @@ def check_pair(manifest: dict, source, target, identities: tuple | None = None) 
         want = manifest[role]
         differs = next((key for key in ("config_fingerprint", "weights_fingerprint")
                         if want[key] != have[key]), None)
-        if differs is None:
-            continue
         same_architecture = want.get("architecture_fingerprint") == \
             have["architecture_fingerprint"]
-        if same_architecture and want.get("lineage") and same_lineage(want["lineage"],
-                                                                      have["lineage"]):
+        rows = want.get("lineage", {}).get("rows")
+        changed = lineage_difference(want["lineage"], lm.model) if same_architecture and rows \
+            else None
+        if differs is None and not changed:
+            continue
+        if changed == "":
             notes.append(f"{role} {lm.name} is {_conversion(have)} of {want['name']}, which it "
                          f"was fitted on")
             continue
-        why = ("the same architecture with other weights" if same_architecture
-               and want.get("lineage") else f"{differs.replace('_', ' ')} differs")
+        why = (f"the same architecture with other weights: {changed} differs" if changed
+               else f"{differs.replace('_', ' ')} differs")
         raise KvtransError(
             f"this translator was fitted with {role} {want['name']!r} "
             f"({want['model_type']}); {lm.name!r} is a different model ({why})")
