@@ -43,7 +43,7 @@ from mlx_kvtrans.evaluation import frontier as fr
 from mlx_kvtrans.models import held_out_split
 from mlx_kvtrans.translators import artifact
 from mlx_kvtrans.translators.distill import DistillConfig
-from mlx_kvtrans.session.handover import SINK_TOKENS
+from mlx_kvtrans.translators.attention_weights import SINK_TOKENS
 from mlx_kvtrans.translators.fidelity import fidelity
 from mlx_kvtrans.translators.fit import FitConfig
 from mlx_kvtrans.workflows import distill_translator, fit_translator

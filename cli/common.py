@@ -133,10 +133,11 @@ FIDELITY_HELP = ("held-out agreement each switch must meet: the cheapest re-read
 
 
 SINK_HELP = ("the conversation's first tokens, which a model given it from its start reads "
-             "itself (the attention sink: 4 for a pretrained model, 0 for the zoo)")
+             "itself (the attention sink; default: what each translator's fit measured of its "
+             "target, 4 for a pretrained model, 0 for the zoo's)")
 
 
-def dial_options(reread: int | None, fidelity: float | None, sink: int = 0) -> dict:
+def dial_options(reread: int | None, fidelity: float | None, sink: int | None = None) -> dict:
     """--reread / --fidelity (one of them at most) and --sink as Session options."""
     from mlx_kvtrans.session import dial
 

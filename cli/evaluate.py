@@ -30,7 +30,7 @@ def eval_fidelity(translator_dir: Path = typer.Option(..., "--translator",
                   windows: int = typer.Option(8, min=1, help="held-out windows per length"),
                   source: str = typer.Option(None, "--from", help="override the manifest's"),
                   target: str = typer.Option(None, "--to", help="override the manifest's"),
-                  sink: int = typer.Option(0, min=0, help=SINK_HELP),
+                  sink: int = typer.Option(None, min=0, help=SINK_HELP),
                   as_json: bool = typer.Option(False, "--json", help=JSON_HELP)):
     """KL and greedy agreement of the target continuing from translated caches, with the
     no-cache floor beside them."""

@@ -42,7 +42,7 @@ def serve(model: list[str] = typer.Option(
                    "Retry-After (the load goes on)"),
           reread: int = typer.Option(None, help=REREAD_HELP),
           fidelity: float = typer.Option(None, help=FIDELITY_HELP),
-          sink: int = typer.Option(0, min=0, help=SINK_HELP),
+          sink: int = typer.Option(None, min=0, help=SINK_HELP),
           shard: str = typer.Option(
               None, metavar="tensor|pipeline",
               help="under mlx.launch: shard every model across its processes this way (process "

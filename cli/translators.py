@@ -425,7 +425,8 @@ def distill(translator_dir: Path = typer.Option(..., "--translator", help="stage
             reread: int = typer.Option(DISTILL.reread, min=0, help="the target reads the "
                                        "prefix's last R tokens itself, as a session at R does"),
             sink: int = typer.Option(DISTILL.sink, min=0, help="the target reads the prefix's "
-                                     "first S tokens itself, as a session with --sink S does"),
+                                     "first S tokens itself, as a session with --sink S does "
+                                     "(default: what the fit measured of the target)"),
             validate_every: int = typer.Option(DISTILL.validate_every, min=1,
                                                help="steps between held-out KL measurements"),
             validation_windows: int = typer.Option(DISTILL.validation_windows, min=1,

@@ -31,6 +31,7 @@ from .errors import KvtransError
 from .machines import Machine, this_machine
 from .models import LoadedModel, embedding_dims, load, model_identity
 from .translators import artifact
+from .translators.attention_weights import attention_sink
 from .translators.distill import CHECKPOINT_FILES, DistillConfig, Distiller
 from .translators.fit import FIT_BATCH, FitConfig, fit, mixed_windows, token_windows
 from .translators.fit_checkpoint import FitCheckpoint
@@ -229,6 +230,8 @@ def fit_translator(source: str | Path | LoadedModel, target: str | Path | Loaded
                                         batches[: max(1, len(batches) // 4)], recipes,
                                         config.point)
 
+    # the target's attention sink, which its switches (and the gate calibrated below) read
+    sink = attention_sink(tgt.model, [getattr(b, "target", b) for b in batches[:2]])
     first: list = []  # (time, tokens) at this run's first batch: a resumed fit starts past 0
 
     def fitted(done: int, tokens: int) -> None:
@@ -250,6 +253,7 @@ def fit_translator(source: str | Path | LoadedModel, target: str | Path | Loaded
     translator = fit(src.model, tgt.model, batches, recipes, config, codebook=codebook,
                      progress=fitted if rank == 0 else None, checkpoint=checkpoint, group=group)
     translator.info["fit"]["processes"] = size
+    translator.info["sink"] = sink
     if rank:
         translator.info["fit"]["rank"] = rank  # not saved: the first process saves
     if validation is not None:  # every process calibrates its share

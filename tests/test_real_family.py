@@ -121,6 +121,19 @@ def test_the_mla_conversion_reads_like_the_parent_before_healing(parent, calibra
         k.value for k in kv.layout_of(dsa).kinds()}
 
 
+def test_the_parent_rests_its_attention_on_the_first_tokens(parent, windows):
+    """SmolLM2 has StreamingLLM's attention sink, which a fit records for its switches; the
+    zoo's models, trained here, have none."""
+    from mlx_kvtrans.translators.attention_weights import SINK_TOKENS, attention_sink
+
+    sink = attention_sink(parent.model, [mx.array(w[None]) for w in windows[:2]])
+    assert sink["tokens"] == SINK_TOKENS and sink["mass"] > 0.25  # of all its attention
+    zoo = kv.load("kimi-vl")
+    ids = mx.array(zoo.tokenizer.encode(held_out_split("validation").read_text()[:4000])[:96])
+    none = attention_sink(zoo.model, [ids[None]])
+    assert none["tokens"] == 0 and none["mass"] < none["even"]
+
+
 def test_healing_resumes_to_the_same_weights(parent, calibration, windows, tmp_path):
     from mlx.utils import tree_flatten
 

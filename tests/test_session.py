@@ -164,6 +164,19 @@ def test_a_target_given_the_conversation_from_its_start_reads_the_sink_itself(ki
     assert s.switch(b.name).tokens_sink == 0
 
 
+def test_the_sink_defaults_to_what_the_translators_fit_measured(kimi_pair):
+    """Without `sink`, a switch reads the first tokens its translator's fit measured the target
+    rests on (none for the zoo's models); the session's own `sink` overrides it."""
+    a, b, _ = kimi_pair
+    for measured, option, read in ((None, {}, 0), (3, {}, 3), (3, {"sink": 0}, 0)):
+        s = session_for(kimi_pair, **option)
+        if measured is not None:
+            s.translators[(a.name, b.name)].info["sink"] = {"tokens": measured}
+        s.add(list(range(60, 90)))
+        list(s.generate(4))
+        assert s.switch(b.name).tokens_sink == read
+
+
 def test_a_switch_reads_the_tail_and_the_next_prompt_in_one_forward(kimi_pair):
     """The target reads the span's last r tokens and what follows them (the next prompt) in
     one forward, and its first token comes from that forward's logits: the same answer and

@@ -50,6 +50,8 @@ def test_fit_translator_saves_what_it_fitted_and_it_translates_the_same(fitted):
     out, translator, src, tgt = fitted
     back = artifact.load(out, src, tgt)
     assert back.info["gate"] == translator.info["gate"]
+    # the fit measured the target's attention sink, which its switches read: none in the zoo
+    assert back.info["sink"] == translator.info["sink"] and back.info["sink"]["tokens"] == 0
     assert sorted(back.params) == sorted(translator.params)
     tokens = mx.random.randint(0, 259, (1, 36), key=mx.random.key(3))
     logits = [tgt.model(tokens[:, -1:], cache=translate_cache(t, src.model, tgt.model,

@@ -141,7 +141,7 @@ class SessionSwitch(Switch):
     gate: the target re-reads). `statuses` keeps every switch's status."""
 
     def __init__(self, translator, source, target, gate_tokens: int | None = None,
-                 sink: int = 0, escalate: bool = False):
+                 sink: int | None = None, escalate: bool = False):
         from ..session.views import tokenizer_groups
 
         across = len(set(tokenizer_groups({"s": source, "t": target}).values())) > 1
@@ -362,12 +362,14 @@ def measure(switch: Switch, encode, text_ids: list[int], plan: dict[int, list[Se
 def measure_translator(directory, source, target, translator, text_ids: list[int],
                        lengths: list[int] | None = None, rereads: list[int] | None = None,
                        prompts: int = 16, needles: int = 16, repeats: int = 3, seed: int = 0,
-                       progress=None, sink: int = 0, group=None, make=None) -> Frontier:
+                       progress=None, sink: int | None = None, group=None, make=None
+                       ) -> Frontier:
     """The frontier of a loaded translator (`source`, `target`: LoadedModels) from the
     translator directory `directory`: at `lengths` (default 1x-8x its fitting length) and
     R in `rereads` (default `default_rereads`); settings that translate nothing are left out.
     A session's switch reads the gate's r tokens whatever R asks, so R below r is measured,
-    timed and recorded as r; and the target reads the first `sink` tokens itself. `group`: the
+    timed and recorded as r; and the target reads the first `sink` tokens itself (None: the
+    translator's measured sink, as a `Session`'s default). `group`: the
     processes of `mlx.launch`, which share the windows and needles (`measure`)."""
     directory = Path(directory)
     fit_length = fitting_length(translator.info)

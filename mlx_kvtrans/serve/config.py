@@ -35,7 +35,8 @@ class ServeConfig:
     max_body_bytes: int = 8 << 20
     reread: int | None = None  # the fidelity dial (session/dial.py): a fixed R, or
     fidelity: float | None = None  # an agreement each switch meets
-    sink: int = 0  # first tokens a model given a conversation from its start reads itself
+    sink: int | None = None  # first tokens a model given a conversation from its start reads
+    # itself; None: each translator's measured sink
     shard: str | None = None  # under mlx.launch: "tensor" or "pipeline" (sharding.py)
 
     def check(self) -> None:

@@ -38,8 +38,9 @@ class Session:
     target reads itself at every switch (at least r), or `fidelity`, a held-out agreement
     each switch meets with the cheapest setting its translator's frontier measured; neither:
     each translator's default setting. `sink`: the conversation's first tokens, which a target
-    that receives it from its start reads itself (`handover`; `SINK_TOKENS` for a pretrained
-    target). `groups`: model -> its tokenizer group (`views.tokenizer_groups`), when the
+    that receives it from its start reads itself (`handover`); None: what each translator's fit
+    measured of its target (`attention_weights.attention_sink`: 4 for a pretrained model, 0
+    for the zoo's). `groups`: model -> its tokenizer group (`views.tokenizer_groups`), when the
     caller has it (comparing vocabularies costs time at a real vocabulary's size).
     `escalate`: a switch whose gate fires tries once more with `dial.ESCALATION` times the
     tokens read before it re-reads the span: fewer re-reads, but a weaker gate (the second
@@ -50,7 +51,7 @@ class Session:
     def __init__(self, models: dict, translators: dict | None = None, active: str | None = None,
                  strategy: str = "segment", refresh_every: int = 4, max_context: int | None = None,
                  gate_tokens: int = gate.GATE_TOKENS, reread: int | None = None,
-                 fidelity: float | None = None, sink: int = 0, groups: dict | None = None,
+                 fidelity: float | None = None, sink: int | None = None, groups: dict | None = None,
                  escalate: bool = False):
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}")
@@ -73,7 +74,7 @@ class Session:
         self.active = active or next(iter(models))
         self.strategy, self.refresh_every = strategy, refresh_every
         self.max_context = max_context
-        if sink < 0:
+        if sink is not None and sink < 0:
             raise ValueError("sink must be 0 or more")
         self.gate_tokens, self.sink = gate_tokens, sink
         self.reread, self.fidelity, self.escalate = reread, fidelity, escalate
@@ -95,6 +96,13 @@ class Session:
         """The conversation as model `name` reads it: its tokenizer's tokens."""
         self.views.sync()
         return self.views.tokens[self.groups[name]]
+
+    def sink_for(self, translator) -> int:
+        """The first tokens a target handed the conversation from its start reads itself: the
+        session's `sink`, else what the translator's fit measured of its target."""
+        from ..translators.translator import measured_sink
+
+        return measured_sink(translator) if self.sink is None else self.sink
 
     def across(self, source: str, target: str) -> bool:
         """Whether `source` and `target` read different tokens of the conversation."""

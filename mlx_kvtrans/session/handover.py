@@ -16,12 +16,12 @@ comes from the final-norm rows every model keeps of the last tokens it read (`Ca
 A translator that copies the source's recurrent state needs that state where the translation
 stops, so the translation stops at one of the source's state snapshots.
 
-The attention sink (`Session(sink=s)`): a pretrained model's attention rests much of its weight
+The attention sink (`Session(sink=s)`, by default what the translator's fit measured): a pretrained model's attention rests much of its weight
 on the first tokens of its context (StreamingLLM), where its keys and values are least like any
 other position's, so a token-wise map errs most there. A target that receives the conversation
 from its start then reads its first s tokens itself (exact, and s tokens' prefill: they see
 nothing before them), and the translation covers the rest. The zoo's small models have no sink
-(s changes nothing there); a real pretrained pair does (`benchmarks/results/real.md`).
+(their fits record s = 0); a real pretrained pair does (`benchmarks/results/real.md`).
 
 The target reads those last tokens and whatever the conversation holds after them (the next
 prompt, when it was added before the switch) in one forward, and keeps that forward's last
@@ -58,8 +58,6 @@ from .status import Outcome, SwitchStatus, Verdict
 
 if TYPE_CHECKING:
     from .conversation import Session
-
-SINK_TOKENS = 4  # StreamingLLM's sink: what `sink` a pretrained target wants
 
 
 def hand_over(session: Session, source: str, target: str, reread: bool = True,
@@ -142,9 +140,10 @@ def _translate_and_gate(session: Session, translator, src: CacheLine, tgt: Cache
         status.setting_note += f"; R not kept: {why}"
     # the attention sink, read natively by a target that holds nothing yet (under `naive`
     # a later switch starts at 0 too, over a line that holds the sink already)
-    if tgt.seen == 0 and 0 < session.sink < handoff:
-        session.read(tgt, session.sink)
-        start = status.tokens_sink = session.sink
+    sink = session.sink_for(translator)
+    if tgt.seen == 0 and 0 < sink < handoff:
+        session.read(tgt, sink)
+        start = status.tokens_sink = sink
     before = None if tgt.cache is None or start == 0 else fixed_slots(tgt.cache)
     if handoff > start:
         try:

@@ -78,3 +78,38 @@ def recording_attention(model, layout: ModelLayout, continuation: int):
         for name in {attention_module_name(layer) for layer in model.layers} - {None}:
             stack.enter_context(observe_function(name, "scaled_dot_product_attention", observe))
         yield found
+
+
+SINK_TOKENS = 4  # StreamingLLM's attention sink: the first tokens a pretrained model rests on
+SINK_RATIO = 3.0  # a sink holds this many times the attention the first tokens' share would
+SINK_FROM = 32  # queries from this position on: past where the first tokens are most of it
+SINK_WINDOW = 512  # tokens of one window read: enough to see a sink, (H, L, L) stays small
+
+
+def attention_sink(model, windows) -> dict:
+    """Whether `model` rests its attention on the first tokens (StreamingLLM's sink): the mean
+    attention its softmax layers' heads put on the first SINK_TOKENS keys, from queries at
+    SINK_FROM on, over the first row of each of `windows` ((B, T) token arrays), against
+    attending evenly. With a sink (SINK_RATIO times even), a target handed a conversation reads
+    its first `tokens` itself; a model of linear attention alone has none to measure."""
+    masses, even = [], []
+
+    def observe(queries, keys, values, cache=None, scale=1.0, mask=None, **kw):
+        probs = attention_probabilities(queries[:1], keys[:1], scale, mask if not isinstance(
+            mask, mx.array) else mask[:1] if mask.ndim == 4 else mask)
+        masses.append(probs[:, :, SINK_FROM:, :SINK_TOKENS].sum(-1).mean().item())
+
+    with contextlib.ExitStack() as stack:
+        for name in {attention_module_name(layer) for layer in model.layers} - {None}:
+            stack.enter_context(observe_function(name, "scaled_dot_product_attention", observe))
+        for tokens in windows:
+            tokens = tokens[:1, :SINK_WINDOW]
+            if tokens.shape[1] > SINK_FROM:
+                model(tokens)
+                even.append(float(mx.mean(SINK_TOKENS / (mx.arange(SINK_FROM, tokens.shape[1])
+                                                         + 1))))
+    if not masses:
+        return {"tokens": 0, "mass": None, "even": None}
+    mass, uniform = sum(masses) / len(masses), sum(even) / len(even)
+    return {"tokens": SINK_TOKENS if mass >= SINK_RATIO * uniform else 0,
+            "mass": round(mass, 4), "even": round(uniform, 4)}

@@ -9,12 +9,11 @@ scores (its keys get no gradient through the top-k otherwise), per-head attentio
 token-mixer output (Heo et al. find its agreement predicts what a transfer keeps) and each
 per-token object the translator builds.
 
-What a user sees: `greedy` continues each window with the target's own greedy tokens
-(sequence level: the frontier's agreement is taken on them); `reread` = R translates all but
-the prefix's last R tokens, which the target reads itself, and `sink` = S its first S, as a
-session does; `temperature` below 1 weighs the order of the likeliest tokens. `train_only`
-trains only the parameters named so (a residual beside a closed form it must not move); `keep`
-best returns the parameters of the lowest validation KL measured, the start's included.
+What a user sees: `greedy` continues each window with the target's own greedy tokens (the
+frontier's agreement is taken on them); `reread` = R and `sink` = S leave the prefix's last R
+and first S tokens to the target, as a session does; `temperature` below 1 weighs the order of
+the likeliest tokens; `train_only` trains only the parameters named so (a residual beside a
+closed form it must not move); `keep` best keeps those of the lowest validation KL measured.
 
 Recurrences run through the chunkwise-parallel gated delta rule (it has a backward pass on every
 device; the Metal kernel has none). Each step's batch depends only on (seed, step), and the
@@ -54,7 +53,7 @@ from .rehearsal import (  # noqa: F401  the losses' home; tests read them here
     recording_mixer_outputs)
 from .fidelity import kl_per_token, tempered_kl
 from .recipes.token_map import TokenMap
-from .translator import Translator, after
+from .translator import Translator, after, measured_sink
 
 # the objects the object rehearsal holds: one row per token, as stage 1 fits them
 TOKEN_KINDS = (ObjectKind.TOKEN_KEY, ObjectKind.TOKEN_VALUE, ObjectKind.MLA_LATENT,
@@ -80,7 +79,7 @@ class DistillConfig:
     needle_share: float = 0.0  # share of each batch's rows that are needles, answer at the end
     greedy: bool = False  # continue with the target's own greedy tokens (sequence level)
     reread: int = 0  # the target reads the prefix's last R tokens itself, as a session's dial
-    sink: int = 0  # and its first S tokens, as a session with that attention sink does
+    sink: int | None = None  # and its first S (None: as its fit measured, `measured_sink`)
     validate_every: int = 50
     validation_windows: int = 16
     seed: int = 0
@@ -92,7 +91,7 @@ class DistillConfig:
             raise KvtransError(f"--keep must be {' or '.join(KEEP)}, not {self.keep!r}")
         if not self.temperature > 0:
             raise KvtransError("--temperature must be above 0")
-        if self.reread + self.sink >= self.min_prefix:
+        if self.reread + (self.sink or 0) >= self.min_prefix:
             raise KvtransError("--reread and --sink together must be below --min-prefix: every "
                                "prefix is partly translated")
 
@@ -279,6 +278,7 @@ class Distiller:
             raise KvtransError("needle rows must be at least max_prefix + continuation tokens")
         self.needles = needles
         self.train_ids, self.validation_ids = list(train_ids), list(validation_ids)
+        config = replace(config, sink=measured_sink(translator)) if config.sink is None else config
         self.config, self.workdir = config, Path(workdir)
         self.group = group
         self.rank = group.rank() if group is not None else 0

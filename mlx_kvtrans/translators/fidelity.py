@@ -50,12 +50,13 @@ def agreement(a: list[int], b: list[int]) -> float:
 def fidelity(translator: Translator, source, target, token_ids: list[int],
              prefix_lengths: list[int], windows: int = 8, continuation: int = 64,
              generated: int = 32, seed: int = 0, progress=None,
-             build_cache=None, sink: int = 0) -> list[dict]:
+             build_cache=None, sink: int | None = None) -> list[dict]:
     """Per prefix length: KL and greedy agreement, translated and no-cache, over `windows`
     held-out windows of `token_ids`. `source` and `target` are mlx-lm models.
     `progress(done, total, what)` follows the windows. `build_cache(translator, source, target,
     prefix)`: the target's cache of the prefix another way than translation (a baseline);
-    `sink`: the target reads the prefix's first `sink` tokens itself (`translate_cache`)."""
+    `sink`: the target reads the prefix's first `sink` tokens itself (`translate_cache`; None:
+    the translator's measured sink)."""
     if build_cache is None:
         def build_cache(translator, source, target, prefix):
             return translate_cache(translator, source, target, prefix, sink=sink)

@@ -196,13 +196,20 @@ class Translator:
             for r in self.recipes)
 
 
+def measured_sink(translator) -> int:
+    """The first tokens a translator's target reads itself when handed a conversation from its
+    start: what its fit measured (`attention_weights.attention_sink`), 0 where none is recorded."""
+    return int((getattr(translator, "info", {}).get("sink") or {}).get("tokens", 0))
+
+
 def translate_cache(translator: Translator, source_model, target_model, tokens,
-                    sink: int = 0) -> list:
+                    sink: int | None = None) -> list:
     """Prefill `tokens` on the source, translate, and install: mlx-lm caches for the target.
     Either model may be loaded sharded by mlx-lm (`sharding`): every process then calls this,
     and gets its share of the target's caches.
     `sink` > 0: the target reads the first `sink` tokens itself and the translation covers the
-    rest, as a session's switch with that sink does (`session.handover`)."""
+    rest, as a session's switch with that sink does (`session.handover`); None: the
+    translator's `measured_sink`."""
     from mlx_lm.models.cache import make_prompt_cache
 
     from ..sharding import capture_whole, translate_into
@@ -211,6 +218,7 @@ def translate_cache(translator: Translator, source_model, target_model, tokens,
     tokens = mx.array(tokens)
     tokens = tokens[None] if tokens.ndim == 1 else tokens
     source = capture_whole(source_model, tokens, translator.source_points())
+    sink = measured_sink(translator) if sink is None else sink
     if not 0 < sink < tokens.shape[1]:
         return translate_into(translator, source, target_model, tokens)[2]
     span = after(source, sink)
