@@ -121,6 +121,29 @@ def test_the_mla_conversion_reads_like_the_parent_before_healing(parent, calibra
         k.value for k in kv.layout_of(dsa).kinds()}
 
 
+def test_every_rope_component_kept_rotates_as_the_parents_keys(parent, calibration):
+    """RoRoPE with all three KV-group components in the rope key, each pair rotating at its own
+    wavelength (`longrope` factors): the parent's rotated scores, exactly."""
+    from mlx_lm.models.rope_utils import initialize_rope
+
+    g = conversions.Geometry.of(parent.config)
+    x = calibration.inputs[5][:64]
+    layer = conversions.mla_layer(parent.model, 5, g, x, components=g.kv_heads)
+    assert layer.latent.shape[0] == g.kv_heads * g.head_dim  # values alone: no key left out
+    rope = initialize_rope(len(layer.rope_key), g.theta, True, conversions.rope_scaling(
+        layer.wavelengths, g.theta, 8192), 8192)
+    as_array = lambda a: mx.array(a.astype(np.float32))  # noqa: E731
+    q = as_array(np.einsum("hdn,tn->htd", layer.q, x))[None]  # (1, heads, T, rope)
+    k = as_array(x @ layer.rope_key.T)[None, None]
+    converted = rope(q) @ rope(k).swapaxes(-1, -2) / np.sqrt(len(layer.rope_key) / g.head_dim)
+    attn = parent.model.model.layers[5].self_attn
+    xs = as_array(x)[None]
+    pq = attn.rope(attn.q_proj(xs).reshape(1, 64, g.heads, -1).transpose(0, 2, 1, 3))
+    pk = attn.rope(attn.k_proj(xs).reshape(1, 64, g.kv_heads, -1).transpose(0, 2, 1, 3))
+    native = pq @ mx.repeat(pk, g.group, axis=1).swapaxes(-1, -2)
+    assert float(mx.abs(converted - native).max() / mx.abs(native).max()) < 1e-4
+
+
 def test_the_parent_rests_its_attention_on_the_first_tokens(parent, windows):
     """SmolLM2 has StreamingLLM's attention sink, which a fit records for its switches; the
     zoo's models, trained here, have none."""
