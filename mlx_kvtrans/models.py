@@ -343,9 +343,9 @@ def lineage(model) -> dict:
     rows = {}
     for name, value in sorted(params.items()):
         owner, _, leaf = name.rpartition(".")
-        if owner in quantized:
-            if leaf != "weight":
-                continue  # scales and biases are read with their weight
+        if owner in quantized and leaf in ("scales", "biases"):
+            continue  # read with their weight
+        if owner in quantized and leaf == "weight":
             row, parts = _packed_row(quantized[owner], params, owner)
             rows[name] = {"row": row, "quantization": _quantization(quantized[owner]),
                           "packed": [_encode(p) for p in parts]}

@@ -56,7 +56,7 @@ def _default_healing() -> dict[str, Healing]:
             MLA: Healing(0, 5e-5),
             # attention transfer, then end-to-end distillation, within the family's time
             # budget on 2 cores (about 15 s a step)
-            GDN: Healing(150, 1e-4, transfer_steps=80, transfer_lr=3e-4),
+            GDN: Healing(80, 1e-4, transfer_steps=80, transfer_lr=3e-4),
             KDA: Healing(0, 1e-4, transfer_steps=100, transfer_lr=3e-4),
             # exact up to index_topk keys, and the healed MLA's weights: nothing to heal
             DSA: Healing(0, 1e-4)}
