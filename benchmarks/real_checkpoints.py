@@ -30,10 +30,12 @@ from pathlib import Path
 import mlx_kvtrans  # noqa: F401  first: fast BLAS
 
 from mlx_kvtrans.fit_time import fit_time
+from mlx_kvtrans.layouts import layout_of
 from mlx_kvtrans.machines import machine_for
 from mlx_kvtrans.models import load_config_only
 from mlx_kvtrans.translators.cost import active_parameters, fits, parameter_count
 from mlx_kvtrans.translators.fit import FitConfig
+from mlx_kvtrans.translators.plan import designed
 from mlx_kvtrans.workflows import plan_and_cost
 from mlx_kvtrans.zoo.families import full_config
 
@@ -53,8 +55,8 @@ PAIRS = [("Kimi-Linear-48B-A3B -> Kimi-VL-A3B", "kimi-linear", "kimi-vl",
          ("Qwen3.5-27B -> DeepSeek-V3.2", "qwen3.5", "deepseek-v3.2",
           ("Qwen/Qwen3.5-27B", "deepseek-ai/DeepSeek-V3.2"))]
 WEIGHTS = {"bf16": None, "4-bit": {"group_size": 64, "bits": 4}}
-# (weights, features): the default design on both weights, and the cheaper nearest-layer design
-ROWS = [("bf16", "attention"), ("4-bit", "attention"), ("4-bit", "nearest")]
+# (weights, features): the default design (`auto`) on both weights, and the nearest-layer one
+ROWS = [("bf16", "auto"), ("4-bit", "auto"), ("4-bit", "nearest")]
 
 
 def write_configs(root: Path) -> None:
@@ -76,7 +78,11 @@ def plan_row(root: Path, pair: str, source: str, target: str, weights: str, feat
     machine = machine_for(MACHINE)
     _, cost = plan_and_cost(src, tgt, config, machine)
     timed = fit_time(src, tgt, cost, config, tokens, timed=False)
-    row = {"pair": pair, "weights": weights, "features": features, "fit_tokens": tokens,
+    # re-reading the history instead: the target's prefill at the machine's matmul rate
+    prefill_ms = {n: 2 * active_parameters(tgt) * n / (machine.matmul_gflops * 1e9) * 1000
+                  for n in cost.lengths}
+    row = {"pair": pair, "weights": weights, "fit_tokens": tokens, "asked": features,
+           "features": designed(layout_of(src.model), layout_of(tgt.model), features),
            "parameters": [parameter_count(lm.model) for lm in (src, tgt)],
            "active_parameters": [round(active_parameters(lm)) for lm in (src, tgt)],
            "weights_bytes": cost.weights_bytes, "moments_bytes": cost.moments_bytes,
@@ -86,7 +92,8 @@ def plan_row(root: Path, pair: str, source: str, target: str, weights: str, feat
            "link": link(cost),
            "switch": {str(n): {"gflop": round(r["flops"] / 1e9, 1),
                                "installed_mib": round(r["bytes"] / 2**20, 1),
-                               "ms_at_peak": round(r["seconds_at_peak"] * 1000, 1)}
+                               "ms_at_peak": round(r["seconds_at_peak"] * 1000, 1),
+                               "reprefill_ms": round(prefill_ms[n], 1)}
                       for n, r in cost.lengths.items()}}
     print(f"{pair} ({weights}, features {features}): fit {row['fit_seconds']:.0f} s, peak "
           f"{row['fit_peak_bytes'] / 2**30:.1f} GiB, fits {row['fits']}", flush=True)
@@ -116,7 +123,7 @@ def link_markdown(rows: list[dict]) -> str:
              f"translated cache at {LINK_LENGTH:,} tokens | over the link |",
              "|---|---|---|---|---|"]
     for r in rows:
-        if (r["weights"], r["features"]) != ("bf16", "attention"):
+        if (r["weights"], r["asked"]) != ("bf16", "auto"):
             continue
         k = r["link"]
         lines.append(f"| {r['pair']} | {k['features_bytes_per_token'] / 1024:,.1f} KiB | "
@@ -135,11 +142,14 @@ def markdown(rows: list[dict], machine) -> str:
     lines = [f"Projected for the {machine.name} ({machine.source}), a fit of "
              f"{rows[0]['fit_tokens']:,} tokens at `kvtrans fit`'s defaults "
              "(`python benchmarks/real_checkpoints.py`). Features: what the maps read "
-             "(`kvtrans plan --features`; attention is the default). The switch: its "
-             "translation FLOPs, the bytes installed and both at the machine's peak rates.\n",
+             "(`kvtrans plan --features`; the default, auto, is `same` for two models of one "
+             "geometry and `attention` otherwise). The switch: its translation FLOPs, the bytes "
+             "installed and both at the machine's peak rates, and as a share of re-reading the "
+             "history (the target's prefill at the machine's matmul rate).\n",
              "| pair | weights | features | parameters (active) | fit | peak memory "
-             "(weights + moments) | translator parameters | switch at 4,096 tokens |",
-             "|---|---|---|---|---|---|---|---|"]
+             "(weights + moments) | translator parameters (of the target's) | switch at 4,096 "
+             "tokens | of re-reading |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         params = " + ".join(f"{p / 1e9:.0f}B ({a / 1e9:.1f}B)"
                             for p, a in zip(r["parameters"], r["active_parameters"]))
@@ -149,8 +159,11 @@ def markdown(rows: list[dict], machine) -> str:
         switch = r["switch"]["4096"]
         lines.append(f"| {r['pair']} | {r['weights']} | {r['features']} | {params} | "
                      f"{_duration(r['fit_seconds'])} | {peak} | "
-                     f"{r['translator_parameters'] / 1e6:,.0f}M | {switch['gflop']:,.0f} GFLOP, "
-                     f"{switch['installed_mib']:,.0f} MiB, {switch['ms_at_peak']:,.0f} ms |")
+                     f"{r['translator_parameters'] / 1e6:,.0f}M "
+                     f"({r['translator_parameters'] / r['parameters'][1]:.2%}) | "
+                     f"{switch['gflop']:,.0f} GFLOP, {switch['installed_mib']:,.0f} MiB, "
+                     f"{switch['ms_at_peak']:,.0f} ms | "
+                     f"{switch['ms_at_peak'] / switch['reprefill_ms']:.2%} |")
     return "\n".join(lines) + "\n"
 
 

@@ -25,8 +25,8 @@ from .common import (DISTILL, FIT, FORCE_HELP, SEEDS, DistillConfig, Limit, app,
 CAPTURE_HELP = ("capture point of the source features and target objects: 1 raw (pre-norm, "
                 "un-rotated), 2 post-norm, 3 the engine's cache")
 NU_HELP = "source layers each target layer's maps read"
-FEATURES_HELP = ("what the maps read: attention (the source's attention objects; a hybrid's "
-                 "every attention layer), nearest or all (conv rows too)")
+FEATURES_HELP = ("what the maps read: attention (a hybrid's every attention layer), nearest, "
+                 "all (conv rows too), same (one geometry: each object from its own) or auto")
 WIDTH_HELP = "features all: compress linear-attention rows to this many principal directions"
 RECIPE_HELP = "OBJECT=RECIPE, e.g. recurrent_state=bilinear (repeatable)"
 IDENTITY_HELP = "which token each position holds: codebook, ids or off"
@@ -425,8 +425,7 @@ def distill(translator_dir: Path = typer.Option(..., "--translator", help="stage
             reread: int = typer.Option(DISTILL.reread, min=0, help="the target reads the "
                                        "prefix's last R tokens itself, as a session at R does"),
             sink: int = typer.Option(DISTILL.sink, min=0, help="the target reads the prefix's "
-                                     "first S tokens itself, as a session with --sink S does "
-                                     "(default: what the fit measured of the target)"),
+                                     "first S tokens itself (default: the fit's measured sink)"),
             validate_every: int = typer.Option(DISTILL.validate_every, min=1,
                                                help="steps between held-out KL measurements"),
             validation_windows: int = typer.Option(DISTILL.validation_windows, min=1,

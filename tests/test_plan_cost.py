@@ -188,3 +188,27 @@ def test_the_real_checkpoints_are_planned_at_their_published_sizes(tmp_path, nam
     assert total[0] < cost.parameter_count(lm.model) < total[1]
     assert active[0] < cost.active_parameters(lm) < active[1]
     assert cost.weights_bytes(lm) == pytest.approx(2 * cost.parameter_count(lm.model), rel=1e-6)
+
+
+def test_two_models_of_one_geometry_are_planned_object_for_object():
+    """`auto` plans a same-geometry pair (`same`): every state and conv history copied from its
+    own layer, keys mapped from keys and values from values of the same layer; any other pair
+    as `attention`, and `same` refuses it."""
+    from mlx_kvtrans.layouts import layout_of
+    from mlx_kvtrans.translators.plan import designed, plan
+    from mlx_kvtrans.translators.recipes import Copy, RecipeError, TokenMap
+
+    a, b, vl = (layout_of(kv.load(n).model) for n in ("qwen3.5-a", "qwen3.5-b", "kimi-vl"))
+    recipes = plan(a, b)
+    assert designed(a, b, "auto") == "same" and designed(a, vl, "auto") == "attention"
+    for r in recipes:
+        assert r.sources == (r.layer,)
+        if isinstance(r, TokenMap):
+            assert r.source_kinds == ("token_key" if r.name == "keys" else "token_value",)
+        else:
+            assert isinstance(r, Copy)
+    assert any(isinstance(r, TokenMap) for r in recipes) and any(
+        isinstance(r, Copy) for r in recipes)
+    assert plan(a, vl) == plan(a, vl, features="attention")
+    with pytest.raises(RecipeError, match="one geometry"):
+        plan(a, vl, features="same")

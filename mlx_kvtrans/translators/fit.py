@@ -25,7 +25,7 @@ from .attention_weights import recording_attention
 from .cross_tokenizer import AlignedText, batch_ids, realigned
 from .features import layer_features, projection_name
 from .fit_checkpoint import FitCheckpoint, held_interrupt
-from .plan import plan
+from .plan import designed, plan
 from .recipes import FitBatch, Recipe, RecipeError, Replay, TokenMap
 from .shared_sums import check_batches, combine, mine, summed
 from .random_features import RandomFeatures
@@ -41,7 +41,7 @@ class FitConfig:
 
     point: int = CapturePoint.RAW  # capture point of the source features and target objects
     nu: int = 2  # source layers per target layer
-    features: str = "attention"  # what the maps read: attention, nearest or all (plan.py)
+    features: str = "auto"  # what the maps read: auto, attention, nearest, all or same (plan.py)
     width: int = 0  # features "all": linear-attention rows compressed to this many directions
     recipes: dict = field(default_factory=dict)  # object kind or name -> recipe name
     points: dict = field(default_factory=dict)  # object kind or name -> capture point
@@ -133,7 +133,8 @@ def fit(source_model, target_model, batches: Iterable[mx.array],
     recipes = recipes if recipes is not None else config.plan(source_layout, target_layout)
     identity = TokenIdentity(config.token_identity, codebook)
     shell = Translator(CapturePoint(config.point), identity, recipes, {},
-                       {"features": {"mode": config.features, "width": config.width}},
+                       {"features": {"mode": designed(source_layout, target_layout,
+                                                      config.features), "width": config.width}},
                        expansion=(RandomFeatures(config.random_features)
                                   if config.random_features else None))
     compress = compressed_layers(source_layout, recipes, config)

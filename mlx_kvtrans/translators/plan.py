@@ -1,7 +1,8 @@
 """Planning: which recipe builds each target object, and which source features it reads.
 
-Source features (`features`), per the hybrid-translation paper's design:
-- `attention` (the default): the source's per-token attention objects (GQA keys and values; MLA
+Source features (`features`), per the hybrid-translation paper's design (`auto`, the default:
+`same` for two models of one geometry, else `attention`):
+- `attention`: the source's per-token attention objects (GQA keys and values; MLA
   latents and rope keys; indexer keys). A hybrid source (with linear-attention layers) gives
   every map all of its attention layers ("7 MLA latents per token plus token IDs" for
   Kimi-Linear), so one moment matrix serves every map; a source without linear attention gives
@@ -10,7 +11,11 @@ Source features (`features`), per the hybrid-translation paper's design:
   too wide, as Qwen3.5-27B's 16 x 2,048);
 - `all`: every per-token object of the `nu` nearest layers, linear-attention layers' conv rows
   (1) or recurrence inputs (2) included, compressed to `width` principal directions when a
-  width is given (those rows are 12,288 wide per layer on Kimi-Linear).
+  width is given (those rows are 12,288 wide per layer on Kimi-Linear);
+- `same`, for two models of one geometry (a new generation, a fine-tune): each object is built
+  from the same object of the same source layer: states and conv histories copied, per-token
+  objects mapped from their own kind (keys from keys), so that a translator is a few maps of
+  the objects' width (LatentPort's copy plus a correction) rather than maps of many layers.
 Each object gets the recipe the user names for its kind or name, or the first default that
 applies (map for per-token objects and conv histories; copy for a state the source has one like;
 replay otherwise).
@@ -41,7 +46,7 @@ def feature_layers(source: ModelLayout, point: int) -> list[int]:
     return [l.index for l in source.layers if any(readable(o) for o in l.objects)]
 
 
-FEATURES = ("attention", "nearest", "all")
+FEATURES = ("auto", "attention", "nearest", "all", "same")
 ATTENTION_KINDS = {ObjectKind.TOKEN_KEY, ObjectKind.TOKEN_VALUE, ObjectKind.MLA_LATENT,
                    ObjectKind.ROPE_KEY, ObjectKind.INDEXER_KEY}
 
@@ -62,6 +67,8 @@ def feature_sources(source: ModelLayout, n_target: int, layer: int, point: int, 
     """The source layers target `layer`'s maps read, under the `features` design."""
     if features not in FEATURES:
         raise RecipeError(f"features must be {', '.join(FEATURES)}, not {features!r}")
+    if features == "same":
+        return (layer,)
     if features == "all":
         candidates = feature_layers(source, point)
     else:
@@ -72,6 +79,21 @@ def feature_sources(source: ModelLayout, n_target: int, layer: int, point: int, 
         if features == "attention" and is_hybrid(source):
             return tuple(candidates)
     return relative_depth(len(source.layers), n_target, layer, nu, candidates)
+
+
+def same_geometry(source: ModelLayout, target: ModelLayout) -> bool:
+    """Whether every layer of the two models holds objects of the same names and shapes."""
+    def shapes(layout):
+        return [sorted((o.name, o.engine_shape) for o in l.objects) for l in layout.layers]
+    return shapes(source) == shapes(target)
+
+
+def designed(source: ModelLayout, target: ModelLayout, features: str) -> str:
+    """`features` as a plan reads it: "auto" is `same` for two models of one geometry (a few
+    maps of the objects' width), else `attention`."""
+    if features != "auto":
+        return features
+    return "same" if same_geometry(source, target) else "attention"
 
 
 def state_source(source: ModelLayout, target: ModelLayout, layer: int, name: str) -> int | None:
@@ -86,7 +108,7 @@ def state_source(source: ModelLayout, target: ModelLayout, layer: int, name: str
 
 def plan(source: ModelLayout, target: ModelLayout, point: int = CapturePoint.RAW, nu: int = 2,
          recipes: dict[str, str] | None = None, points: dict[str, int] | None = None,
-         split_kv: bool = False, headwise: bool = False, features: str = "attention"
+         split_kv: bool = False, headwise: bool = False, features: str = "auto"
          ) -> list[Recipe]:
     """The recipe of every target object.
 
@@ -98,13 +120,22 @@ def plan(source: ModelLayout, target: ModelLayout, point: int = CapturePoint.RAW
     ValueError) for a request that cannot be met.
     """
     recipes, points = recipes or {}, points or {}
+    features = designed(source, target, features)
+    per_token = [o for lay in (*source.layers, *target.layers) for o in lay.objects
+                 if o.per_token]  # a hybrid's states and conv histories have their own recipes
+    same = features == "same"
+    if same:
+        if not same_geometry(source, target):
+            raise RecipeError("features 'same' needs two models of one geometry (the same "
+                              "objects, of the same shapes, in every layer)")
+        split_kv = all(o.kind in (ObjectKind.TOKEN_KEY, ObjectKind.TOKEN_VALUE)
+                       for o in per_token)
     if split_kv and not all(o.kind in (ObjectKind.TOKEN_KEY, ObjectKind.TOKEN_VALUE)
-                            for lay in (*source.layers, *target.layers) for o in lay.objects):
+                            for o in per_token):
         raise RecipeError("split K/V maps need GQA keys and values on both sides")
     heads = 0
     if headwise:
-        counts = {o.engine_shape[1] for lay in (*source.layers, *target.layers)
-                  for o in lay.objects}
+        counts = {o.engine_shape[1] for o in per_token}
         if not split_kv or len(counts) != 1:
             raise RecipeError("head-wise maps need split K/V and the same number of KV heads on "
                               "both sides")
@@ -129,6 +160,8 @@ def plan(source: ModelLayout, target: ModelLayout, point: int = CapturePoint.RAW
                           split_kv, heads)
         for obj in layer.objects:
             wanted = recipes.get(obj.name, recipes.get(obj.kind.value))
+            if wanted is None and same and not obj.per_token:
+                wanted = "copy"  # a state or conv history of the same shape, as it is
             if wanted is not None:
                 out.append(recipe_named(wanted).plan(obj, layer.index, ctx))
             else:
