@@ -427,8 +427,12 @@ def test_split_kv_and_per_object_capture_points(loaded):
     toks = mx.random.randint(0, 259, (1, 30), key=mx.random.key(4))
     logits = T(toks[:, -1:], cache=translate_cache(tr, S, T, toks))
     assert bool(mx.isfinite(logits).all())
-    with pytest.raises(ValueError):
-        plan(kv.layout_of(loaded("qwen3_5").model), kv.layout_of(T), split_kv=True)
+    # a hybrid's keys and values split too (its states have recipes of their own); an MLA's
+    # latent is neither
+    hybrid = plan(kv.layout_of(loaded("qwen3_5").model), kv.layout_of(T), split_kv=True)
+    assert {s.source_kinds for s in hybrid} == {("token_key",), ("token_value",)}
+    with pytest.raises(ValueError, match="split K/V"):
+        plan(kv.layout_of(loaded("deepseek_v3").model), kv.layout_of(T), split_kv=True)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "deepseek_v3", "qwen3_5"])
@@ -480,7 +484,7 @@ def test_headwise_maps_are_block_diagonal_and_exact_on_itself(loaded):
         assert np.all(w[:16, 16:32] == 0) and np.all(w[16:, 0:16] == 0)  # no head mixing
         assert min(m["r2"] for m in tr.info["metrics"].values()) >= 0.999
     with pytest.raises(ValueError):
-        plan(layout, layout, headwise=True)  # head-wise needs split K/V
+        plan(layout, layout, headwise=True, features="attention")  # needs split K/V
 
 
 def test_capture_3_reads_only_layers_with_per_token_objects(loaded):
@@ -575,7 +579,7 @@ def test_a_hybrid_source_gives_every_map_all_its_attention_layers(loaded):
     ("qwen3", "llama", {})])
 def test_shared_moment_fitting_equals_per_map_fitting(loaded, source, target, recipes):
     S, T = loaded(source).model, loaded(target).model
-    specs = plan(kv.layout_of(S), kv.layout_of(T), recipes=recipes)
+    specs = plan(kv.layout_of(S), kv.layout_of(T), recipes=recipes, features="attention")
     shared = fit(S, T, batches(2), specs)
     alone = fit(S, T, batches(2), specs, FitConfig(share_moments=False))
     assert shared.info["fit"]["moments_bytes"] < alone.info["fit"]["moments_bytes"]
