@@ -298,6 +298,12 @@ def _packed_row(module, params: dict, owner: str, row: int | None = None):
     return row, found
 
 
+def _logical_shape(value, module=None) -> list[int]:
+    """(rows, columns) of a tensor seen as (rows, last dim), columns unpacked if quantized."""
+    rows = value.size // value.shape[-1] if value.ndim > 1 else 1
+    return [rows, value.shape[-1] * 32 // module.bits if module is not None else value.shape[-1]]
+
+
 def _quantization(module) -> dict:
     return {"bits": module.bits, "group_size": module.group_size,
             "mode": getattr(module, "mode", "affine")}
@@ -347,11 +353,13 @@ def lineage(model) -> dict:
             continue  # read with their weight
         if owner in quantized and leaf == "weight":
             row, parts = _packed_row(quantized[owner], params, owner)
-            rows[name] = {"row": row, "quantization": _quantization(quantized[owner]),
+            rows[name] = {"row": row, "shape": _logical_shape(value, quantized[owner]),
+                          "quantization": _quantization(quantized[owner]),
                           "packed": [_encode(p) for p in parts]}
         else:
             row, values = _row(value)
-            rows[name] = {"row": row, "values": _encode(values[:LINEAGE_COLUMNS])}
+            rows[name] = {"row": row, "shape": _logical_shape(value),
+                          "values": _encode(values[:LINEAGE_COLUMNS])}
     return {"rows": rows}
 
 
@@ -366,7 +374,7 @@ def lineage_difference(recorded: dict, model) -> str:
     """"" when `model` holds every row `recorded` (a `lineage`): the same values rounded to a
     float dtype (a conversion's, before the loader widens them), or quantized as the other
     side is, which reproduces the packed rows exactly; else the name of the first tensor that
-    differs."""
+    differs. A sharded model is read for the tensors it holds whole."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
@@ -379,10 +387,11 @@ def lineage_difference(recorded: dict, model) -> str:
                                            q["bits"], mode=q["mode"])] for dtype in dtypes]
 
     for name, entry in recorded["rows"].items():
-        if name not in params:
-            return name
         owner, _, leaf = name.rpartition(".")
         module = quantized.get(owner) if leaf == "weight" else None
+        if name not in params or _logical_shape(params[name], module) != entry.get(
+                "shape", _logical_shape(params[name], module)):
+            continue  # a shard's (mlx-lm's pipeline or tensor sharding): held elsewhere
         recorded_q = entry.get("quantization")
         if recorded_q:
             want = [_decode(p, packed=i == 0) for i, p in enumerate(entry["packed"])]

@@ -27,7 +27,8 @@ TEXT = Path(__file__).parent / "data" / "corpus_sample.txt"
 
 def tiny_translator(loaded, source, target, recipes=None, batches=2, length=48):
     S, T = loaded(source).model, loaded(target).model
-    specs = plan(kv.layout_of(S), kv.layout_of(T), point=1, nu=2, recipes=recipes or {})
+    specs = plan(kv.layout_of(S), kv.layout_of(T), point=1, nu=2, recipes=recipes or {},
+                 features="attention")
     data = [mx.random.randint(0, 259, (4, length), key=mx.random.key(i)) for i in range(batches)]
     return fit(S, T, data, specs, FitConfig(point=1)), S, T
 
