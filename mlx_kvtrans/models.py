@@ -421,15 +421,16 @@ def lineage_difference(recorded: dict, model) -> str:
     return ""
 
 
-def model_identity(lm) -> dict:
+def model_identity(lm, with_lineage: bool = True) -> dict:
     """What a translator records of a model (a `LoadedModel`): its exact checkpoint, and what
-    lets the checkpoint's quantizations be told from other weights (`lineage`)."""
-    return {"name": lm.name, "model_type": lm.model_type,
-            "config_fingerprint": config_fingerprint(lm.config),
-            "weights_fingerprint": weights_fingerprint(lm.path),
-            "architecture_fingerprint": architecture_fingerprint(lm.config),
-            "quantization": lm.config.get("quantization"),
-            "lineage": lineage(lm.model)}
+    lets the checkpoint's quantizations be told from other weights (`lineage`; a check reads
+    the model itself against the recorded one, so it takes the identity without it)."""
+    identity = {"name": lm.name, "model_type": lm.model_type,
+                "config_fingerprint": config_fingerprint(lm.config),
+                "weights_fingerprint": weights_fingerprint(lm.path),
+                "architecture_fingerprint": architecture_fingerprint(lm.config),
+                "quantization": lm.config.get("quantization")}
+    return {**identity, "lineage": lineage(lm.model)} if with_lineage else identity
 
 
 __all__ = ["LoadedModel", "SUPPORTED_FAMILIES", "architecture_fingerprint", "config_fingerprint",

@@ -179,7 +179,8 @@ def check_pair(manifest: dict, source, target, identities: tuple | None = None) 
     (`models.lineage_difference`). Returns "" for the very checkpoints, else a note naming the
     converted ones. `identities`: the two models' `model_identity`, when already taken."""
     notes = []
-    identities = identities or (model_identity(source), model_identity(target))
+    identities = identities or tuple(model_identity(lm, with_lineage=False)
+                                     for lm in (source, target))
     for role, lm, have in (("source", source, identities[0]), ("target", target, identities[1])):
         want = manifest[role]
         differs = next((key for key in ("config_fingerprint", "weights_fingerprint")
@@ -279,7 +280,7 @@ def shipped_for(source, target) -> Path | None:
     found = shipped(source.name, target.name)
     if found is not None:
         return found
-    identities = (model_identity(source), model_identity(target))
+    identities = tuple(model_identity(lm, with_lineage=False) for lm in (source, target))
     for name in sorted(shipped_names(), key=lambda n: not n.endswith("-distilled")):
         directory = weights_dir() / "translators" / name
         try:
