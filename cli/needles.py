@@ -89,6 +89,7 @@ def eval_needle(model: str = typer.Option(None, "--model", help="zoo alias, dire
     result = {"model": model, "samples": samples, "format": "chat" if make else "text",
               "facts": facts, "recall": {str(k): v for k, v in recall.items()}}
     if translated is not None:
+        result["setting"] = BARE
         result["native_recall"] = result.pop("recall")
         with progress_bar("translated recall") as progress:
             result["translated_recall"] = {str(k): v for k, v in needle_recall(
@@ -98,7 +99,8 @@ def eval_needle(model: str = typer.Option(None, "--model", help="zoo alias, dire
         print(json.dumps(result, indent=2))
         return
     table = FitTable(f"needle recall · {model} · {samples} held-out {result['format']} needles "
-                     f"per length" + (f", {facts} facts each" if facts > 1 else ""))
+                     f"per length" + (f", {facts} facts each" if facts > 1 else "") +
+                     (f" · {BARE}" if translated is not None else ""))
     table.add_column("prompt tokens", right=True)
     columns = [k for k in ("recall", "native_recall", "translated_recall") if k in result]
     for key in columns:
@@ -107,6 +109,10 @@ def eval_needle(model: str = typer.Option(None, "--model", help="zoo alias, dire
         table.add_row(str(length), *(f"{result[k][str(length)]:.2f}" for k in columns))
     out.print(table)
 
+
+
+BARE = ("the bare translation: nothing re-read, no gate, no sink (`eval frontier` measures a "
+        "session's switch at its settings)")
 
 
 @eval_app.command("perplexity")

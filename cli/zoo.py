@@ -154,6 +154,36 @@ def zoo_real(out_dir: Path = typer.Argument(..., metavar="OUT_DIR",
               f"{out_dir} --member NAME --force`")
 
 
+@zoo_app.command("real-translators")
+@user_errors
+def zoo_real_translators(
+        family: Path = typer.Argument(..., metavar="FAMILY", help="the real family's directory "
+                                      "(`kvtrans zoo real`)"),
+        directions: list[str] = typer.Option(None, "--direction", help="only this direction, "
+                                             "SOURCE__TARGET (repeatable; default: every one)"),
+        force: bool = typer.Option(False, "--force", help="Redo the directions asked for even "
+                                   "where FAMILY/translators holds them.")):
+    """Fit and distil translators between the real family's members, both ways (parent <->
+    pruned, continued, MLA, Gated DeltaNet hybrid; MLA <-> KDA hybrid, indexer model), on the
+    corpus rendered in the chat template at 256 to 2,048 tokens, into FAMILY/translators/NAME.
+    A stopped run resumes."""
+    from mlx_kvtrans.zoo.real_translators import DIRECTIONS, RECORD, build
+
+    unknown = [d for d in directions or () if d not in DIRECTIONS]
+    if unknown:
+        raise KvtransError(f"--direction {unknown[0]}: choose among {', '.join(DIRECTIONS)}")
+    if not family.is_dir():
+        raise KvtransError(f"FAMILY {family} is not a directory: build it with `kvtrans zoo "
+                           f"real {family}`")
+    with progress_bar("translators") as progress:
+        record = build(family, tuple(directions) if directions else DIRECTIONS, force=force,
+                       log=out.print, progress=lambda stage, done, total, what:
+                       progress(done, total, f"{stage} {what}"))
+    for name, entry in record["directions"].items():
+        out.print(f"{name:<36} {family / 'translators' / name}")
+    out.print(f"record: {family / 'translators' / RECORD}")
+
+
 @zoo_app.command("ship")
 @user_errors
 def zoo_ship(alias: str = typer.Argument(..., help="a zoo alias (see `kvtrans zoo list`)"),

@@ -29,11 +29,18 @@ COMMANDS = {
     "/switch": "move the conversation to the other model (or /switch NAME)",
     "/who": "which model is answering, what each has read and what it records per token",
     "/strategy": "switching strategy: segment, naive or refresh (/strategy NAME)",
-    "/save": "save the conversation as the active model's mlx-lm prompt-cache file (/save PATH; "
-             "/save --force PATH replaces a file)",
+    "/save": "save the conversation as the active model's mlx-lm prompt-cache file (/save PATH, "
+             "a .safetensors file or a folder to hold conversation.safetensors; /save --force PATH "
+             "replaces a file)",
     "/help": "this list (or /help COMMAND)",
     "/quit": "leave (the transcript is already saved)",
 }
+def counted(n: int, word: str) -> str:
+    """"1 token", "2 tokens"."""
+    return f"{n:,} {word}{'' if n == 1 else 's'}"
+
+
+SAVED_NAME = "conversation.safetensors"  # what /save writes into a folder it is given
 PLACEHOLDER = "YOUR MESSAGE"  # where the user's text goes in the printed mlx-lm command
 
 
@@ -274,7 +281,12 @@ class Chat:
 
         given = path
         path = Path(path).expanduser()
-        if path.suffix != ".safetensors":  # mlx adds it anyway; say where the file really is
+        if path.is_dir():  # a folder to save into
+            path = path / SAVED_NAME
+        elif path.suffix and path.suffix != ".safetensors":
+            raise KvtransError(f"/save {given}: a prompt-cache file's name ends in .safetensors "
+                               f"(/save {path.with_suffix('.safetensors')})")
+        elif not path.suffix:  # mlx adds it anyway; say where the file really is
             path = path.with_name(path.name + ".safetensors")
         if path.is_dir():
             raise KvtransError(f"/save {given}: {path} is a directory")
@@ -327,14 +339,14 @@ class Chat:
             ahead = (f" ({s.tokens_translated_ahead} of them ahead, "
                      f"{s.ahead_seconds * 1000:.1f} ms)" if s.tokens_translated_ahead else "")
             return (f"switched {s.source} -> {s.target}: {s.status}{detail}; "
-                    f"{s.tokens_translated} tokens translated{ahead}{read}, "
+                    f"{counted(s.tokens_translated, 'token')} translated{ahead}{read}, "
                     f"{s.tokens_reprefilled} re-read, {s.translate_seconds * 1000:.1f} ms"
                     f"{dial_summary(s)}{gate_summary(s)}")
         if word == "/who":
             if arg:
                 raise KvtransError("/who takes no argument")
             rows = [f"{'*' if n == self.session.active else ' '} {n}: read {l.seen} of "
-                    f"{len(self.session.view(n))} tokens; records {l.bytes_per_token:,.0f} bytes "
+                    f"{counted(len(self.session.view(n)), 'token')}; records {l.bytes_per_token:,.0f} bytes "
                     f"a token, holds {l.recorded_bytes() / 1024:,.1f} KiB"
                     for n, l in self.session.lines.items()]
             return "\n".join(rows)

@@ -89,6 +89,12 @@ def test_blank_lines_are_no_turns(zoo, tmp_path):
     assert [e["text"] for e in events(tmp_path / "chat.json", "user")] == [FACT]
 
 
+def test_a_reply_of_one_token_is_counted_in_the_singular(tmp_path):
+    result = kvtrans_chat(tmp_path, "--max-tokens", 1, input=f"{FACT}\n/quit\n")
+    assert result.exit_code == 0, result.output
+    assert "· 1 token in" in result.output and "1 tokens" not in result.output
+
+
 @pytest.mark.parametrize("option", ["--translator", "--back"])
 def test_an_explicit_translator_that_cannot_be_used_is_an_error(tmp_path, option):
     corrupt = tmp_path / "corrupt"
@@ -301,6 +307,19 @@ def test_save_refuses_what_it_cannot_write(zoo, tmp_path):
     assert saved.read_bytes() == b"kept"
     assert "saved" in chat.command(f"/save --force {tmp_path / 'e'}")
     assert saved.stat().st_size > 4
+
+
+def test_save_writes_into_a_folder_it_is_given_and_refuses_other_suffixes(zoo, tmp_path):
+    chat = new_chat(zoo, tmp_path)
+    chat.say(FACT)
+    folder = tmp_path / "saves"
+    folder.mkdir()
+    assert "saved" in chat.command(f"/save {folder}")
+    assert (folder / "conversation.safetensors").is_file()
+    assert not (tmp_path / "saves.safetensors").exists()
+    with pytest.raises(KvtransError, match="ends in .safetensors"):
+        chat.command(f"/save {tmp_path / 'x.json'}")
+    assert not list(tmp_path.glob("x.json*"))
 
 
 def test_save_records_an_absolute_model_path(model_dirs, tmp_path, monkeypatch):

@@ -271,3 +271,13 @@ def test_eval_needle_in_chat_format_names_its_format():
     assert result.exit_code == 0, result.output
     got = json.loads(result.output)
     assert got["format"] == "chat" and got["facts"] == 2 and 0 <= got["recall"]["128"] <= 1
+
+
+def test_eval_needle_through_a_translator_names_the_setting_it_measured():
+    args = ["eval", "needle", "--translator", "qwen3-large__qwen3-small-distilled", "--lengths",
+            "64", "--samples", "2"]
+    result = CliRunner().invoke(app, args + ["--json"])
+    assert result.exit_code == 0, result.output
+    assert "bare translation" in json.loads(result.output)["setting"]
+    table = CliRunner().invoke(app, args)
+    assert table.exit_code == 0 and "bare translation" in " ".join(table.output.split())

@@ -125,3 +125,13 @@ def test_cli_fit_resume_refusals_name_the_workdir(model_dirs, tmp_path):
     garbled = runner.invoke(app, base[:-2] + ["--out", str(tmp_path / "tr2"), "--resume"])
     assert garbled.exit_code == 2 and "unreadable" in garbled.output
     assert not (tmp_path / "tr2").exists()
+
+
+def test_a_saved_fit_leaves_no_empty_folders_of_its_checkpoint(pair, tmp_path):
+    src, tgt = pair
+    (tmp_path / "kept").mkdir()
+    checkpoint = FitCheckpoint(tmp_path / "runs" / "fit" / "tr", every_seconds=0)
+    fit(src.model, tgt.model, batches()[:2], config=CONFIG, checkpoint=checkpoint)
+    assert (tmp_path / "runs" / "fit" / "tr" / FILE).is_file()
+    checkpoint.clear()  # as `fit_translator` does once the translator is saved
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"]

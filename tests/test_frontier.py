@@ -71,8 +71,8 @@ def test_a_near_tie_is_two_likeliest_tokens_within_the_margin():
 
 
 def test_default_rereads_and_the_fitting_length():
-    assert fr.default_rereads(256) == [0, 8, 32, 128]
-    assert fr.default_rereads(2048) == [0, 8, 32, 128, 512]
+    assert fr.default_rereads(256) == [8, 32, 128]  # the gate reads 8 at every switch
+    assert fr.default_rereads(2048) == [8, 32, 128, 512]
     assert fr.Setting(254).applies(256) and not fr.Setting(255).applies(256)
     assert fr.Setting(8).translated(100) == 92 and fr.Setting(300).translated(100) == 0
     assert fr.fitting_length({"distill": {"config": {"max_prefix": 512}}}) == 512
@@ -162,12 +162,12 @@ def test_cli_records_a_frontier_in_the_translator_and_refuses_to_replace_it(tmp_
     shutil.copytree(artifact.shipped("qwen3-large", "qwen3-small"), directory)
     (directory / fr.FILE).unlink(missing_ok=True)  # the shipped one's own
     args = ["eval", "frontier", "--translator", str(directory), "--lengths", "64",
-            "--rereads", "0,8,100", "--prompts", "2", "--needles", "1", "--repeats", "1",
+            "--rereads", "8,100", "--prompts", "2", "--needles", "1", "--repeats", "1",
             "--record"]
     result = CliRunner().invoke(app, args + ["--json"])
     assert result.exit_code == 0, result.output
     printed = json.loads(result.stdout)
-    # 0 is the gate's 8 in a session; 100 re-reads it all
+    # 100 re-reads it all at 64 tokens
     assert [r["setting"]["reread"] for r in printed["rows"]] == [8]
     recorded = fr.load(directory)
     assert recorded.fit_length == 256 and recorded.rows[0].setting == fr.Setting(8)
@@ -188,6 +188,7 @@ PAIR = "qwen3-large__qwen3-small-distilled"
     (["--translator", PAIR, "--lengths", "99999999"], "at most"),
     (["--translator", PAIR, "--rereads", "x"], "integers"),
     (["--translator", PAIR, "--rereads", "-1"], "at least 0"),
+    (["--translator", PAIR, "--rereads", "0,8"], "gate reads the prompt's last 8 tokens"),
     (["--translator", PAIR, "--prompts", "0"], "--prompts"),
     (["--translator", "no-such-translator"], "not found"),
 ])

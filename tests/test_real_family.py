@@ -196,3 +196,34 @@ def test_zoo_real_keeps_built_members_and_refuses_bad_options(pair):
     for bad in (["--member", "smollm3"], ["--keep", "30"], ["--steps", "0"]):
         result = runner.invoke(cli, ["zoo", "real", str(out), *bad])
         assert result.exit_code == 2, bad
+
+
+def test_real_translators_fit_distil_and_keep_what_is_built(pair, tmp_path):
+    from mlx_kvtrans.zoo.real_translators import TranslatorConfig, build as build_translators
+
+    out, _ = pair
+    name = f"{PARENT}__{SIBLING}"
+    config = TranslatorConfig(lengths=(48, 96), tokens=960, distill_steps=2, distill_batch=2,
+                              distill_max_prefix=64, validate_every=1, gate_windows=2)
+    record = build_translators(out, (name,), config, log=None,
+                               text=held_out_split("validation"))
+    entry = record["directions"][name]
+    assert (out / "translators" / name / "manifest.json").is_file()
+    assert not (out / ".build" / "translators" / name).exists()  # checkpoints gone once written
+    before, kept = entry["validation_kl"]
+    assert kept <= before  # the lowest held-out KL, the closed-form start included
+    translator = kv.load_translator(str(out / "translators" / name), kv.load(str(out / PARENT)),
+                                    kv.load(str(out / SIBLING)))
+    assert translator.info["fit"]["mix"] == [48, 96]  # windows of every length asked for
+    lines = []
+    build_translators(out, (name,), config, log=lines.append)
+    assert lines == [f"{name}: kept ({out / 'translators' / name})"]
+
+
+def test_chat_text_renders_paragraphs_as_alternating_turns(parent):
+    from mlx_kvtrans.zoo.real_translators import chat_text
+
+    text = chat_text(parent.tokenizer, "\n\n".join(f"Paragraph {i}." for i in range(30)))
+    assert text.count("<|im_start|>user") + text.count("<|im_start|>assistant") == 30
+    assert text.index("Paragraph 0.") < text.index("Paragraph 1.") < text.index("Paragraph 29.")
+    assert "<|im_start|>assistant\nParagraph 1." in text

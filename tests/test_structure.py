@@ -185,6 +185,18 @@ def test_every_subpackage_is_installed():
     assert packages <= listed, sorted(packages - listed)
 
 
+def test_every_weights_folder_python_could_import_is_listed():
+    """setuptools warns at install about every folder of weights/ whose name Python could import
+    (a namespace package) unless it is listed; the set-up prints no warning."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+                 ["packages"])
+    folders = {"mlx_kvtrans.weights." + p.name for p in (ROOT / "weights").iterdir()
+               if p.is_dir() and p.name.isidentifier() and any(p.iterdir())}
+    assert folders <= listed, sorted(folders - listed)
+
+
 def test_every_command_is_parse_call_print():
     """A CLI function parses, calls the library and prints: none over 80 lines."""
     long = {f"{path.name}:{node.name}": node.end_lineno - node.lineno + 1

@@ -59,11 +59,15 @@ from .needles import HELD_OUT_SEED, held_out_filler, needle_report
 NEEDLE_DRAW = 1_000_000  # needle seeds per frontier seed: another seed, other needles
 
 MULTIPLES = (1, 2, 4, 8)  # lengths measured: these multiples of the fitting length
+GATE_READS = (f"a session's gate reads the prompt's last {GATE_TOKENS} tokens itself, so a "
+              f"switch re-reads at least R = {GATE_TOKENS} (`eval fidelity` and `eval needle` "
+              "measure the bare translation)")
 
 
 def default_rereads(length: int) -> list[int]:
-    """R = 0, 8, 32, 128, ... while a translation remains at `length`."""
-    out, r = [0], 8
+    """R = 8 (the gate's own tail: a session switch reads no fewer), 32, 128, ... while a
+    translation remains at `length`."""
+    out, r = [], GATE_TOKENS
     while Setting(r).applies(length):
         out.append(r)
         r *= 4
@@ -367,16 +371,20 @@ def measure_translator(directory, source, target, translator, text_ids: list[int
     """The frontier of a loaded translator (`source`, `target`: LoadedModels) from the
     translator directory `directory`: at `lengths` (default 1x-8x its fitting length) and
     R in `rereads` (default `default_rereads`); settings that translate nothing are left out.
-    A session's switch reads the gate's r tokens whatever R asks, so R below r is measured,
-    timed and recorded as r; and the target reads the first `sink` tokens itself (None: the
+    A session's switch reads the gate's r tokens whatever R asks, so R below r is refused
+    (ValueError); and the target reads the first `sink` tokens itself (None: the
     translator's measured sink, as a `Session`'s default). `group`: the
     processes of `mlx.launch`, which share the windows and needles (`measure`)."""
     directory = Path(directory)
     fit_length = fitting_length(translator.info)
     lengths = lengths or [fit_length * m for m in MULTIPLES]
 
+    below = [r for r in rereads or () if r < GATE_TOKENS]
+    if below:
+        raise ValueError(f"R = {below[0]}: {GATE_READS}")
+
     def asked(n: int) -> set[int]:
-        return {max(r, GATE_TOKENS) for r in (rereads or default_rereads(n))}
+        return set(rereads or default_rereads(n))
     wanted = sorted(set().union(*(asked(n) for n in lengths)))
     plan = {n: [Setting(r) for r in wanted if Setting(r).applies(n) and r in asked(n)]
             for n in lengths}

@@ -66,6 +66,7 @@ class FitCheckpoint:
         self.name = state_file(rank, size)
         self.key = ""
         self._last, self._cost = time.perf_counter(), 0.0
+        self._made: list[Path] = []  # the folders the first save created, deepest first
 
     @property
     def path(self) -> Path:
@@ -100,6 +101,11 @@ class FitCheckpoint:
 
     def save(self, state: dict) -> None:
         started = time.perf_counter()
+        if not self._made:
+            missing = self.directory
+            while not missing.exists():
+                self._made.append(missing)
+                missing = missing.parent
         self.directory.mkdir(parents=True, exist_ok=True)
         partial = self.path.with_suffix(".partial")
         with open(partial, "wb") as f:
@@ -109,8 +115,14 @@ class FitCheckpoint:
         self._cost = self._last - started
 
     def clear(self) -> None:
-        """The fit is saved: its running sums (possibly gigabytes) go."""
+        """The fit is saved: its running sums (possibly gigabytes) go, with the folders made
+        to hold them where nothing else came into them."""
         self.path.unlink(missing_ok=True)
+        for folder in self._made:
+            try:
+                folder.rmdir()
+            except OSError:  # holds something else
+                break
 
 
 class _SumsUnpickler(pickle.Unpickler):

@@ -18,9 +18,10 @@ it cannot:
   `q_norm` / `k_norm` a near-constant scale; the output gate's bias saturates the sigmoid). Even
   layers become Gated DeltaNet initialised from the attention projections (Mamba-in-the-Llama,
   LoLCATs): q, k, v, out from Q, K, V, O, an identity short convolution, decays near 1.
-- KDA + MLA hybrid (`kimi_linear`): the same even layers become Kimi Delta Attention, initialised
-  the same way; odd layers are the MLA conversion's layers without RoPE (Kimi-Linear's MLA has
-  none), so the pair (MLA conversion, KDA hybrid) has the shape of Kimi-VL <-> Kimi-Linear.
+- KDA + MLA hybrid (`kimi_linear`): the layers where attending without RoPE costs least
+  (`nope_costs`) are the MLA conversion's layers without RoPE (Kimi-Linear's MLA has none), the
+  rest Kimi Delta Attention initialised the same way, so the pair (MLA conversion, KDA hybrid)
+  has the shape of Kimi-VL <-> Kimi-Linear.
 - MLA + sparse-attention indexer (`deepseek_v32`): the MLA conversion with an indexer that scores
   keys by the attention's own rope queries and key; exact up to `index_topk` keys.
 """
@@ -384,17 +385,42 @@ def kda_layer(parent, layer: int, g: Geometry, cal: Calibration) -> dict[str, np
             "o_proj.weight": o.reshape(g.hidden, -1)}
 
 
-def to_kda(parent, config: dict, calibration: Calibration, components: int = 2
-           ) -> tuple[dict, dict, dict]:
-    """kimi_linear config and weights: the Gated DeltaNet hybrid's linear layers as KDA, the rest
-    the MLA conversion's layers without RoPE or the constant channel (kimi_linear's MLA has no
-    bias)."""
+def nope_costs(parent, windows: np.ndarray) -> list[float]:
+    """Per layer of the parent, the KL (nats/token) its next-token distributions move by when that
+    layer alone attends without RoPE: what Kimi-Linear's position-free MLA costs there."""
+    import mlx.nn as nn
+
+    def log_probs():
+        return [nn.log_softmax(parent(mx.array(w[None])).astype(mx.float32), axis=-1)
+                for w in windows]
+
+    native = log_probs()
+    mx.eval(native)
+    costs = []
+    for layer in parent.model.layers:
+        rope = layer.self_attn.rope
+        layer.self_attn.rope = lambda x, offset=0: x
+        try:
+            costs.append(float(np.mean([(mx.exp(a) * (a - b)).sum(-1).mean().item()
+                                        for a, b in zip(native, log_probs())])))
+        finally:
+            layer.self_attn.rope = rope
+    return costs
+
+
+def to_kda(parent, config: dict, calibration: Calibration, components: int = 2,
+           attention_layers: list[int] | None = None) -> tuple[dict, dict, dict]:
+    """kimi_linear config and weights: `attention_layers` (0-based; default the odd ones) are the
+    MLA conversion's layers without RoPE or the constant channel (kimi_linear's MLA has no bias),
+    the rest Kimi Delta Attention initialised from the parent's heads."""
     g = Geometry.of(config)
     weights = _shared(parent)
+    layers = config["num_hidden_layers"]
+    attention = set(range(1, layers, 2) if attention_layers is None else attention_layers)
     kda = []
-    for i in range(config["num_hidden_layers"]):
+    for i in range(layers):
         p = f"model.layers.{i}."
-        if (i + 1) % 2 != 0:
+        if i not in attention:
             kda.append(i + 1)
             for name, value in kda_layer(parent, i, g, calibration).items():
                 weights[p + "self_attn." + name] = _mx(value)

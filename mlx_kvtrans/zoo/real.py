@@ -12,7 +12,8 @@ it). The members:
 - `smollm2-mla`: multi-head latent attention (`deepseek_v3`), converted with RoRoPE;
 - `smollm2-gdn`: a Gated DeltaNet hybrid (`qwen3_next`), half its layers linear attention;
 - `smollm2-kda`: a Kimi Delta Attention + MLA hybrid (`kimi_linear`) whose MLA layers are the
-  MLA conversion's, without RoPE: with `smollm2-mla` it has the shape of Kimi-Linear <-> Kimi-VL;
+  MLA conversion's, without RoPE, at the half of the layers where that costs least: with
+  `smollm2-mla` it has the shape of Kimi-Linear <-> Kimi-VL;
 - `smollm2-dsa`: the healed MLA conversion with a sparse-attention indexer (`deepseek_v32`,
   top 256 keys) that scores keys by the attention's own rope queries and key.
 
@@ -57,7 +58,7 @@ def _default_healing() -> dict[str, Healing]:
             # attention transfer, then end-to-end distillation, within the family's time
             # budget on 2 cores (about 15 s a step)
             GDN: Healing(80, 1e-4, transfer_steps=80, transfer_lr=3e-4),
-            KDA: Healing(0, 1e-4, transfer_steps=100, transfer_lr=3e-4),
+            KDA: Healing(50, 1e-4, transfer_steps=50, transfer_lr=3e-4),
             # exact up to index_topk keys, and the healed MLA's weights: nothing to heal
             DSA: Healing(0, 1e-4)}
 
@@ -70,6 +71,7 @@ class FamilyConfig:
     length: int = 256
     probe_windows: int = 8  # windows that choose the block to drop and calibrate conversions
     rope_components: int = 2  # KV-group components per frequency that keep RoPE in the MLA
+    kda_attention: int = 15  # layers the KDA hybrid keeps as MLA: those where NoPE costs least
     seed: int = 0
 
     def scaled(self, steps: float) -> "FamilyConfig":
@@ -199,10 +201,15 @@ def _convert(name: str, parent: LoadedModel, probe: np.ndarray, config: FamilyCo
     if name == GDN:
         new_config, weights, report = conversions.to_gated_deltanet(
             parent.model, parent.config, calibration)
+    elif name == KDA:
+        costs = conversions.nope_costs(parent.model, probe[:4])
+        attention = sorted(np.argsort(costs)[:config.kda_attention].tolist())
+        new_config, weights, report = conversions.to_kda(
+            parent.model, parent.config, calibration, config.rope_components, attention)
+        report["nope_costs"] = [round(c, 4) for c in costs]
     else:
-        convert = conversions.to_mla if name == MLA else conversions.to_kda
-        new_config, weights, report = convert(parent.model, parent.config, calibration,
-                                              components=config.rope_components)
+        new_config, weights, report = conversions.to_mla(
+            parent.model, parent.config, calibration, components=config.rope_components)
     return _model_of(new_config, weights), new_config, report
 
 
