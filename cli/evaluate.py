@@ -298,6 +298,9 @@ def eval_frontier(translator_dir: Path = typer.Option(..., "--translator",
                                               "reads itself over the translated prefix, at least "
                                               "the gate's 8 (default: 8, 32, 128, ... below each "
                                               "length)"),
+                  recompute: str = typer.Option("0", help="comma-separated k: the target's "
+                                                "first layers that read the translated prefix "
+                                                "themselves, measured with every R"),
                   prompts: int = typer.Option(16, min=1, help="held-out prose windows per "
                                               "length"),
                   needles: int = typer.Option(16, min=0, help="held-out needles per length "
@@ -332,6 +335,7 @@ def eval_frontier(translator_dir: Path = typer.Option(..., "--translator",
     manifest = artifact.read_manifest(translator_dir)
     names = manifest["source"]["name"], manifest["target"]["name"]
     sizes, reads = _frontier_plan(manifest, names, lengths, rereads)
+    layers = sorted(set(int_list("--recompute", recompute, 0, _layer_limit(names[1]))))
     refuse_existing(out_file, force)
     directory = artifact.resolve(translator_dir)
     refuse_existing(directory / fr.FILE if record else None, force, "--record")
@@ -346,7 +350,7 @@ def eval_frontier(translator_dir: Path = typer.Option(..., "--translator",
         with progress_bar("frontier") as progress:  # silent under mlx.launch (no terminal)
             frontier = fr.measure_translator(directory, src, tgt, translator, ids, sizes,
                                              reads, prompts, needles, repeats, seed, progress,
-                                             group=group, make=make)
+                                             group=group, make=make, recomputes=layers)
     except ValueError as e:
         raise KvtransError(f"--text {text}: {e}")
     if group is not None and group.rank() != 0:  # the first process reports and writes
@@ -361,6 +365,15 @@ def eval_frontier(translator_dir: Path = typer.Option(..., "--translator",
     out.print(_frontier_table(frontier, prompts, needles))
     for path in written:
         out.print(f"wrote {path}")
+
+
+def _layer_limit(model: str):
+    """The target's layer count (from its config), the most layers it can recompute."""
+    from .common import Limit
+
+    config = model_configs(model)[model]
+    layers = (config.get("text_config") or config)["num_hidden_layers"]
+    return Limit(layers, f"{model} has {layers} layers")
 
 
 def _frontier_table(frontier, prompts: int, needles: int) -> FitTable:

@@ -113,7 +113,7 @@ def zoo_real(out_dir: Path = typer.Argument(..., metavar="OUT_DIR",
                                             "stopped before resumes here)"),
              members: list[str] = typer.Option(None, "--member", help="build only this "
                                                "member (repeatable; default: every one)"),
-             keep: int = typer.Option(20, min=1, max=29,
+             keep: int = typer.Option(24, min=1, max=29,
                                       help="layers the pruned sibling keeps, of 30"),
              steps: float = typer.Option(1.0, callback=positive, help="healing steps, as a "
                                          "multiple of each member's default (0.1: a quick, "

@@ -112,3 +112,38 @@ def all_finite(layers: list[dict[str, mx.array]]) -> bool:
     sums = [(v.astype(mx.float32) if v.dtype == mx.float16 else v).sum()
             for layer in layers for v in layer.values()]
     return not sums or bool(mx.isfinite(mx.stack(sums).sum()))
+
+
+class _Stopped(Exception):
+    """Raised after the last layer a partial forward needs."""
+
+
+def recompute_first_layers(model: nn.Module, cache: list, before: list, tokens: mx.array,
+                           layers: int) -> None:
+    """The target's own first `layers` layers over `tokens` (1, T), in place of what `cache`
+    holds for them (DroidSpeak's recompute): `before[i]` is layer i's cache before the tokens
+    (a copy, or a fresh cache), which a forward stopped after layer `layers` - 1 extends and
+    `cache[i]` becomes. The layers above keep their translation; the forward costs `layers`
+    of the model's layers."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from .capture.instrument import hook_module, language_model
+
+    if layers <= 0:
+        return
+    stack = language_model(model).model.layers
+    if layers > len(stack):
+        raise ValueError(f"recompute {layers} layers: the model has {len(stack)}")
+    throwaway = make_prompt_cache(model)[layers:]  # never reached
+    working = list(before[:layers]) + throwaway
+
+    def stop(module, args, kwargs, out):
+        raise _Stopped
+
+    try:
+        with hook_module(stack[layers - 1], after=stop):
+            model(tokens, cache=working)
+    except _Stopped:
+        pass
+    mx.eval([c.state for c in working[:layers]])
+    cache[:layers] = working[:layers]

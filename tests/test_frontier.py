@@ -223,3 +223,25 @@ def test_a_session_switch_builds_the_cache_the_plain_switch_does(kimi_pair):
         assert max_abs_diff(b.model(x, cache=plain.cache(Setting(r), prefix)),
                             b.model(x, cache=via.cache(Setting(r), prefix))) <= 1e-4
         assert [st.tokens_read for st in via.statuses[Setting(r)]] == [r]
+
+
+def test_a_setting_with_recomputed_layers_labels_and_round_trips_and_an_old_one_reads_alike():
+    assert fr.Setting(8).to_json() == {"reread": 8}  # frontiers written before the knob
+    assert fr.Setting(8, 2).to_json() == {"reread": 8, "recompute": 2}
+    assert fr.Setting.from_json({"reread": 8}) == fr.Setting(8)
+    assert fr.Setting.from_json(fr.Setting(8, 2).to_json()) == fr.Setting(8, 2)
+    assert fr.Setting(8, 2).label() == "R=8 k=2" and fr.Setting(8).label() == "R=8"
+
+
+def test_cli_frontier_measures_each_recompute_with_every_reread(tmp_path):
+    args = ["eval", "frontier", "--translator", PAIR, "--lengths", "64", "--rereads", "8",
+            "--recompute", "0,4", "--prompts", "2", "--needles", "1", "--repeats", "1", "--json"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)["rows"]
+    assert [(r["setting"]["reread"], r["setting"].get("recompute", 0)) for r in rows] == \
+        [(8, 0), (8, 4)]
+    # qwen3-small has 4 layers: recomputing them all is native
+    assert rows[1]["agreement"] == pytest.approx(rows[1]["agreement_native"], abs=1e-9)
+    bad = CliRunner().invoke(app, args[:-1][:8] + ["--recompute", "5"])
+    assert bad.exit_code == 2 and "has 4 layers" in bad.output

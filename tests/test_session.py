@@ -561,3 +561,34 @@ def test_kept_bytes_count_the_gate_rows_and_the_state_snapshots_once(zoo):
     assert line.kept_bytes() == line.tail.rows.nbytes + 40
     line.states[30] = [[[c for c in line.cache if not c.is_trimmable()][0].cache[0]]]
     assert line.kept_bytes() == line.tail.rows.nbytes + 40  # the cache holds it already
+
+
+def arrays(cache) -> list:
+    """The arrays a cache holds (a cache's state may hold offsets too)."""
+    from mlx.utils import tree_flatten
+
+    return [x for _, x in tree_flatten(cache.state) if isinstance(x, mx.array)]
+
+
+def test_a_switch_that_recomputes_its_first_layers_holds_them_as_native_does(kimi_pair):
+    """DroidSpeak's knob: the target's first k layers read the translated span themselves,
+    so their caches are the target's own; the layers above keep the translation."""
+    a, b, _ = kimi_pair
+    prompt = list(range(60, 100))
+    caches, layers = {}, len(make_prompt_cache(b.model))
+    for k in (0, 2, layers):
+        s = session_for(kimi_pair, gate_tokens=0, recompute=k)
+        s.add(prompt)
+        list(s.generate(0))
+        status = s.switch(b.name)
+        assert status.status == "applied" and status.layers_recomputed == k
+        caches[k] = s.lines[b.name].cache
+    native = plain_reprefill(b, prompt)
+    for i in range(len(native)):
+        for got, want in zip(arrays(caches[layers][i]), arrays(native[i])):
+            assert max_abs_diff(got, want) < 1e-4, i  # every layer read natively
+        recomputed = arrays(caches[2][i])
+        same_as = arrays(native[i] if i < 2 else caches[0][i])
+        for got, want in zip(recomputed, same_as):
+            assert max_abs_diff(got, want) < 1e-4, i
+    assert max(max_abs_diff(g, w) for g, w in zip(arrays(caches[0][0]), arrays(native[0]))) > 1e-3

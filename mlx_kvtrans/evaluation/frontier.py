@@ -46,7 +46,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from ..capture import capture
 from ..files import sha256_file
 from ..gate import GATE_TOKENS
-from ..install import install
+from ..install import install, recompute_first_layers
 from ..layouts import CapturePoint, layout_of
 from ..translators.fidelity import greedy, kl_per_token
 # the record this module measures: re-exported, so one import serves a frontier's users
@@ -133,6 +133,10 @@ class Switch:
             return self.native(prefix)
         recorded = recorded if recorded is not None else self.read(setting, prefix)
         cache = self.translated(recorded, prefix[:n])
+        k = min(setting.recompute, len(self.target_layout.layers))
+        if k:
+            recompute_first_layers(self.target, cache, make_prompt_cache(self.target)[:k],
+                                   mx.array(prefix[:n])[None], k)
         if n < len(prefix):
             self.target(mx.array(prefix[n:])[None], cache=cache)
         mx.eval([c.state for c in cache])
@@ -168,7 +172,7 @@ class SessionSwitch(Switch):
             session = Session({"source": self.lms[0], "target": self.lms[1]},
                               {("source", "target"): self.translator}, active="source",
                               reread=setting.reread, sink=self.sink,
-                              escalate=self.escalate, **options)
+                              escalate=self.escalate, recompute=setting.recompute, **options)
             session.add(prefix, model="target")  # the target's tokens (and their text)
             list(session.generate(0))  # the source reads the prefix
             self.statuses.setdefault(setting, []).append(session.switch("target"))
@@ -366,15 +370,17 @@ def measure(switch: Switch, encode, text_ids: list[int], plan: dict[int, list[Se
 def measure_translator(directory, source, target, translator, text_ids: list[int],
                        lengths: list[int] | None = None, rereads: list[int] | None = None,
                        prompts: int = 16, needles: int = 16, repeats: int = 3, seed: int = 0,
-                       progress=None, sink: int | None = None, group=None, make=None
-                       ) -> Frontier:
+                       progress=None, sink: int | None = None, group=None, make=None,
+                       recomputes: list[int] = (0,)) -> Frontier:
     """The frontier of a loaded translator (`source`, `target`: LoadedModels) from the
     translator directory `directory`: at `lengths` (default 1x-8x its fitting length) and
     R in `rereads` (default `default_rereads`); settings that translate nothing are left out.
     A session's switch reads the gate's r tokens whatever R asks, so R below r is refused
     (ValueError); and the target reads the first `sink` tokens itself (None: the
     translator's measured sink, as a `Session`'s default). `group`: the
-    processes of `mlx.launch`, which share the windows and needles (`measure`)."""
+    processes of `mlx.launch`, which share the windows and needles (`measure`).
+    `recomputes`: k, the target's first layers that read the translated prefix themselves,
+    measured with every R."""
     directory = Path(directory)
     fit_length = fitting_length(translator.info)
     lengths = lengths or [fit_length * m for m in MULTIPLES]
@@ -386,8 +392,8 @@ def measure_translator(directory, source, target, translator, text_ids: list[int
     def asked(n: int) -> set[int]:
         return set(rereads or default_rereads(n))
     wanted = sorted(set().union(*(asked(n) for n in lengths)))
-    plan = {n: [Setting(r) for r in wanted if Setting(r).applies(n) and r in asked(n)]
-            for n in lengths}
+    plan = {n: [Setting(r, k) for r in wanted for k in recomputes
+                if Setting(r).applies(n) and r in asked(n)] for n in lengths}
     for n, settings in plan.items():
         if not settings:
             raise ValueError(f"no setting of R in {wanted} translates anything at {n} tokens")

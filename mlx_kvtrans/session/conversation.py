@@ -45,14 +45,16 @@ class Session:
     `escalate`: a switch whose gate fires tries once more with `dial.ESCALATION` times the
     tokens read before it re-reads the span: fewer re-reads, but a weaker gate (the second
     reading's tail follows more native tokens), which lets more lost needles through
-    (`benchmarks/results/escalation.md`); off by default.
+    (`benchmarks/results/escalation.md`); off by default. `recompute`: k, the target's first
+    layers that read the translated span themselves (DroidSpeak; `install.recompute_first_layers`),
+    the rest translated; 0 by default.
     """
 
     def __init__(self, models: dict, translators: dict | None = None, active: str | None = None,
                  strategy: str = "segment", refresh_every: int = 4, max_context: int | None = None,
                  gate_tokens: int = gate.GATE_TOKENS, reread: int | None = None,
                  fidelity: float | None = None, sink: int | None = None, groups: dict | None = None,
-                 escalate: bool = False):
+                 escalate: bool = False, recompute: int = 0):
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}")
         if gate_tokens < 0:
@@ -76,6 +78,9 @@ class Session:
         self.max_context = max_context
         if sink is not None and sink < 0:
             raise ValueError("sink must be 0 or more")
+        if recompute < 0:
+            raise ValueError("recompute must be 0 or more")
+        self.recompute = recompute
         self.gate_tokens, self.sink = gate_tokens, sink
         self.reread, self.fidelity, self.escalate = reread, fidelity, escalate
         self.switches: list[SwitchStatus] = []

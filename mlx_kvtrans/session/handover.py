@@ -39,6 +39,7 @@ benchmark's gated switch all run it.
 
 from __future__ import annotations
 
+import copy
 import time
 from typing import TYPE_CHECKING
 
@@ -46,7 +47,7 @@ import mlx.core as mx
 
 from .. import gate
 from ..capture import PREFILL_CHUNK, Capture
-from ..install import NotFinite
+from ..install import NotFinite, recompute_first_layers
 from ..sharding import translate_into
 from ..translators.cross_tokenizer import AlignedText, pooling, realigned
 from ..errors import KvtransError
@@ -146,8 +147,14 @@ def _translate_and_gate(session: Session, translator, src: CacheLine, tgt: Cache
         start = status.tokens_sink = sink
     before = None if tgt.cache is None or start == 0 else fixed_slots(tgt.cache)
     if handoff > start:
+        own = _own_layers(session, tgt, start)
         try:
             _translate(session, translator, src, tgt, start, handoff, status)
+            if own:
+                recompute_first_layers(tgt.lm.model, tgt.cache, own,
+                                       mx.array(session.view(tgt.name)[start:handoff])[None],
+                                       len(own))
+                status.layers_recomputed = len(own)
         except ValueError as e:  # the recorded span lacks what the translator reads
             _fallback(session, tgt, n, status, f"cannot translate the source's cache: {e}",
                       read=read_fallback)
@@ -223,6 +230,20 @@ def _translate_and_gate(session: Session, translator, src: CacheLine, tgt: Cache
                                            f"nats/token from the source's, over the "
                                            f"translator's threshold {threshold:.2f}",
                   read=read_fallback)
+
+
+def _own_layers(session: Session, tgt: CacheLine, start: int) -> list:
+    """The caches of the target's first `session.recompute` layers before the span (copies,
+    or fresh ones where the span starts the target's cache), which it then reads itself; none
+    on a sharded target, whose layers live in several processes."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    k = min(session.recompute, len(tgt.layout.layers))
+    if k == 0 or tgt.shards is not None:
+        return []
+    if start == 0 or tgt.cache is None:
+        return make_prompt_cache(tgt.lm.model)[:k]
+    return copy.deepcopy(tgt.cache[:k])
 
 
 def _read_on(session: Session, tgt: CacheLine, n: int):

@@ -26,6 +26,7 @@ class Setting:
     """One setting of every fidelity knob. A new knob is a new field with a default that
     leaves earlier frontiers' settings as they were."""
     reread: int = 0  # R: tokens the target reads itself over the translated prefix
+    recompute: int = 0  # k: the target's first layers that read the translated prefix too
 
     def translated(self, prefix_length: int) -> int:
         """Tokens of a `prefix_length`-token prefix the translator builds (0: re-prefill)."""
@@ -36,10 +37,10 @@ class Setting:
         return self.translated(length - 1) > 0
 
     def label(self) -> str:
-        return f"R={self.reread}"
+        return f"R={self.reread}" + (f" k={self.recompute}" if self.recompute else "")
 
-    def to_json(self) -> dict:
-        return asdict(self)
+    def to_json(self) -> dict:  # an earlier frontier's settings read as they were written
+        return {k: v for k, v in asdict(self).items() if k == "reread" or v}
 
     @classmethod
     def from_json(cls, data: dict) -> "Setting":

