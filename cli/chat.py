@@ -12,7 +12,7 @@ from rich.markup import escape
 import mlx_kvtrans
 from mlx_kvtrans.errors import KvtransError
 
-from .common import (FIDELITY_HELP, REREAD_HELP, SINK_HELP, app, default_translator,
+from .common import (FIDELITY_HELP, RECOMPUTE_HELP, REREAD_HELP, SINK_HELP, app, default_translator,
                      dial_options, in_range, out, print_error, refuse_existing, user_errors)
 
 LEAVE = ("/quit", "/exit")
@@ -37,6 +37,7 @@ def chat(source: str = typer.Option("kimi-linear", "--from", help="the model tha
          reread: int = typer.Option(None, help=REREAD_HELP),
          fidelity: float = typer.Option(None, help=FIDELITY_HELP),
          sink: int = typer.Option(None, min=0, help=SINK_HELP),
+         recompute: int = typer.Option(0, min=0, help=RECOMPUTE_HELP),
          max_tokens: int = typer.Option(200, help="longest reply"),
          translate_ahead: bool = typer.Option(
              True, "--translate-ahead/--no-translate-ahead",
@@ -48,26 +49,17 @@ def chat(source: str = typer.Option("kimi-linear", "--from", help="the model tha
     At a terminal: line editing and history; Ctrl-C stops a reply (what it said is kept) and
     clears a typed line; Ctrl-C or Ctrl-D on an empty line leaves. From --script or piped
     input, Ctrl-C stops the run (exit 130). The transcript is saved after every event."""
-    import time
-
     from mlx_kvtrans.chat import Chat, Transcript
     from mlx_kvtrans.session import STRATEGIES, Session
 
     if strategy not in STRATEGIES:
         raise KvtransError(f"--strategy must be one of {', '.join(STRATEGIES)}")
     in_range("--max-tokens", max_tokens, 1)
-    dial = dial_options(reread, fidelity, sink)
+    dial = dial_options(reread, fidelity, sink, recompute)
     if source == target:
         raise KvtransError("--from and --to name the same model")
     script_lines = _read_script(script) if script is not None else None
-    if transcript is None:
-        transcript = Path.home() / ".kvtrans" / "chats" / time.strftime("%Y%m%d-%H%M%S.json")
-        transcript.parent.mkdir(parents=True, exist_ok=True, mode=0o700)  # ours to create
-    if transcript.is_dir():
-        raise KvtransError(f"--transcript {transcript} is a directory")
-    if not transcript.parent.is_dir():  # as /save: a mistyped directory is not created
-        raise KvtransError(f"--transcript {transcript}: no directory {transcript.parent}")
-    refuse_existing(transcript, force, "--transcript")
+    transcript = _transcript_path(transcript, force)
     for option, given in (("--translator", translator), ("--back", back)):
         if given is not None:  # its files, before any model loads; the pair once they have
             _named_translator(option, given, _read_manifest)
@@ -100,6 +92,22 @@ def chat(source: str = typer.Option("kimi-linear", "--from", help="the model tha
               f"{escape(str(transcript))}[/]")
     if code:
         raise typer.Exit(code)
+
+
+def _transcript_path(given: Path | None, force: bool) -> Path:
+    """Where the transcript goes: `given`, refused now if it cannot be written there, or a new
+    file in ~/.kvtrans/chats."""
+    import time
+
+    if given is None:
+        given = Path.home() / ".kvtrans" / "chats" / time.strftime("%Y%m%d-%H%M%S.json")
+        given.parent.mkdir(parents=True, exist_ok=True, mode=0o700)  # ours to create
+    if given.is_dir():
+        raise KvtransError(f"--transcript {given} is a directory")
+    if not given.parent.is_dir():  # as /save: a mistyped directory is not created
+        raise KvtransError(f"--transcript {given}: no directory {given.parent}")
+    refuse_existing(given, force, "--transcript")
+    return given
 
 
 def converse(conversation, lines: Iterable[str], interactive: bool) -> int:

@@ -137,13 +137,19 @@ SINK_HELP = ("the conversation's first tokens, which a model given it from its s
              "target, 4 for a pretrained model, 0 for the zoo's)")
 
 
-def dial_options(reread: int | None, fidelity: float | None, sink: int | None = None) -> dict:
-    """--reread / --fidelity (one of them at most) and --sink as Session options."""
+RECOMPUTE_HELP = ("the target's first layers that read a translated span themselves "
+                  "(DroidSpeak: the target's own caches there, at that share of a re-read)")
+
+
+def dial_options(reread: int | None, fidelity: float | None, sink: int | None = None,
+                 recompute: int = 0) -> dict:
+    """--reread / --fidelity (one of them at most), --sink and --recompute as Session
+    options."""
     from mlx_kvtrans.session import dial
 
     if dial.problem(reread, fidelity):
         raise KvtransError(dial.problem(reread, fidelity, "--"))
-    return {"reread": reread, "fidelity": fidelity, "sink": sink}
+    return {"reread": reread, "fidelity": fidelity, "sink": sink, "recompute": recompute}
 
 
 def refuse_existing(path: str | Path | None, force: bool, option: str = "--out") -> None:

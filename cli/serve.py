@@ -6,8 +6,8 @@ from __future__ import annotations
 import typer
 from rich.markup import escape
 
-from .common import (FIDELITY_HELP, REREAD_HELP, SINK_HELP, app, dial_options, err,
-                     format_bytes, out, user_errors)
+from .common import (FIDELITY_HELP, RECOMPUTE_HELP, REREAD_HELP, SINK_HELP, app, dial_options,
+                     err, format_bytes, out, user_errors)
 
 
 @app.command()
@@ -43,6 +43,7 @@ def serve(model: list[str] = typer.Option(
           reread: int = typer.Option(None, help=REREAD_HELP),
           fidelity: float = typer.Option(None, help=FIDELITY_HELP),
           sink: int = typer.Option(None, min=0, help=SINK_HELP),
+          recompute: int = typer.Option(0, min=0, help=RECOMPUTE_HELP),
           shard: str = typer.Option(
               None, metavar="tensor|pipeline",
               help="under mlx.launch: shard every model across its processes this way (process "
@@ -60,7 +61,7 @@ def serve(model: list[str] = typer.Option(
                          memory_budget=None if memory_budget is None else parse_bytes(memory_budget),
                          idle_unload=idle_unload, load_deadline=load_deadline,
                          default_max_tokens=max_tokens, max_body_bytes=parse_bytes(max_body_bytes),
-                         shard=shard, **dial_options(reread, fidelity, sink))
+                         shard=shard, **dial_options(reread, fidelity, sink, recompute))
     config.check()
     if shard:
         import mlx.core as mx

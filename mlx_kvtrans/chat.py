@@ -336,6 +336,8 @@ class Chat:
             own = ([f"the first {s.tokens_sink}"] if s.tokens_sink else []) + (
                 [f"the last {s.tokens_read}"] if s.tokens_read else [])
             read = f", {' and '.join(own)} read by {s.target}" if own else ""
+            if s.layers_recomputed:
+                read += f", its first {counted(s.layers_recomputed, 'layer')} on the span too"
             ahead = (f" ({s.tokens_translated_ahead} of them ahead, "
                      f"{s.ahead_seconds * 1000:.1f} ms)" if s.tokens_translated_ahead else "")
             return (f"switched {s.source} -> {s.target}: {s.status}{detail}; "

@@ -132,7 +132,8 @@ class Engine:
                 if pair[0] in names and pair[1] in names} if self.config.translate else {}
         return Session({n: self.models[n] for n in names}, used, active=model,
                        reread=self.config.reread, fidelity=self.config.fidelity,
-                       sink=self.config.sink, groups=self.tokenizers)
+                       sink=self.config.sink, groups=self.tokenizers,
+                       recompute=self.config.recompute)
 
     def waits_for_load(self, model: str) -> bool:
         """Whether a request for `model` now would wait for its weights to be read."""
