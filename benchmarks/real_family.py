@@ -8,6 +8,11 @@ with 95% Wilson intervals, and three facts with one asked for at two lengths); a
 recurrent states carry (`evaluation.ablate`: KL over 32 continuation tokens and chat needle
 recall with every recurrent state, or every conv history, zeroed).
 
+Per translator of `kvtrans zoo real-translators` (FAMILY/translators/SOURCE__TARGET), through a
+`Session` at its default setting, and with the target's first k layers recomputed (`--recompute`):
+the history's worth recovered, first token, greedy match of 32 and chat needle recall native /
+switched per length, the share of switches applied and the switch's speed-up over re-prefill.
+
 The issue's bars are checked beside the figures: perplexity within 1.3x of the parent's on both
 texts, chat recall within 0.1 of the parent's at every length, zeroed states costing KL or
 recall measurably. Each member's figures are kept in FAMILY/bench.json as they are measured, with
@@ -17,6 +22,8 @@ results go to benchmarks/results/real-family.{json,md}.
     python benchmarks/real_family.py [--family runs/real-family] [--lengths 128,256,512,1024,2048]
                                      [--multi-lengths 256,1024] [--needles 12] [--windows 16]
                                      [--ablate-lengths 256,1024] [--members a,b]
+                                     [--directions A__B,...] [--direction-lengths 256,...]
+                                     [--prompts 8] [--recompute 0,2]
 """
 
 from __future__ import annotations
@@ -79,9 +86,10 @@ def measure(path: Path, args) -> dict:
     return row
 
 
-def measure_direction(family: Path, name: str, args) -> dict:
-    """A translator of FAMILY/translators through a `Session` at its default setting: per
-    length, the frontier's figures on the other-domain text and chat needles."""
+def measure_direction(family: Path, name: str, args) -> list[dict]:
+    """A translator of FAMILY/translators through a `Session` at its default setting, and with
+    each of `args.recompute` first layers recomputed: per setting and length, the frontier's
+    figures on the other-domain text and chat needles."""
     from mlx_kvtrans.evaluation.frontier import GATE_TOKENS, measure_translator
     from mlx_kvtrans.session.dial import default_reread
     from mlx_kvtrans.translators import artifact
@@ -94,13 +102,14 @@ def measure_direction(family: Path, name: str, args) -> dict:
     frontier = measure_translator(path, source, target, translator, other,
                                   lengths=args.direction_lengths, rereads=[reread],
                                   prompts=args.prompts, needles=args.needles,
-                                  make=ChatNeedles(target.tokenizer))
+                                  make=ChatNeedles(target.tokenizer), recomputes=args.recompute)
     keys = ("history_recovered", "agreement", "agreement_last16", "greedy_match",
             "first_token", "kl", "recall_native", "recall_translated", "applied", "speedup")
-    return {"stage": translator.info.get("stage", 1), "sink": translator.info.get("sink"),
-            "reread": frontier.rows[0].setting.reread,
-            "lengths": {str(r.length): {k: r.to_json()[k] for k in keys}
-                        for r in frontier.rows}}
+    return [{"stage": translator.info.get("stage", 1), "sink": translator.info.get("sink"),
+             "reread": reread, "recompute": k,
+             "lengths": {str(r.length): {key: r.to_json()[key] for key in keys}
+                         for r in frontier.rows if r.setting.recompute == k}}
+            for k in args.recompute]
 
 
 def direction_bars(row: dict) -> dict:
@@ -219,12 +228,12 @@ def write_markdown(results: dict, path: Path) -> None:
                   f"({results['prompts']} windows a length) and {results['needles']} chat "
                   "needles a length. Recovered: the history's worth kept over what the last 16 "
                   "tokens give; match: greedy tokens of 32 equal to native's; recall native / "
-                  "switched.", "",
-                  "| direction | stage | sink | " + " | ".join(
+                  "switched; k: the target's first layers that read the span themselves.", "",
+                  "| direction | stage | sink | k | " + " | ".join(
                       f"recovered / first / match / recall @{n:,}" for n in shown) +
                   " | applied | speed-up @2,048 | bars missed |",
-                  "|---|---|---|" + "---|" * len(shown) + "---|---|---|"]
-        for name, row in directions.items():
+                  "|---|---|---|---|" + "---|" * len(shown) + "---|---|---|"]
+        for name, row in ((n, r) for n, rows in directions.items() for r in rows["settings"]):
             cells = []
             for n in shown:
                 r = row["lengths"].get(str(n))
@@ -236,7 +245,8 @@ def write_markdown(results: dict, path: Path) -> None:
             long = row["lengths"].get("2048")
             speedup = f"{long['speedup']:.1f}x" if long else "-"
             missed = [k for k, ok in direction_bars(row).items() if not ok]
-            lines.append(f"| {name} | {row['stage']} | {row['sink']} | " + " | ".join(cells) +
+            lines.append(f"| {name} | {row['stage']} | {row['sink']} | {row['recompute']} | " +
+                         " | ".join(cells) +
                          f" | {applied:.2f} | {speedup} | {', '.join(missed) or 'none'} |")
     path.write_text("\n".join(lines) + "\n")
 
@@ -253,6 +263,8 @@ def main() -> None:
                         help="measure these members (comma-separated); the others' figures kept")
     parser.add_argument("--direction-lengths", default="256,512,1024,2048")
     parser.add_argument("--prompts", type=int, default=8, help="text windows per length")
+    parser.add_argument("--recompute", default="0,2",
+                        help="k: the target's first layers recomputed, per measured setting")
     parser.add_argument("--directions", default=",".join(DIRECTIONS),
                         help="measure these translators of FAMILY/translators where built")
     args = parser.parse_args()
@@ -260,15 +272,16 @@ def main() -> None:
     args.ablate_lengths = [int(n) for n in args.ablate_lengths.split(",")]
     args.multi_lengths = [int(n) for n in args.multi_lengths.split(",")]
     args.direction_lengths = [int(n) for n in args.direction_lengths.split(",")]
+    args.recompute = [int(k) for k in args.recompute.split(",")]
     record_file = args.family / RECORD
     if not record_file.is_file():
         raise SystemExit(f"no family in {args.family}: build it with `kvtrans zoo real "
                          f"{args.family}`")
     started = time.perf_counter()
     cache_file = args.family / "bench.json"
-    per_direction = ("direction_lengths", "prompts", "needles")
+    per_direction = ("direction_lengths", "prompts", "recompute", "needles")
     settings = {k: v for k, v in vars(args).items()
-                if k not in ("family", "members", "directions", *per_direction[:2])}
+                if k not in ("family", "members", "directions", *per_direction[:3])}
     direction_settings = {k: getattr(args, k) for k in per_direction}
     cache = json.loads(cache_file.read_text()) if cache_file.is_file() else {}
     if cache.get("settings") != settings:
@@ -292,7 +305,7 @@ def main() -> None:
         if cache["directions"].get(name, {}).get("weights") == digest:
             continue  # measured since it was last fitted
         print(f"{name} ...", flush=True)
-        cache["directions"][name] = {**measure_direction(args.family, name, args),
+        cache["directions"][name] = {"settings": measure_direction(args.family, name, args),
                                      "weights": digest}
         cache_file.write_text(json.dumps(cache, indent=2) + "\n")
     rows = {n: cache["members"][n] for n in MEMBERS if n in cache["members"]}
@@ -302,8 +315,8 @@ def main() -> None:
                "windows": args.windows, "blas": str(blas_report()), "members": rows,
                "bars": bars(rows) if PARENT in rows else {},
                "direction_lengths": args.direction_lengths, "prompts": args.prompts,
-               "directions": {n: {**cache["directions"][n],
-                                  "bars": direction_bars(cache["directions"][n])}
+               "directions": {n: {"settings": [{**row, "bars": direction_bars(row)} for row in
+                                               cache["directions"][n]["settings"]]}
                               for n in DIRECTIONS if n in cache["directions"]},
                "minutes": round((time.perf_counter() - started) / 60, 1)}
     OUT.mkdir(exist_ok=True)

@@ -49,6 +49,8 @@ def serve(model: list[str] = typer.Option(
               help="under mlx.launch: shard every model across its processes this way (process "
                    "0 answers HTTP; every model stays resident)"),
           max_tokens: int = typer.Option(512, help="reply length when a request gives none"),
+          temp: float = typer.Option(0.0, min=0, max=2, help="sampling temperature when a "
+                                     "request gives none (0: greedy, as mlx-lm's server)"),
           max_body_bytes: str = typer.Option("8M", metavar="BYTES",
                                              help="largest request body accepted")):
     """Serve models behind OpenAI's API; a conversation moves between them without re-reading."""
@@ -60,7 +62,8 @@ def serve(model: list[str] = typer.Option(
                          translate_ahead=translate_ahead,
                          memory_budget=None if memory_budget is None else parse_bytes(memory_budget),
                          idle_unload=idle_unload, load_deadline=load_deadline,
-                         default_max_tokens=max_tokens, max_body_bytes=parse_bytes(max_body_bytes),
+                         default_max_tokens=max_tokens, temperature=temp,
+                         max_body_bytes=parse_bytes(max_body_bytes),
                          shard=shard, **dial_options(reread, fidelity, sink, recompute))
     config.check()
     if shard:

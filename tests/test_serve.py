@@ -892,3 +892,15 @@ def test_a_conversation_moves_across_tokenizers_translated_both_ways():
                 assert "552190" in reply.choices[0].message.content
             messages += [{"role": "assistant", "content": reply.choices[0].message.content},
                          {"role": "user", "content": "What was the number for pepper?"}]
+
+
+def test_a_request_without_a_temperature_is_answered_greedily_as_mlx_lm_serves(served):
+    engine, url = served
+    messages = [{"role": "user", "content": "Remember: tin is 305112. Say it back."}]
+    # a new conversation each, so neither reply is read from the other's cache
+    unset = client(url).chat.completions.create(
+        model=FULL, messages=messages, max_tokens=10,
+        extra_headers={"x-kvtrans-conversation": "unset"})
+    greedy = ask(client(url), FULL, messages, max_tokens=10, conversation="greedy")
+    assert unset.choices[0].message.content == greedy.choices[0].message.content
+    assert engine.generation(FULL, [1, 2, 3], 4).temperature == 0.0

@@ -32,6 +32,9 @@ class ServeConfig:
     # goes on, so the retry finds the model)
     load_deadline: float = 30.0
     default_max_tokens: int = 512  # a chat reply's length when the request gives none
+    # a request's temperature when it gives none: greedy, as mlx-lm's server (`--temp`), so a
+    # reply reads like the text the fidelity gate was calibrated on
+    temperature: float = 0.0
     max_body_bytes: int = 8 << 20
     reread: int | None = None  # the fidelity dial (session/dial.py): a fixed R, or
     fidelity: float | None = None  # an agreement each switch meets

@@ -211,8 +211,11 @@ class Engine:
 
     def generation(self, model: str, prompt: list[int], max_tokens: int | None,
                    **options) -> Generation:
-        """A validated request for a served model (`Generation.checked`)."""
+        """A validated request for a served model (`Generation.checked`); one that gives no
+        temperature samples at the server's."""
         self.check_model(model)
+        if options.get("temperature") is None:
+            options["temperature"] = self.config.temperature
         return Generation.checked(model, prompt, max_tokens, self.context[model],
                                   self.config.default_max_tokens, list(self.models), **options)
 
