@@ -32,12 +32,12 @@ TURNS = (4, 10)  # turns per rendered conversation
 @dataclass(frozen=True)
 class TranslatorConfig:
     lengths: tuple[int, ...] = (256, 512, 1024, 2048)  # fitting windows of every served length
-    tokens: int = 49_152  # fitting tokens, spread over the lengths
+    tokens: int = 32_768  # fitting tokens, spread over the lengths
     assign: str = "best"  # each target layer's source layer: the one that fits it best
-    distill_steps: int = 40
+    distill_steps: int = 20  # stage 2 within a few minutes a direction on 2 cores
     distill_batch: int = 4
-    distill_max_prefix: int = 1024
-    validate_every: int = 10
+    distill_max_prefix: int = 512
+    validate_every: int = 5
     gate_windows: int = WINDOWS  # held-out switches per kind and band calibrating the gate
     extra: dict = field(default_factory=dict)  # FitConfig fields beyond these
 
@@ -98,6 +98,7 @@ def build(family: Path, directions=DIRECTIONS, config: TranslatorConfig = Transl
         raise KvtransError(f"{family} lacks {', '.join(missing)}: build them first with "
                            f"`kvtrans zoo real {family}`")
     log = log or (lambda line: None)
+    family = family.resolve()  # the manifests name the models by path, from anywhere
     out, work = family / "translators", family / ".build" / "translators"
     record_file = out / RECORD
     record = json.loads(record_file.read_text()) if record_file.is_file() else {}
