@@ -227,3 +227,16 @@ def test_chat_text_renders_paragraphs_as_alternating_turns(parent):
     assert text.count("<|im_start|>user") + text.count("<|im_start|>assistant") == 30
     assert text.index("Paragraph 0.") < text.index("Paragraph 1.") < text.index("Paragraph 29.")
     assert "<|im_start|>assistant\nParagraph 1." in text
+
+
+def test_zoo_real_translators_refuses_what_it_cannot_fit(tmp_path):
+    runner = CliRunner()
+    result = runner.invoke(cli, ["zoo", "real-translators", str(tmp_path), "--direction",
+                                 "smollm2__smollm3"])
+    assert result.exit_code == 2 and "choose among" in result.output
+    result = runner.invoke(cli, ["zoo", "real-translators", str(tmp_path / "none")])
+    assert result.exit_code == 2 and "is not a directory" in result.output
+    result = runner.invoke(cli, ["zoo", "real-translators", str(tmp_path), "--direction",
+                                 f"{PARENT}__{SIBLING}"])
+    assert result.exit_code == 2 and "build them first" in result.output
+    assert not (tmp_path / "translators").exists()  # nothing written
