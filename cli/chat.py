@@ -37,7 +37,7 @@ def chat(source: str = typer.Option("kimi-linear", "--from", help="the model tha
          reread: int = typer.Option(None, help=REREAD_HELP),
          fidelity: float = typer.Option(None, help=FIDELITY_HELP),
          sink: int = typer.Option(None, min=0, help=SINK_HELP),
-         recompute: int = typer.Option(0, min=0, help=RECOMPUTE_HELP),
+         recompute: int = typer.Option(None, min=0, help=RECOMPUTE_HELP),
          max_tokens: int = typer.Option(200, help="longest reply"),
          translate_ahead: bool = typer.Option(
              True, "--translate-ahead/--no-translate-ahead",

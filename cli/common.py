@@ -138,11 +138,12 @@ SINK_HELP = ("the conversation's first tokens, which a model given it from its s
 
 
 RECOMPUTE_HELP = ("the target's first layers that read a translated span themselves "
-                  "(DroidSpeak: the target's own caches there, at that share of a re-read)")
+                  "(DroidSpeak: the target's own caches there, at that share of a re-read; "
+                  "default: as the dial's setting has it, 0 without a measured frontier)")
 
 
 def dial_options(reread: int | None, fidelity: float | None, sink: int | None = None,
-                 recompute: int = 0) -> dict:
+                 recompute: int | None = None) -> dict:
     """--reread / --fidelity (one of them at most), --sink and --recompute as Session
     options."""
     from mlx_kvtrans.session import dial

@@ -43,7 +43,7 @@ def serve(model: list[str] = typer.Option(
           reread: int = typer.Option(None, help=REREAD_HELP),
           fidelity: float = typer.Option(None, help=FIDELITY_HELP),
           sink: int = typer.Option(None, min=0, help=SINK_HELP),
-          recompute: int = typer.Option(0, min=0, help=RECOMPUTE_HELP),
+          recompute: int = typer.Option(None, min=0, help=RECOMPUTE_HELP),
           shard: str = typer.Option(
               None, metavar="tensor|pipeline",
               help="under mlx.launch: shard every model across its processes this way (process "

@@ -178,3 +178,26 @@ def test_snapshots_stay_few_and_every_r_still_finds_one(zoo):
     status = s.switch("b")
     assert status.status == "applied" and status.reread == 128, status
     assert 128 <= status.tokens_read <= 256
+
+
+def test_the_default_setting_carries_the_recomputed_layers_its_frontier_chose():
+    from mlx_kvtrans.translators.frontier import Frontier, Row, Setting
+
+    def row(reread, recompute, agreement, speedup):
+        return Row(length=192, setting=Setting(reread, recompute), windows=4,
+                   agreement=agreement, agreement_last16=0.5, agreement_native=1.0,
+                   history_recovered=None, greedy_match=0, greedy_exact=0, first_token=1,
+                   kl=0, needles=0, recall_native=None, recall_translated=None,
+                   reprefill_s=speedup, switch_s=1.0)
+
+    class Tr:
+        info = {"fit": {"length": 96}}
+        frontier = Frontier("t", "a", "b", 96, [row(8, 0, 0.80, 10.0), row(8, 2, 0.93, 6.0),
+                                                row(32, 0, 0.95, 3.0)])
+
+    choice, _ = dial.choose(Tr, 150, None, None)
+    assert (choice.reread, choice.recompute) == (8, 2)  # the cheapest that reaches 0.9
+    fixed, _ = dial.choose(Tr, 150, None, None, recompute=0)
+    assert (fixed.reread, fixed.recompute) == (32, 0)  # k fixed: R rises instead
+    asked, _ = dial.choose(Tr, 150, None, 0.9)
+    assert (asked.reread, asked.recompute) == (8, 2)

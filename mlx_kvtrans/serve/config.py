@@ -40,7 +40,8 @@ class ServeConfig:
     fidelity: float | None = None  # an agreement each switch meets
     sink: int | None = None  # first tokens a model given a conversation from its start reads
     # itself; None: each translator's measured sink
-    recompute: int = 0  # the target's first layers that read a translated span themselves
+    recompute: int | None = None  # the target's first layers that read a translated span
+    # themselves; None: as the dial's setting has it
     shard: str | None = None  # under mlx.launch: "tensor" or "pipeline" (sharding.py)
 
     def check(self) -> None:

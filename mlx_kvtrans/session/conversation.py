@@ -47,14 +47,15 @@ class Session:
     reading's tail follows more native tokens), which lets more lost needles through
     (`benchmarks/results/escalation.md`); off by default. `recompute`: k, the target's first
     layers that read the translated span themselves (DroidSpeak; `install.recompute_first_layers`),
-    the rest translated; 0 by default.
+    the rest translated; None: as the dial's setting has it (0 without a frontier that measured
+    k).
     """
 
     def __init__(self, models: dict, translators: dict | None = None, active: str | None = None,
                  strategy: str = "segment", refresh_every: int = 4, max_context: int | None = None,
                  gate_tokens: int = gate.GATE_TOKENS, reread: int | None = None,
                  fidelity: float | None = None, sink: int | None = None, groups: dict | None = None,
-                 escalate: bool = False, recompute: int = 0):
+                 escalate: bool = False, recompute: int | None = None):
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}")
         if gate_tokens < 0:
@@ -78,7 +79,7 @@ class Session:
         self.max_context = max_context
         if sink is not None and sink < 0:
             raise ValueError("sink must be 0 or more")
-        if recompute < 0:
+        if recompute is not None and recompute < 0:
             raise ValueError("recompute must be 0 or more")
         self.recompute = recompute
         self.gate_tokens, self.sink = gate_tokens, sink

@@ -96,7 +96,8 @@ def hand_over(session: Session, source: str, target: str, reread: bool = True,
                                                "has not seen", read=reread)
         else:
             # the frontier's L counts the token the target reads next: n + 1
-            choice, why = dial.choose(translator, n + 1, session.reread, session.fidelity)
+            choice, why = dial.choose(translator, n + 1, session.reread, session.fidelity,
+                                      session.recompute)
             if choice is None:
                 _fallback(session, tgt, n, status, why, read=reread)
             else:
@@ -104,7 +105,7 @@ def hand_over(session: Session, source: str, target: str, reread: bool = True,
                 status.expected_agreement = choice.expected_agreement
                 status.expected_speedup = choice.expected_speedup
                 _translate_and_gate(session, translator, src, tgt, start, n, status,
-                                    choice.reread, reread, session.escalate)
+                                    choice.reread, reread, session.escalate, choice.recompute)
     status.translate_seconds = time.perf_counter() - started
     return status
 
@@ -131,7 +132,8 @@ def handoff_point(translator, src: CacheLine, start: int, n: int, r: int,
 
 def _translate_and_gate(session: Session, translator, src: CacheLine, tgt: CacheLine,
                         start: int, n: int, status: SwitchStatus, reread: int = 0,
-                        read_fallback: bool = True, escalate: bool = True) -> None:
+                        read_fallback: bool = True, escalate: bool = True,
+                        recompute: int = 0) -> None:
     """Translate [start, C), let the target read [C, n), and let the gate judge its last
     tokens: over its threshold, the target reads more of the span itself (`dial.escalated`,
     once, if `escalate`), else re-reads [start, n) instead (`read_fallback`)."""
@@ -147,7 +149,7 @@ def _translate_and_gate(session: Session, translator, src: CacheLine, tgt: Cache
         start = status.tokens_sink = sink
     before = None if tgt.cache is None or start == 0 else fixed_slots(tgt.cache)
     if handoff > start:
-        own = _own_layers(session, tgt, start)
+        own = _own_layers(tgt, start, recompute)
         try:
             _translate(session, translator, src, tgt, start, handoff, status)
             if own:
@@ -216,13 +218,13 @@ def _translate_and_gate(session: Session, translator, src: CacheLine, tgt: Cache
                                     f"{reading.gap:+.2f}, threshold {threshold:.2f}): "
                                     f"R = {wider}")
             first_seconds = status.gate_seconds
-            expected = dial.expecting(translator, wider, n + 1)
+            expected = dial.expecting(translator, wider, n + 1, recompute)
             status.reread, status.expected_agreement, status.expected_speedup = (
                 wider, expected.expected_agreement, expected.expected_speedup)
             status.gate_gap = status.gate_threshold = status.gate_agreement = None
             status.gate_tokens = 0  # the second reading's, or none
             _translate_and_gate(session, translator, src, tgt, start, n, status, wider,
-                                read_fallback, escalate=False)
+                                read_fallback, escalate=False, recompute=recompute)
             status.gate_seconds += first_seconds
             return
         _fallback(session, tgt, n, status, f"fidelity gate: the target's NLL on the last "
@@ -232,13 +234,13 @@ def _translate_and_gate(session: Session, translator, src: CacheLine, tgt: Cache
                   read=read_fallback)
 
 
-def _own_layers(session: Session, tgt: CacheLine, start: int) -> list:
-    """The caches of the target's first `session.recompute` layers before the span (copies,
-    or fresh ones where the span starts the target's cache), which it then reads itself; none
-    on a sharded target, whose layers live in several processes."""
+def _own_layers(tgt: CacheLine, start: int, recompute: int) -> list:
+    """The caches of the target's first `recompute` layers before the span (copies, or fresh
+    ones where the span starts the target's cache), which it then reads itself; none on a
+    sharded target, whose layers live in several processes."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    k = min(session.recompute, len(tgt.layout.layers))
+    k = min(recompute, len(tgt.layout.layers))
     if k == 0 or tgt.shards is not None:
         return []
     if start == 0 or tgt.cache is None:
