@@ -391,13 +391,16 @@ def _frontier_table(frontier, prompts: int, needles: int) -> FitTable:
                          "native, the share native itself nearly ties; match: greedy tokens equal "
                          "to native's; "
                          "1st: first token; KL: nats/token; recall: native/switched; applied: "
-                         "switches the gate let stand; x: speed-up over re-prefill"),
+                         "switches the gate let stand; x: speed-up over re-prefill; R kK: K "
+                         "first layers recomputed"),
                      caption_justify="left")
     for col in ("L", "R", "agree", "floor", "kept", "ties", "match", "1st", "KL", "recall",
                 "applied", "x"):
         table.add_column(col, right=True)
-    for r in frontier.rows:
-        table.add_row(f"{r.length:,}", str(r.setting.reread), f"{r.agreement:.3f}",
+    for r in frontier.rows:  # R, and k where layers were recomputed: "8 k2"
+        table.add_row(f"{r.length:,}", str(r.setting.reread) + (
+                          f" k{r.setting.recompute}" if r.setting.recompute else ""),
+                      f"{r.agreement:.3f}",
                       f"{r.agreement_last16:.3f}", cell(r.history_recovered, ".2f"),
                       cell(r.near_ties, ".2f"), f"{r.greedy_match:.1f}", f"{r.first_token:.2f}",
                       f"{r.kl:.4f}",
