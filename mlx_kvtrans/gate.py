@@ -146,7 +146,7 @@ def compare_across(source_model, source: Tail | None, source_tokens: list[int],
     """The gap between two models that tokenize differently, over the text of the target's
     tokens predicted from rows [start, stop), cut to places where both split: each model's NLL
     of its own tokens of that text, summed, the difference per target token. `*_ends`: the
-    character where each token ends (`session.views`). None when the tails share no such
+    character where each token ends (`alignment.Views`). None when the tails share no such
     text."""
     if source is None or target is None:
         return None

@@ -148,7 +148,7 @@ def both_ways(pair):
 
 
 def test_views_keep_every_tokenizer_on_the_same_text_and_map_at_common_splits(pair):
-    from mlx_kvtrans.session.views import Views
+    from mlx_kvtrans.alignment import Views
 
     _, _, coarse, fine = pair
     views = Views({"coarse": coarse, "fine": fine})
@@ -220,7 +220,7 @@ def test_a_conversation_across_tokenizers_moves_both_ways_and_stays_in_step(pair
             assert status.gate == "uncalibrated" and status.gate_gap is not None
     # every view is the same text; each line read its own view up to its last hand-over
     a, b = (session.view(n) for n in "ab")
-    from mlx_kvtrans.session.views import decode
+    from mlx_kvtrans.alignment import decode
     assert decode(coarse, a) == decode(fine, b)
     for name in "ab":
         line = session.lines[name]
@@ -247,7 +247,7 @@ def test_the_frontier_switches_across_tokenizers_as_a_session_does(pair, both_wa
 
 
 def test_views_cut_at_a_place_every_tokenizer_splits_and_copy_apart(pair):
-    from mlx_kvtrans.session.views import Views
+    from mlx_kvtrans.alignment import Views
 
     _, _, coarse, fine = pair
     views = Views({"coarse": coarse, "fine": fine})
@@ -266,7 +266,7 @@ def test_views_cut_at_a_place_every_tokenizer_splits_and_copy_apart(pair):
 
 
 def test_conversation_groups_join_tokenizers_a_translator_crosses(pair, both_ways):
-    from mlx_kvtrans.session.views import conversation_groups
+    from mlx_kvtrans.alignment import conversation_groups
 
     source, target, coarse, fine = pair
     models = {"a": loaded("a", source, coarse), "b": loaded("b", target, fine),
@@ -279,7 +279,7 @@ def test_conversation_groups_join_tokenizers_a_translator_crosses(pair, both_way
 def test_a_models_own_split_of_its_reply_ends_where_its_prefixes_decode(pair):
     """A reply's tokens that its tokenizer would merge, a character's bytes split between two
     of them: each token ends where the decoded prefix up to it ends."""
-    from mlx_kvtrans.session.views import decode, own_ends
+    from mlx_kvtrans.alignment import decode, own_ends
 
     _, _, coarse, _ = pair
     word = max((TEXT[a:b] for a, b in char_spans(coarse, TEXT)[1]), key=len)

@@ -474,7 +474,7 @@ def test_recorded_objects_equal_a_plain_capture_of_the_same_tokens(loaded, famil
     """A turn's prefill (generate_step's chunks) and decode steps record what one plain
     capture of the same tokens gives, recurrence inputs included."""
     from mlx_kvtrans.session import RECORD_POINTS
-    from mlx_kvtrans.session.line import join_recorded
+    from mlx_kvtrans.capture import join_recorded
 
     lm, other = loaded(family), loaded("qwen3")
     probe = capture(lm.model, [1, 2], points=RECORD_POINTS)

@@ -126,6 +126,13 @@ def test_no_import_cycles():
     assert not _cycles(_graph())
 
 
+def test_translators_never_import_the_session():
+    """What a translator is and does sits below the session that runs switches with it."""
+    upward = {m: sorted(t for t in targets if t.startswith("mlx_kvtrans.session"))
+              for m, targets in _graph().items() if m.startswith("mlx_kvtrans.translators")}
+    assert not {m: t for m, t in upward.items() if t}
+
+
 def test_cycle_check_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 

@@ -176,3 +176,43 @@ def capture(model: nn.Module, tokens, points=tuple(CapturePoint), chunk_size: in
                 if select is None or (index, name, CapturePoint.ENGINE) in select:
                     found[(name, CapturePoint.ENGINE)] = value
     return Capture(layout, tokens, objects, engine, logits[:, -1])
+
+
+def join_recorded(parts: list[Capture], start: int, stop: int, base: int) -> list[dict]:
+    """Per layer, (name, point) -> objects of conversation tokens [start, stop), for the objects
+    every part recorded (a translated span holds what its translator produced); `base`: the
+    conversation position of the first part."""
+    layers = [{} for _ in parts[0].objects]
+    spanned = 0
+    for part, offset in zip(parts, offsets(parts, base)):
+        lo, hi = max(start, offset) - offset, min(stop, offset + part.tokens.shape[1]) - offset
+        if hi <= lo:
+            continue
+        spanned += 1
+        for layer, found in zip(layers, part.objects):
+            for key, value in found.items():
+                if key[1] == CapturePoint.ENGINE:
+                    continue
+                piece = value.slice(lo, hi) if isinstance(value, RecurrentInputs) \
+                    else value[:, lo:hi]
+                layer.setdefault(key, []).append(piece)
+    joined = []
+    for layer in layers:
+        out = {}
+        for key, pieces in layer.items():
+            if len(pieces) != spanned:
+                continue  # some part of the span lacks it
+            out[key] = (RecurrentInputs.concatenate(pieces)
+                        if isinstance(pieces[0], RecurrentInputs)
+                        else mx.concatenate(pieces, axis=1))
+        joined.append(out)
+    return joined
+
+
+def offsets(parts: list[Capture], base: int) -> list[int]:
+    """The conversation position of each recorded part's first token."""
+    out, offset = [], base
+    for part in parts:
+        out.append(offset)
+        offset += part.tokens.shape[1]
+    return out

@@ -150,7 +150,7 @@ class SessionSwitch(Switch):
 
     def __init__(self, translator, source, target, gate_tokens: int | None = None,
                  sink: int | None = None, escalate: bool = False):
-        from ..session.views import tokenizer_groups
+        from ..alignment import tokenizer_groups
 
         across = len(set(tokenizer_groups({"s": source, "t": target}).values())) > 1
         super().__init__(translator, source.model, target.model,

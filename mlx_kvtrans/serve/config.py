@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from ..errors import KvtransError
 from ..session import dial
-from ..session.views import tokenizer_groups
+from ..alignment import tokenizer_groups
 
 DEFAULT_MODELS = ("kimi-linear", "kimi-vl")
 DEFAULT_CONTEXT = 32768  # for a config that does not say how long its context is

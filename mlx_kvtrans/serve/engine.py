@@ -25,7 +25,7 @@ import mlx.core as mx
 from ..errors import KvtransError
 from ..models import vocabulary_rows
 from ..session import Outcome, Session, SwitchStatus
-from ..session.views import conversation_groups, tokenizer_groups
+from ..alignment import conversation_groups, tokenizer_groups
 from .config import ServeConfig, context_length, find_translators, load_models
 from .batching import Batches, Decoding
 from .compute import ComputeThread

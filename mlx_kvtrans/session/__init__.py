@@ -9,8 +9,8 @@ that the chat, the benchmark, the server and the tests all read.
 - `decode.py`: reading and decoding through mlx-lm, recording as the model goes;
 - `handover.py`: `hand_over`, the switch (translation, the fidelity gate, visible fallbacks);
 - `status.py`: `SwitchStatus` and its str-valued enums;
-- `conversation.py`: `Session`, which holds the conversation and decides what is recorded;
-- `views.py`: the conversation as each tokenizer reads it, for models that tokenize differently.
+- `conversation.py`: `Session`, which holds the conversation and decides what is recorded
+  (across tokenizers, as each tokenizer reads it: `alignment.Views`).
 """
 
 from .conversation import STRATEGIES, Session

@@ -22,7 +22,7 @@ from . import decode, dial
 from .handover import hand_over
 from .line import CacheLine, capture_bytes, fixed_slots
 from .status import Outcome, SwitchStatus
-from .views import Views, tokenizer_groups
+from ..alignment import Views, tokenizer_groups
 
 STRATEGIES = ("segment", "naive", "refresh")
 

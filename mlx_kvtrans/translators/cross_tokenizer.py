@@ -68,7 +68,7 @@ def aligned_ids(source_tokenizer, target_tokenizer, target_ids: list[int], how: 
                 ) -> AlignedText:
     """A text given as the target's tokens `target_ids` (a prompt, a fitting window): the
     source's tokens of its text, and their pooling onto `target_ids`."""
-    from ..session.views import Views
+    from ..alignment import Views
 
     views = Views({"source": source_tokenizer, "target": target_tokenizer})
     views.tokens["target"].extend(target_ids)

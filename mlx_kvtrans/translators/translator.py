@@ -14,7 +14,7 @@ from typing import Any, Collection
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..capture import Capture
+from ..capture import Capture, join_recorded
 from ..errors import KvtransError
 from ..layouts import CapturePoint, ModelLayout, layout_of
 from ..models import input_embedding
@@ -231,8 +231,6 @@ def translate_cache(translator: Translator, source_model, target_model, tokens,
 def after(source: Capture, start: int) -> Capture:
     """What `source` captured of its tokens from `start` on: the per-token objects from there,
     the engine objects (where the prefill ended) as they are."""
-    from ..session.line import join_recorded
-
     span = Capture(source.layout, source.tokens[:, start:],
                    join_recorded([source], start, source.tokens.shape[1], 0), source.engine)
     for found, whole in zip(span.objects, source.objects):
