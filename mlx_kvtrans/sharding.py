@@ -25,7 +25,6 @@ from mlx.utils import tree_flatten
 
 from .capture import Capture, capture
 from .errors import UnsupportedModelError
-from .install import NotFinite, all_finite, install, to_engine
 from .layouts import CapturePoint, ModelLayout, layout_of
 from .layouts.linear_attention import RawRecurrentInputs, RecurrentInputs
 
@@ -219,46 +218,6 @@ def _skeleton(model: nn.Module) -> nn.Module:
     skeleton.load_weights(lent, strict=False)
     skeleton.eval()
     return skeleton
-
-
-def translate_into(translator, source, target_model, tokens, offset: int = 0,
-                   cache: list | None = None, all_rows: bool = False, finite: bool = False
-                   ) -> tuple[list[dict], list[dict], list]:
-    """Translate `source` (a capture of the tokens from `offset` on) and install it for
-    `target_model`, whole or sharded: (the translated objects, their capture points, the
-    caches: fresh ones, or `cache` grown in place). For a sharded target the objects are the
-    whole model's layers this process holds (the others empty) and the caches its share;
-    `finite` raises `NotFinite` on every process when any process's share is not."""
-    shards = shards_of(target_model)
-    if shards is None:
-        layout = layout_of(target_model)
-        objects, points = translator.translate(source, target_model, layout, tokens,
-                                               all_rows=all_rows)
-        return objects, points, install(layout, objects, points, offset=offset, cache=cache,
-                                        finite=finite)
-    failed = None
-    try:
-        objects, points = translator.translate(source, shards.skeleton, shards.whole, tokens,
-                                               all_rows=all_rows, layers=shards.layers)
-        held = shards.held()
-        previous = None
-        if cache is not None and shards.kind == "pipeline":  # its layers' states are whole
-            previous = [layer.cache.read_engine(c) for layer, c in zip(held.layers, cache)]
-        engine = shards.split(to_engine(held, [objects[i] for i in shards.layers],
-                                        [points[i] for i in shards.layers], offset, previous))
-    except ValueError as e:  # the span lacks what this process's layers read
-        failed = e
-    # one verdict for all: a process that fell back alone would leave the others waiting
-    flags = mx.distributed.all_sum(
-        mx.array([float(failed is not None),
-                  float(failed is None and finite and not all_finite(engine))]),
-        group=shards.group, stream=mx.cpu).tolist()
-    if flags[0]:
-        raise failed or ValueError("another process could not translate its layers")
-    if flags[1]:
-        raise NotFinite("objects to install are not finite")
-    return objects, points, install(shards.local, engine, CapturePoint.ENGINE, offset=offset,
-                                    cache=cache)
 
 
 def _from_owners(mine: dict, group) -> dict:

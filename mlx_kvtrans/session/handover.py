@@ -47,8 +47,7 @@ import mlx.core as mx
 
 from .. import gate
 from ..capture import PREFILL_CHUNK, Capture
-from ..install import NotFinite, recompute_first_layers
-from ..sharding import translate_into
+from ..install import NotFinite, recompute_first_layers, translate_into
 from ..translators.cross_tokenizer import AlignedText, pooling, realigned
 from ..errors import KvtransError
 from ..layouts import CapturePoint, ObjectKind

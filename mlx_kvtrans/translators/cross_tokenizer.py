@@ -176,7 +176,7 @@ def translate_text(translator, source_model, target_model, text: AlignedText) ->
 def translate_captured(translator, source: Capture, target_model, text: AlignedText) -> list:
     """The target's caches of `text` from `source`, the source's capture of it (what a switch
     does once the source has read the text)."""
-    from ..sharding import translate_into
+    from ..install import translate_into
 
     fitted = translator.info.get("alignment", {}).get("pooling", text.how)
     if fitted != text.how:
