@@ -343,7 +343,7 @@ class Engine:
         if (session.view(job.model) == job.prompt and line.seen == len(job.prompt) - 1
                 and self.residency.is_resident(job.model)):
             try:
-                session.active = job.model
+                session.activate(job.model)
                 session.add(reply)
                 session.read(line, len(session.tokens) - 1, generated=entry.sampled(job.model))
             except Exception:  # the entry, half-written, is not put back
@@ -359,18 +359,18 @@ class Engine:
         # what was given to this model's line ahead, between turns, came from the hand-over
         handoff.tokens_reused = max(0, match.own - session.given_ahead(model))
         if match.holder == model or match.position <= match.own:
-            came_from, session.active = session.active, model
+            came_from = session.active
+            session.activate(model)
             # a conversation translated to this model ahead, between turns: its hand-over
             ahead = session.joined(model) if came_from != model and match.own else None
             if ahead is None:
-                session.prepared.pop(model, None)
-                session.refused.pop(model, None)
+                session.forget_ahead(model)
                 handoff.status = HandoffStatus.REUSED if match.own else HandoffStatus.NONE
                 return
             status = ahead
             handoff.source_model = came_from
         else:
-            session.active = match.holder
+            session.activate(match.holder)
             try:
                 status = session.switch(model)
             except Exception as e:  # the translator itself failed: re-read instead, visibly
@@ -438,7 +438,8 @@ class Engine:
                 or not self.store.take(entry)):
             return
         try:
-            if (session.active, len(session.tokens)) != moment or target not in session.refused:
+            refused = session.re_reading_ahead(target)
+            if (session.active, len(session.tokens)) != moment or refused is None:
                 return
             line = session.lines[target]
             end = session.mapped(session.active, session.lines[session.active].seen, target)
@@ -446,7 +447,7 @@ class Engine:
             if line.seen < end:
                 session.read(line, min(end, line.seen + part))
             took = time.perf_counter() - started
-            session.refused[target][0].translate_seconds += took
+            refused.translate_seconds += took
             if line.seen < end:
                 paced = int(part * IDLE_PART_SECONDS / max(took, 1e-3))
                 self._worker.submit_idle(self._read_ahead, entry, target, moment,
@@ -463,7 +464,7 @@ class Engine:
         session = entry.session
         source = session.active
         entry.drop(model)  # the failed switch may have written part of it
-        session.active = model
+        session.activate(model)
         session.refresh(model)
         return SwitchStatus(source, model, Outcome.FALLBACK_REPREFILL, reason,
                             tokens_reprefilled=len(session.tokens),

@@ -21,7 +21,7 @@ from __future__ import annotations
 import copy
 import itertools
 import threading
-from dataclasses import dataclass, replace, field
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -116,9 +116,8 @@ class Entry:
         keep = self.usable(name, limit)
         if keep == line.seen:
             return
-        if keep <= self.session.prepared_from.get(name, 0):  # none of what was given ahead
-            self.session.prepared.pop(name, None)
-        self.session.refused.pop(name, None)  # what it re-read ahead is cut: judge again
+        # what it re-read ahead is cut (judge again), and what it was given ahead if cut into
+        self.session.forget_ahead(name, self.session.forgets_ahead_at(name, keep))
         if keep == 0:
             self.drop(name)
             return
@@ -150,8 +149,7 @@ class Entry:
     def drop(self, name: str) -> None:
         self.sizes.pop(name, None)
         self.session.lines[name].reset()
-        self.session.prepared.pop(name, None)
-        self.session.refused.pop(name, None)
+        self.session.forget_ahead(name)
         self.checkpoints.pop(name, None)
         self.marks.pop(name, None)
 
@@ -172,7 +170,7 @@ class Entry:
         never written into, so the copy shares them."""
         twin = Entry(new_id, self.group, session, self.conversation, reply=self.reply)
         session.views = self.session.views.copy()
-        session.active = self.session.active
+        session.activate(self.session.active)
         for name, line in self.session.lines.items():
             if self.usable(name, self.limit_for(name, model, limit)) == 0:
                 continue
@@ -184,11 +182,7 @@ class Entry:
             twin.checkpoints[name] = dict(self.checkpoints.get(name, {}))
             twin.marks[name] = dict(self.marks.get(name, {}))
             twin.used[name] = self.used.get(name, 0)
-            if name in self.session.prepared:  # a line translated ahead, in either copy
-                session.prepared[name] = self.session.prepared[name]
-            if name in self.session.refused:  # and one being re-read ahead (its own counts)
-                status, began = self.session.refused[name]
-                session.refused[name] = (replace(status), began)
+            session.adopt_ahead(self.session, name)  # translated or re-read ahead
         return twin
 
 
@@ -238,7 +232,7 @@ class ConversationStore:
                 within = min(common_prefix(entry.session.view(model), prompt), limit)
                 # a line translated ahead serves the model it was made for, not a way back
                 holds = {name: entry.held(name, model, within) for name in entry.live()
-                         if name == model or name not in entry.session.prepared}
+                         if name == model or not entry.session.handed_ahead(name)}
                 holder = max(holds, key=lambda n: (holds[n], n == model), default=None)
                 if holder is None or holds[holder] == 0:
                     continue

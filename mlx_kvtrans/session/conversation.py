@@ -339,6 +339,45 @@ class Session:
                 self.prepared_from[target] = began
             self.prepared[target] = status
 
+    def forget_ahead(self, target: str, translated: bool = True) -> None:
+        """What was handed to `target` ahead no longer holds (its line was cut, reset or moved
+        past it): the re-read being made ahead is dropped, and with `translated` the hand-over
+        made ahead too."""
+        if translated:
+            self.prepared.pop(target, None)
+        self.refused.pop(target, None)
+
+    def forgets_ahead_at(self, target: str, keep: int) -> bool:
+        """Whether cutting `target`'s line to `keep` tokens cuts into its hand-over made
+        ahead."""
+        return keep <= self.prepared_from.get(target, 0)
+
+    def handed_ahead(self, target: str) -> bool:
+        """Whether `target`'s line holds a hand-over made ahead, not yet switched to."""
+        return target in self.prepared
+
+    def re_reading_ahead(self, target: str) -> SwitchStatus | None:
+        """The refused hand-over to `target` whose re-read the caller is making ahead."""
+        return self.refused[target][0] if target in self.refused else None
+
+    def activate(self, name: str) -> None:
+        """Make `name` the model that reads and answers next, as it stands (no hand-over)."""
+        if name not in self.lines:
+            raise ValueError(f"unknown model {name!r}")
+        self.active = name
+
+    def adopt_ahead(self, other: "Session", target: str) -> None:
+        """Take `other`'s hand-overs to `target` made ahead, as a copy of its lines does (the
+        re-read's status copied: each copy counts its own)."""
+        from dataclasses import replace
+
+        if target in other.prepared:
+            self.prepared[target] = other.prepared[target]
+            self.prepared_from[target] = other.prepared_from.get(target, 0)
+        if target in other.refused:
+            status, began = other.refused[target]
+            self.refused[target] = (replace(status), began)
+
     def given_ahead(self, target: str) -> int:
         """Tokens of `target`'s line that hand-overs made ahead gave it (translated, read or
         re-read): what a switch reports as handed over, not as the line's own."""
@@ -393,8 +432,7 @@ class Session:
         """Re-prefill a model's cache line from the conversation (on request)."""
         self._finish_turn()
         line = self.lines[name or self.active]
-        self.prepared.pop(line.name, None)
-        self.refused.pop(line.name, None)
+        self.forget_ahead(line.name)
         line.reset()
         active = self.lines[self.active]
         self.read(line, self.mapped(active.name, active.seen, line.name)
