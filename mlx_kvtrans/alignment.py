@@ -15,13 +15,13 @@ next (the bytes of one character) stays in the next one's group.
 
 The conversation as each tokenizer reads it (`Views`), for a session whose models tokenize
 differently: such a session keeps the conversation as text and, per tokenizer, a view: that
-tokenizer's tokens of the text and the character where each token's text ends. A piece of text added to
-the conversation (a user turn, a template's markup) is tokenized by every tokenizer; tokens a
-model appends to its own view (its reply) are decoded to text, which the other tokenizers read
-when their view is next asked for. Pieces are tokenized one by one, so every piece's end is a
-place where all views split: a switch hands over whole alignment groups (`align`:
-the fewest tokens of each side covering the same characters), up to the last place both views
-split within what the source has read.
+tokenizer's tokens of the text and the character where each token's text ends. A piece of text
+added to the conversation (a user turn, a template's markup) is tokenized by every tokenizer;
+tokens a model appends to its own view (its reply) are decoded to text, which the other
+tokenizers read when their view is next asked for. Pieces are tokenized one by one, so every
+piece's end is a place where all views split: a switch hands over whole alignment groups
+(`align`: the fewest tokens of each side covering the same characters), up to the last place
+both views split within what the source has read.
 
 A model's own tokens of its reply need not be what its tokenizer would make of the reply's
 text; their character ends then come from decoding them piece by piece (`own_ends`).

@@ -249,7 +249,7 @@ class Chat:
         the last turn's few tokens left to give. A translation the gate refuses is not re-read
         ahead: the prompt comes back at once, and only a /switch pays for the re-read."""
         active = self.session.active
-        done = [self.session.prepare(t, reread=False) for t in self.session.lines
+        done = [self.session.prepare(t, read_fallback=False) for t in self.session.lines
                 if t != active and (active, t) in self.session.translators]
         for status in done:
             self.transcript.add("prepared", **asdict(status))

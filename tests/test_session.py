@@ -108,7 +108,7 @@ def test_translating_ahead_is_the_switch_made_early(kimi_pair):
 
 def test_translating_ahead_without_reread_leaves_a_refused_translation_to_the_switch(
         kimi_pair, monkeypatch):
-    """`prepare(target, reread=False)`: a translation the gate refuses reads nothing and is not
+    """`prepare(target, read_fallback=False)`: a translation the gate refuses reads nothing and is not
     kept; the target's line is as it was. What the caller re-reads of it in its own time, and
     the rest that the switch re-reads without translating again, make one hand-over."""
     from mlx_kvtrans import gate
@@ -126,7 +126,7 @@ def test_translating_ahead_without_reread_leaves_a_refused_translation_to_the_sw
         s = session_for(kimi_pair, sink=sink)
         s.add(list(range(60, 110)))
         list(s.generate(5))
-        early = s.prepare(b.name, reread=False)
+        early = s.prepare(b.name, read_fallback=False)
         assert early.status == "fallback_reprefill" and "fidelity gate" in early.reason
         assert early.tokens_reprefilled == len(s.tokens) - 1 - sink  # what is left to read
         assert s.lines[b.name].seen == sink and not s.prepared  # the sink it read stays

@@ -411,7 +411,7 @@ class Engine:
                 if self.queue_depth:  # a request waits: it goes first
                     break
                 try:
-                    status = session.prepare(target, reread=False)
+                    status = session.prepare(target, read_fallback=False)
                 except Exception as e:  # as a failed switch: re-read (ahead), and say why
                     logging.getLogger(__name__).exception("translating ahead failed")
                     entry.drop(target)  # the failed switch may have written part of it

@@ -290,20 +290,20 @@ class Session:
         self._turn = weakref.ref(turn)
         return turn
 
-    def prepare(self, target: str, reread: bool = True) -> SwitchStatus:
+    def prepare(self, target: str, read_fallback: bool = True) -> SwitchStatus:
         """Translate ahead: give `target` what the active model has read, as a switch would
         (translated, judged by the gate, or re-read), without making it active; for the idle
         time between turns, when the next model is known or likely. A later `switch(target)`
-        gives only what came since. `reread=False`: a hand-over that falls back reads nothing
-        and is not kept; the caller may read the target's line on (`read`) in its own time and
-        keep the status then (`keep_ahead`)."""
+        gives only what came since. `read_fallback=False`: a hand-over that falls back reads
+        nothing and is not kept; the caller may read the target's line on (`read`) in its own
+        time and keep the status then (`keep_ahead`)."""
         if target not in self.lines:
             raise ValueError(f"unknown model {target!r}")
         self._finish_turn()
         # the source's recorded spans stay until a switch: a line filled ahead may be evicted
         began = self.lines[target].seen
-        status = hand_over(self, self.active, target, reread=reread)
-        if reread or status.status != Outcome.FALLBACK_REPREFILL:
+        status = hand_over(self, self.active, target, read_fallback=read_fallback)
+        if read_fallback or status.status != Outcome.FALLBACK_REPREFILL:
             self.keep_ahead(target, status, began)
         else:
             self.refuse(target, status, began)

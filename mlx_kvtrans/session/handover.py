@@ -16,9 +16,10 @@ comes from the final-norm rows every model keeps of the last tokens it read (`Ca
 A translator that copies the source's recurrent state needs that state where the translation
 stops, so the translation stops at one of the source's state snapshots.
 
-The attention sink (`Session(sink=s)`, by default what the translator's fit measured): a pretrained model's attention rests much of its weight
-on the first tokens of its context (StreamingLLM), where its keys and values are least like any
-other position's, so a token-wise map errs most there. A target that receives the conversation
+The attention sink (`Session(sink=s)`, by default what the translator's fit measured): a
+pretrained model's attention rests much of its weight on the first tokens of its context
+(StreamingLLM), where its keys and values are least like any other position's, so a token-wise
+map errs most there. A target that receives the conversation
 from its start then reads its first s tokens itself (exact, and s tokens' prefill: they see
 nothing before them), and the translation covers the rest. The zoo's small models have no sink
 (their fits record s = 0); a real pretrained pair does (`benchmarks/results/real.md`).
@@ -60,12 +61,12 @@ if TYPE_CHECKING:
     from .conversation import Session
 
 
-def hand_over(session: Session, source: str, target: str, reread: bool = True,
+def hand_over(session: Session, source: str, target: str, read_fallback: bool = True,
               refused: str | None = None) -> SwitchStatus:
     """Give `target` what `source` has read and it has not: translated (and judged by the
     gate), or re-read with the reason why. Only the target's line changes; the session's
-    active model, its dropped spans and its list of switches are the caller's. `reread=False`:
-    a fallback reads nothing (the status says why and how much is left to read). `refused`:
+    active model, its dropped spans and its list of switches are the caller's.
+    `read_fallback=False`: a fallback reads nothing (the status says why and how much is left to read). `refused`:
     why a hand-over made ahead fell back; the target reads on instead of translating again."""
     src, tgt = session.lines[source], session.lines[target]
     n = session.mapped(source, src.seen, target)  # the target's tokens of what the source read
@@ -79,32 +80,34 @@ def hand_over(session: Session, source: str, target: str, reread: bool = True,
     if source == target or n <= tgt.seen and session.strategy != "naive":
         pass  # nothing to give
     elif translator is None:
-        _fallback(session, tgt, n, status, "no translator for this pair", read=reread)
+        _fallback(session, tgt, n, status, "no translator for this pair", read=read_fallback)
     elif refused is not None:
-        _fallback(session, tgt, n, status, f"{refused} (when translating ahead)", read=reread)
+        _fallback(session, tgt, n, status, f"{refused} (when translating ahead)",
+                  read=read_fallback)
     elif refresh:
         _fallback(session, tgt, n, status, f"refresh every {session.refresh_every} switches",
-                  full=True, read=reread)
+                  full=True, read=read_fallback)
     elif session.max_context is not None and n > session.max_context:
         _fallback(session, tgt, n, status, f"context {n} tokens is longer than the translator "
-                                           f"allows ({session.max_context})", read=reread)
+                                           f"allows ({session.max_context})", read=read_fallback)
     else:
         start = 0 if session.strategy == "naive" else tgt.seen
         if session.mapped(target, start, source) < src.recorded_from:
             _fallback(session, tgt, n, status, "the source did not record the span the target "
-                                               "has not seen", read=reread)
+                                               "has not seen", read=read_fallback)
         else:
             # the frontier's L counts the token the target reads next: n + 1
             choice, why = dial.choose(translator, n + 1, session.reread, session.fidelity,
                                       session.recompute)
             if choice is None:
-                _fallback(session, tgt, n, status, why, read=reread)
+                _fallback(session, tgt, n, status, why, read=read_fallback)
             else:
                 status.reread, status.setting_note = choice.reread, choice.note
                 status.expected_agreement = choice.expected_agreement
                 status.expected_speedup = choice.expected_speedup
                 _translate_and_gate(session, translator, src, tgt, start, n, status,
-                                    choice.reread, reread, session.escalate, choice.recompute)
+                                    choice.reread, read_fallback, session.escalate,
+                                    choice.recompute)
     status.translate_seconds = time.perf_counter() - started
     return status
 
