@@ -4,7 +4,8 @@ One row per shipped translator direction, read from what the benchmarks wrote: `
 (`python benchmarks/bars.py`: through a session at the default re-read setting, what the
 switch keeps of the native continuation and of needles, with 95% intervals) and
 `bench-SOURCE__TARGET-float32.json` (`python benchmarks/switch.py`: the warm switch's time to
-first token against the target re-reading the history).
+first token against the target re-reading the history); then one row per translator of the real
+family, from `real-family.json` (`python benchmarks/real_family.py`).
 
     python benchmarks/summary.py           # rewrite README's block between the markers
     python benchmarks/summary.py --check   # exit 1 if README's block is not what the files give
@@ -26,6 +27,7 @@ BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 LONG = 1024  # 4x it
 SWITCH_LENGTHS = (1024, 2048)
 FRONTIER_LENGTHS = (256, 512)
+REAL_LENGTHS = (256, 512, 1024)  # the real family's bars' lengths
 
 
 def _load(path: Path) -> dict:
@@ -113,8 +115,40 @@ def render(results: Path = RESULTS) -> str:
               "interval is) and "
               "`bench-*-float32.json` (`python benchmarks/switch.py`); "
               "[docs/results.md](docs/results.md) names the command that writes each.",
-              END]
+              *_real_rows(_load(results / "real-family.json")), END]
     return "\n".join(lines)
+
+
+def _real_rows(family: dict) -> list[str]:
+    """The real family's translators (`kvtrans zoo real-translators`), from real-family.json
+    (`python benchmarks/real_family.py`): the default setting's row of each direction."""
+    directions = family.get("directions") or {}
+    if not directions:
+        return []
+    at = " / ".join(str(n) for n in REAL_LENGTHS)
+    lines = ["", f"| real translator (built) | stage | sink | history recovered @{at} | "
+             f"first token @{at} | greedy match @{at} | recall @{at} (native) | applied | "
+             "switch speed-up @2K |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, entry in directions.items():
+        row = next(r for r in entry["settings"] if r["recompute"] == 0)
+        rows = {int(n): r for n, r in row["lengths"].items()}
+        recall = " / ".join("-" if rows.get(n) is None else
+                            f"{rows[n]['recall_translated']:.2f} ({rows[n]['recall_native']:.2f})"
+                            for n in REAL_LENGTHS)
+        applied = min((r["applied"] or 0) for r in rows.values())
+        speedup = _times(rows[2048]["speedup"]) if 2048 in rows else "-"
+        lines.append(f"| `{name}` | {row['stage']} | {row['sink']} | "
+                     f"{_pair(rows, 'history_recovered', lengths=REAL_LENGTHS)} | "
+                     f"{_pair(rows, 'first_token', lengths=REAL_LENGTHS)} | "
+                     f"{_pair(rows, 'greedy_match', '.1f', REAL_LENGTHS)} | {recall} | "
+                     f"{applied:.2f} | {speedup} |")
+    lines += ["", "The real family (SmolLM2-135M-Instruct and its conversions, built offline by "
+              "`kvtrans zoo real`): each direction through a `Session` at its default setting on "
+              "a held-out text of another domain and chat needles in the model's template, "
+              f"{family.get('prompts', '-')} windows and {family.get('needles', '-')} needles per "
+              "length. Rendered from `benchmarks/results/real-family.json` "
+              "(`python benchmarks/real_family.py`)."]
+    return lines
 
 
 def current_block(readme: str) -> str | None:
