@@ -18,7 +18,6 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..calibrate import WINDOWS
 from ..errors import KvtransError
 from .real import CONTINUED, DSA, GDN, KDA, MLA, PARENT, SIBLING
 
@@ -38,7 +37,9 @@ class TranslatorConfig:
     distill_batch: int = 4
     distill_max_prefix: int = 512
     validate_every: int = 5
-    gate_windows: int = WINDOWS  # held-out switches per kind and band calibrating the gate
+    # held-out switches per kind and band calibrating the gate, fit and distillation each: a
+    # real pair's switch takes about a second here, and the default's 256 take minutes
+    gate_windows: int = 24
     extra: dict = field(default_factory=dict)  # FitConfig fields beyond these
 
 
