@@ -206,6 +206,8 @@ def write_markdown(results: dict, path: Path) -> None:
                 lines.append(f"| {name} | {label} | " + " | ".join(
                     f"{cases[str(n)]['kl']:.3f} | {cases[str(n)]['recall']:.2f}"
                     for n in results["ablate_lengths"]) + " |")
+    if results.get("unmeasured"):
+        lines += ["", "Built but not measured since: " + ", ".join(results["unmeasured"]) + "."]
     lines += ["", f"Bars: perplexity within {PPL_BAR}x of the parent's on both texts; chat "
               f"recall within {RECALL_BAR} of the parent's at every length; zeroing a hybrid's "
               "states costs KL (> 0.01) or recall.", "",
@@ -308,7 +310,10 @@ def main() -> None:
         cache["directions"][name] = {"settings": measure_direction(args.family, name, args),
                                      "weights": digest}
         cache_file.write_text(json.dumps(cache, indent=2) + "\n")
-    rows = {n: cache["members"][n] for n in MEMBERS if n in cache["members"]}
+    # figures of a member rebuilt since they were measured are not its own: left out, named
+    rows = {n: cache["members"][n] for n in MEMBERS
+            if cache["members"].get(n, {}).get("built", False) == built.get(n)}
+    unmeasured = [n for n in MEMBERS if n in built and n not in rows]
     results = {"family_record": json.loads(record_file.read_text()), "lengths": args.lengths,
                "multi_lengths": args.multi_lengths,
                "ablate_lengths": args.ablate_lengths, "needles": args.needles,
@@ -318,6 +323,7 @@ def main() -> None:
                "directions": {n: {"settings": [{**row, "bars": direction_bars(row)} for row in
                                                cache["directions"][n]["settings"]]}
                               for n in DIRECTIONS if n in cache["directions"]},
+               "unmeasured": unmeasured,
                "minutes": round((time.perf_counter() - started) / 60, 1)}
     OUT.mkdir(exist_ok=True)
     (OUT / "real-family.json").write_text(json.dumps(results, indent=2) + "\n")
