@@ -94,3 +94,20 @@ def test_ridge_keeps_the_duplicated_column_solvable():
 def test_no_tokens_is_an_error():
     with pytest.raises(ValueError, match="no tokens"):
         solve(Moments(2, 1))
+
+
+def test_an_output_constant_within_float32_has_no_r2_and_leaves_the_mean_to_the_others():
+    """A norm channel's constant bias of 10^4 beside outputs of unit scale: its variance is below
+    what float32 sums resolve, so it has no R^2 (nan), and `mean_r2` is the others' mean,
+    never a number above 1 that would win a layer assignment."""
+    x, y = data(n=400, noise=0.3)
+    y = np.hstack([y, np.full((len(y), 1), 1.0e4, dtype=np.float32)])
+    m = Moments(x.shape[1], y.shape[1])
+    for rows in np.array_split(np.arange(len(x)), 8):  # batches, as a fit streams them
+        m.add(mx.array(x[rows]), mx.array(y[rows]))
+    fit = solve(m, ridge=1e-12)
+    assert np.isnan(fit.r2[-1])
+    _, _, pred = lstsq(x, y[:, :-1])
+    np.testing.assert_allclose(fit.r2[:-1], r2_of(y[:, :-1], pred), atol=1e-4)
+    assert fit.mean_r2 == pytest.approx(float(np.mean(r2_of(y[:, :-1], pred))), abs=1e-4)
+    np.testing.assert_allclose(fit.bias[-1], 1.0e4, rtol=1e-6)

@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
+# relative variance below which an output is constant within the float32 sums of a batch
+CONSTANT = 1e-6
+
 
 @dataclass
 class Moments:
@@ -68,7 +71,9 @@ class LinearFit:
 
     @property
     def mean_r2(self) -> float:
-        return float(np.mean(self.r2))
+        """Over the outputs that vary; 1 when none does (the bias fits a constant exactly)."""
+        varying = self.r2[np.isfinite(self.r2)]
+        return float(np.mean(varying)) if varying.size else 1.0
 
 
 def solve(m: Moments, ridge: float = 1e-4, bias: bool = True) -> LinearFit:
@@ -93,13 +98,14 @@ def solve(m: Moments, ridge: float = 1e-4, bias: bool = True) -> LinearFit:
         w = np.linalg.pinv(a) @ cxy
         used_pinv = True
     b = my - mx_ @ w
-    # residual sum of squares from the moments: sum (y - xW - b)^2
-    #   = syy - 2 sum y(xW+b) + sum (xW+b)^2, expanded per output column
-    pred_y = np.einsum("ij,ij->j", w, m.xy) + b * m.sy
-    pred_pred = np.einsum("ij,ik,kj->j", w, m.xx, w) + 2 * b * (m.sx @ w) + m.n * b * b
-    rss = m.syy - 2 * pred_y + pred_pred
+    # residual sum of squares from the centred moments, sum (y - xW - b)^2 per output column;
+    # the centred form keeps the precision an output's large mean would cancel away
     tss = m.syy - m.sy**2 / m.n
-    r2 = 1.0 - rss / np.maximum(tss, 1e-12)
+    rss = m.syy - m.n * my**2 - 2 * np.einsum("ij,ij->j", w, cxy) + np.einsum("ij,ik,kj->j", w, cxx, w)
+    # an output constant to float32's precision (a norm channel's constant bias) has no R^2
+    measurable = tss > CONSTANT * m.syy
+    r2 = np.where(measurable, 1.0 - np.maximum(rss, 0.0) / np.where(measurable, tss, 1.0),
+                  np.nan)
     return LinearFit(w.T.astype(np.float32), b.astype(np.float32), r2, used_pinv)
 
 
