@@ -24,13 +24,13 @@ from pathlib import Path
 
 import mlx_kvtrans  # noqa: F401  first: fast BLAS
 
-from frontier import _cell, loaded, merge_and_write, shipped_directions
 from mlx_kvtrans.evaluation import frontier as fr
 from mlx_kvtrans.models import held_out_split
 from mlx_kvtrans.session import dial
 from mlx_kvtrans.translators import artifact
 
-OUT = Path(__file__).resolve().parent / "results"
+from common import OUT, cell as table_cell, loaded, merge_and_write, shipped_directions
+
 LENGTHS = (256, 512)  # where the bars are read
 LONG = 1024  # 4x the zoo's fitting length: recall only informs there
 BARS = {"recovered": 0.8, "first": 0.85, "match": 16, "applied": 0.8, "recall_margin": 0.10}
@@ -83,7 +83,7 @@ def checks(row: dict) -> dict[str, tuple[str, str]]:
             row["greedy_match"], spans.get("greedy_match"), BARS["match"])),
         "applied": (cell("applied", ".2f"), verdict(
             row.get("applied"), spans.get("applied"), BARS["applied"])),
-        "recall": (f"{_cell(native, '.2f')} / " + cell("recall_translated", ".2f"),
+        "recall": (f"{table_cell(native, '.2f')} / " + cell("recall_translated", ".2f"),
                    "" if recall_bar is None or got is None else verdict(
                        got, spans.get("recall_translated"), recall_bar)),
     }
@@ -122,7 +122,7 @@ def write_markdown(results: dict, settings: dict, blas: str, out: Path) -> None:
                 cells.append(f"**{text}**" if held and how == "missed"
                              else f"*{text}*" if held and how == "open" else text)
                 if bar == "recovered":
-                    cells.append(_cell(row.get("near_ties"), ".2f"))
+                    cells.append(table_cell(row.get("near_ties"), ".2f"))
             lines.append(f"| {name} | {row['length']:,} | {r['reread']} | "
                          + " | ".join(cells) + " |")
     lines += ["", f"At {' and '.join(map(str, LENGTHS))} tokens: {tally['met']} bars met, "

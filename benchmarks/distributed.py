@@ -29,7 +29,7 @@ from pathlib import Path
 import mlx_kvtrans  # noqa: F401  first: fast BLAS
 import mlx.core as mx
 
-from mlx_kvtrans.blas import blas_report
+from mlx_kvtrans.backend.blas import blas_report
 from mlx_kvtrans.models import weights_dir
 
 HERE = Path(__file__).resolve().parent

@@ -48,7 +48,8 @@ import mlx_kvtrans as kv  # first: fast BLAS
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from mlx_kvtrans import calibrate, gate
+from mlx_kvtrans.training import calibrate
+from mlx_kvtrans.translators import gate
 from mlx_kvtrans.layouts.linear_attention import RecurrentInputs
 from mlx_kvtrans.models import weights_dir, zoo_aliases
 from mlx_kvtrans.translators import artifact

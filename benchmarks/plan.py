@@ -23,10 +23,10 @@ from pathlib import Path
 
 import mlx_kvtrans as kv  # first: fast BLAS
 
-from mlx_kvtrans.fit_time import fit_time
+from mlx_kvtrans.training.fit_time import fit_time
 from mlx_kvtrans.models import load_config_only, weights_dir
-from mlx_kvtrans.translators.fit import FitConfig
-from mlx_kvtrans.workflows import fit_translator, plan_and_cost
+from mlx_kvtrans.training.fit import FitConfig
+from mlx_kvtrans.training.workflows import fit_translator, plan_and_cost
 
 OUT = Path(__file__).resolve().parent / "results"
 SOURCE, TARGET = "kimi-linear", "kimi-vl"

@@ -23,15 +23,15 @@ import mlx_kvtrans as kv  # first: fast BLAS
 from mlx_kvtrans.evaluation import frontier as fr
 from mlx_kvtrans.models import held_out_split, weights_dir
 from mlx_kvtrans.translators import artifact
-from mlx_kvtrans.translators.fit import FitConfig
-from mlx_kvtrans.workflows import fit_translator
+from mlx_kvtrans.training.fit import FitConfig
+from mlx_kvtrans.training.workflows import fit_translator
 
 OUT = Path(__file__).resolve().parent / "results"
 RUNS = Path("runs/quantized")
 SOURCE, TARGET = "kimi-linear", "kimi-vl"
 LENGTHS = [256, 512]
 REREAD = 8
-# the shipped kimi-linear -> kimi-vl's stage 1 (benchmarks/translators.py, EVERY_IDEA)
+# the shipped kimi-linear -> kimi-vl's stage 1 (research/translators.py, EVERY_IDEA)
 STAGE1 = FitConfig(point=1, nu=2, token_identity="ids", attention_weighted=8,
                    identity_tables=32, residual=32)
 

@@ -29,14 +29,14 @@ from pathlib import Path
 
 import mlx_kvtrans  # noqa: F401  first: fast BLAS
 
-from mlx_kvtrans.fit_time import fit_time
+from mlx_kvtrans.training.fit_time import fit_time
 from mlx_kvtrans.layouts import layout_of
-from mlx_kvtrans.machines import machine_for
+from mlx_kvtrans.training.machines import machine_for
 from mlx_kvtrans.models import load_config_only
-from mlx_kvtrans.translators.cost import active_parameters, fits, parameter_count
-from mlx_kvtrans.translators.fit import FitConfig
-from mlx_kvtrans.translators.plan import designed
-from mlx_kvtrans.workflows import plan_and_cost
+from mlx_kvtrans.training.cost import active_parameters, fits, parameter_count
+from mlx_kvtrans.training.fit import FitConfig
+from mlx_kvtrans.training.plan import designed
+from mlx_kvtrans.training.workflows import plan_and_cost
 from mlx_kvtrans.zoo.families import full_config
 
 HERE = Path(__file__).resolve().parent

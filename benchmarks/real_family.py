@@ -38,7 +38,7 @@ import mlx_kvtrans as kv  # first: fast BLAS
 import numpy as np
 from mlx.utils import tree_flatten
 
-from mlx_kvtrans.blas import blas_report
+from mlx_kvtrans.backend.blas import blas_report
 from mlx_kvtrans.evaluation.ablate import ablate
 from mlx_kvtrans.evaluation.chat_needles import ChatNeedles, other_domain_prose
 from mlx_kvtrans.evaluation.intervals import wilson

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import mlx_kvtrans as kv  # first: fast BLAS
 
-from mlx_kvtrans.blas import blas_report
+from mlx_kvtrans.backend.blas import blas_report
 
 OUT = Path(__file__).resolve().parent / "results"
 FILLER = Path(kv.__file__).parent / "evaluation" / "needle_filler.txt"

@@ -20,8 +20,8 @@ from typer.core import TyperGroup
 
 import mlx_kvtrans  # noqa: F401  (selects a fast BLAS before anything imports mlx.core)
 from mlx_kvtrans.errors import KvtransError
-from mlx_kvtrans.translators.distill import DistillConfig
-from mlx_kvtrans.translators.fit import FitConfig
+from mlx_kvtrans.training.distill import DistillConfig
+from mlx_kvtrans.training.fit import FitConfig
 
 FIT, DISTILL = FitConfig(), DistillConfig()  # every default of `fit` and `distill` comes from here
 

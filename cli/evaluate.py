@@ -327,7 +327,7 @@ def eval_frontier(translator_dir: Path = typer.Option(..., "--translator",
     speed-up over re-prefill, on held-out text and needles."""
     from mlx_kvtrans.evaluation import frontier as fr
     from mlx_kvtrans.translators import artifact
-    from mlx_kvtrans.translators.shared_sums import launched_group
+    from mlx_kvtrans.backend.processes import launched_group
 
     from .common import refuse_existing
 

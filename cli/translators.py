@@ -1,6 +1,6 @@
 """`kvtrans plan`, `fit`, `calibrate`, `distill`: what a translator costs, stage 1 in closed
 form, its fidelity gate, stage 2 by KL distillation. Each parses its options, makes one call
-into `mlx_kvtrans.workflows` (or `calibrate`) and prints what came back."""
+into `mlx_kvtrans.training.workflows` (or `calibrate`) and prints what came back."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from mlx_kvtrans.calibrate import WINDOWS
+from mlx_kvtrans.training.calibrate import WINDOWS
 from mlx_kvtrans.errors import KvtransError
-from mlx_kvtrans.translators.fit import FitConfig
+from mlx_kvtrans.training.fit import FitConfig
 
 from .common import (DISTILL, FIT, FORCE_HELP, SEEDS, DistillConfig, Limit, app, err, finite,
                      in_range, int_list, key_values, model_configs, out, output_dir, position_limit,
@@ -60,8 +60,8 @@ GATE_WINDOWS_HELP = ("held-out windows of each kind (the source's text, its own 
 def _fit_config(capture_point: int, nu: int, features: str, width: int, recipe: list[str],
                 token_identity: str, **more) -> FitConfig:
     """The FitConfig `plan` and `fit` build from their options, each name checked."""
-    from mlx_kvtrans.alignment import POOLINGS
-    from mlx_kvtrans.translators.plan import FEATURES
+    from mlx_kvtrans.translators.alignment import POOLINGS
+    from mlx_kvtrans.training.plan import FEATURES
     from mlx_kvtrans.translators.token_identity import MODES
 
     if token_identity not in MODES:
@@ -131,11 +131,11 @@ def plan_command(source: str = typer.Option(..., "--from", help="source: zoo ali
     """What fitting and using a translator would cost, from the two configs alone: per shared
     feature set its moment matrices, per map its parameters, the projected fit time and memory
     on this machine (or the one named), and per switch the translation FLOPs and bytes."""
-    from mlx_kvtrans.fit_time import fit_time, refuse_a_fit_too_long
-    from mlx_kvtrans.machines import machine_for
+    from mlx_kvtrans.training.fit_time import fit_time, refuse_a_fit_too_long
+    from mlx_kvtrans.training.machines import machine_for
     from mlx_kvtrans.models import load_config_only
-    from mlx_kvtrans.translators.cost import fits
-    from mlx_kvtrans.workflows import for_pair, plan_and_cost, refuse_unless_it_fits
+    from mlx_kvtrans.training.cost import fits
+    from mlx_kvtrans.training.workflows import for_pair, plan_and_cost, refuse_unless_it_fits
 
     config = _fit_config(capture_point, nu, features, width, recipe, token_identity,
                          random_features=random_features,
@@ -159,7 +159,7 @@ def plan_command(source: str = typer.Option(..., "--from", help="source: zoo ali
 
 
 def _print_plan(title: str, cost, tokens: int, timed, machine) -> None:
-    from mlx_kvtrans.translators.cost import fits, format_duration, gib
+    from mlx_kvtrans.training.cost import fits, format_duration, gib
 
     table = Table(title=title, title_justify="left")
     for col in ("source layers read", "features", "outputs", "maps", "moments"):
@@ -245,7 +245,7 @@ def fit(source: str = typer.Option(..., "--from", help="source model"),
     """Fit a translator from SOURCE's cache to TARGET's in closed form (stage 1), and calibrate
     its fidelity gate on held-out text. Ctrl-C keeps the running sums for --resume. Under
     `mlx.launch` the fitting batches are dealt among the processes."""
-    from mlx_kvtrans.workflows import ASSIGNMENTS, fit_translator
+    from mlx_kvtrans.training.workflows import ASSIGNMENTS, fit_translator
 
     refuse_existing(output_dir("--out", out_dir), force)  # first: nothing is touched
     if assign not in ASSIGNMENTS:
@@ -305,8 +305,8 @@ def _check_window_lengths(config, source: str, target: str) -> None:
 
 def _resumable(workdir: Path, resume: bool, run, *args, **kwargs):
     """`run` (`fit_translator`) checkpointing in `workdir`; Ctrl-C says how to continue."""
-    from mlx_kvtrans.translators.fit_checkpoint import check_directory, holds_checkpoint, state_file
-    from mlx_kvtrans.translators.shared_sums import launched_group
+    from mlx_kvtrans.training.fit_checkpoint import check_directory, holds_checkpoint, state_file
+    from mlx_kvtrans.backend.processes import launched_group
 
     group = launched_group()
     check_directory(workdir, resume, state_file(*((group.rank(), group.size()) if group
@@ -366,7 +366,7 @@ def calibrate(translator_dir: Path = typer.Option(..., "--translator", help="a t
     (its weights are not touched). Under mlx.launch the processes share the windows."""
     import mlx.core as mx
 
-    from mlx_kvtrans.calibrate import calibrate_directory
+    from mlx_kvtrans.training.calibrate import calibrate_directory
     from mlx_kvtrans.translators import artifact
 
     path = artifact.resolve(translator_dir)
@@ -438,7 +438,7 @@ def distill(translator_dir: Path = typer.Option(..., "--translator", help="stage
             as_json: bool = typer.Option(False, "--json", help=JSON_HELP)):
     """Distil a translator end to end: KL of the target reading the translated cache against
     it reading its own (stage 2). Under `mlx.launch` the batch is shared among processes."""
-    from mlx_kvtrans.workflows import check_workdir, distill_paths, distill_translator
+    from mlx_kvtrans.training.workflows import check_workdir, distill_paths, distill_translator
 
     options = locals()  # every stage-2 setting is the option of its name
     config = DistillConfig(**{f.name: options[f.name] for f in fields(DistillConfig)})
@@ -471,7 +471,7 @@ def _check_train_only(translator_dir: Path, train_only: str) -> None:
         from safetensors import safe_open
 
         from mlx_kvtrans.translators import artifact
-        from mlx_kvtrans.translators.distill import frozen
+        from mlx_kvtrans.training.distill import frozen
 
         path = artifact.resolve(translator_dir) / "weights.safetensors"
         with safe_open(str(path), framework="numpy") as weights:  # the names alone

@@ -25,22 +25,22 @@ Every error a user can act on is a `KvtransError`. The layout vocabulary (`Captu
 stages in their folders (`capture`, `translators`, `session`, ...).
 """
 
-from . import blas  # noqa: F401  (first: selects a fast BLAS before mlx.core loads)
-from . import buffer_cache  # noqa: F401  (sizes MLX's CPU buffer cache)
+from .backend import blas  # noqa: F401  (first: selects a fast BLAS before mlx.core loads)
+from .backend import buffer_cache  # noqa: F401  (sizes MLX's CPU buffer cache)
 from . import layouts
 from ._version import __version__
 from .capture import capture
 from .errors import KvtransError
-from .install import install
+from .translators.install import install
 from .layouts import layout_of
 from .models import load
 from .prompt_cache import read_prompt_cache, write_prompt_cache
 from .session import Session, SwitchStatus
 from .translators.artifact import load as load_translator
 from .translators.artifact import save as save_translator
-from .translators.distill import DistillConfig, distill
-from .translators.fit import FitConfig, fit
-from .translators.plan import plan
+from .training.distill import DistillConfig, distill
+from .training.fit import FitConfig, fit
+from .training.plan import plan
 from .translators.translator import translate_cache
 
 

@@ -16,7 +16,7 @@ import mlx.nn as nn
 
 from .errors import KvtransError
 from .files import private_path
-from .install import resolve_layout
+from .translators.install import resolve_layout
 from .layouts import ModelLayout
 from .layouts import cache_class_name
 

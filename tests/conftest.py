@@ -11,7 +11,7 @@ from contextlib import contextmanager
 import pytest
 
 import mlx_kvtrans  # first: selects OpenBLAS before mlx.core loads
-from mlx_kvtrans import blas
+from mlx_kvtrans.backend import blas
 from mlx_kvtrans.zoo.families import FAMILIES
 
 HYBRID_RECURRENT = ("kimi_linear", "qwen3_next", "qwen3_5")
@@ -121,8 +121,8 @@ def kimi_pair(model_dirs, tmp_path_factory):
     import mlx.core as mx
 
     from mlx_kvtrans.translators import artifact
-    from mlx_kvtrans.translators.fit import fit
-    from mlx_kvtrans.translators.plan import plan
+    from mlx_kvtrans.training.fit import fit
+    from mlx_kvtrans.training.plan import plan
 
     a, b = (mlx_kvtrans.load(str(model_dirs(f))) for f in ("kimi_linear", "kimi_vl"))
     batches = [mx.random.randint(0, 259, (4, 48), key=mx.random.key(i)) for i in range(3)]

@@ -22,7 +22,7 @@ import mlx.core as mx
 
 from mlx_kvtrans import Session, load, load_translator, translate_cache
 from mlx_kvtrans.models import weights_dir
-from mlx_kvtrans.sharding import shard_model, shards_of
+from mlx_kvtrans.translators.sharding import shard_model, shards_of
 from mlx_kvtrans.translators import artifact
 
 STEPS = 8

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from mlx_kvtrans.alignment import align, char_spans
+from mlx_kvtrans.translators.alignment import align, char_spans
 from mlx_kvtrans.zoo.tokenizer import byte_tokenizer, train_bpe
 
 TEXT = ("The committee met on 14 March 2024. Its report, 312 pages long, was read aloud: "

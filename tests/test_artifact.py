@@ -11,8 +11,8 @@ import pytest
 import mlx_kvtrans as kv
 from mlx_kvtrans.errors import KvtransError
 from mlx_kvtrans.translators import artifact
-from mlx_kvtrans.translators.fit import fit
-from mlx_kvtrans.translators.plan import plan
+from mlx_kvtrans.training.fit import fit
+from mlx_kvtrans.training.plan import plan
 
 # Both entry points read a directory the same way.
 READERS = {"read_manifest": artifact.read_manifest, "load": artifact.load}

@@ -19,8 +19,8 @@ from mlx_kvtrans.layouts.gated_delta import metal_recurrence_available
 from mlx_kvtrans.session import Session
 from mlx_kvtrans.timing.switch import (bench_switch, cache_nbytes, first_token, gated_session,
                                        gated_switch, source_prefill, switch_cache)
-from mlx_kvtrans.translators.fit import FitConfig, fit
-from mlx_kvtrans.translators.plan import plan
+from mlx_kvtrans.training.fit import FitConfig, fit
+from mlx_kvtrans.training.plan import plan
 
 
 TIMING = importlib.import_module("mlx_kvtrans.timing.switch")
@@ -122,7 +122,7 @@ def test_cold_switch_under_chunked_recurrence_gives_the_same_first_token(loaded,
 
 
 def test_doctor_reports_memory_bandwidth_and_the_exponential_rates():
-    from mlx_kvtrans.gate import GATE_TOKENS
+    from mlx_kvtrans.translators.gate import GATE_TOKENS
     from mlx_kvtrans.tools.doctor import diagnose
 
     report = diagnose()
@@ -136,7 +136,7 @@ def test_the_cpu_buffer_cache_is_sized_at_import(monkeypatch):
     """Without a GPU the package keeps freed buffers for reuse (1/8 of MLX's memory limit, at
     most 4 GiB, or `KVTRANS_CPU_CACHE_MB`; 0 or an unreadable value leaves MLX's own), unless
     the program set a limit of its own first."""
-    from mlx_kvtrans import buffer_cache
+    from mlx_kvtrans.backend import buffer_cache
 
     if mx.metal.is_available():
         assert buffer_cache.CPU_CACHE_LIMIT is None

@@ -7,7 +7,7 @@ import pytest
 from mlx_lm.models.cache import load_prompt_cache
 
 import mlx_kvtrans as kv
-from mlx_kvtrans.install import NotFinite, all_finite, to_engine
+from mlx_kvtrans.translators.install import NotFinite, all_finite, to_engine
 from mlx_kvtrans.tools.verify import max_abs_diff
 from mlx_kvtrans.zoo.families import FAMILIES
 

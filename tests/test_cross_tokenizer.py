@@ -8,13 +8,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_kvtrans.alignment import POOLINGS, align, char_spans
+from mlx_kvtrans.translators.alignment import POOLINGS, align, char_spans
 from mlx_kvtrans.capture import capture
 from mlx_kvtrans.errors import KvtransError
 from mlx_kvtrans.layouts import CapturePoint
 from mlx_kvtrans.translators.cross_tokenizer import (RECIPES, aligned_text, realigned,
                                                      translate_text)
-from mlx_kvtrans.translators.fit import FitConfig, fit
+from mlx_kvtrans.training.fit import FitConfig, fit
 from mlx_kvtrans.translators.translator import translate_cache
 from mlx_kvtrans.zoo.families import tiny_config
 from mlx_kvtrans.zoo.random_model import build_model
@@ -148,7 +148,7 @@ def both_ways(pair):
 
 
 def test_views_keep_every_tokenizer_on_the_same_text_and_map_at_common_splits(pair):
-    from mlx_kvtrans.alignment import Views
+    from mlx_kvtrans.translators.alignment import Views
 
     _, _, coarse, fine = pair
     views = Views({"coarse": coarse, "fine": fine})
@@ -220,7 +220,7 @@ def test_a_conversation_across_tokenizers_moves_both_ways_and_stays_in_step(pair
             assert status.gate == "uncalibrated" and status.gate_gap is not None
     # every view is the same text; each line read its own view up to its last hand-over
     a, b = (session.view(n) for n in "ab")
-    from mlx_kvtrans.alignment import decode
+    from mlx_kvtrans.translators.alignment import decode
     assert decode(coarse, a) == decode(fine, b)
     for name in "ab":
         line = session.lines[name]
@@ -247,7 +247,7 @@ def test_the_frontier_switches_across_tokenizers_as_a_session_does(pair, both_wa
 
 
 def test_views_cut_at_a_place_every_tokenizer_splits_and_copy_apart(pair):
-    from mlx_kvtrans.alignment import Views
+    from mlx_kvtrans.translators.alignment import Views
 
     _, _, coarse, fine = pair
     views = Views({"coarse": coarse, "fine": fine})
@@ -266,7 +266,7 @@ def test_views_cut_at_a_place_every_tokenizer_splits_and_copy_apart(pair):
 
 
 def test_conversation_groups_join_tokenizers_a_translator_crosses(pair, both_ways):
-    from mlx_kvtrans.alignment import conversation_groups
+    from mlx_kvtrans.translators.alignment import conversation_groups
 
     source, target, coarse, fine = pair
     models = {"a": loaded("a", source, coarse), "b": loaded("b", target, fine),
@@ -279,7 +279,7 @@ def test_conversation_groups_join_tokenizers_a_translator_crosses(pair, both_way
 def test_a_models_own_split_of_its_reply_ends_where_its_prefixes_decode(pair):
     """A reply's tokens that its tokenizer would merge, a character's bytes split between two
     of them: each token ends where the decoded prefix up to it ends."""
-    from mlx_kvtrans.alignment import decode, own_ends
+    from mlx_kvtrans.translators.alignment import decode, own_ends
 
     _, _, coarse, _ = pair
     word = max((TEXT[a:b] for a, b in char_spans(coarse, TEXT)[1]), key=len)
@@ -293,7 +293,7 @@ def test_a_models_own_split_of_its_reply_ends_where_its_prefixes_decode(pair):
 def test_the_gate_across_one_tokenizer_reads_what_the_gate_within_one_does(pair):
     """Across tokenizers the gate compares each model's NLL of its own tokens of the same text;
     given one tokenizer on both sides, that is the gap the gate within one tokenizer reads."""
-    from mlx_kvtrans import gate
+    from mlx_kvtrans.translators import gate
     from mlx_kvtrans.capture.instrument import recording_final_rows
 
     source, target, _, fine = pair
@@ -311,7 +311,7 @@ def test_the_gate_across_one_tokenizer_reads_what_the_gate_within_one_does(pair)
 
 
 def test_a_switch_across_tokenizers_meets_its_calibrated_gate(pair, both_ways):
-    from mlx_kvtrans.calibrate import calibrate
+    from mlx_kvtrans.training.calibrate import calibrate
     from mlx_kvtrans.session import Session
 
     source, target, coarse, fine = pair
@@ -334,7 +334,7 @@ def test_distillation_across_tokenizers_is_the_plain_one_given_one_tokenizer(pai
     one tokenizer on both sides, the very steps of a plain distillation; across two, it runs."""
     import tempfile
 
-    from mlx_kvtrans.translators.distill import DistillConfig, Distiller
+    from mlx_kvtrans.training.distill import DistillConfig, Distiller
 
     source, target, coarse, fine = pair
     same = fit(source, target, [aligned_text(fine, fine, c) for c in chunks()], config=CONFIG)

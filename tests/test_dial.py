@@ -8,7 +8,7 @@ from mlx_lm.models.cache import make_prompt_cache
 import mlx_kvtrans as kv
 from mlx_kvtrans.capture import capture
 from mlx_kvtrans.evaluation.frontier import Frontier, Row, Setting
-from mlx_kvtrans.install import install
+from mlx_kvtrans.translators.install import install
 from mlx_kvtrans.session import Session, dial
 from mlx_kvtrans.translators import artifact
 from mlx_kvtrans.tools.verify import max_abs_diff

@@ -17,9 +17,9 @@ import mlx_kvtrans as kv
 from mlx_kvtrans.capture.instrument import chunked_recurrence
 from mlx_kvtrans.errors import KvtransError
 from mlx_kvtrans.translators import artifact
-from mlx_kvtrans.translators.distill import DistillConfig, Distiller, Problem
-from mlx_kvtrans.translators.fit import FitConfig, fit
-from mlx_kvtrans.translators.plan import plan
+from mlx_kvtrans.training.distill import DistillConfig, Distiller, Problem
+from mlx_kvtrans.training.fit import FitConfig, fit
+from mlx_kvtrans.training.plan import plan
 from conftest import ring_port
 
 TEXT = Path(__file__).parent / "data" / "corpus_sample.txt"
@@ -88,7 +88,7 @@ def test_recorded_attention_is_the_attention_the_model_computes(loaded, family):
     scores, the causal mask of queries reading a cache), the probabilities times the values are
     its output."""
     from mlx_kvtrans.capture.instrument import attention_module_name, observe_function
-    from mlx_kvtrans.translators.attention_weights import attention_probabilities
+    from mlx_kvtrans.training.attention_weights import attention_probabilities
     from mlx_lm.models.base import scaled_dot_product_attention as sdpa
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -110,7 +110,7 @@ def test_recorded_attention_is_the_attention_the_model_computes(loaded, family):
 
 
 def test_attention_rehearsal_is_zero_for_the_native_cache_and_positive_otherwise(loaded):
-    from mlx_kvtrans.translators.distill import attention_rehearsal
+    from mlx_kvtrans.training.distill import attention_rehearsal
 
     translator, S, T = tiny_translator(loaded, "qwen3", "llama")
     windows = mx.random.randint(0, 259, (2, 40), key=mx.random.key(4))
@@ -129,7 +129,7 @@ def test_output_rehearsal_is_zero_for_the_native_cache_and_positive_otherwise(lo
     native outputs (the rehearsal is 0) and a translated one does not."""
     from mlx_kvtrans.capture import capture
     from mlx_kvtrans.layouts import CapturePoint
-    from mlx_kvtrans.translators.distill import output_rehearsal, recording_mixer_outputs
+    from mlx_kvtrans.training.distill import output_rehearsal, recording_mixer_outputs
 
     translator, S, T = tiny_translator(loaded, source, target)
     windows = mx.random.randint(0, 259, (2, 40), key=mx.random.key(4))
@@ -325,7 +325,7 @@ def test_needle_rows_end_with_question_and_answer():
     """A needle share of the batch: rows that end with the code, drawn the same way each time."""
     from mlx_kvtrans.evaluation import tasks
     from mlx_kvtrans.evaluation.needles import NEEDLE_SEED, needle_rows
-    from mlx_kvtrans.translators.distill import draw_windows
+    from mlx_kvtrans.training.distill import draw_windows
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     from mlx_kvtrans.models import weights_dir
@@ -435,7 +435,7 @@ def test_object_rehearsal_reads_the_targets_own_objects_of_the_translated_span(l
     """Its targets are the target's own per-token objects at each map's capture point, over the
     tokens translated (not the re-read tail); a perfect translation of them scores 0."""
     from mlx_kvtrans.capture import capture
-    from mlx_kvtrans.translators.distill import object_rehearsal
+    from mlx_kvtrans.training.distill import object_rehearsal
 
     translator, S, T = tiny_translator(loaded, "qwen3", "llama")
     windows = mx.random.randint(0, 259, (2, 40), key=mx.random.key(5))

@@ -6,7 +6,7 @@ import mlx_kvtrans  # noqa: F401  (selects the BLAS before mlx.core loads)
 import mlx.core as mx
 import pytest
 
-from mlx_kvtrans import fast_math
+from mlx_kvtrans.backend import fast_math
 
 
 def test_exp_is_mlx_exp_within_float32_rounding_with_its_gradient():

@@ -18,7 +18,7 @@ import pytest
 import mlx_kvtrans  # noqa: F401  first: fast BLAS
 from mlx_kvtrans.errors import KvtransError
 from mlx_kvtrans.models import weights_dir
-from mlx_kvtrans.translators.fit_checkpoint import FILE, check_directory, state_file
+from mlx_kvtrans.training.fit_checkpoint import FILE, check_directory, state_file
 from conftest import ring_port
 
 TEXT = weights_dir() / "corpus" / "validation.txt"

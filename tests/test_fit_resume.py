@@ -8,8 +8,8 @@ import mlx.core as mx
 import pytest
 
 from mlx_kvtrans.errors import KvtransError
-from mlx_kvtrans.translators.fit import FitConfig, fit
-from mlx_kvtrans.translators.fit_checkpoint import FILE, FitCheckpoint
+from mlx_kvtrans.training.fit import FitConfig, fit
+from mlx_kvtrans.training.fit_checkpoint import FILE, FitCheckpoint
 
 CONFIG = FitConfig(token_identity="ids", attention_weighted=4, identity_tables=4)
 

@@ -13,9 +13,10 @@ from mlx_kvtrans.cli.main import app
 from mlx_kvtrans.errors import KvtransError
 from mlx_kvtrans.evaluation import frontier as fr
 from mlx_kvtrans.session import dial
+from mlx_kvtrans.translators import frontier as translator_frontier
 from mlx_kvtrans.translators import artifact
-from mlx_kvtrans.translators.fit import FitConfig, fit
-from mlx_kvtrans.translators.plan import plan
+from mlx_kvtrans.training.fit import FitConfig, fit
+from mlx_kvtrans.training.plan import plan
 
 LENGTH = 48
 
@@ -84,7 +85,7 @@ def test_default_rereads_and_the_fitting_length():
                               "distill": {"config": {"max_prefix": 512}}}) == 2048
     assert fr.fitting_length({"fit": {"mix": [256], "length": 256},
                               "distill": {"config": {"max_prefix": 512}}}) == 512
-    assert fr.fitting_length({}) == 256
+    assert fr.fitting_length({}) == translator_frontier.UNRECORDED_LENGTH == kv.FitConfig().length
     name = artifact.shipped("kimi-linear", "kimi-vl")
     assert fr.fitting_length(artifact.read_manifest(name)) == 256
     # fitted on windows up to 2,048: its default is read at the longest length measured, not

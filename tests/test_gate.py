@@ -17,9 +17,10 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
 import mlx_kvtrans as kv
-from mlx_kvtrans import calibrate, gate
+from mlx_kvtrans.training import calibrate
+from mlx_kvtrans.translators import gate
 from mlx_kvtrans.capture import capture
-from mlx_kvtrans.install import install
+from mlx_kvtrans.translators.install import install
 from mlx_kvtrans.capture.instrument import output_head, recording_final_rows
 from mlx_kvtrans.models import weights_dir
 from mlx_kvtrans.session import Session
@@ -352,8 +353,8 @@ def test_calibration_on_needles_reads_their_question_tails(zoo):
 
 def test_bench_times_the_gated_switch(loaded):
     from mlx_kvtrans.timing import bench_switch
-    from mlx_kvtrans.translators.fit import fit
-    from mlx_kvtrans.translators.plan import plan
+    from mlx_kvtrans.training.fit import fit
+    from mlx_kvtrans.training.plan import plan
 
     S, T = loaded("kimi_linear").model, loaded("kimi_vl").model
     batches = [mx.random.randint(0, 259, (4, 48), key=mx.random.key(i)) for i in range(2)]

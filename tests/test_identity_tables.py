@@ -6,7 +6,7 @@ import pytest
 
 import mlx_kvtrans as kv
 from mlx_kvtrans.translators import artifact
-from mlx_kvtrans.translators.fit import FitConfig, fit
+from mlx_kvtrans.training.fit import FitConfig, fit
 from mlx_kvtrans.translators.identity_tables import TableMoments, low_rank, table_offsets
 from mlx_kvtrans.translators.recipes import RecipeError
 from mlx_kvtrans.translators.translator import translate_cache

@@ -142,7 +142,7 @@ def test_short_reads_over_mla_attend_in_the_latent_space_as_mlx_lm_does(name):
         with hook_module(attention.unembed_out,
                          before=lambda m, args, kwargs: unembedded.append(args[0].shape[2])), \
                 observe_function("mlx_lm.models.base", "scaled_dot_product_attention", seen), \
-                observe_function("mlx_kvtrans.fast_math", "attention", seen):
+                observe_function("mlx_kvtrans.backend.fast_math", "attention", seen):
             with short_reads(model):
                 got = model(ids[:, 300 - length:], cache=short)
         assert max_abs_diff(expected, got) < 1e-4
@@ -171,7 +171,7 @@ def test_short_reads_over_grouped_attention_give_mlx_lm_logits(name):
         model(ids[:, :300 - length], cache=plain)
         model(ids[:, :300 - length], cache=short)
         expected = model(ids[:, 300 - length:], cache=plain)
-        with observe_function("mlx_kvtrans.fast_math", "attention",
+        with observe_function("mlx_kvtrans.backend.fast_math", "attention",
                               lambda q, *args, **kwargs: fast.append(q.shape[2])):
             with short_reads(model):
                 got = model(ids[:, 300 - length:], cache=short)

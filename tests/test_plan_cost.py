@@ -14,9 +14,9 @@ from mlx_kvtrans.capture import capture
 from mlx_kvtrans.cli.main import app
 from mlx_kvtrans.models import load_config_only
 from mlx_kvtrans.layouts import CapturePoint
-from mlx_kvtrans.translators import cost
-from mlx_kvtrans.translators.cost import layout_widths, plan_cost
-from mlx_kvtrans.translators.fit import FitConfig, fit
+from mlx_kvtrans.training import cost
+from mlx_kvtrans.training.cost import layout_widths, plan_cost
+from mlx_kvtrans.training.fit import FitConfig, fit
 from mlx_kvtrans.translators.recipes import Widths
 from mlx_kvtrans.translators.token_identity import TokenIdentity
 from mlx_kvtrans.translators.translator import Translator
@@ -75,7 +75,7 @@ def test_projected_moments_and_parameters_are_the_fits(loaded, source, target):
 def test_random_features_are_projected_as_fitted(loaded):
     """A plan with random features projects the fit's moments, parameters and translation
     FLOPs (the projection included)."""
-    from mlx_kvtrans.translators.fit import FitConfig
+    from mlx_kvtrans.training.fit import FitConfig
 
     S, T = loaded("qwen3"), loaded("llama")
     config = FitConfig(point=1, random_features=24)
@@ -98,7 +98,10 @@ def test_plan_command_runs_from_zoo_aliases():
 
 
 def test_a_fit_that_would_not_fit_is_refused_before_any_work(monkeypatch, tmp_path):
-    monkeypatch.setattr(cost, "machine_memory", lambda: 2**20)  # a 1 MiB machine
+    from mlx_kvtrans.backend import blas
+
+    for module in (cost, blas):  # a 1 MiB machine, wherever its memory is read
+        monkeypatch.setattr(module, "machine_memory", lambda: 2**20)
     (tmp_path / "text.txt").write_text("a few words " * 10)
     result = CliRunner().invoke(app, ["fit", "--from", "kimi-linear", "--to", "kimi-vl",
                                       "--out", str(tmp_path / "tr"), "--data",
@@ -108,7 +111,7 @@ def test_a_fit_that_would_not_fit_is_refused_before_any_work(monkeypatch, tmp_pa
 
 
 def test_durations_read_in_human_units():
-    from mlx_kvtrans.translators.cost import format_duration
+    from mlx_kvtrans.training.cost import format_duration
 
     assert [format_duration(x) for x in (7.5, 100, 3 * 3600, 10 * 86400, 1.5e12)] == \
         ["8 s", "1.7 min", "3.0 h", "10 days", "47,565 years"]
@@ -121,8 +124,8 @@ def test_projected_fit_time_is_measured_on_the_models_and_scales_with_the_fit(mo
     capture; twice the gate windows, twice the calibration. Each run's time is fixed here, so
     the arithmetic is checked exactly; how close the projection comes to a real fit is measured
     side by side by benchmarks/plan.py."""
-    from mlx_kvtrans import fit_time as ft
-    from mlx_kvtrans.workflows import plan_and_cost
+    from mlx_kvtrans.training import fit_time as ft
+    from mlx_kvtrans.training.workflows import plan_and_cost
 
     runs = []
 
@@ -149,7 +152,7 @@ def test_a_plan_for_another_mac_projects_at_its_figures(tmp_path):
     """`kvtrans plan --machine m3-ultra` (or the figures themselves) projects for that Mac: its
     memory decides whether the fit fits, its rates the time; a size or preset that is not one
     is refused in one line."""
-    from mlx_kvtrans.machines import PRESETS, machine_for, parse_bytes
+    from mlx_kvtrans.training.machines import PRESETS, machine_for, parse_bytes
 
     assert parse_bytes("512GiB") == parse_bytes("512 GB") == 512 * 2**30
     assert parse_bytes("1.5t") == int(1.5 * 2**40)
@@ -195,7 +198,7 @@ def test_two_models_of_one_geometry_are_planned_object_for_object():
     own layer, keys mapped from keys and values from values of the same layer; any other pair
     as `attention`, and `same` refuses it."""
     from mlx_kvtrans.layouts import layout_of
-    from mlx_kvtrans.translators.plan import designed, plan
+    from mlx_kvtrans.training.plan import designed, plan
     from mlx_kvtrans.translators.recipes import Copy, RecipeError, TokenMap
 
     a, b, vl = (layout_of(kv.load(n).model) for n in ("qwen3.5-a", "qwen3.5-b", "kimi-vl"))

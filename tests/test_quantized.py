@@ -14,7 +14,7 @@ from mlx_kvtrans.errors import KvtransError
 from mlx_kvtrans.models import lineage, lineage_difference, load_config_only
 from mlx_kvtrans.session import Session
 from mlx_kvtrans.translators import artifact
-from mlx_kvtrans.translators.cost import weights_bytes
+from mlx_kvtrans.training.cost import weights_bytes
 from mlx_kvtrans.zoo.random_model import write_random_model
 
 
@@ -100,8 +100,8 @@ def test_other_weights_of_the_same_config_stay_refused(zoo_4bit):
 
 
 def test_a_fit_and_a_switch_run_on_quantized_models(model_dirs, tmp_path):
-    from mlx_kvtrans.translators.fit import FitConfig
-    from mlx_kvtrans.workflows import fit_translator
+    from mlx_kvtrans.training.fit import FitConfig
+    from mlx_kvtrans.training.workflows import fit_translator
 
     src_dir = quantized(model_dirs("kimi_linear"), tmp_path / "kl-8bit", bits=8)
     tgt_dir = quantized(model_dirs("kimi_vl"), tmp_path / "kv-4bit")

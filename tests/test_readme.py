@@ -126,14 +126,28 @@ def test_documented_headers_are_the_servers():
         assert f'"{header}"' in source, f"{header} is not a header of kvtrans serve"
 
 
-def test_results_index_names_every_results_file():
+@pytest.mark.parametrize("folder", ["benchmarks", "research"])
+def test_results_index_names_every_results_file(folder):
     index = (ROOT / "docs" / "results.md").read_text()
-    results = ROOT / "benchmarks" / "results"
+    section = index[index.index(f"`{folder}/`"):]
+    section = section[:section.index("\n## ")] if "\n## " in section else section
+    results = ROOT / folder / "results"
     stems = {re.sub(r"-(float32|bfloat16)$", "", p.stem) for p in results.glob("*.json")}
     stems |= {p.stem for p in results.glob("*.md")}
     for stem in sorted(stems):
         name = "bench-*" if stem.startswith("bench-") else stem
-        assert name in index, f"docs/results.md does not index {stem}"
+        assert name in section, f"docs/results.md does not index {folder}/results/{stem}"
+
+
+def test_benchmarks_hold_at_most_ten_scripts_each_runnable_from_the_root():
+    scripts = [p for p in (ROOT / "benchmarks").glob("*.py")
+               if '__name__ == "__main__"' in p.read_text()]
+    assert len(scripts) <= 10, sorted(p.name for p in scripts)
+    runs = {p.name: subprocess.Popen([sys.executable, str(p.relative_to(ROOT)), "--help"],
+                                     cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            for p in scripts}
+    failed = {name: run.communicate()[1].decode()[-300:] for name, run in runs.items()}
+    assert not {name: err for name, err in failed.items() if runs[name].returncode}
 
 
 def test_real_checkpoints_doc_shows_what_its_results_file_holds():
@@ -146,7 +160,7 @@ def test_real_checkpoints_doc_shows_what_its_results_file_holds():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     recorded = json.loads((ROOT / "benchmarks" / "results" / "real-checkpoints.json").read_text())
-    from mlx_kvtrans.machines import Machine
+    from mlx_kvtrans.training.machines import Machine
 
     for page, table in (("real-checkpoints.md", module.markdown(
             recorded["rows"], Machine(**recorded["machine"]))),

@@ -18,8 +18,8 @@ from mlx_kvtrans.evaluation.chat_needles import ChatNeedles
 from mlx_kvtrans.evaluation.needles import needle_report
 from mlx_kvtrans.models import held_out_split
 from mlx_kvtrans.translators.fidelity import fidelity
-from mlx_kvtrans.translators.fit import FitConfig
-from mlx_kvtrans.workflows import fit_translator
+from mlx_kvtrans.training.fit import FitConfig
+from mlx_kvtrans.training.workflows import fit_translator
 from mlx_kvtrans.zoo import conversions
 from mlx_kvtrans.zoo.healing import Healing, heal
 from mlx_kvtrans.zoo.real import (PARENT, RECORD, SIBLING, FamilyConfig, _model_of, build,
@@ -147,7 +147,7 @@ def test_every_rope_component_kept_rotates_as_the_parents_keys(parent, calibrati
 def test_the_parent_rests_its_attention_on_the_first_tokens(parent, windows):
     """SmolLM2 has StreamingLLM's attention sink, which a fit records for its switches; the
     zoo's models, trained here, have none."""
-    from mlx_kvtrans.translators.attention_weights import SINK_TOKENS, attention_sink
+    from mlx_kvtrans.training.attention_weights import SINK_TOKENS, attention_sink
 
     sink = attention_sink(parent.model, [mx.array(w[None]) for w in windows[:2]])
     assert sink["tokens"] == SINK_TOKENS and sink["mass"] > 0.25  # of all its attention

@@ -386,7 +386,7 @@ def refused_ahead(served, monkeypatch, conversation: str, text: str, parts_run: 
     is translated ahead to the full-MLA model, refused, and re-read in parts (all of them, or
     only the first `parts_run`: requests keep the worker busy after them). Returns (the reply,
     the line's length at each part, the tokens read so far, the messages to send on)."""
-    from mlx_kvtrans import gate
+    from mlx_kvtrans.translators import gate
     from mlx_kvtrans.serve import engine as engine_module
 
     engine, url = served

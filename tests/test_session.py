@@ -11,8 +11,8 @@ import mlx_kvtrans as kv
 from mlx_kvtrans.capture import capture
 from mlx_kvtrans.session import Session
 from mlx_kvtrans.translators import artifact
-from mlx_kvtrans.translators.fit import FitConfig, fit
-from mlx_kvtrans.translators.plan import plan
+from mlx_kvtrans.training.fit import FitConfig, fit
+from mlx_kvtrans.training.plan import plan
 from mlx_kvtrans.translators.translator import Translator
 from mlx_kvtrans.tools.verify import max_abs_diff
 
@@ -111,7 +111,7 @@ def test_translating_ahead_without_reread_leaves_a_refused_translation_to_the_sw
     """`prepare(target, read_fallback=False)`: a translation the gate refuses reads nothing and is not
     kept; the target's line is as it was. What the caller re-reads of it in its own time, and
     the rest that the switch re-reads without translating again, make one hand-over."""
-    from mlx_kvtrans import gate
+    from mlx_kvtrans.translators import gate
 
     a, b, _ = kimi_pair
     monkeypatch.setattr(gate, "threshold", lambda *args, **kwargs: (-1e9, ""))

@@ -18,7 +18,7 @@ import mlx_kvtrans  # noqa: F401  first: fast BLAS
 import mlx.core as mx
 
 from mlx_kvtrans import capture, load, load_translator
-from mlx_kvtrans.sharding import shards_of
+from mlx_kvtrans.translators.sharding import shards_of
 from conftest import ring_port
 
 WORKER = Path(__file__).with_name("sharded_worker.py")

@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_kvtrans.alignment import char_spans
+from mlx_kvtrans.translators.alignment import char_spans
 from mlx_kvtrans.capture import capture
 from mlx_kvtrans.evaluation.needles import FILLER_FILE
 from mlx_kvtrans.models import weights_dir

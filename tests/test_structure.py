@@ -126,11 +126,39 @@ def test_no_import_cycles():
     assert not _cycles(_graph())
 
 
-def test_translators_never_import_the_session():
-    """What a translator is and does sits below the session that runs switches with it."""
-    upward = {m: sorted(t for t in targets if t.startswith("mlx_kvtrans.session"))
-              for m, targets in _graph().items() if m.startswith("mlx_kvtrans.translators")}
-    assert not {m: t for m, t in upward.items() if t}
+# the package's layers, lowest first: a module imports its own layer and those below it only
+LAYERS = (
+    ("backend", "errors", "_version", "files"),
+    ("layouts", "models", "tokens"),
+    ("capture",),
+    ("translators",),  # what a switch runs
+    ("session", "prompt_cache"),
+    ("chat", "serve", "evaluation", "tools"),  # what users run, over the runtime
+    ("training",),  # what a fit runs, over the runtime it fits for
+    ("timing", "zoo", "cli", ""),  # "": the public API in mlx_kvtrans/__init__.py
+)
+
+
+def _layer(module: str) -> int:
+    top = module.removeprefix("mlx_kvtrans").lstrip(".").split(".")[0]
+    return next(i for i, names in enumerate(LAYERS) if top in names)
+
+
+def test_every_module_has_a_layer():
+    for m in MODULES:
+        _layer(m)
+
+
+def test_imports_point_down_the_layers_only():
+    """layouts < capture < translators < session < chat, serve; training above the runtime."""
+    upward = sorted(f"{m} -> {t}" for m, targets in _graph(imports=_all_imports).items()
+                    for t in targets if _layer(t) > _layer(m))
+    assert not upward, upward
+
+
+def test_the_package_root_holds_at_most_eight_modules():
+    root = sorted(p.stem for p in PACKAGE.glob("*.py") if p.name != "__init__.py")
+    assert len(root) <= 8, root
 
 
 def test_cycle_check_finds_a_cycle():

@@ -14,8 +14,8 @@ from mlx_kvtrans.errors import KvtransError
 from mlx_kvtrans.models import input_embedding
 from mlx_kvtrans.translators import artifact
 from mlx_kvtrans.translators.cross_tokenizer import aligned_text, translate_text
-from mlx_kvtrans.translators.fit import FitConfig, fit
-from mlx_kvtrans.translators.plan import plan, relative_depth
+from mlx_kvtrans.training.fit import FitConfig, fit
+from mlx_kvtrans.training.plan import plan, relative_depth
 from mlx_kvtrans.translators.recipes import BuildInputs, RecipeError, recipe_from_json
 from mlx_kvtrans.translators.recipes.state import bilinear_r2, fit_bilinear
 from mlx_kvtrans.translators.token_identity import (build_codebook, confirm_ids, decode_ids,
@@ -441,7 +441,7 @@ def test_attention_weights_match_the_models_attention(loaded, family):
     attention kernel run with one-hot values (its output is then the attention matrix)."""
     import sys
 
-    from mlx_kvtrans.translators.attention_weights import recording_attention
+    from mlx_kvtrans.training.attention_weights import recording_attention
 
     model = loaded(family).model
     layout = kv.layout_of(model)
@@ -488,7 +488,7 @@ def test_headwise_maps_are_block_diagonal_and_exact_on_itself(loaded):
 
 
 def test_capture_3_reads_only_layers_with_per_token_objects(loaded):
-    from mlx_kvtrans.translators.plan import feature_layers
+    from mlx_kvtrans.training.plan import feature_layers
 
     S, T = loaded("kimi_linear").model, loaded("kimi_vl").model
     layout = kv.layout_of(S)
@@ -608,7 +608,7 @@ def test_compressed_features_at_full_width_reproduce_the_uncompressed_fit(loaded
 
 
 def test_needle_windows_end_with_the_answer():
-    from mlx_kvtrans.translators.fit import token_windows
+    from mlx_kvtrans.training.fit import token_windows
 
     ids = list(range(1000))
     needles = [[7] * 90 + [1, 2, 3], [8] * 70 + [4, 5, 6]]

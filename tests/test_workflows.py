@@ -11,11 +11,12 @@ import mlx.core as mx
 import pytest
 
 import mlx_kvtrans as kv
-from mlx_kvtrans import gate, workflows
-from mlx_kvtrans.calibrate import calibrate_directory, window_switch
+from mlx_kvtrans.training import workflows
+from mlx_kvtrans.translators import gate
+from mlx_kvtrans.training.calibrate import calibrate_directory, window_switch
 from mlx_kvtrans.translators import artifact
-from mlx_kvtrans.translators.distill import DistillConfig
-from mlx_kvtrans.translators.fit import FitConfig, fit, mixed_windows, token_windows
+from mlx_kvtrans.training.distill import DistillConfig
+from mlx_kvtrans.training.fit import FitConfig, fit, mixed_windows, token_windows
 from mlx_kvtrans.translators.translator import translate_cache
 from mlx_kvtrans.tools.verify import max_abs_diff
 

@@ -25,7 +25,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .. import fast_math
+from ..backend import fast_math
 from ..layouts import gated_delta
 
 # before(module, args, kwargs); after(module, args, kwargs, output); transform(output) -> output

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ..capture import capture
-from ..install import install
+from ..translators.install import install
 from ..layouts import CapturePoint, layout_of
 from ..translators.fidelity import agreement, greedy, kl_per_token
 from ..translators.frontier import GENERATED, history_recovered

@@ -45,8 +45,8 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from ..capture import capture
 from ..files import sha256_file
-from ..gate import GATE_TOKENS
-from ..install import install, recompute_first_layers
+from ..translators.gate import GATE_TOKENS
+from ..translators.install import install, recompute_first_layers
 from ..layouts import CapturePoint, layout_of
 from ..translators.fidelity import greedy, kl_per_token
 # the record this module measures: re-exported, so one import serves a frontier's users
@@ -150,7 +150,7 @@ class SessionSwitch(Switch):
 
     def __init__(self, translator, source, target, gate_tokens: int | None = None,
                  sink: int | None = None, escalate: bool = False):
-        from ..alignment import tokenizer_groups
+        from ..translators.alignment import tokenizer_groups
 
         across = len(set(tokenizer_groups({"s": source, "t": target}).values())) > 1
         super().__init__(translator, source.model, target.model,
@@ -298,7 +298,7 @@ def measure(switch: Switch, encode, text_ids: list[int], plan: dict[int, list[Se
     `progress(done, total, what)` follows the windows.
     `group`: the processes of `mlx.launch`: each scores its share of the windows and needles,
     the first alone times the switch, and every process returns the same rows."""
-    from ..translators.shared_sums import mine, summed
+    from ..backend.processes import mine, summed
 
     target, rows = switch.target, []
     total, done = sum(len(s) for s in plan.values()) * (prompts + 2), 0

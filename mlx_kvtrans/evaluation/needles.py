@@ -90,7 +90,7 @@ def needle_report(model, encode, length: int, samples: int = 50, filler=None,
     digits' mean loss, and the share of answer digits whose greedy prediction is right (with
     the earlier digits given). `group`: the processes of `mlx.launch`, which read their share
     of the needles each and all return the whole report."""
-    from ..translators.shared_sums import mine, summed
+    from ..backend.processes import mine, summed
 
     filler = filler or (None if make else held_out_filler())
     hits, nll, right, digits_seen = 0, 0.0, 0, 0

@@ -29,7 +29,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.gated_delta import gated_delta_update as reference_update  # mlx-lm's own
 
-from .. import fast_math
+from ..backend import fast_math
 
 
 def log_decay(A_log: mx.array, a: mx.array, dt_bias: mx.array) -> mx.array:
@@ -65,7 +65,7 @@ FACTOR_SPAN = 60.0  # nats of decay within a chunk up to which D factors (e^60 ~
 
 
 def default_chunk_size(per_channel: bool) -> int:
-    """Tokens per chunk: the fastest of 16 / 32 / 64 in `benchmarks/recurrence.py`'s sweep on a
+    """Tokens per chunk: the fastest of 16 / 32 / 64 in `research/recurrence.py`'s sweep on a
     2-core CPU (replay at real layer sizes, 1K and 4K tokens). A per-channel decay favours
     short chunks: fewer of a chunk's channels decay past FACTOR_SPAN."""
     return 16 if per_channel else 32
@@ -193,7 +193,7 @@ def gated_delta_chunked(q, k, v, log_g, beta, state=None, chunk_size: int | None
 # A replay that rebuilds only the final state composes the chunks' affine maps as a tree: log2 n
 # batched steps in place of n small dependent ones, at Dk / C times the arithmetic (Dk = Dv). At
 # the zoo's sizes (Dk = 32, C = 16) the n small steps' overhead dominates and the tree is faster
-# (`benchmarks/recurrence.py`); at a real checkpoint's Dk = 128 the arithmetic does.
+# (`research/recurrence.py`); at a real checkpoint's Dk = 128 the arithmetic does.
 TREE_RATIO = 2
 
 

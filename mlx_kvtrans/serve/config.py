@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from ..errors import KvtransError
 from ..session import dial
-from ..alignment import tokenizer_groups
+from ..translators.alignment import tokenizer_groups
 
 DEFAULT_MODELS = ("kimi-linear", "kimi-vl")
 DEFAULT_CONTEXT = 32768  # for a config that does not say how long its context is
@@ -91,7 +91,7 @@ def load_models(names: list[str], shard: str | None = None, group=None) -> dict:
     sharded that way across the processes of `group` first, so a process reads only its
     share."""
     from ..models import load
-    from ..sharding import shard_model
+    from ..translators.sharding import shard_model
 
     models = {name: load(name, lazy=True) for name in names}
     if shard:

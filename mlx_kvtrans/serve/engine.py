@@ -25,7 +25,7 @@ import mlx.core as mx
 from ..errors import KvtransError
 from ..models import vocabulary_rows
 from ..session import Outcome, Session, SwitchStatus
-from ..alignment import conversation_groups, tokenizer_groups
+from ..translators.alignment import conversation_groups, tokenizer_groups
 from .config import ServeConfig, context_length, find_translators, load_models
 from .batching import Batches, Decoding
 from .compute import ComputeThread
@@ -64,7 +64,7 @@ class Engine:
         if lockstep is not None:  # in step, every model stays resident: no process unloads alone
             budget = None
         elif budget is None:  # what the machine holds, less the conversation caches' budget
-            from ..translators.cost import machine_memory
+            from ..backend.blas import machine_memory
 
             budget = max(machine_memory() - self.config.cache_bytes, 1)
         # the models that fit read their weights now, the others on their first request

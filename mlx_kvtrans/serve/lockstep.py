@@ -126,7 +126,7 @@ class Lockstep:
 
     def mean(self, values: list[float]) -> list[float]:
         """In a shared job, on every process: each value's mean over the processes."""
-        from ..translators.shared_sums import summed
+        from ..backend.processes import summed
 
         if not values:
             return []

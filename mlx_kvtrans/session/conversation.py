@@ -14,7 +14,7 @@ import weakref
 from dataclasses import replace
 from typing import Iterator
 
-from .. import gate
+from ..translators import gate
 from ..capture import Capture
 from ..layouts import CapturePoint
 from ..models import vocabulary_rows
@@ -22,7 +22,7 @@ from . import decode, dial
 from .handover import hand_over
 from .line import CacheLine, capture_bytes, fixed_slots
 from .status import Outcome, SwitchStatus
-from ..alignment import Views, tokenizer_groups
+from ..translators.alignment import Views, tokenizer_groups
 
 STRATEGIES = ("segment", "naive", "refresh")
 
@@ -45,7 +45,7 @@ class Session:
     `escalate`: a switch whose gate fires tries once more with `dial.ESCALATION` times the
     tokens read before it re-reads the span: fewer re-reads, but a weaker gate (the second
     reading's tail follows more native tokens), which lets more lost needles through
-    (`benchmarks/results/escalation.md`); off by default. `recompute`: k, the target's first
+    (`research/results/escalation.md`); off by default. `recompute`: k, the target's first
     layers that read the translated span themselves (DroidSpeak; `install.recompute_first_layers`),
     the rest translated; None: as the dial's setting has it (0 without a frontier that measured
     k).

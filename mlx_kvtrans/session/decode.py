@@ -25,7 +25,7 @@ from ..capture.instrument import (fastest_recurrence, hook_module, short_reads,
                                   recording_final_rows)
 from ..layouts import CapturePoint
 from ..layouts.linear_attention import RecurrentInputs
-from ..gate import Tail, tail_of
+from ..translators.gate import Tail, tail_of
 from .line import CacheLine, fixed_slots, split
 
 if TYPE_CHECKING:

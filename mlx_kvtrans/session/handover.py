@@ -22,7 +22,7 @@ pretrained model's attention rests much of its weight on the first tokens of its
 map errs most there. A target that receives the conversation
 from its start then reads its first s tokens itself (exact, and s tokens' prefill: they see
 nothing before them), and the translation covers the rest. The zoo's small models have no sink
-(their fits record s = 0); a real pretrained pair does (`benchmarks/results/real.md`).
+(their fits record s = 0); a real pretrained pair does (`research/results/real.md`).
 
 The target reads those last tokens and whatever the conversation holds after them (the next
 prompt, when it was added before the switch) in one forward, and keeps that forward's last
@@ -46,9 +46,9 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
-from .. import gate
+from ..translators import gate
 from ..capture import PREFILL_CHUNK, Capture
-from ..install import NotFinite, recompute_first_layers, translate_into
+from ..translators.install import NotFinite, recompute_first_layers, translate_into
 from ..translators.cross_tokenizer import AlignedText, pooling, realigned
 from ..errors import KvtransError
 from ..layouts import CapturePoint, ObjectKind

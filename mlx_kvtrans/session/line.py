@@ -15,7 +15,7 @@ from functools import cached_property
 import mlx.core as mx
 
 from ..capture import Capture, join_recorded
-from ..gate import Tail
+from ..translators.gate import Tail
 from ..layouts import CapturePoint, layout_of
 from ..layouts.linear_attention import RecurrentInputs
 
@@ -89,7 +89,7 @@ class CacheLine:
     @cached_property
     def shards(self):
         """How mlx-lm sharded the model across processes (None: held whole here)."""
-        from ..sharding import shards_of
+        from ..translators.sharding import shards_of
 
         return shards_of(self.lm.model)
 

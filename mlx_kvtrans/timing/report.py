@@ -13,7 +13,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ..blas import blas_report
+from ..backend.blas import blas_report
 from ..models import LoadedModel, cast_parameters
 from ..models import input_embedding
 from ..translators.translator import Translator

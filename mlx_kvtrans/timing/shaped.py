@@ -9,7 +9,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..layouts import CapturePoint, layout_of
-from ..translators.cost import layout_widths
+from ..training.cost import layout_widths
 from ..translators.token_identity import TokenIdentity
 from ..translators.translator import Translator
 

@@ -38,11 +38,11 @@ from typing import Callable
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from ..blas import matmul_gflops, memory_bandwidth_gbs
+from ..backend.blas import matmul_gflops, memory_bandwidth_gbs
 from ..capture import PREFILL_CHUNK, Capture, capture
-from ..gate import GATE_TOKENS
+from ..translators.gate import GATE_TOKENS
 from ..capture.instrument import chunked_recurrence, fastest_recurrence
-from ..install import install
+from ..translators.install import install
 from ..layouts import ObjectKind, layout_of
 from ..models import LoadedModel
 from ..session import Session, SwitchStatus, hand_over

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import platform
 
-from .. import buffer_cache
-from ..blas import blas_report, matmul_gflops, median_seconds, memory_bandwidth_gbs
+from ..backend import buffer_cache
+from ..backend.blas import blas_report, matmul_gflops, median_seconds, memory_bandwidth_gbs
 
 
 def diagnose() -> dict:
     import mlx.core as mx
     import mlx_lm
 
-    from .. import fast_math
+    from ..backend import fast_math
     from ..layouts.gated_delta import metal_recurrence_available
 
     report = blas_report()
@@ -62,7 +62,7 @@ def short_read_matmul_ms(rows: tuple[int, ...] | None = None, width: int = 4096,
     gate's tail and the last token) and 16; median of `repeats`."""
     import mlx.core as mx
 
-    from ..gate import GATE_TOKENS
+    from ..translators.gate import GATE_TOKENS
 
     rows = rows or (1, GATE_TOKENS + 1, 16)
     weight = mx.random.normal((width, out))

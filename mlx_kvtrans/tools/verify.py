@@ -13,7 +13,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..capture import capture
-from ..install import install, to_engine
+from ..translators.install import install, to_engine
 from ..layouts import ModelLayout, ObjectKind, layout_of
 from ..layouts.linear_attention import RecurrentInputs
 from ..prompt_cache import read_prompt_cache, write_prompt_cache

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from ..alignment import POOLINGS, align, char_spans
+from .alignment import POOLINGS, align, char_spans
 from ..capture import Capture, capture
 from ..layouts import CapturePoint
 from ..layouts.linear_attention import RecurrentInputs
@@ -68,7 +68,7 @@ def aligned_ids(source_tokenizer, target_tokenizer, target_ids: list[int], how: 
                 ) -> AlignedText:
     """A text given as the target's tokens `target_ids` (a prompt, a fitting window): the
     source's tokens of its text, and their pooling onto `target_ids`."""
-    from ..alignment import Views
+    from .alignment import Views
 
     views = Views({"source": source_tokenizer, "target": target_tokenizer})
     views.tokens["target"].extend(target_ids)
@@ -167,7 +167,7 @@ def _pooled(value, text: AlignedText, axis: int = 1):
 def translate_text(translator, source_model, target_model, text: AlignedText) -> list:
     """The source reads its tokens of `text`, the translator builds the target's caches of the
     target's tokens of it: mlx-lm caches for the target."""
-    from ..sharding import capture_whole
+    from .sharding import capture_whole
 
     source = capture_whole(source_model, text.source, translator.source_points())
     return translate_captured(translator, source, target_model, text)
@@ -176,7 +176,7 @@ def translate_text(translator, source_model, target_model, text: AlignedText) ->
 def translate_captured(translator, source: Capture, target_model, text: AlignedText) -> list:
     """The target's caches of `text` from `source`, the source's capture of it (what a switch
     does once the source has read the text)."""
-    from ..install import translate_into
+    from .install import translate_into
 
     fitted = translator.info.get("alignment", {}).get("pooling", text.how)
     if fitted != text.how:

@@ -12,7 +12,6 @@ from pathlib import Path
 
 from ..errors import KvtransError
 from ..files import sha256_file
-from .fit import FitConfig
 
 FILE = "frontier.json"  # beside a translator's weights
 FORMAT = "mlx-kvtrans-frontier"
@@ -48,13 +47,17 @@ class Setting:
         return cls(**{k: v for k, v in data.items() if k in names})
 
 
+# the window of a manifest that records none: stage 1's default window
+UNRECORDED_LENGTH = 256
+
+
 def fitting_length(info: dict) -> int:
     """The longest prompt a translator was fitted (or distilled) on, from its manifest."""
     fit = info.get("fit") or {}
     distill = (info.get("distill") or {}).get("config") or {}
     lengths = list(fit.get("mix") or [fit.get("length")]) + [distill.get("max_prefix")]
     lengths = [n for n in lengths if n]
-    return int(max(lengths)) if lengths else FitConfig().length
+    return int(max(lengths)) if lengths else UNRECORDED_LENGTH
 
 
 # -- the frontier ------------------------------------------------------------------------------

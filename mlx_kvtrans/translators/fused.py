@@ -50,7 +50,7 @@ class FusedMaps:
     def __call__(self, x: mx.array, ids: mx.array | None, lap=None
                  ) -> dict[Recipe, dict[str, mx.array]]:
         """Per recipe, part -> its output. `lap(step, arrays)`, when given, follows each step
-        with what it made (`benchmarks/translate_steps.py` evaluates them there, to time it)."""
+        with what it made (`research/translate_steps.py` evaluates them there, to time it)."""
         lap = lap or (lambda step, arrays: None)
         y = mx.addmm(self.bias, x, self.weight)
         lap("matmul", [y])

@@ -2,7 +2,7 @@
 
 A token-wise linear map of the source's features leaves part of what the target's objects hold
 out of reach; more source layers or more fitting tokens add little
-(`benchmarks/results/capacity.md`). Appending H random features of the map's input,
+(`research/results/capacity.md`). Appending H random features of the map's input,
 
     phi(x) = gelu([rms(x_1) | ... | rms(x_k) | rms(e)] @ P),
 

@@ -212,8 +212,8 @@ def translate_cache(translator: Translator, source_model, target_model, tokens,
     translator's `measured_sink`."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from ..install import translate_into
-    from ..sharding import capture_whole
+    from .install import translate_into
+    from .sharding import capture_whole
 
     translator.refuse_across_tokenizers("translate_cache")
     tokens = mx.array(tokens)

@@ -127,7 +127,7 @@ REALISTIC_PAIRS = {"kimi": ("kimi-linear", "kimi-vl"), "qwen3.5": ("qwen3.5", "q
 # The full checkpoints' text-model layer counts, vocabularies and mixtures of experts, for
 # projections from the per-layer sizes above (Kimi: FIELD_NOTES section 6; Kimi-Linear puts MLA
 # at every fourth layer and the last). The experts set the weights a fit holds (48B, 16B, 671B);
-# a token's forward reads only its routed share of them (`translators.cost.active_parameters`).
+# a token's forward reads only its routed share of them (`training.cost.active_parameters`).
 FULL = {"kimi-linear": dict(layers=27, vocab=163840, mla_layers=[4, 8, 12, 16, 20, 24, 27],
                             moe=dict(num_experts=256, num_experts_per_token=8,
                                      moe_intermediate_size=1024, num_shared_experts=1,

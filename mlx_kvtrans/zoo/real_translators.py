@@ -87,9 +87,9 @@ def build(family: Path, directions=DIRECTIONS, config: TranslatorConfig = Transl
     `progress(stage, done, total, what)` follows each fit and distillation; `text`: the fitting
     text before rendering (default: the corpus's train split)."""
     from .. import load
-    from ..translators.distill import DistillConfig
-    from ..translators.fit import FitConfig
-    from ..workflows import distill_translator, fit_translator
+    from ..training.distill import DistillConfig
+    from ..training.fit import FitConfig
+    from ..training.workflows import distill_translator, fit_translator
 
     unknown = [d for d in directions if d not in DIRECTIONS]
     if unknown:

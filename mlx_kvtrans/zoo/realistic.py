@@ -8,11 +8,11 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ..blas import matmul_gflops, memory_bandwidth_gbs
+from ..backend.blas import matmul_gflops, memory_bandwidth_gbs
 from ..errors import KvtransError
 from ..layouts import layout_of
 from ..models import LoadedModel, cast_parameters, embedding_dims, input_embedding
-from ..translators.cost import fits, gib, plan_cost
+from ..training.cost import fits, gib, plan_cost
 from .families import REALISTIC_PAIRS, full_config, realistic_config
 
 
@@ -22,9 +22,9 @@ def realistic_fit(source_lm, target_lm, config, full_names: tuple[str, str] | No
     values are meaningless, its cost is real) and project the cost to the full checkpoints'
     layer counts (`full_names`: keys of `families.FULL`).
 
-    The projection scales `translators.cost.plan_cost`'s model of the fit by how this fit
+    The projection scales `training.cost.plan_cost`'s model of the fit by how this fit
     measured against that model here. Returns (translator, record)."""
-    from ..translators.fit import fit
+    from ..training.fit import fit
 
     gflops, bandwidth = matmul_gflops(), memory_bandwidth_gbs()
     identity = (embedding_dims(target_lm.model)
@@ -84,7 +84,7 @@ def realistic_pair(name: str, dtype: str, token_identity: str, progress=None):
     """(translator, source, target, fit record): random-weight models with real checkpoints'
     per-layer sizes in `dtype` (a name: float32, bfloat16, ...), and a translator fitted in
     closed form on them (values meaningless, cost real)."""
-    from ..translators.fit import FitConfig
+    from ..training.fit import FitConfig
     from .random_model import build_model
 
     realistic_configs(name)  # a known name

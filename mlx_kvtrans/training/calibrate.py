@@ -1,0 +1,200 @@
+"""Calibrating the fidelity gate: the threshold a translator's gap stays under on held-out text.
+
+Calibration runs whole switches: a `Session` reads a held-out window with the source and hands
+over to the target, and the gate's gap (`gate.compare`) is recorded. So it lives above the
+session, and above both fitting stages: `fit` and `distill` return translators without a gate,
+and `workflows` (the commands' library calls) or a caller adds one with `calibrate`.
+
+Per band of prefix lengths and per kind of tail (text the source read, its own reply), the
+threshold is a high quantile of the gaps over `windows` held-out windows plus a margin; the
+record is what a manifest keeps under "gate" and what `gate.threshold` reads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import KvtransError
+from ..translators.gate import GATE_TOKENS, KINDS
+
+# needles drawn for calibration: apart from the held-out ones (evaluation.needles.HELD_OUT_SEED
+# and above, which the frontier's draws are) and from distillation's (NEEDLE_SEED)
+NEEDLE_SEED = 800_000_000
+QUANTILE = 0.99
+MARGIN = 0.5  # nats/token above the quantile: the held-out windows are few
+WINDOWS = 64  # held-out windows of each kind and band a calibration reads
+# prefix lengths calibrated apart: the gap of good translations grows where the models read past
+# their training length (256 tokens in the zoo); a longer switch takes the last band's threshold
+BANDS = ((32, 256), (257, 512))
+
+
+def as_loaded(name: str, model):
+    """`model` as the LoadedModel a Session holds (a bare mlx-lm model gets a stand-in)."""
+    from ..models import LoadedModel
+
+    return model if isinstance(model, LoadedModel) else LoadedModel(name, None, model, None, {})
+
+
+def window_switch(translator, source, target, tokens: list[int], prefix: int, kind: str,
+                  tail: int = GATE_TOKENS):
+    """One held-out window through a `Session`, as a conversation meets the gate: the source
+    reads `prefix` tokens (kind "read": the tail is text it read, and the next token is known)
+    or reads them and writes `tail` + 1 more greedily (kind "generated"); then the switch.
+    Returns the session: its switch (the gap in `gate_gap`) is `session.switches[-1]`."""
+    from ..session import Session
+
+    session = Session({"source": as_loaded("source", source),
+                       "target": as_loaded("target", target)},
+                      {("source", "target"): translator}, active="source", gate_tokens=tail,
+                      reread=0)  # the gate's own tail, whatever the dial's default
+    session.add(tokens[:prefix], model="target")  # across tokenizers the source reads its own
+    if kind == "read":
+        list(session.generate(0))
+        session.add(tokens[prefix:prefix + 1], model="target")
+    else:
+        list(session.generate(tail + 1))
+    session.switch("target")
+    return session
+
+
+def gap_summary(gaps: list[float]) -> dict:
+    """The spread of a band's gaps, as the manifest records it."""
+    a = np.asarray(gaps)
+    return {"windows": len(gaps), "mean": round(float(a.mean()), 4),
+            "std": round(float(a.std()), 4),
+            **{f"q{int(q * 100)}": round(float(np.quantile(a, q)), 4) for q in (0.5, 0.9, 0.99)},
+            "max": round(float(a.max()), 4)}
+
+
+def calibrate(translator, source, target, token_ids: list[int], windows: int = WINDOWS,
+              tail: int = GATE_TOKENS, bands=BANDS, seed: int = 0, quantile: float = QUANTILE,
+              margin: float = MARGIN, progress=None, group=None,
+              needle_share: float = 0.0) -> dict:
+    """The gate's calibration of `translator` (source -> target: mlx-lm models or LoadedModels)
+    on held-out `token_ids` (the target's; LoadedModels that tokenize differently each read
+    their own tokens of the windows' text): per band of prefix lengths, the gap over `windows`
+    windows of each kind and per kind the threshold quantile + margin. The record a manifest
+    keeps under "gate". `progress(done, total)` follows the windows (this process's). A text
+    too short for a band cuts it short or leaves it out. With `group` (every process of an
+    `mx.distributed` group calls it), process r reads windows r, r + size, ... and the gaps are
+    shared: every process returns the record one process would.
+    `needle_share`: about this share of the "read" windows are needles instead of prose (the
+    target's tokenizer writes them, so `target` is a LoadedModel): their tail is the question,
+    which reads unlike prose, and a gate calibrated on prose alone re-reads such switches that
+    needed no re-read."""
+    started = time.perf_counter()
+    rank, size = (0, 1) if group is None else (group.rank(), group.size())
+    # measured without a threshold, so that no window falls back before its gap is read
+    bare = replace(translator, info={k: v for k, v in translator.info.items() if k != "gate"})
+    rng = random.Random(seed)
+    picks = random.Random(seed + 1)  # which windows are needles: the prose draws stay as they are
+    longest = len(token_ids) - tail - 3  # a prefix, its tail and the next token fit
+    shortest = max(min(lo for lo, _ in bands), 2 * tail + 1)
+    if longest < shortest:
+        raise KvtransError(f"held-out text has {len(token_ids)} tokens, too few to calibrate "
+                           f"the gate on (at least {shortest + tail + 3})")
+    bands = [(max(lo, 2 * tail + 1), min(hi, longest)) for lo, hi in bands if lo <= longest]
+    digest = hashlib.sha256()
+    record = {"tail": tail, "quantile": quantile, "margin": margin, "bands": []}
+    if needle_share:
+        record["needle_share"] = needle_share
+    count = windows * len(KINDS)
+    total, done = len(range(rank, count, size)) * len(bands), 0
+    for lo, hi in bands:
+        draws = []
+        for i in range(count):
+            length = rng.randint(lo, hi)
+            begin = rng.randrange(0, len(token_ids) - length - tail - 1)
+            draws.append((KINDS[i % len(KINDS)], length, token_ids[begin:begin + length + tail + 2]))
+            if needle_share and draws[-1][0] == "read" and picks.random() < needle_share:
+                draws[-1] = ("read", *_needle(target, NEEDLE_SEED + 10_000 * lo + i, length))
+            digest.update(np.asarray(draws[-1][2], dtype=np.int32).tobytes())
+        measured = np.full(count, np.nan)
+        failure = None
+        try:
+            for i in range(rank, count, size):
+                kind, length, window = draws[i]
+                status = window_switch(bare, source, target, window, length, kind,
+                                       tail).switches[-1]
+                if status.gate_gap is not None:
+                    measured[i] = status.gate_gap
+                done += 1
+                if progress:
+                    progress(done, total)
+        except Exception as e:  # the others wait for this process's gaps: tell them
+            failure = e
+        if group is not None:
+            measured, failed = _shared(measured, failure is not None, group)
+            if failed and failure is None:
+                raise KvtransError("another process failed to calibrate the gate (its error is "
+                                   "in its output)")
+        if failure is not None:
+            raise failure
+        gaps = {kind: [float(measured[i]) for i in range(count)
+                       if draws[i][0] == kind and not np.isnan(measured[i])] for kind in KINDS}
+        if not all(gaps.values()):
+            raise KvtransError("no window could be compared: the gate needs a translator a "
+                               "session can hand over with")
+        record["bands"].append({
+            "prefix": [lo, hi],
+            "threshold": {k: round(float(np.quantile(g, quantile)) + margin, 4)
+                          for k, g in gaps.items()},
+            "gap": {k: gap_summary(g) for k, g in gaps.items()}})
+    record.update(seed=seed, data_sha256=digest.hexdigest(),
+                  seconds=round(time.perf_counter() - started, 2))
+    if size > 1:
+        record["processes"] = size
+    return record
+
+
+def _needle(target, seed: int, length: int) -> tuple[int, list[int]]:
+    """(the prompt's length, its tokens and the answer's): a calibration needle of about
+    `length` tokens in the target's tokens."""
+    from ..evaluation.needles import held_out_filler, needle_prompt_tokens
+
+    if getattr(target, "tokenizer", None) is None:
+        raise KvtransError("calibrating on needles needs the target's tokenizer (a LoadedModel)")
+    prompt, answer = needle_prompt_tokens(target.tokenizer.encode, seed, length,
+                                          held_out_filler())
+    return len(prompt), prompt + answer
+
+
+def _shared(measured: np.ndarray, failed: bool, group) -> tuple[np.ndarray, bool]:
+    """Every process's gaps (NaN where not read) -> all of them, on every process, and
+    whether any process failed."""
+    from ..backend.processes import summed
+
+    read = ~np.isnan(measured)
+    both = summed(np.concatenate([np.where(read, measured, 0.0), read, [failed]]), group)
+    n = len(measured)
+    return np.where(both[n:2 * n] > 0, both[:n], np.nan), bool(both[-1])
+
+
+def calibrate_directory(directory: str | Path, text: str | Path | None = None,
+                        **options) -> dict:
+    """Calibrate the gate of a translator directory (or shipped name) on held-out text
+    (default: the zoo corpus's validation split) and write it into its manifest, replacing any
+    calibration there; its weights are not touched. Returns the calibration. Under
+    `mlx.launch`, the windows are dealt among the processes and the first one writes."""
+    from ..models import held_out_split, load
+    from ..translators import artifact
+    from ..backend.processes import launched_group
+
+    manifest = artifact.read_manifest(directory)
+    source, target = load(manifest["source"]["name"]), load(manifest["target"]["name"])
+    translator = artifact.load(directory, source, target, across_tokenizers=True)
+    path = Path(text) if text is not None else held_out_split("validation")
+    if path is None:
+        raise KvtransError("no held-out text to calibrate on: give one, or build the zoo corpus")
+    ids = target.tokenizer.encode(path.read_text(errors="replace"))
+    group = launched_group()
+    record = calibrate(translator, source, target, ids, group=group, **options)
+    if group is None or group.rank() == 0:
+        artifact.update_manifest(directory, gate=record)
+    return record
