@@ -2,7 +2,7 @@
 (false alarms), per shipped pair.
 
 Every window is a `Session` switch (`calibrate.window_switch`): the source reads a prefix (kind
-"read") or reads it and writes a reply (kind "generated"), then hands over. Beside each verdict,
+"read") or reads it and writes a reply (kind "generated"), then switches. Beside each verdict,
 what the fault really cost: the damage, the target's NLL on the tail from the translated cache
 minus its NLL reading the whole window itself (nats/token).
 

@@ -1,14 +1,13 @@
-"""How well `kvtrans plan` projects the time of `kvtrans fit`: per fit size, the projection
-(`fit_time`, timed briefly on the two models) beside the whole fit run right after it, gate
-calibration included, on the default pair (zoo kimi-linear -> kimi-vl).
+"""How well `kvtrans plan` projects the time of `kvtrans fit`: per fit size, the command
+`kvtrans plan --data TEXT --json` beside `kvtrans fit --data TEXT` run right after it (wall
+time, loading and the gate's calibration included), on the default pair (zoo kimi-linear ->
+kimi-vl) at the fit's defaults but for its windows.
 
-Only the time is measured, so the fitting text is the shipped validation split. Small fits are
-dominated by fixed costs the projection does not scale (loading, the first calls' kernel
-setup), so the ratio is reported per size. Each size is measured on a quiet machine and under
-the load of one other job (a process multiplying matrices on every core, started before the
-projection and stopped after the fit). Writes benchmarks/results/plan.{json,md}.
+The fitting text is the shipped validation split (only time is measured). Each size is measured
+on a quiet machine and under the load of one other job (a process multiplying matrices on every
+core, started before the plan and stopped after the fit). Writes benchmarks/results/plan.{json,md}.
 
-    python benchmarks/plan.py [--sizes 16x64 64x128 256x256] [--gate-windows 4]
+    python benchmarks/plan.py [--windows 64 256]
 """
 
 from __future__ import annotations
@@ -18,35 +17,38 @@ import contextlib
 import json
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-import mlx_kvtrans as kv  # first: fast BLAS
+import mlx_kvtrans  # noqa: F401  first: fast BLAS
 
-from mlx_kvtrans.training.fit_time import fit_time
-from mlx_kvtrans.models import load_config_only, weights_dir
+from mlx_kvtrans.backend.blas import blas_report
+from mlx_kvtrans.models import weights_dir
 from mlx_kvtrans.training.fit import FitConfig
-from mlx_kvtrans.training.workflows import fit_translator, plan_and_cost
 
 OUT = Path(__file__).resolve().parent / "results"
 SOURCE, TARGET = "kimi-linear", "kimi-vl"
+KVTRANS = [sys.executable, "-m", "mlx_kvtrans.cli"]
 
 
-def measure(windows: int, length: int, gate_windows: int) -> dict:
-    text = weights_dir() / "corpus" / "validation.txt"
-    config = FitConfig(windows=windows, length=length)
-    src, tgt = load_config_only(SOURCE), load_config_only(TARGET)
-    _, cost = plan_and_cost(src, tgt, config)
-    projected = fit_time(src, tgt, cost, config, gate_windows=gate_windows)
-    start = time.perf_counter()
-    fit_translator(kv.load(SOURCE), kv.load(TARGET), [text], config, validation=text,
-                   gate_windows=gate_windows)
-    took = time.perf_counter() - start
-    row = {"windows": windows, "length": length, "gate_windows": gate_windows,
-           "projected_s": round(projected.seconds, 2), "took_s": round(took, 2),
-           "projected_over_took": round(projected.seconds / took, 2),
-           "projection": projected.to_json()}
-    print(f"{windows}x{length}: projected {row['projected_s']} s, took {row['took_s']} s, "
+def measure(windows: int) -> dict:
+    text = str(weights_dir() / "corpus" / "validation.txt")
+    tokens = windows * FitConfig().length
+    plan = subprocess.run([*KVTRANS, "plan", "--from", SOURCE, "--to", TARGET, "--tokens",
+                           str(tokens), "--data", text, "--json"],
+                          check=True, capture_output=True, text=True)
+    projected = json.loads(plan.stdout)["fit_seconds"]
+    with tempfile.TemporaryDirectory() as tmp:
+        start = time.perf_counter()
+        subprocess.run([*KVTRANS, "fit", "--from", SOURCE, "--to", TARGET, "--windows",
+                        str(windows), "--data", text, "--validation", text, "--out",
+                        f"{tmp}/translator", "--workdir", f"{tmp}/work"],
+                       check=True, capture_output=True, text=True)
+        took = time.perf_counter() - start
+    row = {"windows": windows, "tokens": tokens, "projected_s": round(projected, 2),
+           "took_s": round(took, 2), "projected_over_took": round(projected / took, 2)}
+    print(f"{windows} windows: projected {row['projected_s']} s, took {row['took_s']} s, "
           f"ratio {row['projected_over_took']}", flush=True)
     return row
 
@@ -76,25 +78,25 @@ def load(on: bool):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", nargs="+", default=["16x64", "64x128", "256x256"],
-                        help="fits as WINDOWSxLENGTH")
-    parser.add_argument("--gate-windows", type=int, default=4)
+    parser.add_argument("--windows", nargs="+", type=int, default=[64, FitConfig().windows],
+                        help="fits of this many windows (the default fit's is the last)")
     args = parser.parse_args()
-    sizes = [tuple(int(x) for x in s.split("x")) for s in args.sizes]
     rows = []
-    for w, n in sizes:
+    for windows in args.windows:
         for loaded in (False, True):
             with load(loaded):
-                rows.append({**measure(w, n, args.gate_windows), "under_load": loaded})
+                rows.append({**measure(windows), "under_load": loaded})
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "plan.json").write_text(json.dumps({"pair": f"{SOURCE}__{TARGET}", "rows": rows},
-                                              indent=2) + "\n")
+    blas = str(blas_report())
+    (OUT / "plan.json").write_text(json.dumps({"pair": f"{SOURCE}__{TARGET}", "blas": blas,
+                                               "rows": rows}, indent=2) + "\n")
     lines = ["# `kvtrans plan` against the fit it projects\n",
-             f"Pair {SOURCE} -> {TARGET}; each fit run right after its projection, the gate "
-             f"calibrated over {args.gate_windows} windows per kind and band.\n",
-             "| fit (windows x length) | machine | projected | took | projected / took |",
+             f"Pair {SOURCE} -> {TARGET}, `kvtrans plan --data` then `kvtrans fit --data` "
+             f"(wall time) at the fit's defaults but for its windows, on the validation split. "
+             f"{blas}. Written by `python benchmarks/plan.py`.\n",
+             "| fit windows (tokens) | machine | projected | took | projected / took |",
              "|---|---|---|---|---|"]
-    lines += [f"| {r['windows']} x {r['length']} | "
+    lines += [f"| {r['windows']} ({r['tokens']:,}) | "
               f"{'one other job' if r['under_load'] else 'quiet'} | {r['projected_s']} s | "
               f"{r['took_s']} s | {r['projected_over_took']} |" for r in rows]
     (OUT / "plan.md").write_text("\n".join(lines) + "\n")

@@ -93,7 +93,7 @@ def plan_row(root: Path, pair: str, source: str, target: str, weights: str, feat
            "switch": {str(n): {"gflop": round(r["flops"] / 1e9, 1),
                                "installed_mib": round(r["bytes"] / 2**20, 1),
                                "ms_at_peak": round(r["seconds_at_peak"] * 1000, 1),
-                               "reprefill_ms": round(prefill_ms[n], 1)}
+                               "reread_ms": round(prefill_ms[n], 1)}
                       for n, r in cost.lengths.items()}}
     print(f"{pair} ({weights}, features {features}): fit {row['fit_seconds']:.0f} s, peak "
           f"{row['fit_peak_bytes'] / 2**30:.1f} GiB, fits {row['fits']}", flush=True)
@@ -163,7 +163,7 @@ def markdown(rows: list[dict], machine) -> str:
                      f"({r['translator_parameters'] / r['parameters'][1]:.2%}) | "
                      f"{switch['gflop']:,.0f} GFLOP, {switch['installed_mib']:,.0f} MiB, "
                      f"{switch['ms_at_peak']:,.0f} ms | "
-                     f"{switch['ms_at_peak'] / switch['reprefill_ms']:.2%} |")
+                     f"{switch['ms_at_peak'] / switch['reread_ms']:.2%} |")
     return "\n".join(lines) + "\n"
 
 

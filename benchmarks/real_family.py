@@ -11,7 +11,7 @@ recall with every recurrent state, or every conv history, zeroed).
 Per translator of `kvtrans zoo real-translators` (FAMILY/translators/SOURCE__TARGET), through a
 `Session` at its default setting, and with the target's first k layers recomputed (`--recompute`):
 the history's worth recovered, first token, greedy match of 32 and chat needle recall native /
-switched per length, the share of switches applied and the switch's speed-up over re-prefill.
+switched per length, the share of switches applied and the switch's speed-up over re-reading.
 
 The issue's bars are checked beside the figures: perplexity within 1.3x of the parent's on both
 texts, chat recall within 0.1 of the parent's at every length, zeroed states costing KL or
@@ -115,7 +115,7 @@ def measure_direction(family: Path, name: str, args) -> list[dict]:
 def direction_bars(row: dict) -> dict:
     """#58's bars for one direction: recovered >= 0.9 to 1,024 tokens, recall within 0.05 of
     native where native >= 0.5, first token >= 0.95, greedy match >= 24 of 32, applied >= 0.9,
-    the switch >= x5 over re-prefill at 2,048 tokens."""
+    the switch >= x5 over re-reading at 2,048 tokens."""
     lengths = row["lengths"]
     at = lambda n: lengths.get(str(n))  # noqa: E731
     return {

@@ -10,9 +10,9 @@ translators), talked to over loopback HTTP; every conversation carries its own c
 so none reuses another's cache. A switch: kimi-linear reads the history (a long user turn) and
 replies; the next turn, the history plus that reply plus a question, goes to kimi-vl, streamed
 with max_tokens 1. Its time to first token is measured by the client (the response headers
-come with the first token) and reported by the server (`kvtrans.ttft_ms`).
+come with the first token) and reported by the server (`kvtrans.ttft_seconds`).
 
-On the translating server, two cases users meet every day: a handoff made `--idle` seconds
+On the translating server, two cases users meet every day: a switch made `--idle` seconds
 after the previous answer (the server translates ahead meanwhile) beside a same-model
 follow-up made as long after, and a user who edits their last turn on the hybrid (the share of
 the prompt reported as cached tokens).
@@ -112,14 +112,16 @@ def switch(port: int, history: str, conversation: str) -> dict:
                  {"role": "user", "content": "What did the text say?"}]
     ttft, _, second = chat(port, TARGET, messages, 1, conversation, stream=True)
     r = second["kvtrans"]
-    return {"client_ttft_ms": ttft * 1000, "server_ttft_ms": r["ttft_ms"],
-            "translate_ms": r["translate_ms"], "status": r["status"],
-            "tokens_translated": r["tokens_translated"], "tokens_reread": r["tokens_reread"]}
+    s = r["switch"] or {}
+    return {"client_ttft_ms": ttft * 1000, "server_ttft_ms": r["ttft_seconds"] * 1000,
+            "translate_ms": s.get("translate_seconds", 0.0) * 1000, "status": r["status"],
+            "tokens_translated": s.get("tokens_translated", 0),
+            "tokens_reread": s.get("tokens_reread", 0)}
 
 
 def after_idle(port: int, history: str, conversation: str, model: str, idle: float) -> dict:
     """The source answers; `idle` seconds later the next turn goes to `model` (the target: a
-    handoff the server translated ahead; the source: a same-model follow-up)."""
+    switch the server translated ahead; the source: a same-model follow-up)."""
     messages = [{"role": "user", "content": history}]
     _, _, first = chat(port, SOURCE, messages, 8, conversation)
     time.sleep(idle)
@@ -127,8 +129,9 @@ def after_idle(port: int, history: str, conversation: str, model: str, idle: flo
                  {"role": "user", "content": "What did the text say?"}]
     ttft, _, second = chat(port, model, messages, 1, conversation, stream=True)
     r = second["kvtrans"]
-    return {"client_ttft_ms": ttft * 1000, "server_ttft_ms": r["ttft_ms"],
-            "status": r["status"], "tokens_translated_ahead": r["tokens_translated_ahead"]}
+    return {"client_ttft_ms": ttft * 1000, "server_ttft_ms": r["ttft_seconds"] * 1000,
+            "status": r["status"],
+            "tokens_translated_ahead": (r["switch"] or {}).get("tokens_translated_ahead", 0)}
 
 
 def edited_turn(port: int, history: str, conversation: str) -> dict:
@@ -208,7 +211,7 @@ def batching(port: int, clients: list[int], rounds: int, conversations: int, tur
 
 def measure(translate: bool, lengths: list[int], repeats: int, rounds: int, clients: list[int],
             conversations: int, turns: int, reply: int, tokenizer, idle: float) -> dict:
-    mode = "translate" if translate else "reprefill"
+    mode = "translate" if translate else "reread"
     result = {}
     with served(translate) as port:
         switch(port, history_text(tokenizer, 256), f"{mode}-warmup")
@@ -227,20 +230,20 @@ def measure(translate: bool, lengths: list[int], repeats: int, rounds: int, clie
                 history = history_text(tokenizer, length)
                 pair = {who: median_row([after_idle(port, history, f"idle-{who}-{length}-{r}",
                                                     model, idle) for r in range(repeats)])
-                        for who, model in (("handoff", TARGET), ("follow_up", SOURCE))}
-                pair["ratio"] = round(pair["handoff"]["client_ttft_ms"]
+                        for who, model in (("switch", TARGET), ("follow_up", SOURCE))}
+                pair["ratio"] = round(pair["switch"]["client_ttft_ms"]
                                       / pair["follow_up"]["client_ttft_ms"], 2)
                 result["after_idle"][length] = pair
                 result["edited"][length] = median_row([edited_turn(
                     port, history, f"edit-{length}-{r}") for r in range(repeats)])
-                print(f"after {idle:g} s idle, {length} tokens: handoff / follow-up "
+                print(f"after {idle:g} s idle, {length} tokens: switch / follow-up "
                       f"{pair['ratio']}; edited turn cached "
                       f"{result['edited'][length]['cached_share']:.2f}", flush=True)
     return {"switch": rows, **result}
 
 
 def write_markdown(results: dict) -> None:
-    t, r = results["translate"], results["reprefill"]
+    t, r = results["translate"], results["reread"]
     lines = ["# kvtrans serve\n",
              f"Time to first token of a request that moves a conversation from {SOURCE} to "
              f"{TARGET} through `kvtrans serve`, translating the cache, beside the same server "
@@ -259,17 +262,17 @@ def write_markdown(results: dict) -> None:
                      f"({b['server_ttft_ms']:.1f}) | {', '.join(b['status'])} | "
                      f"{b['client_ttft_ms'] / a['client_ttft_ms']:.1f}x |")
     lines += ["", f"A turn {results['idle']:g} s after the previous answer, on the translating "
-              "server: the handoff (to the target, translated ahead in the idle time) beside a "
+              "server: the switch (to the target, translated ahead in the idle time) beside a "
               "same-model follow-up (the source again), first token in ms by the client; and "
               "an edited last user turn on the hybrid (a turn, the next turn, that turn "
               "edited): the share of its prompt reported cached.\n",
-              "| history tokens | handoff ms | follow-up ms | handoff / follow-up | handoff "
+              "| history tokens | switch ms | follow-up ms | switch / follow-up | switch "
               "status | edited turn: cached share |", "|---|---|---|---|---|---|"]
     for length in results["lengths"]:
         pair, edit = t["after_idle"][str(length)], t["edited"][str(length)]
-        lines.append(f"| {length} | {pair['handoff']['client_ttft_ms']:.1f} | "
+        lines.append(f"| {length} | {pair['switch']['client_ttft_ms']:.1f} | "
                      f"{pair['follow_up']['client_ttft_ms']:.1f} | {pair['ratio']:.2f} | "
-                     f"{', '.join(pair['handoff']['status'])} | {edit['cached_share']:.2f} |")
+                     f"{', '.join(pair['switch']['status'])} | {edit['cached_share']:.2f} |")
     lines += ["", f"Batching, on the translating server as it starts (before the sections "
               "above, whose long conversations leave re-reads for its idle time): "
               f"{results['conversations']} "
@@ -308,7 +311,7 @@ def main() -> None:
     clients = [int(x) for x in args.clients.split(",")]
     results = {mode: measure(mode == "translate", lengths, args.repeats, args.rounds, clients,
                              args.conversations, args.turns, args.reply, tokenizer, args.idle)
-               for mode in ("translate", "reprefill")}
+               for mode in ("translate", "reread")}
     report = blas_report()
     results = json.loads(json.dumps(results))  # lengths become the JSON's string keys
     results.update(blas=str(report),

@@ -1,7 +1,7 @@
-"""Time to first token after a switch versus re-prefill, for the zoo pairs and for random-weight
+"""Time to first token after a switch versus re-reading, for the zoo pairs and for random-weight
 models with real checkpoints' per-layer sizes; tabulated into benchmarks/results/switch.md.
 
-Each configuration runs `kvtrans bench` (warm switch, cold switch and re-prefill side by side in
+Each configuration runs `kvtrans bench` (warm switch, cold switch and re-reading side by side in
 one process, medians of repeats, peak memory, translation GFLOP/s against the measured matmul
 peak, and the bound a warm switch could reach, measured beside each row), which writes its JSON
 and PNG under benchmarks/results/. `--tabulate` only rebuilds the
@@ -58,13 +58,13 @@ def tabulate():
              "prompt's last token in one forward whose last logits give the first token, the "
              "fidelity gate comparing its NLL on the last r with the source's; a gated switch "
              "whose gate fired is marked (fell back): "
-             "its time is a re-prefill's. Step / read + gate: what each spends beyond "
+             "its time is a full re-read's. Step / read + gate: what each spends beyond "
              "translating, the warm switch's first decode step and the gated switch's one "
              "forward of the tokens it reads with the gate's comparison. Cold switch: a user's first, the translator loaded "
              "and run for the first time (the source has read the prompt). Prefill + switch: "
              "the source's recording prefill and the warm switch (fastest recurrence on the "
-             "device: Metal kernel on a Mac, chunkwise form elsewhere). Re-prefill: the target "
-             "reads the prompt itself in plain mlx-lm; re-prefill chunked: the same under the "
+             "device: Metal kernel on a Mac, chunkwise form elsewhere). Re-reading: the target "
+             "reads the prompt itself in plain mlx-lm; re-reading chunked: the same under the "
              "chunkwise recurrence (targets with linear attention only). Bound: the target's "
              "first decode step on the installed cache + translation FLOPs at the measured "
              "matmul peak + installed bytes at the measured memory bandwidth. Side by side in "
@@ -76,7 +76,7 @@ def tabulate():
              "translator fitted in closed form on them (features `attention`, token ids; "
              "values meaningless, cost real; its fit is listed below the table). "
              "Regenerate with `python benchmarks/switch.py`.\n",
-             "| pair | dtype | BLAS (peak GFLOP/s) | tokens | re-prefill ms | re-prefill "
+             "| pair | dtype | BLAS (peak GFLOP/s) | tokens | re-reading ms | re-reading "
              "chunked ms | warm switch ms | speed-up | gated switch ms | read | speed-up | "
              "step / read + gate ms | bound ms | "
              "warm / bound | cold switch ms | speed-up | prefill + switch ms | speed-up | "
@@ -102,18 +102,18 @@ def tabulate():
             fell_back = "" if outcome.startswith("applied") else " (fell back)"
             lines.append(
                 f"| {pair} | {r['dtype']} | {r['blas']} ({r['matmul_peak_gflops']:.0f}) | "
-                f"{row['length']} | {ms(row['reprefill_s'])} | "
-                f"{ms(row.get('reprefill_chunked_s'))} | "
+                f"{row['length']} | {ms(row['reread_s'])} | "
+                f"{ms(row.get('reread_chunked_s'))} | "
                 f"{ms(row['warm_switch_s'])} | x{row['speedup_warm']:.1f} | "
                 f"{ms(row.get('gated_switch_s'))}{fell_back} | "
                 f"{row.get('gated_read') or row.get('gate_tokens') or '-'} | "
                 f"{times(row.get('speedup_gated'))} | "
                 f"{ms(row.get('first_step_s'))} / {ms(row.get('gated_read_s'))} | "
                 f"{ms(row.get('bound_s'))} | {times(row.get('warm_over_bound'))} | "
-                f"{ms(cold)} | {times(cold and row['reprefill_s'] / cold)} | "
-                f"{ms(prefill_switch)} | x{row['reprefill_s'] / prefill_switch:.2f} | "
+                f"{ms(cold)} | {times(cold and row['reread_s'] / cold)} | "
+                f"{ms(prefill_switch)} | x{row['reread_s'] / prefill_switch:.2f} | "
                 f"{row['translate_gflops']:.1f} | {row['peak_mb_switch']:.0f} / "
-                f"{row['peak_mb_reprefill']:.0f} |")
+                f"{row['peak_mb_reread']:.0f} |")
     fits = []
     for path in sorted(RESULTS.glob("bench-*.json")):
         r = json.loads(path.read_text())

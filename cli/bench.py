@@ -1,4 +1,4 @@
-"""`kvtrans bench`: time to first token after a switch against re-prefill, beside its bound."""
+"""`kvtrans bench`: time to first token after a switch against re-reading, beside its bound."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def bench(source: str = typer.Option(None, "--from", help="default: the translat
                                     "CPU; Macs run it)"),
           out_dir: Path = typer.Option(None, help="write the JSON and PNG here"),
           as_json: bool = typer.Option(False, "--json", help="print the result as JSON")):
-    """Time to first token after a switch (warm, cold, gated) versus re-prefill on the target,
+    """Time to first token after a switch (warm, cold, gated) versus re-reading on the target,
     and the bound a warm switch could reach here (see mlx_kvtrans.timing)."""
     from mlx_kvtrans.timing import report_table, switch_report, write_report
     from mlx_kvtrans.translators import artifact

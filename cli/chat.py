@@ -228,13 +228,13 @@ def _translators(models: dict, source: str, target: str, translator: str | None,
             shipped = default_translator(models[a], models[b])
             if shipped is None:
                 banner.append((pair, "no translator shipped, so /switch that way re-reads the "
-                                     "conversation (re-prefill)", True))
+                                     "conversation (re-reading)", True))
                 continue
             try:
                 path, tr = _load_translator(shipped, models[a], models[b])
             except KvtransError as e:
                 banner.append((pair, f"shipped translator {_shown(shipped)} not used ({e}), so "
-                                     "/switch that way re-reads the conversation (re-prefill)",
+                                     "/switch that way re-reads the conversation (re-reading)",
                                True))
                 continue
         found[(a, b)] = tr

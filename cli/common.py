@@ -129,7 +129,7 @@ def user_errors(command):
 REREAD_HELP = ("tokens of a switched span the target re-reads itself over the translation "
                "(the fidelity dial; default: each translator's measured default)")
 FIDELITY_HELP = ("held-out agreement each switch must meet: the cheapest re-read setting its "
-                 "translator's frontier measured that meets it, else re-prefill")
+                 "translator's frontier measured that meets it, else re-reading")
 
 
 SINK_HELP = ("the conversation's first tokens, which a model given it from its start reads "

@@ -87,7 +87,7 @@ def eval_multiturn(translator_dir: Path = typer.Option(..., "--translator",
                                              "alternate every turn)"),
                    as_json: bool = typer.Option(False, "--json", help=JSON_HELP)):
     """Per-turn answer accuracy of dialogues alternating models, for segment-wise, naive and
-    refresh switching and for re-prefill."""
+    refresh switching and for re-reading."""
     from mlx_kvtrans.evaluation.multiturn import evaluate
     from mlx_kvtrans.translators import artifact
 
@@ -324,7 +324,7 @@ def eval_frontier(translator_dir: Path = typer.Option(..., "--translator",
     """The fidelity frontier: per length and setting (R, the tokens the target re-reads itself),
     teacher-forced agreement with native greedy continuations beside the last-16-tokens floor,
     the history's worth recovered, greedy matches, KL, needle recall and the warm switch's
-    speed-up over re-prefill, on held-out text and needles."""
+    speed-up over re-reading, on held-out text and needles."""
     from mlx_kvtrans.evaluation import frontier as fr
     from mlx_kvtrans.translators import artifact
     from mlx_kvtrans.backend.processes import launched_group
@@ -391,7 +391,7 @@ def _frontier_table(frontier, prompts: int, needles: int) -> FitTable:
                          "native, the share native itself nearly ties; match: greedy tokens equal "
                          "to native's; "
                          "1st: first token; KL: nats/token; recall: native/switched; applied: "
-                         "switches the gate let stand; x: speed-up over re-prefill; R kK: K "
+                         "switches the gate let stand; x: speed-up over re-reading; R kK: K "
                          "first layers recomputed"),
                      caption_justify="left")
     for col in ("L", "R", "agree", "floor", "kept", "ties", "match", "1st", "KL", "recall",

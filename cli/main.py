@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 
 # imported in the order `kvtrans --help` lists the commands
-from . import models, audit, translators, chat, serve, bench, needles, evaluate, zoo  # noqa: F401, I001
+from . import models, audit, translators, plan, chat, serve, bench, needles, evaluate, zoo  # noqa: F401, I001
 from .common import app
 
 

@@ -48,7 +48,7 @@ def inspect(model: str = typer.Argument(..., help="zoo alias, model directory or
     dtypes = {o.dtype for layer in layout.layers for o in layer.objects}
     shared = f"  ·  {dtypes.pop()}" if len(dtypes) == 1 else ""
     table = FitTable(f"{model}  ·  {layout.model_type}  ·  {layout.family}{shared}")
-    for col in ("object", "kind", "shape (3)", *(() if shared else ("dtype",)), "rotation",
+    for col in ("object", "kind", "engine shape", *(() if shared else ("dtype",)), "rotation",
                 "points"):
         table.add_column(col)
     table.add_column("size", right=True)
@@ -73,7 +73,8 @@ def verify(model: str = typer.Argument(..., help="zoo alias, model directory or 
            prefix: int = typer.Option(None, min=2,
                                       help="prompt length (default: 64, or beyond index_topk)"),
            as_json: bool = typer.Option(False, "--json", help=JSON_HELP)):
-    """Prove capture -> install, (1)/(2) -> (3) conversion and replay exact on this checkpoint."""
+    """Prove capture -> install, raw/normed -> engine conversion and replay exact on this
+    checkpoint."""
     from mlx_kvtrans.tools.verify import CONTINUATION, checks_to_json, run_checks
 
     if prefix is not None:

@@ -4,7 +4,7 @@ Public API (everything takes mlx-lm models and returns mlx-lm caches):
 
     src, tgt = kvtrans.load("kimi-linear"), kvtrans.load("kimi-vl")  # alias, directory or HF id
     layout = kvtrans.layout_of(tgt.model)       # every cache object of every layer
-    cap = kvtrans.capture(src.model, tokens)    # objects at capture points (1), (2), (3)
+    cap = kvtrans.capture(src.model, tokens)    # objects at capture points raw, normed, engine
     cache = kvtrans.install(src.model, cap.at(1), point=1)   # -> KVCache / ArraysCache / CacheList
     outputs, state = kvtrans.replay(layout.layers[0].cache, cap.layer(0, 2)["state"])
     kvtrans.write_prompt_cache("p.safetensors", cache, "kimi-linear")  # read_prompt_cache reads
@@ -46,7 +46,7 @@ from .translators.translator import translate_cache
 
 def replay(layer_cache, inputs: layouts.RecurrentInputs, state=None, chunk_size=None,
            use_kernel=True, parallel=False):
-    """Run a linear-attention layer's own recurrence over per-token (2) `inputs` from `state`.
+    """Run a linear-attention layer's own recurrence over per-token normed `inputs` from `state`.
 
     `layer_cache`: `layout.layers[i].cache` of a GDN or KDA layer. Returns (outputs, state).
     `parallel=True` uses the chunkwise-parallel pure-MLX form (differentiable on every device).

@@ -109,13 +109,13 @@ class Saved:
 
 def dial_summary(s: SwitchStatus) -> str:
     """The fidelity dial's setting of an applied switch and what its frontier expects."""
-    if s.status != "applied" or not (s.tokens_translated or s.tokens_read):
+    if s.status != "applied" or not (s.tokens_translated or s.tokens_tail):
         return ""
     expect = []
     if s.expected_agreement is not None:
         expect.append(f"held-out agreement {s.expected_agreement:.2f}")
     if s.expected_speedup is not None:
-        expect.append(f"x{s.expected_speedup:.1f} over re-prefill")
+        expect.append(f"x{s.expected_speedup:.1f} over re-reading")
     how = "; ".join(x for x in (s.setting_note, ", ".join(expect)) if x)
     return f"; R={s.reread}" + (f" ({how})" if how else "")
 
@@ -138,9 +138,11 @@ class Chat:
 
     def __init__(self, session: Session, transcript: Transcript, max_tokens: int = 200,
                  system: str | None = None, translate_ahead: bool = False):
-        self.session, self.transcript, self.max_tokens = session, transcript, max_tokens
+        self.session = session
+        self.transcript = transcript
+        self.max_tokens = max_tokens
         self.system = system
-        self.translate_ahead = translate_ahead  # after each reply: see `prepare`
+        self.ahead_after_replies = translate_ahead  # see `translate_ahead`
         self.messages: list[dict] = []  # what the conversation holds, as chat messages
 
     @property
@@ -201,7 +203,10 @@ class Chat:
         reply_from = len(self.session.tokens)
         detok = tok.detokenizer
         detok.reset()
-        start, first, interrupted, turn = time.perf_counter(), None, False, None
+        start = time.perf_counter()
+        first = None
+        interrupted = False
+        turn = None
         with interrupts_held(second_raises=True) as pressed:
             try:
                 turn = self.session.generate(self.max_tokens, stop=stops)
@@ -237,22 +242,22 @@ class Chat:
             self.session.add(closing)
             self.messages.append({"role": "assistant", "content": reply.text})
             self.transcript.add("reply", **asdict(reply))
-            if self.translate_ahead and not interrupted:
-                self.prepare()
+            if self.ahead_after_replies and not interrupted:
+                self.translate_ahead()
         if (late or pressed) and not interrupted:  # Ctrl-C once the reply was whole
             raise KeyboardInterrupt
         return reply
 
-    def prepare(self) -> list[SwitchStatus]:
-        """Translate ahead (`Session.prepare`): give every other model a translator reaches
-        what the active model has read, while the user reads the reply, so a /switch has only
-        the last turn's few tokens left to give. A translation the gate refuses is not re-read
+    def translate_ahead(self) -> list[SwitchStatus]:
+        """Translate ahead (`Session.translate_ahead`): give every other model a translator
+        reaches what the active model has read, while the user reads the reply, so a /switch
+        has only the last turn's few tokens left to give. A translation the gate refuses is not re-read
         ahead: the prompt comes back at once, and only a /switch pays for the re-read."""
         active = self.session.active
-        done = [self.session.prepare(t, read_fallback=False) for t in self.session.lines
+        done = [self.session.translate_ahead(t, read_fallback=False) for t in self.session.lines
                 if t != active and (active, t) in self.session.translators]
         for status in done:
-            self.transcript.add("prepared", **asdict(status))
+            self.transcript.add("ahead", **status.to_json())
         return done
 
     # -- commands ---------------------------------------------------------------------------------
@@ -264,7 +269,7 @@ class Chat:
         if target not in self.session.lines:
             raise KvtransError(f"unknown model {target!r}: this chat has {', '.join(names)}")
         status = self.session.switch(target)
-        self.transcript.add("switch", **asdict(status))
+        self.transcript.add("switch", **status.to_json())
         return status
 
     def set_strategy(self, name: str) -> None:
@@ -334,7 +339,7 @@ class Chat:
             s = self.switch(arg or None)
             detail = f" ({s.reason})" if s.reason else ""
             own = ([f"the first {s.tokens_sink}"] if s.tokens_sink else []) + (
-                [f"the last {s.tokens_read}"] if s.tokens_read else [])
+                [f"the last {s.tokens_tail}"] if s.tokens_tail else [])
             read = f", {' and '.join(own)} read by {s.target}" if own else ""
             if s.layers_recomputed:
                 read += f", its first {counted(s.layers_recomputed, 'layer')} on the span too"
@@ -342,7 +347,7 @@ class Chat:
                      f"{s.ahead_seconds * 1000:.1f} ms)" if s.tokens_translated_ahead else "")
             return (f"switched {s.source} -> {s.target}: {s.status}{detail}; "
                     f"{counted(s.tokens_translated, 'token')} translated{ahead}{read}, "
-                    f"{s.tokens_reprefilled} re-read, {s.translate_seconds * 1000:.1f} ms"
+                    f"{s.tokens_fallback} re-read, {s.translate_seconds * 1000:.1f} ms"
                     f"{dial_summary(s)}{gate_summary(s)}")
         if word == "/who":
             if arg:

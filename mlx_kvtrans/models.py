@@ -187,6 +187,23 @@ def load_config_only(name: str) -> LoadedModel:
     return LoadedModel(str(name), path, model, None, config)
 
 
+def tokenizer_of(lm: LoadedModel):
+    """`lm`'s tokenizer, read from its directory when it was loaded from its config alone
+    (`load_config_only`)."""
+    if lm.tokenizer is not None:
+        return lm.tokenizer
+    from mlx_lm.utils import load_tokenizer
+
+    if not any((Path(lm.path) / f).is_file() for f in TOKENIZER_FILES):
+        raise KvtransError(f"{lm.path} has no tokenizer ({' or '.join(TOKENIZER_FILES)}): give "
+                           "a model directory to read --data with")
+    try:
+        return load_tokenizer(Path(lm.path))
+    except Exception as err:
+        raise KvtransError(f"could not read the tokenizer of {lm.path}: "
+                           f"{type(err).__name__}: {err}") from None
+
+
 def cast_parameters(model, dtype) -> None:
     """Cast floating parameters to `dtype`, except those the model keeps in float32 (mlx-lm's
     `cast_predicate`, e.g. A_log, dt_bias, router biases)."""

@@ -1,4 +1,4 @@
-"""mlx-lm prompt-cache files: read them as (3) objects, write installed caches as them.
+"""mlx-lm prompt-cache files: read them as engine objects, write installed caches as them.
 
 A file written here carries the model's metadata as `mlx_lm.cache_prompt` writes it (`model`,
 `tokenizer_config`), so `mlx_lm.generate --prompt-cache-file F` continues from it directly. A
@@ -40,7 +40,7 @@ def write_prompt_cache(path: str | Path, caches: list[Any], model_name: str,
 
 def read_prompt_cache(path: str | Path, model_or_layout: nn.Module | ModelLayout
                       ) -> tuple[list[dict[str, mx.array]], dict[str, str]]:
-    """Per-layer (3) objects and the metadata of a prompt-cache file made for this model."""
+    """Per-layer engine objects and the metadata of a prompt-cache file made for this model."""
     from mlx_lm.models.cache import load_prompt_cache
 
     layout = resolve_layout(model_or_layout)

@@ -1,5 +1,5 @@
 """The fidelity frontier of every shipped translator direction: how close the switched cache
-stays to native, and the warm switch's speed-up over re-prefill, per re-read setting R, at 1x-8x
+stays to native, and the warm switch's speed-up over re-reading, per re-read setting R, at 1x-8x
 each translator's fitting length, on held-out prose and needles.
 
 Writes research/results/frontier.{json,md,png} (`--results DIR`: there instead); `--translators`
@@ -20,9 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # common.py
 
-import mlx_kvtrans as kv  # first: fast BLAS
+import mlx_kvtrans  # noqa: F401  first: fast BLAS
 
-from mlx_kvtrans.backend.blas import blas_report
 from mlx_kvtrans.evaluation import frontier as fr
 from mlx_kvtrans.models import held_out_split
 from mlx_kvtrans.translators import artifact
@@ -66,8 +65,8 @@ def write_markdown(results: dict, settings: dict, blas: str, out: Path):
              "`python research/frontier.py`; one translator's frontier is "
              "`kvtrans eval frontier --translator NAME [--record]`.\n",
              f"BLAS: {blas}\n", "## Cheapest setting meeting an agreement\n",
-             "The fastest R whose agreement meets the bar at that length, faster than re-prefill "
-             "(`mlx_kvtrans.evaluation.frontier.cheapest`); - : re-prefill.\n",
+             "The fastest R whose agreement meets the bar at that length, faster than re-reading "
+             "(`mlx_kvtrans.evaluation.frontier.cheapest`); - : re-reading.\n",
              "| translator | length | " + " | ".join(f"agreement >= {a}" for a in AGREEMENTS)
              + " |", "|---|---|" + "---|" * len(AGREEMENTS)]
     for name, r in results.items():
@@ -120,16 +119,16 @@ def plot(results: dict, path: Path) -> Path | None:
             for p in points:
                 ax.annotate(f"R={p['setting']['reread']}", (p["speedup"], p["agreement"]),
                             fontsize=7, xytext=(3, 3), textcoords="offset points")
-        ax.axvline(1.0, color="gray", linestyle=":", alpha=0.7)  # re-prefill's own speed
+        ax.axvline(1.0, color="gray", linestyle=":", alpha=0.7)  # re-reading's own speed
         ax.set_title(f"{r['source']} -> {r['target']}", fontsize=9)
-        ax.set_xlabel("speed-up over re-prefill")
+        ax.set_xlabel("speed-up over re-reading")
         ax.set_ylabel("teacher-forced agreement")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
     for ax in list(axes.flat)[len(results):]:
         ax.axis("off")
     fig.suptitle(f"fidelity frontier (dashed: the last-{fr.FLOOR_TOKENS}-tokens floor; "
-                 "dotted: re-prefill)")
+                 "dotted: re-reading)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -271,7 +271,7 @@ def write_markdown(results: dict, out: Path) -> None:
              "first-token agreement; **recall**: needle recall, native / switched; "
              "**applied**: switches the gate let stand; **MB**: the translator's weights "
              "(blank: not recorded when it was measured); **speed-up**: the warm switch at "
-             f"R = {REREAD} over re-prefill, one timed run of each, side by side. **Gain**: "
+             f"R = {REREAD} over re-reading, one timed run of each, side by side. **Gain**: "
              "the recovered share over "
              "the base's, paired on the same windows and averaged over both lengths, with its "
              "95% interval (`intervals.paired_gain`; blank for ideas measured before the "

@@ -5,7 +5,7 @@ For every shipped translator between models of one tokenizer, at 256 and 512 tok
 fidelity bars are read): the target continues from a cache whose first k layers are its own and
 whose layers from k up are translated (`kvtrans eval ablate`'s "translated from layer k up"),
 k = 0 (everything translated) to N - 1. A switch that rebuilt its first k layers would read
-every token through them: k / N of a re-prefill, the cost beside each row. These are the only
+every token through them: k / N of a full re-read, the cost beside each row. These are the only
 layers a target can rebuild without reading through all of them (DroidSpeak recomputes the
 layers that err most; a layer above needs every layer below it read first). No re-read: the
 whole prompt is translated, as in the ablation.
@@ -63,7 +63,7 @@ def write_markdown(results: list[dict], settings: dict, out: Path) -> None:
     lines = ["# Where a translation loses the history, by depth\n",
              "The target continues from a cache whose first k layers are its own and the rest "
              "translated (the whole prompt, no re-read): the ceiling of a switch that rebuilt "
-             "its first k layers, at k / N of a re-prefill (**cost**). **Recovered**: the "
+             "its first k layers, at k / N of a full re-read (**cost**). **Recovered**: the "
              "history's worth kept (the frontier's measure); **KL**: nats per continuation "
              "token; **recall**: exact needle recall (native recall in the k = N row). On the "
              f"validation split, {settings['windows']} windows and {settings['needles']} "

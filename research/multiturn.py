@@ -1,7 +1,7 @@
 """Multi-turn accuracy of the shipped pairs: held-out dialogues that alternate models every turn.
 
 For each pair, the same dialogues run under segment-wise, naive and refresh switching (shipped
-translators both ways, distilled ones first) and under re-prefill (no translators), so the
+translators both ways, distilled ones first) and under re-reading (no translators), so the
 per-turn answer accuracies sit side by side. Writes research/results/multiturn.{json,md};
 `--pairs` measures only those and keeps the other pairs' rows.
 
@@ -37,7 +37,7 @@ def measure(source: str, target: str, dialogues: int, turns: int) -> dict | None
     start = time.perf_counter()
     table = evaluate({source: src, target: tgt}, translators, dialogues, turns)
     return {"models": [source, target], "forward": forward.name,
-            "back": back.name if back else "re-prefill", "dialogues": dialogues, "turns": turns,
+            "back": back.name if back else "re-reading", "dialogues": dialogues, "turns": turns,
             "minutes": round((time.perf_counter() - start) / 60, 1), "accuracy": table}
 
 
@@ -46,7 +46,7 @@ def write_markdown(results: dict, blas: str):
              "Held-out dialogues (seeds never used in training) that state numbers in early user "
              "turns and ask for them later; the models alternate at every turn, starting with the "
              "first. A question turn is right when the reply contains the asked number. Same "
-             "dialogues for every strategy; `reprefill` re-reads the whole history on each switch "
+             "dialogues for every strategy; `re-reading` re-reads the whole history on each switch "
              "(the reference); `segment, no gate` is what the translators alone give, and `gate "
              "fired` the share of translated switches the fidelity gate sent back to re-reading. "
              "Regenerate with `python research/multiturn.py`.\n",

@@ -7,7 +7,7 @@ stage 2 (`kvtrans distill`). Then, on the test split the project never tunes on:
 
 - KL of the target's next-token distributions over 64 continuation tokens after 256 and 512
   prefix tokens, native cache against: the translated cache, with the target reading the first
-  --sink tokens itself (the attention sink, `session.handover`) and without, the source's own
+  --sink tokens itself (the attention sink, `session.switching`) and without, the source's own
   cache copied layer for layer (the identity map: the sibling's layer j is the parent's layer j,
   or j + the dropped count after the cut) and no cache at all (the floor);
 - stage 2 is distilled twice: without the sink, and with it (`kvtrans distill --sink`), each
@@ -15,7 +15,7 @@ stage 2 (`kvtrans distill`). Then, on the test split the project never tunes on:
 - the frontier through a `Session` at R = 8, with the sink and without (teacher-forced
   agreement, greedy match, first token, needle recall native / switched, the warm switch's
   speed-up over re-reading), each with the translator kept for it;
-- `kvtrans chat --sink` on examples/handoff.txt with the pair and the translator kept for the
+- `kvtrans chat --sink` on examples/switch.txt with the pair and the translator kept for the
   sink.
 
 Writes research/results/real.{json,md}.
@@ -78,7 +78,7 @@ def scripted_chat(parent: Path, sibling: Path, translator: Path, sink: int) -> d
         transcript = Path(tmp) / "chat.json"
         proc = subprocess.run([sys.executable, "-m", "mlx_kvtrans.cli", "chat", "--from",
                                str(parent), "--to", str(sibling), "--translator",
-                               str(translator), "--script", str(ROOT / "examples/handoff.txt"),
+                               str(translator), "--script", str(ROOT / "examples/switch.txt"),
                                "--transcript", str(transcript), "--max-tokens", "24",
                                "--sink", str(sink)],
                               capture_output=True, text=True, timeout=1800)
@@ -241,7 +241,7 @@ def write_markdown(r: dict) -> None:
                          f"{row['greedy_match']:.1f} | {row['first_token']:.2f} | "
                          f"{row['recall_native']:.2f} / {row['recall_translated']:.2f} | "
                          f"{row['applied']:.2f} | {row['speedup']:.2f}x |")
-    lines += ["", f"`kvtrans chat --sink {r['sink']}` on examples/handoff.txt: switches "
+    lines += ["", f"`kvtrans chat --sink {r['sink']}` on examples/switch.txt: switches "
               f"{', '.join(r['chat']['switches'])}; replies:\n"]
     lines += [f"- {reply['model']}: {reply['text']!r}" for reply in r["chat"]["replies"]]
     (OUT / "real.md").write_text("\n".join(lines) + "\n")

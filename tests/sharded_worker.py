@@ -57,7 +57,7 @@ def conversation(pair, translator: str, prompt: mx.array, sink: int) -> dict:
         s.add(source.tokenizer.encode(words))
         list(s.generate(6))
     return {"tokens": s.tokens[len(prompt):],
-            "switches": [[w.status, w.tokens_translated, w.tokens_read, w.tokens_reprefilled,
+            "switches": [[w.status, w.tokens_translated, w.tokens_tail, w.tokens_fallback,
                           str(w.gate)] for w in switches]}
 
 

@@ -137,7 +137,7 @@ CASES = {
          "--replay-convolve"], "recurrent_state=replay"),
     "fit: replay through the convolution from features after it": (
         ["fit", "--from", "kimi-vl", "--to", "kimi-linear", "--out", "{out}", "--data", "{text}",
-         "--capture", "2", "--replay-convolve"], "reads features at (1)"),
+         "--capture", "2", "--replay-convolve"], "reads features at raw (capture point 1)"),
     "fit: needle share over 1": (["fit", "--from", "kimi-linear", "--to", "kimi-vl", "--out",
                                   "{out}", "--needle-share", "1.5"], "--needle-share"),
     "fit: zero windows": (["fit", "--from", "kimi-linear", "--to", "kimi-vl", "--out", "{out}",

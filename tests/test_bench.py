@@ -81,9 +81,9 @@ def test_bound_parts_are_positive_and_sum_to_the_bound(loaded, source, target):
     assert row.matmul_peak_gflops > 0 and row.bandwidth_gbs > 0
     data = row.to_json()
     assert data["bound_s"] == row.bound_s and data["warm_over_bound"] == row.warm_over_bound
-    # a chunked re-prefill is timed only for a target with linear-attention layers
-    assert (row.reprefill_chunked_s is not None) == (target == "kimi_linear")
-    assert row.reprefill_chunked_s is None or row.reprefill_chunked_s > 0
+    # a chunked re-reading is timed only for a target with linear-attention layers
+    assert (row.reread_chunked_s is not None) == (target == "kimi_linear")
+    assert row.reread_chunked_s is None or row.reread_chunked_s > 0
 
 
 @pytest.mark.parametrize("source,target", [("kimi_linear", "kimi_vl"), ("kimi_vl", "kimi_linear")])
@@ -183,10 +183,10 @@ def test_the_benchs_gated_switch_is_a_sessions_switch(loaded, source, target):
     session.add([int(last.item())])
     switched = session.switch("target")
     assert switched.status == timed.status == "applied"
-    assert (timed.tokens_translated, timed.tokens_read) == (48, 8)
+    assert (timed.tokens_translated, timed.tokens_tail) == (48, 8)
     for a, b in ((timed, switched), (timed_again, switched)):
-        assert (a.tokens_translated, a.tokens_read, a.gate, a.gate_gap) == \
-            (b.tokens_translated, b.tokens_read, b.gate, b.gate_gap)
+        assert (a.tokens_translated, a.tokens_tail, a.gate, a.gate_gap) == \
+            (b.tokens_translated, b.tokens_tail, b.gate, b.gate_gap)
     # both targets read the prompt's last token in the switch's forward
     assert bench.lines["target"].seen == session.lines["target"].seen == 57
     theirs = next(session.generate(1))
@@ -198,7 +198,7 @@ def test_the_benchs_gated_switch_is_a_sessions_switch(loaded, source, target):
         assert (x is None and y is None) or mx.array_equal(x, y).item(), name
 
 
-def test_bench_times_switch_and_reprefill_side_by_side(kimi_pair, tmp_path):
+def test_bench_times_switch_and_reread_side_by_side(kimi_pair, tmp_path):
     from typer.testing import CliRunner
 
     from mlx_kvtrans.cli.main import app
@@ -211,11 +211,11 @@ def test_bench_times_switch_and_reprefill_side_by_side(kimi_pair, tmp_path):
     data = json.loads(result.output)
     assert [r["length"] for r in data["rows"]] == [32, 64]
     for r in data["rows"]:
-        assert r["warm_switch_s"] > 0 and r["reprefill_s"] > 0 and r["cold_switch_s"] > 0
+        assert r["warm_switch_s"] > 0 and r["reread_s"] > 0 and r["cold_switch_s"] > 0
         assert r["gated_switch_s"] > 0
         if r["gated_outcome"].startswith("applied"):  # its read and gate: part of the switch
             assert 0 < r["gated_read_s"] < r["gated_switch_s"]
-        assert r["speedup_warm"] == pytest.approx(r["reprefill_s"] / r["warm_switch_s"])
+        assert r["speedup_warm"] == pytest.approx(r["reread_s"] / r["warm_switch_s"])
     assert data["blas"] in ("openblas", "accelerate") and data["dtype"] == "float32"
     assert (tmp_path / "bench-kimi_linear__kimi_vl-float32.json").exists()
     assert (tmp_path / "bench-kimi_linear__kimi_vl-float32.png").exists()

@@ -126,7 +126,7 @@ def test_raw_rows_install_and_are_recorded_as_the_inputs_they_make(loaded, famil
     """Installed, replay's rows before the convolution make the native cache, onto a fresh
     cache and onto one holding the first tokens; a session records them convolved."""
     from mlx_kvtrans.layouts.linear_attention import RawRecurrentInputs
-    from mlx_kvtrans.session.handover import _recorded
+    from mlx_kvtrans.session.switching import _recorded
 
     model = loaded(family).model
     toks = tokens()[:, :PREFIX]

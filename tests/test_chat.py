@@ -129,7 +129,7 @@ def test_banner_names_each_directions_translator_or_why_it_re_reads(model_dirs, 
                           script=[FACT, "/switch"])  # --force: the transcript above goes
     assert result.exit_code == 0, result.output
     assert result.stdout.count("no translator shipped, so /switch that way re-reads") == 2
-    assert events(tmp_path / "chat.json", "switch")[0]["status"] == "fallback_reprefill"
+    assert events(tmp_path / "chat.json", "switch")[0]["status"] == "fallback"
 
 
 # -- Ctrl-C -------------------------------------------------------------------------------------
@@ -219,13 +219,13 @@ def test_ctrl_c_while_translating_ahead_finishes_it_then_stops_the_chat(zoo, tmp
     """A press once the reply is whole is not lost: the translation ahead finishes, the reply
     stays whole, and the chat stops as between turns (a script stops with 130)."""
     chat = new_chat(zoo, tmp_path, max_tokens=6, translate_ahead=True)
-    prepare = chat.prepare
+    translate_ahead = chat.translate_ahead
 
     def pressed_meanwhile():
         os.kill(os.getpid(), signal.SIGINT)
-        return prepare()
+        return translate_ahead()
 
-    chat.prepare = pressed_meanwhile
+    chat.translate_ahead = pressed_meanwhile
     with pytest.raises(KeyboardInterrupt):
         converse(chat, [FACT, QUESTION], interactive=False)
     replies = events(tmp_path / "chat.json", "reply")
@@ -451,17 +451,17 @@ def test_translating_ahead_leaves_a_switch_the_last_turn_and_gives_the_same_cach
     plain = new_chat(zoo, tmp_path / "plain", max_tokens=6)
     for chat in (ahead, plain):
         chat.say(FACT)
-    assert ahead.session.prepared[B].tokens_translated > 0 and not plain.session.prepared
+    assert ahead.session.ahead[B].tokens_translated > 0 and not plain.session.ahead
     shown = ahead.command("/switch")
     status, alone = ahead.session.switches[-1], plain.switch()
     assert status.tokens_translated_ahead > 0
     assert f"{status.tokens_translated_ahead} of them ahead" in shown
     # made ahead and now together: the span, outcome and reach of one switch made now
     assert status.status == alone.status
-    assert (status.tokens_translated + status.tokens_read + status.tokens_reprefilled
-            == alone.tokens_translated + alone.tokens_read + alone.tokens_reprefilled)
+    assert (status.tokens_translated + status.tokens_tail + status.tokens_fallback
+            == alone.tokens_translated + alone.tokens_tail + alone.tokens_fallback)
     assert ahead.session.lines[B].seen == plain.session.lines[B].seen
-    assert len(events(tmp_path / "chat.json", "prepared")) == 1
+    assert len(events(tmp_path / "chat.json", "ahead")) == 1
 
 
 def test_a_scripted_chat_across_tokenizers_applies_its_switches_and_answers(tmp_path):

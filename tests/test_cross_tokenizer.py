@@ -214,11 +214,11 @@ def test_a_conversation_across_tokenizers_moves_both_ways_and_stays_in_step(pair
         assert reply and session.tokens[-len(reply):] == reply  # the active view holds them
         status = session.switch("b" if session.active == "a" else "a")
         assert status.status == Outcome.APPLIED, status.reason
-        if i:  # the first hand-over is short: the target reads it all itself
+        if i:  # the first switch is short: the target reads it all itself
             assert status.tokens_translated > 0
             # the gate reads both models on the same text (no calibration: it stands)
             assert status.gate == "uncalibrated" and status.gate_gap is not None
-    # every view is the same text; each line read its own view up to its last hand-over
+    # every view is the same text; each line read its own view up to its last switch
     a, b = (session.view(n) for n in "ab")
     from mlx_kvtrans.translators.alignment import decode
     assert decode(coarse, a) == decode(fine, b)

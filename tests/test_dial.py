@@ -16,7 +16,7 @@ from mlx_kvtrans.tools.verify import max_abs_diff
 
 def row(length, reread, agreement, speedup):
     return Row(length, Setting(reread), 4, agreement, 0.8, 1.0, None, 16.0, 0.5, 1.0, 0.01, 0,
-               None, None, reprefill_s=speedup, switch_s=1.0)
+               None, None, reread_s=speedup, switch_s=1.0)
 
 
 FRONTIER = Frontier("t", "a", "b", 48, [
@@ -43,7 +43,7 @@ def test_reread_r_equals_translating_the_head_and_reading_the_rest(kimi_pair):
     s, tr, a, b = pair(kimi_pair, reread=24, gate_tokens=0)
     status = switched_at(s, a, list(range(60, 110)))
     n = s.lines["a"].seen
-    assert (status.status, status.reread, status.tokens_read) == ("applied", 24, 24)
+    assert (status.status, status.reread, status.tokens_tail) == ("applied", 24, 24)
     assert status.tokens_translated == n - 24
     head = mx.array([s.tokens[:n - 24]])
     source = capture(a.model, head, points=tr.source_points())
@@ -58,7 +58,7 @@ def test_reread_r_equals_translating_the_head_and_reading_the_rest(kimi_pair):
 def test_reread_beyond_the_span_is_a_native_reading(kimi_pair):
     s, _, a, b = pair(kimi_pair, reread=500)
     status = switched_at(s, a, list(range(60, 100)))
-    assert status.tokens_translated == 0 and status.tokens_read == s.lines["a"].seen
+    assert status.tokens_translated == 0 and status.tokens_tail == s.lines["a"].seen
     native = make_prompt_cache(b.model)
     mx.eval(b.model(mx.array([s.tokens[:s.lines["b"].seen]]), cache=native))
     x = mx.array([[5, 6]])
@@ -68,7 +68,7 @@ def test_reread_beyond_the_span_is_a_native_reading(kimi_pair):
 def test_fidelity_picks_the_cheapest_setting_that_meets_it(kimi_pair):
     s, _, a, _ = pair(kimi_pair, FRONTIER, fidelity=0.95, gate_tokens=0)
     status = switched_at(s, a, list(range(60, 100)))  # 42 tokens: the 48-token rows
-    assert (status.reread, status.tokens_read) == (8, 8)
+    assert (status.reread, status.tokens_tail) == (8, 8)
     assert (status.expected_agreement, status.expected_speedup) == (0.95, 4.0)
     s, _, a, _ = pair(kimi_pair, FRONTIER, fidelity=0.95, gate_tokens=0)
     status = switched_at(s, a, list(range(60, 130)))  # 72 tokens: the 96-token rows
@@ -78,13 +78,13 @@ def test_fidelity_picks_the_cheapest_setting_that_meets_it(kimi_pair):
 def test_fidelity_out_of_reach_rereads_visibly(kimi_pair):
     s, _, a, _ = pair(kimi_pair, FRONTIER, fidelity=0.999)
     status = switched_at(s, a, list(range(60, 100)))
-    assert status.status == "fallback_reprefill" and "fidelity 0.999" in status.reason
+    assert status.status == "fallback" and "fidelity 0.999" in status.reason
     s, _, a, _ = pair(kimi_pair, FRONTIER, fidelity=0.9)
     status = switched_at(s, a, list(range(0, 120)))  # past the longest measured length
-    assert status.status == "fallback_reprefill" and "measured only up to 96" in status.reason
+    assert status.status == "fallback" and "measured only up to 96" in status.reason
     s, _, a, _ = pair(kimi_pair, None, fidelity=0.9)
     status = switched_at(s, a, list(range(60, 100)))
-    assert status.status == "fallback_reprefill" and "no measured frontier" in status.reason
+    assert status.status == "fallback" and "no measured frontier" in status.reason
 
 
 def test_the_default_meets_ninety_percent_at_twice_the_fitting_length():
@@ -109,7 +109,7 @@ def test_a_state_reading_translator_stops_at_or_before_r_tokens_back(zoo):
     list(s.generate(12))
     status = s.switch("b")
     assert status.status == "applied", status
-    assert 32 <= status.tokens_read <= 64 and status.gate == "passed"
+    assert 32 <= status.tokens_tail <= 64 and status.gate == "passed"
 
 
 def test_session_refuses_both_knobs_and_bad_values(kimi_pair):
@@ -160,8 +160,8 @@ def test_without_the_gate_a_state_reading_translator_still_keeps_r(zoo):
     s.add(src.tokenizer.encode("The ship sailed at dawn, and the crew " * 12))
     list(s.generate(12))
     status = s.switch("b")
-    assert status.status == "applied" and 32 <= status.tokens_read <= 64, status
-    assert status.tokens_translated == s.lines["a"].seen - status.tokens_read
+    assert status.status == "applied" and 32 <= status.tokens_tail <= 64, status
+    assert status.tokens_translated == s.lines["a"].seen - status.tokens_tail
 
 
 def test_snapshots_stay_few_and_every_r_still_finds_one(zoo):
@@ -177,7 +177,7 @@ def test_snapshots_stay_few_and_every_r_still_finds_one(zoo):
     assert len(s.lines["a"].states) <= 10
     status = s.switch("b")
     assert status.status == "applied" and status.reread == 128, status
-    assert 128 <= status.tokens_read <= 256
+    assert 128 <= status.tokens_tail <= 256
 
 
 def test_the_default_setting_carries_the_recomputed_layers_its_frontier_chose():
@@ -188,7 +188,7 @@ def test_the_default_setting_carries_the_recomputed_layers_its_frontier_chose():
                    agreement=agreement, agreement_last16=0.5, agreement_native=1.0,
                    history_recovered=None, greedy_match=0, greedy_exact=0, first_token=1,
                    kl=0, needles=0, recall_native=None, recall_translated=None,
-                   reprefill_s=speedup, switch_s=1.0)
+                   reread_s=speedup, switch_s=1.0)
 
     class Tr:
         info = {"fit": {"length": 96}}

@@ -110,7 +110,7 @@ def test_recorded_attention_is_the_attention_the_model_computes(loaded, family):
 
 
 def test_attention_rehearsal_is_zero_for_the_native_cache_and_positive_otherwise(loaded):
-    from mlx_kvtrans.training.distill import attention_rehearsal
+    from mlx_kvtrans.training.rehearsal import attention_rehearsal
 
     translator, S, T = tiny_translator(loaded, "qwen3", "llama")
     windows = mx.random.randint(0, 259, (2, 40), key=mx.random.key(4))
@@ -129,7 +129,7 @@ def test_output_rehearsal_is_zero_for_the_native_cache_and_positive_otherwise(lo
     native outputs (the rehearsal is 0) and a translated one does not."""
     from mlx_kvtrans.capture import capture
     from mlx_kvtrans.layouts import CapturePoint
-    from mlx_kvtrans.training.distill import output_rehearsal, recording_mixer_outputs
+    from mlx_kvtrans.training.rehearsal import output_rehearsal, recording_mixer_outputs
 
     translator, S, T = tiny_translator(loaded, source, target)
     windows = mx.random.randint(0, 259, (2, 40), key=mx.random.key(4))
@@ -435,7 +435,7 @@ def test_object_rehearsal_reads_the_targets_own_objects_of_the_translated_span(l
     """Its targets are the target's own per-token objects at each map's capture point, over the
     tokens translated (not the re-read tail); a perfect translation of them scores 0."""
     from mlx_kvtrans.capture import capture
-    from mlx_kvtrans.training.distill import object_rehearsal
+    from mlx_kvtrans.training.rehearsal import object_rehearsal
 
     translator, S, T = tiny_translator(loaded, "qwen3", "llama")
     windows = mx.random.randint(0, 259, (2, 40), key=mx.random.key(5))

@@ -34,9 +34,9 @@ def self_switch(loaded):
     return lm, fr.Switch(translator, lm.model, lm.model), text
 
 
-def test_self_translation_and_reprefill_measure_as_native(self_switch):
+def test_self_translation_and_reread_measure_as_native(self_switch):
     lm, switch, text = self_switch
-    settings = [fr.Setting(0), fr.Setting(8), fr.Setting(LENGTH)]  # R >= L - 1: re-prefill
+    settings = [fr.Setting(0), fr.Setting(8), fr.Setting(LENGTH)]  # R >= L - 1: re-reading
     rows = fr.measure(switch, lm.tokenizer.encode, text, {LENGTH: settings}, prompts=2,
                       needles=1, repeats=1)
     assert [r.setting for r in rows] == settings
@@ -47,8 +47,8 @@ def test_self_translation_and_reprefill_measure_as_native(self_switch):
         assert r.recall_translated == r.recall_native
         assert r.history_recovered == 1.0 and r.agreement_last16 < 1.0
         assert r.near_ties is None  # nothing parted from native
-    reprefill = rows[-1]
-    assert reprefill.kl == 0.0 and reprefill.speedup == 1.0
+    full_reread = rows[-1]
+    assert full_reread.kl == 0.0 and full_reread.speedup == 1.0
 
 
 def test_a_cache_that_forgot_the_prompt_scores_below_native(self_switch):
@@ -107,11 +107,11 @@ def row(length, reread, agreement, speedup):
     return fr.Row(length=length, setting=fr.Setting(reread), windows=4, agreement=agreement,
                   agreement_last16=0.8, agreement_native=1.0, history_recovered=None,
                   greedy_match=20.0, greedy_exact=0.25, first_token=1.0, kl=0.01, needles=4,
-                  recall_native=1.0, recall_translated=0.5, reprefill_s=speedup, switch_s=1.0)
+                  recall_native=1.0, recall_translated=0.5, reread_s=speedup, switch_s=1.0)
 
 
 SYNTHETIC = [row(256, 0, 0.93, 8.0), row(256, 8, 0.95, 6.0), row(256, 32, 0.97, 3.0),
-             row(256, 128, 0.99, 0.9),  # slower than re-prefill: never chosen
+             row(256, 128, 0.99, 0.9),  # slower than re-reading: never chosen
              row(512, 0, 0.88, 9.0), row(512, 32, 0.91, 5.0), row(512, 128, 0.96, 2.0)]
 
 
@@ -119,7 +119,7 @@ def test_cheapest_is_the_fastest_setting_meeting_the_agreement():
     assert fr.cheapest(SYNTHETIC, 0.90, 256) == fr.Setting(0)
     assert fr.cheapest(SYNTHETIC, 0.95, 256) == fr.Setting(8)
     assert fr.cheapest(SYNTHETIC, 0.96, 256) == fr.Setting(32)
-    assert fr.cheapest(SYNTHETIC, 0.985, 256) is None  # only a setting slower than re-prefill
+    assert fr.cheapest(SYNTHETIC, 0.985, 256) is None  # only a setting slower than re-reading
     assert fr.cheapest(SYNTHETIC, 0.985, 256, min_speedup=0.5) == fr.Setting(128)
     assert fr.cheapest(SYNTHETIC, 0.90, 512) == fr.Setting(32)
     assert fr.cheapest_row(SYNTHETIC, 0.95, 512).speedup == 2.0
@@ -223,7 +223,7 @@ def test_a_session_switch_builds_the_cache_the_plain_switch_does(kimi_pair):
     for r in (0, 8, 24):
         assert max_abs_diff(b.model(x, cache=plain.cache(Setting(r), prefix)),
                             b.model(x, cache=via.cache(Setting(r), prefix))) <= 1e-4
-        assert [st.tokens_read for st in via.statuses[Setting(r)]] == [r]
+        assert [st.tokens_tail for st in via.statuses[Setting(r)]] == [r]
 
 
 def test_a_setting_with_recomputed_layers_labels_and_round_trips_and_an_old_one_reads_alike():

@@ -122,10 +122,10 @@ def test_gate_passes_every_shipped_translator_on_held_out_text(name, zoo):
         status = calibrate.window_switch(tr, src, tgt, window, prefix, kind).switches[-1]
         assert (status.status, status.gate) == ("applied", "passed"), (kind, prefix, status)
         assert status.gate_gap <= status.gate_threshold
-        assert status.tokens_read >= gate.GATE_TOKENS
+        assert status.tokens_tail >= gate.GATE_TOKENS
         # across tokenizers the text compared is cut to places where both split
-        assert 0 < status.gate_tokens <= status.tokens_read if name in ACROSS \
-            else status.gate_tokens == status.tokens_read
+        assert 0 < status.gate_tokens <= status.tokens_tail if name in ACROSS \
+            else status.gate_tokens == status.tokens_tail
 
 
 @pytest.mark.parametrize("name,scale", CAUGHT)
@@ -134,9 +134,9 @@ def test_gate_fires_on_a_translator_whose_weights_are_noise(name, scale, zoo):
     window = held_out(tgt.tokenizer, 160, 7)
     session = calibrate.window_switch(noise(tr, scale), src, tgt, window, 150, "read")
     status = session.switches[-1]
-    assert (status.status, status.gate) == ("fallback_reprefill", "fired"), status
+    assert (status.status, status.gate) == ("fallback", "fired"), status
     assert status.reason.startswith("fidelity gate: ") and status.gate_gap > status.gate_threshold
-    assert status.tokens_translated == 0 and status.tokens_reprefilled == 150
+    assert status.tokens_translated == 0 and status.tokens_fallback == 150
     assert session.lines["target"].seen == 150
 
 
@@ -166,13 +166,13 @@ def test_a_fired_gate_rereads_and_the_conversation_continues_as_native(a_to_b, b
     s.add(held_out(a.tokenizer, 60, 3))
     list(s.generate(12))
     first = s.switch("b")
-    assert (first.status, first.gate) == ("fallback_reprefill", "fired"), first
+    assert (first.status, first.gate) == ("fallback", "fired"), first
     s.add(held_out(a.tokenizer, 20, 4))
     expected = greedy(b, s.tokens, 12)
     assert list(s.generate(12)) == expected
     back = s.switch("a")
-    assert (back.status, back.gate) == ("fallback_reprefill", "fired"), back
-    assert back.tokens_reprefilled == len(s.tokens) - 1 - 71  # only what a had not read
+    assert (back.status, back.gate) == ("fallback", "fired"), back
+    assert back.tokens_fallback == len(s.tokens) - 1 - 71  # only what a had not read
     x = mx.array([[s.tokens[-1], 11, 12]])
     for name, lm in (("a", a), ("b", b)):
         line = s.lines[name]
@@ -188,7 +188,7 @@ def test_gate_gap_is_the_two_models_nll_on_the_tail(zoo):
     tr, src, tgt = shipped(used("qwen3-small", "qwen3-large"), zoo)
     window = held_out(src.tokenizer, 140, 5)
     status = calibrate.window_switch(tr, src, tgt, window, 128, "read").switches[-1]
-    n, r = 128, status.tokens_read
+    n, r = 128, status.tokens_tail
     ids = mx.array([window[:n + 1]])
     targets = ids[0, n - r + 1:n + 1]
 
@@ -218,14 +218,14 @@ def test_a_translator_that_reads_the_source_state_stops_at_a_snapshot(zoo):
     status = s.switch("b")
     assert (status.status, status.gate) == ("applied", "passed"), status
     n = s.lines["a"].seen
-    handoff = n - status.tokens_read
-    assert gate.GATE_TOKENS <= status.tokens_read < 2 * gate.GATE_TOKENS
-    head = mx.array([s.tokens[:handoff]])
+    switch = n - status.tokens_tail
+    assert gate.GATE_TOKENS <= status.tokens_tail < 2 * gate.GATE_TOKENS
+    head = mx.array([s.tokens[:switch]])
     source = capture(src.model, head, points=tr.source_points())
     layout = kv.layout_of(tgt.model)
     cache = install(layout, *tr.translate(source, tgt.model, layout, head))
     # the switch's forward read the span's last tokens and the one after them
-    mx.eval(tgt.model(mx.array([s.tokens[handoff:n + 1]]), cache=cache))
+    mx.eval(tgt.model(mx.array([s.tokens[switch:n + 1]]), cache=cache))
     x = mx.array([[5, 6]])
     assert max_abs_diff(tgt.model(x, cache=s.lines["b"].cache), tgt.model(x, cache=cache)) <= 1e-4
 
@@ -253,12 +253,12 @@ def test_a_fired_gate_reads_more_before_it_rereads(pair, zoo, monkeypatch):
     assert "the gate fired at R = 8" in status.setting_note and len(firsts) == 2
     assert status.gate_gap <= status.gate_threshold  # the second reading's, not the first's
     n = s.lines["a"].seen
-    assert 32 <= status.tokens_read < 64 and status.tokens_translated == n - status.tokens_read
-    head = mx.array([s.tokens[:n - status.tokens_read]])
+    assert 32 <= status.tokens_tail < 64 and status.tokens_translated == n - status.tokens_tail
+    head = mx.array([s.tokens[:n - status.tokens_tail]])
     layout = kv.layout_of(tgt.model)
     cache = install(layout, *tr.translate(capture(src.model, head, points=tr.source_points()),
                                           tgt.model, layout, head))
-    mx.eval(tgt.model(mx.array([s.tokens[n - status.tokens_read:n]]), cache=cache))
+    mx.eval(tgt.model(mx.array([s.tokens[n - status.tokens_tail:n]]), cache=cache))
     x = mx.array([[5, 6]])
     assert max_abs_diff(tgt.model(x, cache=s.lines["b"].cache), tgt.model(x, cache=cache)) <= 1e-4
     firsts.clear()
@@ -266,8 +266,8 @@ def test_a_fired_gate_reads_more_before_it_rereads(pair, zoo, monkeypatch):
     s.add(tokens)
     list(s.generate(0))
     status = s.switch("b")
-    assert (status.status, status.gate) == ("fallback_reprefill", "fired"), status
-    assert len(firsts) == 1 and status.tokens_reprefilled == 150
+    assert (status.status, status.gate) == ("fallback", "fired"), status
+    assert len(firsts) == 1 and status.tokens_fallback == 150
 
 
 def test_a_fired_gate_on_a_short_span_rereads_at_once(zoo, monkeypatch):
@@ -278,7 +278,7 @@ def test_a_fired_gate_on_a_short_span_rereads_at_once(zoo, monkeypatch):
     s.add(held_out(src.tokenizer, 60, 12))
     list(s.generate(0))
     status = s.switch("b")
-    assert (status.status, status.gate, status.reread) == ("fallback_reprefill", "fired", 0)
+    assert (status.status, status.gate, status.reread) == ("fallback", "fired", 0)
     assert "R = 32" not in status.setting_note
 
 
@@ -288,14 +288,14 @@ def test_a_span_within_the_tail_is_read_not_translated(zoo):
     s.add(held_out(src.tokenizer, 6, 9))
     list(s.generate(2))  # a reads the 6 and its first reply token
     status = s.switch("b")
-    assert (status.status, status.tokens_translated, status.tokens_read) == ("applied", 0, 7)
+    assert (status.status, status.tokens_translated, status.tokens_tail) == ("applied", 0, 7)
     assert status.gate == "unchecked" and "whole span" in status.gate_note
     off = Session({"a": src, "b": tgt}, {("a", "b"): tr}, active="a", gate_tokens=0,
                   reread=0)  # the dial at 0 too: the translator reads everything
     off.add(held_out(src.tokenizer, 40, 9))
     list(off.generate(2))
     status = off.switch("b")
-    assert (status.gate, status.tokens_translated, status.tokens_read) == ("off", 41, 0)
+    assert (status.gate, status.tokens_translated, status.tokens_tail) == ("off", 41, 0)
 
 
 def test_a_switch_takes_the_threshold_of_its_length_and_tail():
@@ -361,13 +361,24 @@ def test_bench_times_the_gated_switch(loaded):
     tr = fit(S, T, batches, plan(kv.layout_of(S), kv.layout_of(T)))
     row, = bench_switch(tr, S, T, [64], repeats=1)
     assert row.gate_tokens == gate.GATE_TOKENS and row.gated_switch_s > 0
-    assert row.to_json()["speedup_gated"] == pytest.approx(row.reprefill_s / row.gated_switch_s)
+    assert row.to_json()["speedup_gated"] == pytest.approx(row.reread_s / row.gated_switch_s)
 
 
-def test_serve_reports_the_gate_in_body_and_headers():
-    from mlx_kvtrans.serve.engine import Handoff
+def test_serve_reports_the_sessions_switch_record_in_body_and_headers():
+    """The server's report holds the session's `SwitchStatus` as the session writes it: one
+    record of a switch, in seconds, for the session, the chat and the server."""
+    from mlx_kvtrans.serve.records import RequestHistory
+    from mlx_kvtrans.session import SwitchStatus
 
-    h = Handoff(status="applied", gate="passed", gate_gap=0.25, gate_threshold=1.1)
-    assert h.fields()["gate"] == "passed" and h.fields()["gate_gap"] == 0.25
+    switch = SwitchStatus("a", "b", gate="passed", gate_gap=0.25, gate_threshold=1.1,
+                          tokens_translated=40, tokens_tail=8, tokens_sink=4,
+                          translate_seconds=0.0123)
+    h = RequestHistory(status="applied", switch=switch, ttft_seconds=0.5)
+    assert h.fields()["switch"] == switch.to_json()
+    assert h.fields()["switch"]["gate"] == "passed" and h.fields()["switch"]["gate_gap"] == 0.25
+    assert h.fields()["switch"]["tokens_reread"] == 12 == h.tokens_reread
     assert h.headers()["x-kvtrans-gate"] == "passed"
     assert h.headers()["x-kvtrans-gate-gap"] == "0.2500"
+    assert h.headers()["x-kvtrans-source-model"] == "a"
+    assert float(h.headers()["x-kvtrans-translate-seconds"]) == pytest.approx(0.0123)
+    assert not any(key.endswith("_ms") for key in h.fields())

@@ -84,7 +84,7 @@ def ask(c, model, messages, max_tokens=16, conversation=None, **options):
                                      temperature=0, extra_headers=headers, **options)
 
 
-def test_chat_reply_reports_its_handoff_in_body_and_headers(served):
+def test_chat_reply_reports_its_switch_in_body_and_headers(served):
     engine, url = served
     raw = client(url).chat.completions.with_raw_response.create(
         model=FULL, messages=[{"role": "user", "content": "Remember: copper is 552190."}],
@@ -96,8 +96,8 @@ def test_chat_reply_reports_its_handoff_in_body_and_headers(served):
     assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
     fields = report(reply)
     assert fields["tokens_new"] == reply.usage.prompt_tokens
-    assert raw.headers["x-kvtrans-handoff"] == fields["status"]
-    assert float(raw.headers["x-kvtrans-ttft-ms"]) == pytest.approx(fields["ttft_ms"], abs=1e-3)
+    assert raw.headers["x-kvtrans-history"] == fields["status"]
+    assert float(raw.headers["x-kvtrans-ttft-seconds"]) == pytest.approx(fields["ttft_seconds"], abs=1e-6)
 
 
 def test_streamed_chat_equals_the_plain_reply_and_reports_in_its_last_chunk(served):
@@ -155,13 +155,14 @@ def test_alternating_models_translate_and_match_the_session_api(served, zoo):
     for model, text in turns:
         messages.append({"role": "user", "content": text})
         reply = ask(c, model, messages, max_tokens=24, conversation="alternating")
-        statuses.append((report(reply)["status"], report(reply)["gate"]))
+        switch = report(reply)["switch"] or {}
+        statuses.append((report(reply)["status"], switch.get("gate", "")))
         messages.append({"role": "assistant", "content": reply.choices[0].message.content})
     # every switch translates; the fidelity gate sends back the ones whose tail the target
     # cannot continue (a reply ending in a number kimi-vl cannot recall) to a re-read, and a
     # span within the dial's default R is read by the target itself (unchecked)
     assert statuses[0] == ("none", "")
-    assert all(s in (("applied", "passed"), ("fallback_reprefill", "fired"),
+    assert all(s in (("applied", "passed"), ("fallback", "fired"),
                      ("applied", "unchecked")) for s in statuses[1:]), statuses
     assert ("applied", "passed") in statuses
 
@@ -225,7 +226,7 @@ def test_an_edited_reply_reuses_up_to_the_message_boundary(served):
         assert report(second)["tokens_reused"] == first.usage.prompt_tokens - kept
 
 
-def test_a_handoff_after_idle_time_was_translated_ahead(served):
+def test_a_switch_after_idle_time_was_translated_ahead(served):
     """Between turns the server hands the conversation to the model a header names: the next
     request there finds it translated, says so, and reads only its new prompt."""
     engine, url = served
@@ -238,9 +239,9 @@ def test_a_handoff_after_idle_time_was_translated_ahead(served):
     messages += [{"role": "assistant", "content": first.choices[0].message.content},
                  {"role": "user", "content": "What is the beacon?"}]
     fields = report(ask(c, FULL, messages, conversation="ahead"))
-    assert fields["status"] == "applied" and fields["source_model"] == HYBRID
-    assert fields["tokens_translated_ahead"] == fields["tokens_translated"] > 0
-    assert fields["ahead_ms"] > 0 and fields["tokens_new"] > 0
+    assert fields["status"] == "applied" and fields["switch"]["source"] == HYBRID
+    assert fields["switch"]["tokens_translated_ahead"] == fields["switch"]["tokens_translated"] > 0
+    assert fields["switch"]["ahead_seconds"] > 0 and fields["tokens_new"] > 0
     status, body = post(url, "/v1/chat/completions",
                         {"model": FULL, "messages": messages, "max_tokens": 1},
                         {"x-kvtrans-next-model": "nope"})
@@ -419,8 +420,8 @@ def test_a_gate_fired_ahead_is_reread_in_parts_a_request_can_come_between(served
                                              "Refused ahead: the beacon is 415926. " * 6)
     assert len(parts) == -(-read // 16) and parts == list(range(0, read, 16))
     fields = report(ask(client(served[1]), FULL, messages, max_tokens=4, conversation="refused"))
-    assert fields["status"] == "fallback_reprefill" and "fidelity gate" in fields["reason"]
-    assert fields["tokens_reread"] == read and fields["ahead_ms"] > 0
+    assert fields["status"] == "fallback" and "fidelity gate" in fields["switch"]["reason"]
+    assert fields["switch"]["tokens_reread"] == read and fields["switch"]["ahead_seconds"] > 0
 
 
 def test_a_follow_up_before_the_reply_is_read_in_reads_it_as_the_models_own(served,
@@ -439,9 +440,9 @@ def test_a_follow_up_before_the_reply_is_read_in_reads_it_as_the_models_own(serv
     engine.settle()
     reads, read = [], decode.read
 
-    def recorded(session, line, upto, whole=False, split_at=None, generated=None):
+    def recorded(line, tokens, upto, whole=False, split_at=None, generated=None):
         reads.append((line.name, line.seen, upto, generated))
-        return read(session, line, upto, whole, split_at, generated)
+        return read(line, tokens, upto, whole, split_at, generated)
 
     monkeypatch.setattr(decode, "read", recorded)
     messages += [{"role": "assistant", "content": first.choices[0].message.content},
@@ -488,16 +489,16 @@ def test_a_request_during_a_reread_ahead_reads_on_without_translating_again(serv
     fields = report(second)
     engine.settle()
     assert not any(translations)  # the gate refused it ahead: not translated again
-    assert fields["status"] == "fallback_reprefill" and "when translating ahead" in fields["reason"]
-    assert fields["ahead_ms"] > 0 and fields["tokens_translated"] == 0
+    assert fields["status"] == "fallback" and "when translating ahead" in fields["switch"]["reason"]
+    assert fields["switch"]["ahead_seconds"] > 0 and fields["switch"]["tokens_translated"] == 0
     # every prompt token counted once: re-read (ahead or now), or new since the reply
     assert fields["tokens_reused"] == 0
-    assert fields["tokens_reread"] + fields["tokens_new"] == second.usage.prompt_tokens
+    assert fields["switch"]["tokens_reread"] + fields["tokens_new"] == second.usage.prompt_tokens
 
 
 def test_a_reread_ahead_after_the_sink_counts_each_prompt_token_once(zoo, monkeypatch):
     """With --sink 4 the target reads its sink before the gate refuses the translation ahead:
-    the handoff counts the sink and the re-read once each."""
+    the switch counts the sink and the re-read once each."""
     models, translators = zoo
     engine = Engine(models, translators, ServeConfig(models=list(models), sink=4))
     with running(engine) as url:
@@ -506,8 +507,8 @@ def test_a_reread_ahead_after_the_sink_counts_each_prompt_token_once(zoo, monkey
         assert parts[0] == 4  # the sink was read before the first part
         second = ask(client(url), FULL, messages, max_tokens=4, conversation="sunk")
         fields = report(second)
-        assert fields["status"] == "fallback_reprefill" and fields["tokens_reused"] == 0
-        assert fields["tokens_reread"] + fields["tokens_new"] == second.usage.prompt_tokens
+        assert fields["status"] == "fallback" and fields["tokens_reused"] == 0
+        assert fields["switch"]["tokens_reread"] + fields["tokens_new"] == second.usage.prompt_tokens
 
 
 def test_a_failed_translation_falls_back_to_rereading_visibly(served, monkeypatch):
@@ -524,8 +525,8 @@ def test_a_failed_translation_falls_back_to_rereading_visibly(served, monkeypatc
                  {"role": "user", "content": "And?"}]
     second = ask(c, FULL, messages, max_tokens=6)
     fields = report(second)
-    assert fields["status"] == "fallback_reprefill" and "translator broke" in fields["reason"]
-    assert fields["tokens_reread"] > 0 and fields["source_model"] == HYBRID
+    assert fields["status"] == "fallback" and "translator broke" in fields["switch"]["reason"]
+    assert fields["switch"]["tokens_reread"] > 0 and fields["switch"]["source"] == HYBRID
 
 
 def switched_reply(zoo, config: ServeConfig, first_text: str, second_text: str):
@@ -548,10 +549,10 @@ def test_without_translation_a_switch_rereads_and_says_why(zoo):
     first, raw = switched_reply(zoo, ServeConfig(models=list(zoo[0]), translate=False),
                                 "No translation here.", "Next.")
     fields = report(raw.parse())
-    assert fields["status"] == "fallback_reprefill"
-    assert fields["reason"] == "translation is off (--no-translate)"
-    assert fields["tokens_reread"] == first.usage.prompt_tokens + first.usage.completion_tokens - 1
-    assert raw.headers["x-kvtrans-reason"] == fields["reason"]
+    assert fields["status"] == "fallback"
+    assert fields["switch"]["reason"] == "translation is off (--no-translate)"
+    assert fields["switch"]["tokens_reread"] == first.usage.prompt_tokens + first.usage.completion_tokens - 1
+    assert raw.headers["x-kvtrans-reason"] == fields["switch"]["reason"]
 
 
 def test_a_client_that_disconnects_stops_its_generation(served):
@@ -657,7 +658,7 @@ def test_metrics_are_prometheus_text(served):
     assert "# TYPE kvtrans_time_to_first_token_seconds histogram" in text
     cache = next(line for line in text.splitlines() if line.startswith("kvtrans_cache_bytes "))
     assert 0 < float(cache.split()[1]) <= engine.store.budget_bytes
-    assert 'kvtrans_handoffs_total{model="kimi-vl",status="applied"}' in text
+    assert 'kvtrans_histories_total{model="kimi-vl",status="applied"}' in text
 
 
 def test_bad_cli_options_are_one_line_and_exit_2():
@@ -719,7 +720,7 @@ def test_the_fidelity_dial_reaches_every_switch_and_its_report(zoo):
                             "Remember: copper is 552190. " * 4, "What is copper?")
     fields = report(raw.parse())
     assert fields["status"] == "applied", fields
-    assert fields["reread"] == 24 and fields["tokens_reread"] == 24
+    assert fields["switch"]["reread"] == 24 and fields["switch"]["tokens_reread"] == 24
     assert raw.headers["x-kvtrans-reread"] == "24"
 
 
@@ -746,7 +747,7 @@ def test_models_past_the_memory_budget_unload_and_come_back(zoo):
                     model=model, max_tokens=6, temperature=0,
                     messages=[{"role": "user", "content": f"Turn {turn}: the number 4410?"}])
                 replies.append(raw.parse().choices[0].message.content)
-                loads.append(float(raw.headers["x-kvtrans-load-ms"]))
+                loads.append(float(raw.headers["x-kvtrans-load-seconds"]))
                 resident = {m.id: m.model_extra["kvtrans"]["resident"]
                             for m in c.models.list().data}
                 assert resident[model] and sum(resident.values()) <= (2 if budgeted else 3)
@@ -754,7 +755,7 @@ def test_models_past_the_memory_budget_unload_and_come_back(zoo):
         answers[budgeted] = replies
         if budgeted:
             assert engine.residency.unloads >= 2 and engine.residency.loads >= 2
-            assert any(ms > 0 for ms in loads[2:])
+            assert any(seconds > 0 for seconds in loads[2:])
         else:
             assert engine.residency.unloads == 0 and not any(loads)
     assert answers[True] == answers[False]
@@ -837,7 +838,7 @@ def test_requests_joining_one_model_between_steps_start_in_one_forward(zoo):
     from mlx_lm.models.cache import make_prompt_cache
 
     from mlx_kvtrans.serve.batching import Batches, Decoding
-    from mlx_kvtrans.serve.records import Generation, Handoff
+    from mlx_kvtrans.serve.records import Generation, RequestHistory
 
     lm = zoo[0][HYBRID]
     prompts = [list(range(40 + i, 40 + i + n)) for i, n in enumerate((9, 23, 5))]
@@ -848,7 +849,7 @@ def test_requests_joining_one_model_between_steps_start_in_one_forward(zoo):
             cache = make_prompt_cache(lm.model)
             lm.model(mx.array([prompts[i][:-1]]), cache=cache)
             job = Generation(HYBRID, prompts[i], 6, temperature=0.0)
-            out.append(Decoding(job, Handoff(), lambda e: None, threading.Event(),
+            out.append(Decoding(job, RequestHistory(), lambda e: None, threading.Event(),
                                 lm.tokenizer, threading.Lock()))
             batches.join(lm.model, HYBRID, cache, prompts[i][-1], out[-1])
         return out
@@ -886,8 +887,8 @@ def test_a_conversation_moves_across_tokenizers_translated_both_ways():
             reply = ask(c, model, messages, max_tokens=16)
             fields = report(reply)
             if len(messages) > 1:  # the conversation came from the other model, translated
-                assert fields["status"] == "applied" and fields["source_model"] != model
-                assert fields["tokens_translated"] + fields["tokens_translated_ahead"] > 0
+                assert fields["status"] == "applied" and fields["switch"]["source"] != model
+                assert fields["switch"]["tokens_translated"] + fields["switch"]["tokens_translated_ahead"] > 0
                 assert fields["tokens_new"] < reply.usage.prompt_tokens // 2
                 assert "552190" in reply.choices[0].message.content
             messages += [{"role": "assistant", "content": reply.choices[0].message.content},

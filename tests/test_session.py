@@ -1,4 +1,4 @@
-"""Handoff sessions: segment-wise transfer, visible fallbacks, decoding through mlx-lm, and
+"""Switch sessions: segment-wise transfer, visible fallbacks, decoding through mlx-lm, and
 recording only what translators read."""
 
 from dataclasses import replace
@@ -31,7 +31,7 @@ def session_for(kimi_pair, strategy="segment", both=True, **options):
                    **options)
 
 
-def plain_reprefill(lm, tokens):
+def plain_reread(lm, tokens):
     """A fresh cache of `lm` that has read `tokens`."""
     cache = make_prompt_cache(lm.model)
     mx.eval(lm.model(mx.array([tokens]), cache=cache))
@@ -45,18 +45,18 @@ def test_segment_wise_transfer_translates_only_new_tokens(kimi_pair):
     list(s.generate(5))
     first = s.switch(b.name)
     # 30 read + 4 generated: all but the gate's last 8 translated, those read by b itself
-    assert first.status == "applied" and (first.tokens_translated, first.tokens_read) == (26, 8)
+    assert first.status == "applied" and (first.tokens_translated, first.tokens_tail) == (26, 8)
     s.add(list(range(100, 110)))
     list(s.generate(5))
     # b read a's last token, the 10 new ones and 4 of its 5: a lacks those 15
     back = s.switch(a.name)
-    assert back.status == "applied" and (back.tokens_translated, back.tokens_read) == (7, 8)
+    assert back.status == "applied" and (back.tokens_translated, back.tokens_tail) == (7, 8)
     s.add([5, 6, 7])
     list(s.generate(3))
     # a read b's last token, the 3 new ones and 2 of its 3 tokens: b lacks those 6, no more
     # than the gate reads, so b reads them all
     again = s.switch(b.name)
-    assert (again.tokens_translated, again.tokens_read) == (0, 6)
+    assert (again.tokens_translated, again.tokens_tail) == (0, 6)
     # b read a's last token in the same forward: it holds its first token's logits
     assert s.lines[b.name].seen - 1 == s.lines[a.name].seen == len(s.tokens) - 1
 
@@ -82,7 +82,7 @@ def test_token_ids_outside_the_vocabulary_are_refused_and_nothing_is_added(kimi_
 
 def test_translating_ahead_is_the_switch_made_early(kimi_pair):
     """`prepare(target)` between turns gives the target what a switch would, without making
-    it active; the switch then gives only what came since, reports the hand-over made ahead,
+    it active; the switch then gives only what came since, reports the switch made ahead,
     and the target answers as it would have after a plain switch."""
     a, b, _ = kimi_pair
     replies = {}
@@ -91,7 +91,7 @@ def test_translating_ahead_is_the_switch_made_early(kimi_pair):
         s.add(list(range(60, 110)))
         list(s.generate(5))
         if ahead:
-            early = s.prepare(b.name)
+            early = s.translate_ahead(b.name)
             assert s.active == a.name and early.tokens_translated > 0
             assert s.lines[b.name].seen == len(s.tokens)  # a's last token read with the gate
         s.add(list(range(120, 130)))  # the next prompt comes before the switch
@@ -101,7 +101,7 @@ def test_translating_ahead_is_the_switch_made_early(kimi_pair):
             assert status.tokens_translated_ahead == status.tokens_translated > 0
             assert status.tokens_translated == early.tokens_translated
             assert status.gate == early.gate and status.ahead_seconds == early.translate_seconds
-            assert not s.prepared  # reported once
+            assert not s.ahead  # reported once
         replies[ahead] = list(s.generate(6))
     assert replies[True] == replies[False]
 
@@ -110,7 +110,7 @@ def test_translating_ahead_without_reread_leaves_a_refused_translation_to_the_sw
         kimi_pair, monkeypatch):
     """`prepare(target, read_fallback=False)`: a translation the gate refuses reads nothing and is not
     kept; the target's line is as it was. What the caller re-reads of it in its own time, and
-    the rest that the switch re-reads without translating again, make one hand-over."""
+    the rest that the switch re-reads without translating again, make one switch."""
     from mlx_kvtrans.translators import gate
 
     a, b, _ = kimi_pair
@@ -126,19 +126,19 @@ def test_translating_ahead_without_reread_leaves_a_refused_translation_to_the_sw
         s = session_for(kimi_pair, sink=sink)
         s.add(list(range(60, 110)))
         list(s.generate(5))
-        early = s.prepare(b.name, read_fallback=False)
-        assert early.status == "fallback_reprefill" and "fidelity gate" in early.reason
-        assert early.tokens_reprefilled == len(s.tokens) - 1 - sink  # what is left to read
-        assert s.lines[b.name].seen == sink and not s.prepared  # the sink it read stays
+        early = s.translate_ahead(b.name, read_fallback=False)
+        assert early.status == "fallback" and "fidelity gate" in early.reason
+        assert early.tokens_fallback == len(s.tokens) - 1 - sink  # what is left to read
+        assert s.lines[b.name].seen == sink and not s.ahead  # the sink it read stays
         if part:  # the caller re-reads a part ahead, as the server does in idle time
             s.read(s.lines[b.name], part)
         translations.clear()
         status = s.switch(b.name)
         assert not translations  # judged once, ahead: the switch reads on
-        assert status.status == "fallback_reprefill" and "when translating ahead" in status.reason
+        assert status.status == "fallback" and "when translating ahead" in status.reason
         # every token once: the sink, then re-read (ahead or now)
         assert status.tokens_sink == sink and not status.tokens_translated
-        assert status.tokens_reprefilled + status.tokens_sink == len(s.tokens) - 1
+        assert status.tokens_fallback + status.tokens_sink == len(s.tokens) - 1
         assert s.lines[b.name].seen == s.lines[a.name].seen == len(s.tokens) - 1
 
 
@@ -152,8 +152,8 @@ def test_a_target_given_the_conversation_from_its_start_reads_the_sink_itself(ki
     list(s.generate(4))
     first = s.switch(b.name)
     assert first.status == "applied" and first.tokens_sink == 4
-    assert (first.tokens_translated, first.tokens_read) == (s.lines[a.name].seen - 4 - 8, 8)
-    own = plain_reprefill(b, s.tokens[:4])
+    assert (first.tokens_translated, first.tokens_tail) == (s.lines[a.name].seen - 4 - 8, 8)
+    own = plain_reread(b, s.tokens[:4])
     for mine, native in zip(s.lines[b.name].cache, own):
         if hasattr(native, "keys") and native.keys is not None:
             assert mx.allclose(mine.keys[..., :4, :], native.keys[..., :4, :], atol=1e-5)
@@ -192,7 +192,7 @@ def test_a_switch_reads_the_tail_and_the_next_prompt_in_one_forward(kimi_pair):
     alone = apart.switch(b.name)
     apart.add([11, 12, 13])
     assert together.status == alone.status == "applied"
-    assert (together.tokens_translated, together.tokens_read) == (alone.tokens_translated, 8)
+    assert (together.tokens_translated, together.tokens_tail) == (alone.tokens_translated, 8)
     assert together.gate_gap == pytest.approx(alone.gate_gap, abs=1e-4)
     assert list(one.generate(6)) == list(apart.generate(6))
     assert one.lines[b.name].seen == len(one.tokens) - 1
@@ -229,8 +229,8 @@ def test_missing_translator_falls_back_visibly(kimi_pair):
     s.add([1, 2, 3])
     list(s.generate(3))
     back = s.switch(a.name)
-    assert back.status == "fallback_reprefill" and "no translator" in back.reason
-    assert back.tokens_reprefilled > 0 and s.lines[a.name].seen == s.lines[b.name].seen
+    assert back.status == "fallback" and "no translator" in back.reason
+    assert back.tokens_fallback > 0 and s.lines[a.name].seen == s.lines[b.name].seen
 
 
 def test_non_finite_translation_falls_back(kimi_pair):
@@ -244,11 +244,11 @@ def test_non_finite_translation_falls_back(kimi_pair):
     s.add(list(range(30, 50)))
     list(s.generate(2))
     status = s.switch(b.name)
-    assert status.status == "fallback_reprefill" and "not finite" in status.reason
+    assert status.status == "fallback" and "not finite" in status.reason
     assert s.lines[b.name].seen == s.lines[a.name].seen
 
 
-def test_refresh_reprefills_fully_every_nth_switch_into_a_model(kimi_pair):
+def test_refresh_rereads_fully_every_nth_switch_into_a_model(kimi_pair):
     a, b, _ = kimi_pair
     s = session_for(kimi_pair, strategy="refresh", refresh_every=2)
     s.add(list(range(30, 50)))
@@ -257,19 +257,19 @@ def test_refresh_reprefills_fully_every_nth_switch_into_a_model(kimi_pair):
         list(s.generate(2))
         held.append(s.lines[s.active].seen)
         statuses.append(s.switch(b.name if i % 2 == 0 else a.name))
-    assert [st.status for st in statuses] == ["applied", "applied", "fallback_reprefill",
-                                              "fallback_reprefill"] * 2
+    assert [st.status for st in statuses] == ["applied", "applied", "fallback",
+                                              "fallback"] * 2
     for st, n in zip(statuses, held):
         if st.status == "applied":
-            assert st.tokens_translated + st.tokens_read > 0 and st.tokens_reprefilled == 0
+            assert st.tokens_translated + st.tokens_tail > 0 and st.tokens_fallback == 0
         else:  # the whole conversation, not only the unseen span
-            assert "refresh" in st.reason and st.tokens_reprefilled == n
+            assert "refresh" in st.reason and st.tokens_fallback == n
     x = mx.array([[9, 8, 7]])
     assert max_abs_diff(a.model(x, cache=s.lines[a.name].cache),
-                        a.model(x, cache=plain_reprefill(a, s.tokens[:held[-1]]))) <= 1e-5
+                        a.model(x, cache=plain_reread(a, s.tokens[:held[-1]]))) <= 1e-5
 
 
-def test_context_over_max_context_reprefills_like_a_plain_prefill(kimi_pair):
+def test_context_over_max_context_rereads_like_a_plain_prefill(kimi_pair):
     a, b, _ = kimi_pair
     s, within = session_for(kimi_pair, max_context=17), session_for(kimi_pair, max_context=1000)
     for session in (s, within):
@@ -279,12 +279,12 @@ def test_context_over_max_context_reprefills_like_a_plain_prefill(kimi_pair):
     assert n > 17
     assert within.switch(b.name).status == "applied"  # the limit, not the kimi_pair, is the cause
     status = s.switch(b.name)
-    assert status.status == "fallback_reprefill" and "17" in status.reason, status.reason
-    assert status.tokens_translated == 0 and status.tokens_reprefilled == n
+    assert status.status == "fallback" and "17" in status.reason, status.reason
+    assert status.tokens_translated == 0 and status.tokens_fallback == n
     assert s.lines[b.name].seen == n
     x = mx.array([[11, 12, 13]])
     assert max_abs_diff(b.model(x, cache=s.lines[b.name].cache),
-                        b.model(x, cache=plain_reprefill(b, s.tokens[:n]))) <= 1e-5
+                        b.model(x, cache=plain_reread(b, s.tokens[:n]))) <= 1e-5
 
 
 def test_multiturn_dialogues_alternate_models_and_find_the_questions(kimi_pair):
@@ -323,7 +323,7 @@ def test_naive_retranslates_the_whole_prefix_including_translated_spans(kimi_pai
         assert status.status == "applied", status.reason
         # every switch translates everything the source holds, its translated spans included
         # (the gate's last tokens read by the target; a first switch's sink too)
-        assert (status.tokens_sink + status.tokens_translated + status.tokens_read
+        assert (status.tokens_sink + status.tokens_translated + status.tokens_tail
                 == s.lines[status.source].seen)
         assert status.tokens_sink == (sink if i == 0 else 0)  # b held nothing, a all it read
         line = s.lines[status.target]
@@ -353,7 +353,7 @@ def test_codebook_translator_switches_away_from_a_translated_span(kimi_pair):
     list(s.generate(3))
     status = s.switch(a.name)
     assert status.status == "applied", status.reason
-    assert status.tokens_translated + status.tokens_read == s.lines[b.name].seen
+    assert status.tokens_translated + status.tokens_tail == s.lines[b.name].seen
 
 
 # -- decoding through mlx-lm, recording only what translators read ---------------------------
@@ -424,7 +424,7 @@ def test_stop_token_ends_the_turn_and_is_read_with_the_next(kimi_pair, loaded):
         assert list(s.generate(4)) == reference_tokens(lm.model, s.tokens[:-4], 4)
         x = mx.array([[s.tokens[-1], 5, 6]])
         assert max_abs_diff(lm.model(x, cache=line.cache),
-                            lm.model(x, cache=plain_reprefill(lm, s.tokens[:-1]))) <= 1e-4
+                            lm.model(x, cache=plain_reread(lm, s.tokens[:-1]))) <= 1e-4
 
 
 def test_switching_mid_generation_ends_the_turn_first(kimi_pair):
@@ -435,7 +435,7 @@ def test_switching_mid_generation_ends_the_turn_first(kimi_pair):
     got = [next(turn), next(turn), next(turn)]
     status = s.switch(b.name)  # the open turn ends: a has read all but its last token
     assert list(turn) == [] and s.tokens[-3:] == got
-    assert status.status == "applied" and status.tokens_translated + status.tokens_read == 32
+    assert status.status == "applied" and status.tokens_translated + status.tokens_tail == 32
     # b read a's last token too, in the switch's one forward
     assert s.lines[a.name].seen == s.lines[b.name].seen - 1 == len(s.tokens) - 1
 
@@ -583,7 +583,7 @@ def test_a_switch_that_recomputes_its_first_layers_holds_them_as_native_does(kim
         status = s.switch(b.name)
         assert status.status == "applied" and status.layers_recomputed == k
         caches[k] = s.lines[b.name].cache
-    native = plain_reprefill(b, prompt)
+    native = plain_reread(b, prompt)
     for i in range(len(native)):
         for got, want in zip(arrays(caches[layers][i]), arrays(native[i])):
             assert max_abs_diff(got, want) < 1e-4, i  # every layer read natively

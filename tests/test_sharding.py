@@ -135,7 +135,7 @@ def test_settle_in_step_returns_once_every_continuation_ran():
 def _conversation(url: str, small: str, large: str, settle) -> list[tuple[str, str]]:
     """A conversation over OpenAI's API that moves from `small` to `large` and back, with a
     client that leaves mid-reply and a sampled reply between: each greedy reply and how its
-    history was handed over. `settle()` runs after each request: the server's idle work
+    history was switched. `settle()` runs after each request: the server's idle work
     (reading the reply in, translating ahead) decides what the next switch translates."""
     import http.client
     from urllib.parse import urlparse
@@ -150,7 +150,7 @@ def _conversation(url: str, small: str, large: str, settle) -> list[tuple[str, s
         raw = api.chat.completions.with_raw_response.create(
             model=model, messages=messages, max_tokens=12, temperature=0, **options)
         text = raw.parse().choices[0].message.content
-        replies.append((text, raw.headers["x-kvtrans-handoff"]))
+        replies.append((text, raw.headers["x-kvtrans-history"]))
         settle()
         return text
 
@@ -187,7 +187,7 @@ def _conversation(url: str, small: str, large: str, settle) -> list[tuple[str, s
 ])
 def test_a_sharded_server_answers_as_its_unsharded_twin(tmp_path, kind, small, large):
     """`mlx.launch -n 2 kvtrans serve --shard KIND`: process 0 answers HTTP, both decode their
-    shares in step; the replies and handoffs are the unsharded server's, also after a client
+    shares in step; the replies and switches are the unsharded server's, also after a client
     left mid-reply and a sampled reply, and Ctrl-C ends every process."""
     import signal
     import time

@@ -126,6 +126,12 @@ def test_no_import_cycles():
     assert not _cycles(_graph())
 
 
+def test_no_import_cycles_even_for_type_checking():
+    """Not even a type annotation reaches back: a switch reads its session through values
+    (`switching.Conversation`), reading and decoding through the line (`line.Recording`)."""
+    assert not _cycles(_graph(imports=_all_imports))
+
+
 # the package's layers, lowest first: a module imports its own layer and those below it only
 LAYERS = (
     ("backend", "errors", "_version", "files"),
@@ -154,6 +160,15 @@ def test_imports_point_down_the_layers_only():
     upward = sorted(f"{m} -> {t}" for m, targets in _graph(imports=_all_imports).items()
                     for t in targets if _layer(t) > _layer(m))
     assert not upward, upward
+
+
+def test_no_line_assigns_three_names_from_a_tuple_of_expressions():
+    """`a, b, c = x, y, z` packs three statements into one line: one assignment a line."""
+    packed = [f"{m}:{node.lineno}" for m, tree in TREES.items() for node in ast.walk(tree)
+              if isinstance(node, ast.Assign) and len(node.targets) == 1
+              and isinstance(node.targets[0], ast.Tuple) and isinstance(node.value, ast.Tuple)
+              and len(node.targets[0].elts) >= 3]
+    assert not packed, packed
 
 
 def test_the_package_root_holds_at_most_eight_modules():

@@ -1,7 +1,7 @@
 """Capture: what a model caches, read while it prefills.
 
 `prefill` runs tokens through an mlx-lm model and records every cache object at capture points
-(1), (2), (3) (`capture`, `Capture`, `tapped`), and joins recorded parts of a conversation
+raw, normed, engine (`capture`, `Capture`, `tapped`), and joins recorded parts of a conversation
 (`join_recorded`); `instrument` holds every run-time tap and patch of mlx-lm it and the rest of
 the library use (module and function hooks, the final-norm rows, the chunkwise recurrence).
 """

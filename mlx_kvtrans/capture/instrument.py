@@ -163,7 +163,9 @@ def absorbed_wins(attention: nn.Module, length: int, context: int) -> bool:
     """Whether `length` queries over `context` latents cost fewer FLOPs with the queries
     absorbed into the latent space (mlx-lm's decode step) than with the latents expanded into
     every head's keys and values (its prefill)."""
-    kv, nope, v = attention.kv_lora_rank, attention.qk_nope_head_dim, attention.v_head_dim
+    kv = attention.kv_lora_rank
+    nope = attention.qk_nope_head_dim
+    v = attention.v_head_dim
     absorbed = length * (nope * kv + 2 * context * kv + kv * v)
     expanded = context * kv * (nope + v) + length * context * (nope + v)
     return absorbed < expanded

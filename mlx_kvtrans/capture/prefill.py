@@ -1,4 +1,4 @@
-"""Prefill tokens through an mlx-lm model and read every cache object at (1), (2), (3).
+"""Prefill tokens through an mlx-lm model and read every cache object at raw, normed, engine.
 
 Nothing of the model is copied: submodules are tapped and the recurrence `gated_delta_update` is
 observed through `instrument` (safe to nest with the chunkwise recurrence or any other hook);
@@ -22,8 +22,8 @@ from .instrument import head_on_last_token, hook_module, observe_function, runni
 @dataclass
 class Capture:
     """Cache objects of one prefill. `objects[layer][(name, point)]` holds each captured object:
-    per-token objects at (1)/(2) as `(B, T, token_dim)`, recurrent inputs at (2) as
-    `RecurrentInputs`, and (3) tensors as the engine caches them."""
+    per-token objects at raw/normed as `(B, T, token_dim)`, recurrent inputs at normed as
+    `RecurrentInputs`, and engine tensors as the engine caches them."""
 
     layout: ModelLayout
     tokens: mx.array  # (B, T)
@@ -59,7 +59,9 @@ class _Recorder:
 
     def __init__(self, layout: ModelLayout, points: set[int],
                  select: set[tuple[int, str, int]] | None = None):
-        self.layout, self.points, self.select = layout, points, select
+        self.layout = layout
+        self.points = points
+        self.select = select
         self.parts: list[dict[tuple[str, int], list]] = [{} for _ in layout.layers]
 
     def wants(self, layer: int, name: str | None = None, point: int | None = None) -> bool:
@@ -151,7 +153,7 @@ def capture(model: nn.Module, tokens, points=tuple(CapturePoint), chunk_size: in
 
     `chunk_size` prefills in chunks (as mlx-lm's generation does), which bounds memory on long
     prompts; the captured objects are the same. With `cache` (an mlx-lm cache that has read
-    earlier tokens) the prefill continues it: (1)/(2) objects cover the new tokens, (3) objects
+    earlier tokens) the prefill continues it: raw/normed objects cover the new tokens, engine objects
     are the whole cache. `select`: capture only these (layer, object name, point) triples
     (None: every object at `points`).
     """

@@ -10,7 +10,7 @@ above what the last `FLOOR_TOKENS` prompt tokens alone give. This is the hybrid-
 paper's swap-in analysis for any model or pair.
 
 "Translated from layer k up" keeps the target's own first k layers: the ceiling of a switch
-that rebuilds those layers itself (reading every token through them, k / N of a re-prefill; the
+that rebuilds those layers itself (reading every token through them, k / N of a full re-read; the
 first layers are the only ones a target can rebuild without reading through all of them).
 
 Zeroing a recurrent state or a conv history is exactly "no history" for that object. Zeroing an
@@ -86,7 +86,9 @@ class Ablation:
     `model` and its source model, for the "translated" cases)."""
 
     def __init__(self, model, translator=None, source=None):
-        self.model, self.translator, self.source = model, translator, source
+        self.model = model
+        self.translator = translator
+        self.source = source
         self.layout = layout_of(model)
 
     def cache(self, case: Case, prompt: mx.array):
@@ -133,7 +135,10 @@ def ablate(model, encode, token_ids: list[int], lengths: list[int], windows: int
             raise ValueError(f"held-out text has {len(token_ids)} tokens, fewer than {span + 1}")
         rng = random.Random(seed + length)
         starts = [rng.randrange(0, len(token_ids) - span) for _ in range(windows)]
-        prefixes, natives, fed, floors = [], [], [], []
+        prefixes = []
+        natives = []
+        fed = []
+        floors = []
         for start in starts:
             window = mx.array(token_ids[start:start + span])
             prefix, inputs = window[:length - 1], window[length - 1:span - 1][None]
@@ -149,7 +154,9 @@ def ablate(model, encode, token_ids: list[int], lengths: list[int], windows: int
             if progress:
                 progress(done, total, f"{case.label} at {length:,} tokens")
             done += 1
-            kls, agrees, forced = [], [], []
+            kls = []
+            agrees = []
+            forced = []
             for (prefix, inputs, last), (native_logits, said), tokens in zip(
                     prefixes, natives, fed):
                 built = ablation.cache(case, prefix)  # once: each use below grows a copy

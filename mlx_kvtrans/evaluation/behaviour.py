@@ -98,7 +98,9 @@ def answer(model, tokenizer, prompt_ids: list[int], cache, max_tokens: int) -> A
     token (the model reads that one first)."""
     from mlx_lm.generate import generate_step
 
-    stops, first, tokens = set(tokenizer.eos_token_ids), None, []
+    stops = set(tokenizer.eos_token_ids)
+    first = None
+    tokens = []
     for token, _ in generate_step(mx.array(prompt_ids[-1:]), model, prompt_cache=cache,
                                   max_tokens=max_tokens):
         token = int(token)

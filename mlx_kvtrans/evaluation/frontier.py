@@ -5,7 +5,7 @@ A switch at a prompt of L tokens gives the target a cache of the first L - 1 (th
 reads the last token itself, which yields the first continuation token). One knob so far:
 
     R (`Setting.reread`): the translator translates the first L - 1 - R tokens, and the target
-    reads the R after them itself over that translated prefix. R >= L - 1 is re-prefill.
+    reads the R after them itself over that translated prefix. R >= L - 1 is re-reading.
 
 Per (length, setting), over held-out prose windows and held-out needles:
 - agreement: the native target generates G = 32 tokens greedily from its own cache; the switched
@@ -17,7 +17,7 @@ Per (length, setting), over held-out prose windows and held-out needles:
   greedy_exact (share with all G equal), first_token agreement;
 - kl: mean KL(native || switched) per continuation token, nats;
 - recall_native / recall_translated: exact six-digit needle recall (evaluation/needles.py);
-- speedup = time(target re-prefills L tokens) / time(translate the first L - 1 - R, the target
+- speedup = time(target re-reads L tokens) / time(translate the first L - 1 - R, the target
   reads the remaining R + 1), measured side by side in one process, medians of a few repeats,
   the source having read the prompt already (a warm switch);
 - near_ties: of the positions whose argmax parts from native's, the share where native's own
@@ -155,7 +155,9 @@ class SessionSwitch(Switch):
         across = len(set(tokenizer_groups({"s": source, "t": target}).values())) > 1
         super().__init__(translator, source.model, target.model,
                          tokenizers=(source.tokenizer, target.tokenizer) if across else None)
-        self.lms, self.gate_tokens, self.sink = (source, target), gate_tokens, sink
+        self.lms = (source, target)
+        self.gate_tokens = gate_tokens
+        self.sink = sink
         self.escalate = escalate
         self.statuses: dict[Setting, list] = {}
         self._last = None  # (setting, prefix) -> its evaluated cache: one session per window
@@ -193,7 +195,7 @@ def window_starts(text_ids: list[int], length: int, count: int, seed: int) -> li
 
 def time_switch(switch: Switch, setting: Setting, tokens: list[int],
                 repeats: int = 3) -> tuple[float, float]:
-    """(re-prefill seconds, switch seconds) to the first token of the `tokens` prompt: the
+    """(re-reading seconds, switch seconds) to the first token of the `tokens` prompt: the
     target reading every token, beside the warm switch (translate, install, the target reads
     the rest); each ends with the first token's argmax evaluated. The two alternate, so both
     see the same load; medians of `repeats` after one untimed run each."""
@@ -206,8 +208,8 @@ def time_switch(switch: Switch, setting: Setting, tokens: list[int],
     def first_token(cache, ids):
         mx.eval(mx.argmax(target(mx.array(ids)[None], cache=cache)[:, -1], axis=-1))
 
-    runs = {"reprefill": lambda: first_token(make_prompt_cache(target), tokens)}
-    if n:  # else it is the re-prefill
+    runs = {"reread": lambda: first_token(make_prompt_cache(target), tokens)}
+    if n:  # else it is the re-reading
         recorded = switch.read(setting, prefix)
         runs["switch"] = lambda: first_token(switch.translated(recorded, prefix[:n]), tokens[n:])
     times = {name: [] for name in runs}
@@ -218,8 +220,8 @@ def time_switch(switch: Switch, setting: Setting, tokens: list[int],
             start = time.perf_counter()
             run()
             times[name].append(time.perf_counter() - start)
-    reprefill = statistics.median(times["reprefill"])
-    return reprefill, statistics.median(times.get("switch", times["reprefill"]))
+    full_reread = statistics.median(times["reread"])
+    return full_reread, statistics.median(times.get("switch", times["reread"]))
 
 
 @dataclass
@@ -236,7 +238,9 @@ class Reference:
 
 
 def reference(switch: Switch, prompt: list[int]) -> Reference:
-    target, prefix, last = switch.target, prompt[:-1], prompt[-1]
+    target = switch.target
+    prefix = prompt[:-1]
+    last = prompt[-1]
     tokens = greedy(target, last, switch.native(prefix), GENERATED)
     truth = mx.array(tokens)
     inputs = mx.array([last] + tokens[:-1])[None]
@@ -347,7 +351,7 @@ def measure(switch: Switch, encode, text_ids: list[int], plan: dict[int, list[Se
                 whole[owned] = scores[s][key] if values is None else values
                 return (whole if group is None else summed(whole, group)).tolist()
             agree, every_floor = every("agree"), every(None, floor)
-            floor_sum, own_sum, applied, switches, reprefill_s, switch_s = sums[len(SCORES):]
+            floor_sum, own_sum, applied, switches, reread_s, switch_s = sums[len(SCORES):]
             rows.append(Row(
                 length=length, setting=s, windows=prompts, agreement=got["agree"],
                 agreement_last16=floor_sum / prompts, agreement_native=own_sum / prompts,
@@ -355,7 +359,7 @@ def measure(switch: Switch, encode, text_ids: list[int], plan: dict[int, list[Se
                 greedy_match=got["match"], greedy_exact=got["exact"],
                 first_token=got["first"], kl=got["kl"], needles=needles,
                 recall_native=native_recall, recall_translated=recall,
-                reprefill_s=reprefill_s, switch_s=switch_s,
+                reread_s=reread_s, switch_s=switch_s,
                 applied=applied / switches if switches else None,
                 intervals=window_intervals(
                     agree, every_floor, every("match"), every("first"), recall, needles,

@@ -4,7 +4,7 @@ Each dialogue (`evaluation.tasks.dialogue`, seeds never used in training) states
 user turns and asks for them later. The active model answers every turn greedily; a question turn
 counts as right when the reply contains the asked number. The same dialogues run under each
 switching strategy (segment-wise, naive, refresh; each with the fidelity gate), segment-wise
-without the gate (what the translators alone give) and under re-prefill (no translators), so the
+without the gate (what the translators alone give) and under re-reading (no translators), so the
 per-turn accuracies sit side by side with how often the gate sent a switch back to re-reading.
 """
 
@@ -19,7 +19,7 @@ HELD_OUT_DIALOGUES = 950_000_000
 
 
 UNGATED = "segment, no gate"
-STRATEGIES = ("segment", UNGATED, "naive", "refresh", "reprefill")
+STRATEGIES = ("segment", UNGATED, "naive", "refresh", "reread")
 
 
 def run_dialogue(models: dict, translators: dict, strategy: str, seed: int, turns: int,
@@ -29,10 +29,12 @@ def run_dialogue(models: dict, translators: dict, strategy: str, seed: int, turn
     names = list(models)
     sample = tasks.dialogue(seed, turns=turns)
     messages = sample.messages + [{"role": "assistant", "content": sample.answer}]
-    plain = {"reprefill": "segment", UNGATED: "segment"}.get(strategy, strategy)
+    plain = {"reread": "segment", UNGATED: "segment"}.get(strategy, strategy)
     options = {"gate_tokens": 0} if strategy == UNGATED else {}
     session = Session(models, translators, active=names[0], strategy=plain, **options)
-    results, turn, gate = [], 0, ""
+    results = []
+    turn = 0
+    gate = ""
     for i, message in enumerate(messages):
         if message["role"] != "user":
             continue
@@ -62,7 +64,7 @@ def evaluate(models: dict, translators: dict, dialogues: int = 20, turns: int = 
     `progress(done, total, what)` follows the dialogues."""
     table = {}
     for n, strategy in enumerate(strategies):
-        pairs = {} if strategy == "reprefill" else translators
+        pairs = {} if strategy == "reread" else translators
         per_turn: dict[int, list[bool]] = {}
         verdicts = []
         for d in range(dialogues):

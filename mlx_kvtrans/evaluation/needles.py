@@ -93,7 +93,10 @@ def needle_report(model, encode, length: int, samples: int = 50, filler=None,
     from ..backend.processes import mine, summed
 
     filler = filler or (None if make else held_out_filler())
-    hits, nll, right, digits_seen = 0, 0.0, 0, 0
+    hits = 0
+    nll = 0.0
+    right = 0
+    digits_seen = 0
     for i in range(samples):
         if not mine(i, group):
             continue
@@ -103,7 +106,9 @@ def needle_report(model, encode, length: int, samples: int = 50, filler=None,
             needle_prompt_tokens(encode, seed + i, length, filler)
         digits = len(answer) - 1  # the answer is the code and a full stop
         if cache_for is None:
-            x, cache, first = mx.array(prompt + answer[:digits - 1])[None], None, len(prompt) - 1
+            x = mx.array(prompt + answer[:digits - 1])[None]
+            cache = None
+            first = len(prompt) - 1
         else:  # the cache holds all but the last prompt token, which the model then reads
             x = mx.array(prompt[-1:] + answer[:digits - 1])[None]
             cache, first = cache_for(prompt[:-1]), 0

@@ -2,10 +2,10 @@
 
 A `LayerCache` is bound to one layer's mixer module of a loaded mlx-lm model. It knows:
 - `objects`: what the engine caches there (`CacheObject`s);
-- `taps`: which submodule outputs to record during a prefill to get the objects at (1) and (2);
-- `read_engine`: the (3) objects out of an mlx-lm cache object;
-- `to_engine`: (1) or (2) objects -> (3), applying this model's own norm / RoPE / recurrence;
-- `build_cache`: an mlx-lm cache object holding given (3) objects.
+- `taps`: which submodule outputs to record during a prefill to get the objects at raw and normed;
+- `read_engine`: the engine objects out of an mlx-lm cache object;
+- `to_engine`: raw or normed objects -> engine, applying this model's own norm / RoPE / recurrence;
+- `build_cache`: an mlx-lm cache object holding given engine objects.
 """
 
 from __future__ import annotations
@@ -43,11 +43,11 @@ class LayerCache:
     def to_engine(self, objects: dict[str, Any], point: int, offset: int = 0,
                   previous: dict[str, mx.array] | None = None,
                   rotate=apply_rope) -> dict[str, mx.array]:
-        """Objects captured at `point` for tokens starting at position `offset` -> (3) objects.
+        """Objects captured at `point` for tokens starting at position `offset` -> engine objects.
 
         `point`: one capture point for all objects (each is read at `obj.point_for(point)`, as
         `Capture.layer` gives them), or a point per object name (a translator's output).
-        `previous`: the (3) objects of the tokens before `offset`, for fixed-size objects that
+        `previous`: the engine objects of the tokens before `offset`, for fixed-size objects that
         summarise the whole history (conv history, recurrent state). `rotate(name, rope, x,
         offset)` applies RoPE; the object is only cast after it.
         """
@@ -57,7 +57,7 @@ class LayerCache:
         raise NotImplementedError
 
     def append(self, cache, objects: dict[str, mx.array]):
-        """Grow `cache` by (3) objects of the tokens after it (per-token objects are appended,
+        """Grow `cache` by engine objects of the tokens after it (per-token objects are appended,
         fixed-size ones replaced); returns the cache."""
         raise NotImplementedError
 
@@ -76,7 +76,9 @@ def kv_cache(keys: mx.array, values: mx.array):
     from mlx_lm.models.cache import KVCache
 
     cache = KVCache()
-    cache.keys, cache.values, cache.offset = keys, values, keys.shape[2]
+    cache.keys = keys
+    cache.values = values
+    cache.offset = keys.shape[2]
     return cache
 
 

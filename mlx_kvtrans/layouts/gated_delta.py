@@ -144,7 +144,9 @@ def gated_delta_chunked(q, k, v, log_g, beta, state=None, chunk_size: int | None
     def chunks(x):
         x = x.astype(mx.float32).reshape(B, n, C, *x.shape[2:])
         return mx.moveaxis(x, 3, 1) if x.ndim > 3 else x
-    q, k, v = chunks(q), chunks(k), chunks(v)
+    q = chunks(q)
+    k = chunks(k)
+    v = chunks(v)
     beta = chunks(beta)[..., None]  # (B, H, n, C, 1)
     gamma = chunks(log_g) if per_channel else chunks(log_g)[..., None]
     gamma = mx.cumsum(gamma, axis=3)  # (B, H, n, C, Dk or 1)

@@ -1,8 +1,8 @@
 """Grouped-query attention: token keys and token values (qwen3, llama, qwen2, and the full-attention
 layers of qwen3_next / qwen3_5).
 
-(1) keys = `k_proj` output; (2) = `k_norm` output (qwen3, qwen3_next; llama and qwen2 have no key
-norm, so (2) = (1)); (3) = RoPE((2)) at the token's position, `(B, n_kv, T, head_dim)`.
+raw keys = `k_proj` output; normed = `k_norm` output (qwen3, qwen3_next; llama and qwen2 have no key
+norm, so normed = raw); engine = RoPE(normed) at the token's position, `(B, n_kv, T, head_dim)`.
 Values are the raw `v_proj` output at every point.
 """
 

@@ -1,8 +1,8 @@
 """Sparse-attention indexer keys (deepseek_v32, glm_moe_dsa): small per-token keys that decide
 which tokens the MLA attention reads once the cache is longer than `index_topk`.
 
-(1) = `indexer.wk` output; (2) = `indexer.k_norm` (LayerNorm) output; (3) = RoPE over the first
-`qk_rope_head_dim` features of (2), `(B, 1, T, index_head_dim)`. The indexer's KVCache "values"
+raw = `indexer.wk` output; normed = `indexer.k_norm` (LayerNorm) output; engine = RoPE over the first
+`qk_rope_head_dim` features of normed, `(B, 1, T, index_head_dim)`. The indexer's KVCache "values"
 are dummies (zeros the shape of the keys), which mlx-lm also writes.
 """
 

@@ -4,11 +4,11 @@ Gated DeltaNet (qwen3_next, qwen3_5): `ArraysCache(2)` = [conv history `(B, K-1,
 state `S` `(B, Hv, Dv, Dk)` float32]. Kimi Delta Attention (kimi_linear): `ArraysCache(4)` =
 [q, k, v conv histories `(B, K-1, H*Dk)` each, `S`]. KDA's gate is per channel, GDN's per head.
 
-conv history: (1) = the raw projection rows entering the short convolution (pre-conv, pre-SiLU);
-(3) = the last K-1 of them (zeros in front when fewer tokens were read).
-recurrent state: (2) = the per-token inputs of `gated_delta_update` (q, k after conv, SiLU and
-`normalize_qk`; v after conv and SiLU; gate logits a; beta logits b); (3) = `S` after the last
-token, which `replay` rebuilds by running the model's own recurrence over (2).
+conv history: raw = the raw projection rows entering the short convolution (pre-conv, pre-SiLU);
+engine = the last K-1 of them (zeros in front when fewer tokens were read).
+recurrent state: normed = the per-token inputs of `gated_delta_update` (q, k after conv, SiLU and
+`normalize_qk`; v after conv and SiLU; gate logits a; beta logits b); engine = `S` after the last
+token, which `replay` rebuilds by running the model's own recurrence over normed.
 """
 
 from __future__ import annotations
@@ -69,7 +69,10 @@ class DeltaRuleLayer(LayerCache):
 
     def __init__(self, mixer, heads_k, heads_v, dk, dv, kernel, conv_widths, dtype):
         self.mixer_module = mixer
-        self.heads_k, self.heads_v, self.dk, self.dv = heads_k, heads_v, dk, dv
+        self.heads_k = heads_k
+        self.heads_v = heads_v
+        self.dk = dk
+        self.dv = dv
         self.kernel = kernel
         self.objects = tuple(
             fixed_object(name, ObjectKind.CONV_HISTORY, (1, kernel - 1, width), dtype,
@@ -155,18 +158,18 @@ class DeltaRuleLayer(LayerCache):
     # -- recurrence inputs from the rows entering the short convolution ---------------------
     def raw_rows(self, rows: dict[str, mx.array]) -> tuple[mx.array, mx.array]:
         """(k, v) rows entering the short convolution, each (B, T, heads x dim), from the conv
-        histories' rows at (1)."""
+        histories' rows at raw."""
         raise NotImplementedError
 
     def raw_inputs(self, rows: dict[str, mx.array], inputs: RecurrentInputs
                    ) -> RawRecurrentInputs:
-        """`inputs` (2) with k and v the conv histories' `rows` (1) before the convolution."""
+        """`inputs` normed with k and v the conv histories' `rows` raw before the convolution."""
         k, v = self.raw_rows(rows)
         return RawRecurrentInputs(inputs.q, k.reshape(inputs.k.shape), v.reshape(inputs.v.shape),
                                   inputs.a, inputs.b)
 
     def convolved(self, raw: RawRecurrentInputs, previous: dict) -> RecurrentInputs:
-        """The recurrence inputs (2) of `raw`: k and v through this layer's own short
+        """The recurrence inputs normed of `raw`: k and v through this layer's own short
         convolution and SiLU, after the `previous` conv histories (zeros without), k normalized
         as the module does."""
         raise NotImplementedError

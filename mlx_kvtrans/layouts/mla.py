@@ -1,10 +1,10 @@
 """Multi-head latent attention: the MLA latent and the rope key (deepseek_v3, kimi_vl, the MLA layers
 of kimi_linear and deepseek_v32 / glm_moe_dsa).
 
-`kv_a_proj_with_mqa` outputs `[latent | k_pe]` per token: that is (1) for both objects.
-latent: (2) = `kv_a_layernorm(latent)`; (3) = (2) as `(B, 1, T, kv_lora_rank)`, never rotated.
-rope key: no norm, so (2) = (1); (3) = RoPE(k_pe) `(B, 1, T, qk_rope_head_dim)`, interleaved,
-YaRN when configured. kimi_linear's MLA has no RoPE at all: its (3) rope key is the raw k_pe.
+`kv_a_proj_with_mqa` outputs `[latent | k_pe]` per token: that is raw for both objects.
+latent: normed = `kv_a_layernorm(latent)`; engine = normed as `(B, 1, T, kv_lora_rank)`, never rotated.
+rope key: no norm, so normed = raw; engine = RoPE(k_pe) `(B, 1, T, qk_rope_head_dim)`, interleaved,
+YaRN when configured. kimi_linear's MLA has no RoPE at all: its engine rope key is the raw k_pe.
 mlx-lm stores the latent as the KVCache "keys" and the rope key as its "values".
 """
 

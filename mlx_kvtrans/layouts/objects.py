@@ -1,8 +1,8 @@
 """What a cache object is: its kind, shape, rotation, capture points and cost.
 
-Capture points (hybrid-translation paper): (1) the raw projection output, pre-norm and un-rotated;
-(2) post-norm, pre-RoPE (for recurrent states: the per-token inputs of the recurrence);
-(3) the tensor the engine caches.
+Capture points (hybrid-translation paper; JSON and the command line keep its integers 1, 2, 3):
+raw, the projection output, pre-norm and un-rotated; normed, post-norm and pre-RoPE (for
+recurrent states: the per-token inputs of the recurrence); engine, the tensor the engine caches.
 """
 
 from __future__ import annotations
@@ -90,8 +90,8 @@ class Rotation:
 class CacheObject:
     """One cached object of one layer, for batch size 1.
 
-    `engine_shape` is the (3) tensor, with "T" on the token axis for per-token objects; at (1)
-    and (2) a per-token object is a `(B, T, token_dim)` array.
+    `engine_shape` is the engine tensor, with "T" on the token axis for per-token objects; at raw
+    and normed a per-token object is a `(B, T, token_dim)` array.
     """
 
     name: str  # its slot in the layer: keys, values, latent, rope_key, indexer_key, conv..., state
@@ -100,13 +100,13 @@ class CacheObject:
     dtype: str
     rotation: Rotation
     capture_points: tuple[int, ...]
-    token_dim: int = 0  # features per token at (1) and (2); 0 for fixed-size objects
+    token_dim: int = 0  # features per token at raw and normed; 0 for fixed-size objects
     bytes_per_token: int = 0
     fixed_bytes: int = 0
 
     def point_for(self, requested: int) -> int:
         """The capture point used when (`requested`) is asked for: the first one at or after it
-        (a recurrent state has no (1): asking for (1) gives its (2) inputs)."""
+        (a recurrent state has no raw: asking for raw gives its normed inputs)."""
         for point in sorted(self.capture_points):
             if point >= requested:
                 return point
@@ -137,7 +137,7 @@ def activation_dtype(linear: nn.Module) -> mx.Dtype:
 
 def per_token_object(name: str, kind: ObjectKind, engine_shape: tuple, dtype: mx.Dtype,
                      rotation: Rotation, capture_points=tuple(CapturePoint)) -> CacheObject:
-    """A per-token object whose (3) tensor is `engine_shape` with "T" on the token axis."""
+    """A per-token object whose engine tensor is `engine_shape` with "T" on the token axis."""
     token_dim = 1
     for size in engine_shape:
         if size != "T":

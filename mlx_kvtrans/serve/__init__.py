@@ -5,7 +5,7 @@ through translated caches.
   checkpoints for hybrids and least-recently-used eviction under one byte budget;
 - `config.py`: what is served, and loading the models and translators between them;
 - `engine.py`: the models and translators, and the one worker thread that runs every
-  request's compute (handoff through `Session.switch`, the prompt read in parts, decoding);
+  request's compute (switch through `Session.switch`, the prompt read in parts, decoding);
 - `batching.py`: the requests decoding on one model, stepped together; `compute.py`: the
   worker thread; `residency.py`: which models are loaded, under a memory budget;
   `records.py`: a request, the events of its answer and what happened to its history;
@@ -16,7 +16,7 @@ through translated caches.
 from .app import create_app, listen, run, server
 from .config import ServeConfig, parse_bytes
 from .engine import Engine
-from .records import Handoff
+from .records import RequestHistory
 
-__all__ = ["Engine", "Handoff", "ServeConfig", "create_app", "listen", "parse_bytes", "run",
+__all__ = ["Engine", "RequestHistory", "ServeConfig", "create_app", "listen", "parse_bytes", "run",
            "server"]

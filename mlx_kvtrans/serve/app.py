@@ -2,7 +2,7 @@
 
 Handlers render the prompt, validate, queue the compute on the engine's worker and await its
 events. A streaming response starts once the first token exists, so its headers already say
-how the history was handed over; a client that goes away stops its generation. Errors are
+how the history was switched; a client that goes away stops its generation. Errors are
 OpenAI error objects: 400 for bad input, 404 for an unknown model or route, 413 for a body over
 the limit, 500 for a fault inside a generation.
 """
@@ -165,10 +165,10 @@ async def _respond(engine: Engine, job: Generation, reply, stream: bool, include
         raise
     if isinstance(first, Failed):
         return _failure(first.error)
-    headers = first.handoff.headers()
+    headers = first.history.headers()
 
     def used(done: Finished) -> dict:
-        h = done.handoff
+        h = done.history
         return usage(done.prompt_tokens, done.completion_tokens,
                      h.tokens_reused + h.tokens_translated)
 
@@ -182,9 +182,9 @@ async def _respond(engine: Engine, job: Generation, reply, stream: bool, include
             raise
         if isinstance(event, Failed):
             return _failure(event.error)
-        report = event.handoff.fields()
+        report = event.history.fields()
         return JSONResponse(reply.full("".join(pieces), event.reason, used(event), report),
-                            headers=event.handoff.headers())
+                            headers=event.history.headers())
 
     async def chunks():
         try:
@@ -195,7 +195,7 @@ async def _respond(engine: Engine, job: Generation, reply, stream: bool, include
                 if isinstance(event, Text):
                     yield _sse(reply.chunk(event.text))
                 elif isinstance(event, Finished):
-                    report = event.handoff.fields()
+                    report = event.history.fields()
                     yield _sse(reply.chunk(finish=event.reason, kvtrans=report))
                     if include_usage:
                         yield _sse(reply.usage_chunk(used(event), report))

@@ -19,7 +19,7 @@ from typing import Callable
 
 import mlx.core as mx
 
-from .records import Generation, Handoff, Started, StopText, Text
+from .records import Generation, RequestHistory, Started, StopText, Text
 
 UNLIMITED = 1 << 30  # the batch never ends a request itself: `Decoding.feed` does
 
@@ -29,7 +29,7 @@ class Decoding:
     """One request decoding: what it emits, and how it ends."""
 
     job: Generation
-    handoff: Handoff
+    history: RequestHistory
     emit: Callable[[object], None]
     cancelled: threading.Event
     tokenizer: object
@@ -48,8 +48,8 @@ class Decoding:
         """Take the next token; True when the request has ended (`reason` says why)."""
         self.tokens.append(token)
         if len(self.tokens) == 1:
-            self.handoff.ttft_ms = (time.perf_counter() - self.job.arrived) * 1000
-            self.emit(Started(self.handoff))
+            self.history.ttft_seconds = time.perf_counter() - self.job.arrived
+            self.emit(Started(self.history))
         if token in self.eos:
             self.reason = "stop"
         else:

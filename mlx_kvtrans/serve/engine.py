@@ -4,7 +4,7 @@ conversation store, and one worker thread that runs every request's compute.
 MLX work stays on that one thread (one stream, no two forwards at once); the HTTP side only
 renders prompts and waits for events. A request's compute: take the entry holding the longest
 prefix of its prompt (`store`), hand it to the requested model when another model holds more
-(`Session.switch`, which runs `session.hand_over`: segment-wise translation, or a visible
+(`Session.switch`, which runs `session.receive_span`: segment-wise translation, or a visible
 re-read), read the rest of the prompt but its last token in parts (a hybrid takes checkpoints),
 put the entry back, then decode in the model's batch with every other request decoding on it
 (`batching`), streaming text events. Reading parts and decoding steps take turns on the worker.
@@ -33,7 +33,7 @@ from .lockstep import Lockstep
 from .metrics import Metrics
 from .residency import Residency
 from .protocol import RequestError
-from .records import Failed, Finished, Generation, Handoff, HandoffStatus
+from .records import Failed, Finished, Generation, RequestHistory, HistoryStatus
 from .store import ConversationStore, Entry, Match, trimmable
 
 
@@ -269,17 +269,17 @@ class Engine:
             return
         # held from here, so that every way out (`_advance` on a failure) releases its own hold
         self.residency.hold(job.model)
-        handoff = Handoff(queue_ms=(time.perf_counter() - job.arrived) * 1000)
+        history = RequestHistory(queue_seconds=time.perf_counter() - job.arrived)
         match = self.store.checkout(job.model, job.prompt, job.conversation)
         entry = match.entry
-        handoff.conversation = entry.conversation or entry.id
-        handoff.load_ms = self.residency.ensure(job.model, match.holder) * 1000
+        history.conversation = entry.conversation or entry.id
+        history.load_seconds = self.residency.ensure(job.model, match.holder)
         if cancelled.is_set():  # given up while its model loaded (a 503): nothing changed
             self.store.checkin(entry, set())
             self.residency.release(job.model)
             return
-        self._hand_off(match, job.model, handoff)
-        handoff.tokens_new = len(job.prompt) - match.position
+        self._take_history(match, job.model, history)
+        history.tokens_new = len(job.prompt) - match.position
         yield from self._read_prompt(entry, job, cancelled)
         line = entry.session.lines[job.model]
         if line.cache is None:  # a one-token prompt: nothing read yet
@@ -292,7 +292,7 @@ class Engine:
             self.residency.release(job.model)
             return
         tok = self.models[job.model].tokenizer
-        decoding = Decoding(job, handoff, emit, cancelled, tok, self._tokenizer_locks[job.model],
+        decoding = Decoding(job, history, emit, cancelled, tok, self._tokenizer_locks[job.model],
                             entry)
         self.batches.join(line.lm.model, job.model, line.cache, job.prompt[-1], decoding)
         if not self._stepping:
@@ -320,7 +320,7 @@ class Engine:
         job = decoding.job
         self.residency.release(job.model)
         finished = Finished(decoding.reason, len(job.prompt), len(decoding.tokens),
-                            decoding.handoff, decoding.entry)
+                            decoding.history, decoding.entry)
         self.metrics.count_generation(job.model, finished)
         decoding.entry.reply = (job.model, len(job.prompt), decoding.tokens)
         if len(self.batches) or self.queue_depth:
@@ -353,22 +353,21 @@ class Engine:
         if self.config.translate and self.config.translate_ahead:
             self._worker.submit_idle(self._translate_ahead, entry, job)
 
-    def _hand_off(self, match: Match, model: str, handoff: Handoff) -> None:
+    def _take_history(self, match: Match, model: str, history: RequestHistory) -> None:
         """Make `model` the active model of the entry, holding `match.position` tokens."""
         session = match.entry.session
-        # what was given to this model's line ahead, between turns, came from the hand-over
-        handoff.tokens_reused = max(0, match.own - session.given_ahead(model))
+        # what was given to this model's line ahead, between turns, came from the switch
+        history.tokens_reused = max(0, match.own - session.given_ahead(model))
         if match.holder == model or match.position <= match.own:
             came_from = session.active
             session.activate(model)
-            # a conversation translated to this model ahead, between turns: its hand-over
+            # a conversation translated to this model ahead, between turns: its switch
             ahead = session.joined(model) if came_from != model and match.own else None
             if ahead is None:
                 session.forget_ahead(model)
-                handoff.status = HandoffStatus.REUSED if match.own else HandoffStatus.NONE
+                history.status = HistoryStatus.REUSED if match.own else HistoryStatus.NONE
                 return
             status = ahead
-            handoff.source_model = came_from
         else:
             session.activate(match.holder)
             try:
@@ -376,26 +375,14 @@ class Engine:
             except Exception as e:  # the translator itself failed: re-read instead, visibly
                 status = self._reread(match.entry, model, f"translation failed: "
                                                           f"{type(e).__name__}: {e}")
-            handoff.source_model = match.holder
-        if status.status == Outcome.FALLBACK_REPREFILL and not self.config.translate:
+        if status.status == Outcome.FALLBACK and not self.config.translate:
             status.reason = "translation is off (--no-translate)"
-        handoff.status, handoff.reason = HandoffStatus(status.status), status.reason
-        handoff.tokens_translated_ahead = status.tokens_translated_ahead
-        handoff.ahead_ms = status.ahead_seconds * 1000
-        handoff.tokens_translated = status.tokens_translated
-        # the first tokens (the sink) and the last (the gate's), read by the model itself
-        handoff.tokens_reread = status.tokens_reprefilled + status.tokens_read + status.tokens_sink
-        handoff.translate_ms = status.translate_seconds * 1000
-        handoff.gate, handoff.gate_gap = status.gate, status.gate_gap
-        handoff.gate_threshold = status.gate_threshold
-        if status.status == Outcome.APPLIED:  # a re-read span has no dial setting
-            handoff.reread, handoff.expected_agreement = (status.reread,
-                                                          status.expected_agreement)
+        history.status, history.switch = HistoryStatus(status.status), status
 
     def _translate_ahead(self, entry: Entry, job: Generation) -> None:
         """Idle time after `job`'s reply: hand its conversation to the models it may go to next
         (the one the request named, else every other model of its group a translator
-        reaches), so that the switch finds the translation made. A hand-over that falls back
+        reaches), so that the switch finds the translation made. A switch that falls back
         (the gate fired, the translator failed) is re-read in parts (`_read_ahead`). Stops for
         any request that comes; the lines it fills are the store's first to go."""
         session = entry.session
@@ -411,14 +398,14 @@ class Engine:
                 if self.queue_depth:  # a request waits: it goes first
                     break
                 try:
-                    status = session.prepare(target, read_fallback=False)
+                    status = session.translate_ahead(target, read_fallback=False)
                 except Exception as e:  # as a failed switch: re-read (ahead), and say why
                     logging.getLogger(__name__).exception("translating ahead failed")
                     entry.drop(target)  # the failed switch may have written part of it
-                    status = SwitchStatus(session.active, target, Outcome.FALLBACK_REPREFILL,
+                    status = SwitchStatus(session.active, target, Outcome.FALLBACK,
                                           f"translation failed: {type(e).__name__}: {e}")
                     session.refuse(target, status, 0)
-                if status.status == Outcome.FALLBACK_REPREFILL:
+                if status.status == Outcome.FALLBACK:
                     self._worker.submit_idle(self._read_ahead, entry, target,
                                              (session.active, len(session.tokens)))
                 elif not self.trimmable[target]:
@@ -466,8 +453,8 @@ class Engine:
         entry.drop(model)  # the failed switch may have written part of it
         session.activate(model)
         session.refresh(model)
-        return SwitchStatus(source, model, Outcome.FALLBACK_REPREFILL, reason,
-                            tokens_reprefilled=len(session.tokens),
+        return SwitchStatus(source, model, Outcome.FALLBACK, reason,
+                            tokens_fallback=len(session.tokens),
                             translate_seconds=time.perf_counter() - started)
 
     def _read_prompt(self, entry: Entry, job: Generation, cancelled: threading.Event):

@@ -13,8 +13,8 @@ BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 HELP = {
     "kvtrans_requests_total": ("counter", "HTTP requests by path and status code."),
-    "kvtrans_handoffs_total": ("counter", "Generations by model and handoff status (applied, "
-                                          "fallback_reprefill, reused, none)."),
+    "kvtrans_histories_total": ("counter", "Generations by model and what became of their "
+                                           "history (applied, fallback, reused, none)."),
     "kvtrans_tokens_total": ("counter", "Tokens by model and what happened to them: reused "
                                         "(own cache), translated, reread (by the target: the "
                                         "gate's tail after every applied switch, the whole "
@@ -82,19 +82,19 @@ class Metrics:
             slot[-1] += 1
 
     def count_generation(self, model: str, done) -> None:
-        """A finished generation (`records.Finished`): its handoff, tokens and first token."""
-        h = done.handoff
-        self.inc("kvtrans_handoffs_total", model=model, status=h.status)
+        """A finished generation (`records.Finished`): its switch, tokens and first token."""
+        h = done.history
+        self.inc("kvtrans_histories_total", model=model, status=h.status)
         self.inc("kvtrans_generations_total", model=model, finish=done.reason)
         for kind, n in (("reused", h.tokens_reused), ("translated", h.tokens_translated),
                         ("reread", h.tokens_reread), ("new", h.tokens_new),
                         ("generated", done.completion_tokens)):
             self.inc("kvtrans_tokens_total", n, model=model, kind=kind)
-        self.observe("kvtrans_time_to_first_token_seconds", h.ttft_ms / 1000, model=model)
-        if h.source_model:
-            self.observe("kvtrans_switch_seconds", h.translate_ms / 1000, status=h.status)
-        if h.gate:
-            self.inc("kvtrans_gate_total", model=model, verdict=h.gate)
+        self.observe("kvtrans_time_to_first_token_seconds", h.ttft_seconds, model=model)
+        if h.switch:
+            self.observe("kvtrans_switch_seconds", h.switch.translate_seconds, status=h.status)
+            if h.switch.gate:
+                self.inc("kvtrans_gate_total", model=model, verdict=h.switch.gate)
 
     def value(self, name: str, **labels) -> float:
         with self._lock:

@@ -21,8 +21,11 @@ class RequestError(Exception):
     def __init__(self, message: str, status: int = 400, param: str | None = None,
                  code: str | None = None, kind: str = "invalid_request_error"):
         super().__init__(message)
-        self.message, self.status, self.param, self.code, self.kind = \
-            message, status, param, code, kind
+        self.message = message
+        self.status = status
+        self.param = param
+        self.code = code
+        self.kind = kind
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
@@ -167,7 +170,9 @@ class _Reply:
 
 
 class ChatReply(_Reply):
-    object_full, object_chunk, prefix = "chat.completion", "chat.completion.chunk", "chatcmpl"
+    object_full = "chat.completion"
+    object_chunk = "chat.completion.chunk"
+    prefix = "chatcmpl"
 
     def full(self, text: str, finish: str, used: dict, report: dict) -> dict:
         choice = {"index": 0, "message": {"role": "assistant", "content": text},

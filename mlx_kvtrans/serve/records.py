@@ -1,84 +1,84 @@
 """What the server's compute thread and its HTTP side tell each other: a validated request
 (`Generation`), the events of its answer (`Started`, `Text`, `Finished`, `Failed`), what happened to
-its history (`Handoff`), and OpenAI's `stop` sequences (`StopText`)."""
+its history (`Switch`), and OpenAI's `stop` sequences (`StopText`)."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
 
-from ..session import Outcome
-from ..session.status import Verdict, Word
+from ..session import Outcome, SwitchStatus
+from ..session.status import Word
 from .protocol import RequestError
 from .store import Entry
 
 
 # -- what a response reports ------------------------------------------------------------------
-class HandoffStatus(Word):
+class HistoryStatus(Word):
     """What happened to a request's history."""
 
     APPLIED = Outcome.APPLIED.value  # another model's cache, translated
-    FALLBACK_REPREFILL = Outcome.FALLBACK_REPREFILL.value  # another model's, re-read: see reason
+    FALLBACK = Outcome.FALLBACK.value  # another model's, re-read: see the switch's reason
     REUSED = "reused"  # this model's own cache
     NONE = "none"  # nothing cached
 
 
 @dataclass
-class Handoff:
-    """What happened to a request's history (`HandoffStatus`), and what it cost."""
+class RequestHistory:
+    """What happened to a request's history, and what it cost: where another model held it, the
+    session's record of the switch (`switch`, the one record a session, the chat and the server
+    write); the request's own tokens and times beside it. Times in seconds."""
 
-    status: HandoffStatus = HandoffStatus.NONE
-    reason: str = ""
-    source_model: str | None = None
+    status: HistoryStatus = HistoryStatus.NONE
+    switch: SwitchStatus | None = None
     tokens_reused: int = 0
-    tokens_translated: int = 0
-    tokens_reread: int = 0
     tokens_new: int = 0  # prompt tokens no cache held
-    tokens_translated_ahead: int = 0  # translated between turns, before this request
-    translate_ms: float = 0.0  # the switch: translation and gate, or the fallback's re-read
-    ahead_ms: float = 0.0  # what translating ahead took, between turns
-    load_ms: float = 0.0  # loading the weights of a model that was not resident
-    gate: Verdict = Verdict.NONE  # the fidelity gate's verdict
-    gate_gap: float | None = None  # nats/token over the tail the target read itself
-    gate_threshold: float | None = None
-    reread: int = 0  # the fidelity dial's R (session/dial.py) and what its frontier expects
-    expected_agreement: float | None = None
-    queue_ms: float = 0.0
-    ttft_ms: float = 0.0  # from the request's arrival to its first token
+    queue_seconds: float = 0.0
+    load_seconds: float = 0.0  # loading the weights of a model that was not resident
+    ttft_seconds: float = 0.0  # from the request's arrival to its first token
     conversation: str = ""
 
     def __post_init__(self):
-        self.status, self.gate = HandoffStatus(self.status), Verdict(self.gate)  # words, too
+        self.status = HistoryStatus(self.status)  # a word, too
+
+    @property
+    def tokens_translated(self) -> int:
+        return self.switch.tokens_translated if self.switch else 0
+
+    @property
+    def tokens_reread(self) -> int:
+        return self.switch.tokens_reread if self.switch else 0
 
     def fields(self) -> dict:
-        out = asdict(self)
-        for key in ("translate_ms", "ahead_ms", "load_ms", "queue_ms", "ttft_ms"):
-            out[key] = round(out[key], 3)
-        return out
+        out = {k: v for k, v in asdict(self).items() if k != "switch"}
+        for key in ("queue_seconds", "load_seconds", "ttft_seconds"):
+            out[key] = round(out[key], 6)
+        return {**out, "switch": self.switch.to_json() if self.switch else None}
 
     def headers(self) -> dict[str, str]:
-        out = {"x-kvtrans-handoff": self.status.value,
+        s = self.switch or SwitchStatus("", "")
+        out = {"x-kvtrans-history": self.status.value,
                "x-kvtrans-tokens-reused": str(self.tokens_reused),
-               "x-kvtrans-tokens-translated": str(self.tokens_translated),
-               "x-kvtrans-tokens-reread": str(self.tokens_reread),
+               "x-kvtrans-tokens-translated": str(s.tokens_translated),
+               "x-kvtrans-tokens-reread": str(s.tokens_reread),
                "x-kvtrans-tokens-new": str(self.tokens_new),
-               "x-kvtrans-tokens-translated-ahead": str(self.tokens_translated_ahead),
-               "x-kvtrans-translate-ms": f"{self.translate_ms:.3f}",
-               "x-kvtrans-ttft-ms": f"{self.ttft_ms:.3f}",
-               "x-kvtrans-load-ms": f"{self.load_ms:.3f}",
+               "x-kvtrans-tokens-translated-ahead": str(s.tokens_translated_ahead),
+               "x-kvtrans-translate-seconds": f"{s.translate_seconds:.6f}",
+               "x-kvtrans-ttft-seconds": f"{self.ttft_seconds:.6f}",
+               "x-kvtrans-load-seconds": f"{self.load_seconds:.6f}",
                "x-kvtrans-conversation": self.conversation}
-        if self.source_model:
-            out["x-kvtrans-source-model"] = self.source_model
-        if self.status == HandoffStatus.APPLIED:
-            out["x-kvtrans-reread"] = str(self.reread)
-        if self.expected_agreement is not None:
-            out["x-kvtrans-expected-agreement"] = f"{self.expected_agreement:.3f}"
-        if self.gate:
-            out["x-kvtrans-gate"] = self.gate.value
-        if self.gate_gap is not None:
-            out["x-kvtrans-gate-gap"] = f"{self.gate_gap:.4f}"
-        if self.reason:  # header values are one line of latin-1
-            out["x-kvtrans-reason"] = " ".join(self.reason.split()).encode(
+        if self.switch:
+            out["x-kvtrans-source-model"] = s.source
+        if self.status == HistoryStatus.APPLIED:
+            out["x-kvtrans-reread"] = str(s.reread)
+            if s.expected_agreement is not None:
+                out["x-kvtrans-expected-agreement"] = f"{s.expected_agreement:.3f}"
+        if s.gate:
+            out["x-kvtrans-gate"] = s.gate.value
+        if s.gate_gap is not None:
+            out["x-kvtrans-gate-gap"] = f"{s.gate_gap:.4f}"
+        if s.reason:  # header values are one line of latin-1
+            out["x-kvtrans-reason"] = " ".join(s.reason.split()).encode(
                 "latin-1", "replace").decode("latin-1")
         return out
 
@@ -86,7 +86,7 @@ class Handoff:
 # -- events the worker sends the HTTP side ----------------------------------------------------
 @dataclass
 class Started:
-    handoff: Handoff  # known once the first token is out
+    history: RequestHistory  # known once the first token is out
 
 
 @dataclass
@@ -99,7 +99,7 @@ class Finished:
     reason: str  # stop, length, cancelled
     prompt_tokens: int
     completion_tokens: int
-    handoff: Handoff
+    history: RequestHistory
     entry: Entry | None = field(default=None, repr=False)  # the conversation, back in the store
 
 
@@ -171,7 +171,9 @@ class StopText:
         self.pending += piece
         hits = [i for s in self.stops if (i := self.pending.find(s)) >= 0]
         if hits:
-            out, self.pending, self.stopped = self.pending[:min(hits)], "", True
+            out = self.pending[:min(hits)]
+            self.pending = ""
+            self.stopped = True
             return out
         held = 0 if final else max((k for s in self.stops for k in range(1, len(s))
                                     if self.pending.endswith(s[:k])), default=0)

@@ -4,7 +4,7 @@ A 48B and a 16B model together are most of a Mac's memory, and a server may list
 than fit. Each served model keeps its module, tokenizer and config for the server's life; only
 its weights come and go. The models are loaded lazily: at start, those that fit the budget in
 the order given read their weights, the others none. A request loads what it needs (the model
-it asks for, and the one its conversation is handed over from), unloading the least recently
+it asks for, and the one its conversation is switched from), unloading the least recently
 used others until the weights fit the budget; a model unused for `idle_unload` seconds is
 unloaded too. Weights go by
 replacing every parameter with an empty array in place (the module objects, which cache

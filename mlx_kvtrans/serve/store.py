@@ -204,7 +204,9 @@ class ConversationStore:
 
     def __init__(self, new_session: Callable[[str], Session], group_of: dict[str, str],
                  budget_bytes: int, shared_sizes: Callable[[list[int]], list[float]] | None = None):
-        self.new_session, self.group_of, self.budget_bytes = new_session, group_of, budget_bytes
+        self.new_session = new_session
+        self.group_of = group_of
+        self.budget_bytes = budget_bytes
         # sharded in step: each line's bytes averaged over the processes, so that every
         # process evicts the same lines (a pipeline's processes hold different layers)
         self.shared_sizes = shared_sizes

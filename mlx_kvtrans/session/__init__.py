@@ -1,4 +1,4 @@
-"""Handoff sessions: one conversation, several models, one cache line per model.
+"""Switch sessions: one conversation, several models, one cache line per model.
 
 The active model reads and writes the conversation; while it does, the per-token objects it
 caches are recorded, so that on a switch the target receives only the spans it has not seen,
@@ -7,7 +7,7 @@ that the chat, the benchmark, the server and the tests all read.
 
 - `line.py`: `CacheLine`, one model's cache and what it recorded, and recorded-span arithmetic;
 - `decode.py`: reading and decoding through mlx-lm, recording as the model goes;
-- `handover.py`: `hand_over`, the switch (translation, the fidelity gate, visible fallbacks);
+- `switching.py`: `receive_span`, the switch (translation, the fidelity gate, visible fallbacks);
 - `status.py`: `SwitchStatus` and its str-valued enums;
 - `conversation.py`: `Session`, which holds the conversation and decides what is recorded
   (across tokenizers, as each tokenizer reads it: `alignment.Views`).
@@ -15,9 +15,9 @@ that the chat, the benchmark, the server and the tests all read.
 
 from .conversation import STRATEGIES, Session
 from .decode import RECORD_POINTS
-from .handover import hand_over
+from .switching import receive_span
 from .line import CacheLine
 from .status import Outcome, SwitchStatus, Verdict
 
 __all__ = ["RECORD_POINTS", "STRATEGIES", "CacheLine", "Outcome", "Session", "SwitchStatus",
-           "Verdict", "hand_over"]
+           "Verdict", "receive_span"]

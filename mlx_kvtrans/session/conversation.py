@@ -5,7 +5,7 @@ between them, and decides what each model records while it reads: only what its 
 translators read (`Translator.reads`); a model with no translator from it records nothing.
 Under `segment` and `refresh` a recorded span is dropped once every model this one has a
 translator to has read it; `naive` keeps everything. Reading and decoding live in `decode`, the
-switch in `handover`.
+switch in `switch`.
 """
 
 from __future__ import annotations
@@ -14,15 +14,14 @@ import weakref
 from dataclasses import replace
 from typing import Iterator
 
-from ..translators import gate
-from ..capture import Capture
 from ..layouts import CapturePoint
 from ..models import vocabulary_rows
-from . import decode, dial
-from .handover import hand_over
-from .line import CacheLine, capture_bytes, fixed_slots
-from .status import Outcome, SwitchStatus
+from ..translators import gate
 from ..translators.alignment import Views, tokenizer_groups
+from . import decode, dial
+from .line import CacheLine, Recording
+from .status import Outcome, SwitchStatus
+from .switching import Conversation, Settings, receive_span
 
 STRATEGIES = ("segment", "naive", "refresh")
 
@@ -38,7 +37,7 @@ class Session:
     target reads itself at every switch (at least r), or `fidelity`, a held-out agreement
     each switch meets with the cheapest setting its translator's frontier measured; neither:
     each translator's default setting. `sink`: the conversation's first tokens, which a target
-    that receives it from its start reads itself (`handover`); None: what each translator's fit
+    that receives it from its start reads itself (`switch`); None: what each translator's fit
     measured of its target (`attention_weights.attention_sink`: 4 for a pretrained model, 0
     for the zoo's). `groups`: model -> its tokenizer group (`views.tokenizer_groups`), when the
     caller has it (comparing vocabularies costs time at a real vocabulary's size).
@@ -83,14 +82,20 @@ class Session:
             raise ValueError("recompute must be 0 or more")
         self.recompute = recompute
         self.gate_tokens, self.sink = gate_tokens, sink
-        self.reread, self.fidelity, self.escalate = reread, fidelity, escalate
+        self.reread = reread
+        self.fidelity = fidelity
+        self.escalate = escalate
         self.switches: list[SwitchStatus] = []
-        self.prepared: dict[str, SwitchStatus] = {}  # target -> its hand-over made ahead
-        self.prepared_from: dict[str, int] = {}  # target -> where that hand-over began
-        # target -> (status, began) of a hand-over made ahead that fell back and is being
+        self.ahead: dict[str, SwitchStatus] = {}  # target -> its switch made ahead
+        self.ahead_from: dict[str, int] = {}  # target -> where that switch began
+        # target -> (status, began) of a switch made ahead that fell back and is being
         # re-read in the caller's time: the switch re-reads on instead of translating again
         self.refused: dict[str, tuple[SwitchStatus, int]] = {}
         self._turn = None  # weak reference to a generation not yet finished
+        for name, line in self.lines.items():  # what each keeps, for the translators from it
+            line.recording = Recording(frozenset(self.selection(name)),
+                                       tuple(self.switch_marks(name)), self.keeps_states(name),
+                                       gate_tokens)
 
     # -- the conversation's tokens ------------------------------------------------------------
     @property
@@ -98,28 +103,34 @@ class Session:
         """The conversation as the active model reads it (the list it appends to)."""
         return self.view(self.active)
 
+    @property
+    def settings(self) -> Settings:
+        """How this session switches, as values (`switching.Settings`)."""
+        return Settings(self.strategy, self.refresh_every, self.max_context, self.gate_tokens,
+                        self.reread, self.fidelity, self.escalate, self.recompute, self.sink)
+
+    @property
+    def conversation(self) -> Conversation:
+        """What a switch reads of this session (`switching.Conversation`)."""
+        return Conversation(self.views, self.groups, self.settings)
+
     def view(self, name: str) -> list[int]:
         """The conversation as model `name` reads it: its tokenizer's tokens."""
-        self.views.sync()
-        return self.views.tokens[self.groups[name]]
+        return self.conversation.view(name)
 
     def sink_for(self, translator) -> int:
         """The first tokens a target handed the conversation from its start reads itself: the
         session's `sink`, else what the translator's fit measured of its target."""
-        from ..translators.translator import measured_sink
-
-        return measured_sink(translator) if self.sink is None else self.sink
+        return self.settings.sink_for(translator)
 
     def across(self, source: str, target: str) -> bool:
         """Whether `source` and `target` read different tokens of the conversation."""
-        return self.groups[source] != self.groups[target]
+        return self.conversation.across(source, target)
 
     def mapped(self, source: str, position: int, target: str) -> int:
         """`target`'s tokens of what `source`'s first `position` tokens cover (`Views.mapped`;
         `position` itself when they share a tokenizer)."""
-        if not self.across(source, target):
-            return position
-        return self.views.mapped(self.groups[source], position, self.groups[target])
+        return self.conversation.mapped(source, position, target)
 
     def common(self, name: str, position: int) -> int:
         """The most of `name`'s first `position` tokens that every model's tokens end with
@@ -143,7 +154,7 @@ class Session:
         return set().union(*(self.translators[(name, t)].reads(layout)
                              for t in self.receivers(name)))
 
-    def handoff_marks(self, name: str) -> list[int]:
+    def switch_marks(self, name: str) -> list[int]:
         """How many tokens before a span's end a translation from `name` may stop (largest
         first): r and each R its translators may switch with (`dial`)."""
         marks = {self.gate_tokens}
@@ -164,7 +175,7 @@ class Session:
     def keeps_states(self, name: str) -> bool:
         """Whether `name` keeps snapshots of its fixed-size caches: a translator from it reads
         its state, which it needs where the translation stops, a few tokens back."""
-        return bool(self.handoff_marks(name)) and any(
+        return bool(self.switch_marks(name)) and any(
             CapturePoint.ENGINE in self.translators[(name, t)].source_points()
             for t in self.receivers(name))
 
@@ -173,48 +184,6 @@ class Session:
         """Final-norm rows a line keeps: a translation that stops at a state snapshot leaves up
         to 2r tokens to the target."""
         return 2 * self.gate_tokens
-
-    def keep(self, line: CacheLine, start: int, part: Capture, own: bool) -> None:
-        """Hold `part` (conversation tokens from `start`) as recorded by `line` (`own`: the
-        line's model computed it, rather than a translator)."""
-        if not self.selection(line.name):
-            line.recorded = []  # records nothing, holds nothing
-            return
-        if line.recorded and start != line.recorded_from + line.recorded_tokens:
-            line.recorded = []  # spans are contiguous: a gap starts a new run
-        if not line.recorded:
-            line.recorded_from = start
-        line.recorded.append(part)
-        if own:
-            line.own_recorded[0] += capture_bytes(part)
-            line.own_recorded[1] += part.length
-
-    def keep_tail(self, line: CacheLine, rows, end: int, generated: range | None = None):
-        """Hold the final-norm `rows` of the tokens `line` read up to `end` (`generated`: the
-        positions of tokens it sampled)."""
-        tail = gate.tail_of(rows, end, generated)
-        if tail is not None:
-            line.tail = tail if line.tail is None else line.tail.then(tail, self.tail_rows)
-
-    def snapshot(self, line: CacheLine) -> None:
-        """Keep `line`'s fixed-size state where it stands, and of the older snapshots only those
-        a translation could still stop at: the last one at least the largest mark back and the
-        later ones, thinned so that a snapshot of age a lies within the smallest mark m >= a / 2
-        of the next one kept (a switch with mark m stops between 2m and m tokens back)."""
-        if not self.keeps_states(line.name) or line.cache is None:
-            return
-        line.states[line.seen] = fixed_slots(line.cache)
-        marks = sorted(self.handoff_marks(line.name))
-        back = [p for p in line.states if p <= line.seen - marks[-1]]
-        floor = max(back, default=0)
-        newest_first = sorted((p for p in line.states if floor <= p <= line.seen), reverse=True)
-        kept = [newest_first[0]]
-        for p, older in zip(newest_first[1:], newest_first[2:] + [None]):
-            age = line.seen - p
-            spacing = next((m for m in marks if 2 * m >= age), marks[-1])
-            if age < 2 * marks[0] or older is None or kept[-1] - older > spacing:
-                kept.append(p)  # near the end, the floor, or a gap it alone bridges
-        line.states = {p: line.states[p] for p in kept}
 
     def _drop_received(self) -> None:
         """Segment-wise transfer sends a span once: when every model a line has a translator to
@@ -239,7 +208,7 @@ class Session:
     def read(self, line: CacheLine, upto: int, whole: bool = False,
              split_at: int | None = None, generated: range | None = None):
         """Let `line`'s model read conversation tokens [seen, upto) (see `decode.read`)."""
-        return decode.read(self, line, upto, whole, split_at, generated)
+        return decode.read(line, self.view(line.name), upto, whole, split_at, generated)
 
     def _finish_turn(self) -> None:
         """End a generation whose iterator is still open (as closing it would)."""
@@ -286,15 +255,16 @@ class Session:
         line = self.lines[self.active]
         if len(self.view(line.name)) <= line.seen and line.next_logits is None:
             raise ValueError("nothing new to respond to: add tokens first")
-        turn = decode.decode(self, line, max_tokens, temperature, set(stop or ()), top_p)
+        turn = decode.decode(line, self.view(line.name), max_tokens, temperature,
+                             set(stop or ()), top_p)
         self._turn = weakref.ref(turn)
         return turn
 
-    def prepare(self, target: str, read_fallback: bool = True) -> SwitchStatus:
+    def translate_ahead(self, target: str, read_fallback: bool = True) -> SwitchStatus:
         """Translate ahead: give `target` what the active model has read, as a switch would
         (translated, judged by the gate, or re-read), without making it active; for the idle
         time between turns, when the next model is known or likely. A later `switch(target)`
-        gives only what came since. `read_fallback=False`: a hand-over that falls back reads
+        gives only what came since. `read_fallback=False`: a switch that falls back reads
         nothing and is not kept; the caller may read the target's line on (`read`) in its own
         time and keep the status then (`keep_ahead`)."""
         if target not in self.lines:
@@ -302,95 +272,103 @@ class Session:
         self._finish_turn()
         # the source's recorded spans stay until a switch: a line filled ahead may be evicted
         began = self.lines[target].seen
-        status = hand_over(self, self.active, target, read_fallback=read_fallback)
-        if read_fallback or status.status != Outcome.FALLBACK_REPREFILL:
+        status = self._receive(target, read_fallback=read_fallback)
+        if read_fallback or status.status != Outcome.FALLBACK:
             self.keep_ahead(target, status, began)
         else:
             self.refuse(target, status, began)
         return status
 
     def refuse(self, target: str, status: SwitchStatus, began: int) -> None:
-        """Hold `status`, a hand-over to `target` made ahead from `began` tokens that fell back
+        """Hold `status`, a switch to `target` made ahead from `began` tokens that fell back
         and that the caller re-reads in its own time (`read`, then `keep_reread`); a switch
         before that is done re-reads the rest instead of translating again."""
         # a full fallback may have reset the line below where it began
         self.refused[target] = (status, min(began, self.lines[target].seen))
 
     def keep_reread(self, target: str) -> None:
-        """Keep what the caller re-read of `target`'s refused hand-over (its line from where
-        that began, less the sink it read) as the hand-over made ahead (`keep_ahead`)."""
+        """Keep what the caller re-read of `target`'s refused switch (its line from where
+        that began, less the sink it read) as the switch made ahead (`keep_ahead`)."""
         status, began = self.refused.pop(target)
-        status.tokens_reprefilled = self.lines[target].seen - began - status.tokens_sink
+        status.tokens_fallback = self.lines[target].seen - began - status.tokens_sink
         self.keep_ahead(target, status, began)
 
     def keep_ahead(self, target: str, status: SwitchStatus, began: int) -> None:
-        """Keep `status`, a hand-over to `target` made ahead from `began` tokens, for the
+        """Keep `status`, a switch to `target` made ahead from `began` tokens, for the
         switch to report (`joined`)."""
         self.refused.pop(target, None)
-        if status.tokens_translated or status.tokens_reprefilled or status.tokens_read:
-            earlier = self.prepared.get(target)
-            if earlier is not None:  # ahead twice: one hand-over, made in two parts
+        if status.tokens_translated or status.tokens_fallback or status.tokens_tail:
+            earlier = self.ahead.get(target)
+            if earlier is not None:  # ahead twice: one switch, made in two parts
                 status.tokens_translated += earlier.tokens_translated
-                status.tokens_read += earlier.tokens_read
+                status.tokens_tail += earlier.tokens_tail
                 status.tokens_sink += earlier.tokens_sink
-                status.tokens_reprefilled += earlier.tokens_reprefilled
+                status.tokens_fallback += earlier.tokens_fallback
                 status.translate_seconds += earlier.translate_seconds
             else:
-                self.prepared_from[target] = began
-            self.prepared[target] = status
+                self.ahead_from[target] = began
+            self.ahead[target] = status
 
     def forget_ahead(self, target: str, translated: bool = True) -> None:
         """What was handed to `target` ahead no longer holds (its line was cut, reset or moved
-        past it): the re-read being made ahead is dropped, and with `translated` the hand-over
+        past it): the re-read being made ahead is dropped, and with `translated` the switch
         made ahead too."""
         if translated:
-            self.prepared.pop(target, None)
+            self.ahead.pop(target, None)
         self.refused.pop(target, None)
 
     def forgets_ahead_at(self, target: str, keep: int) -> bool:
-        """Whether cutting `target`'s line to `keep` tokens cuts into its hand-over made
+        """Whether cutting `target`'s line to `keep` tokens cuts into its switch made
         ahead."""
-        return keep <= self.prepared_from.get(target, 0)
+        return keep <= self.ahead_from.get(target, 0)
 
     def handed_ahead(self, target: str) -> bool:
-        """Whether `target`'s line holds a hand-over made ahead, not yet switched to."""
-        return target in self.prepared
+        """Whether `target`'s line holds a switch made ahead, not yet switched to."""
+        return target in self.ahead
 
     def re_reading_ahead(self, target: str) -> SwitchStatus | None:
-        """The refused hand-over to `target` whose re-read the caller is making ahead."""
+        """The refused switch to `target` whose re-read the caller is making ahead."""
         return self.refused[target][0] if target in self.refused else None
 
     def activate(self, name: str) -> None:
-        """Make `name` the model that reads and answers next, as it stands (no hand-over)."""
+        """Make `name` the model that reads and answers next, as it stands (no switch)."""
         if name not in self.lines:
             raise ValueError(f"unknown model {name!r}")
         self.active = name
 
     def adopt_ahead(self, other: "Session", target: str) -> None:
-        """Take `other`'s hand-overs to `target` made ahead, as a copy of its lines does (the
+        """Take `other`'s switches to `target` made ahead, as a copy of its lines does (the
         re-read's status copied: each copy counts its own)."""
         from dataclasses import replace
 
-        if target in other.prepared:
-            self.prepared[target] = other.prepared[target]
-            self.prepared_from[target] = other.prepared_from.get(target, 0)
+        if target in other.ahead:
+            self.ahead[target] = other.ahead[target]
+            self.ahead_from[target] = other.ahead_from.get(target, 0)
         if target in other.refused:
             status, began = other.refused[target]
             self.refused[target] = (replace(status), began)
 
     def given_ahead(self, target: str) -> int:
-        """Tokens of `target`'s line that hand-overs made ahead gave it (translated, read or
-        re-read): what a switch reports as handed over, not as the line's own."""
-        if target in self.prepared:
-            s = self.prepared[target]
-            return s.tokens_translated + s.tokens_read + s.tokens_reprefilled + s.tokens_sink
+        """Tokens of `target`'s line that switches made ahead gave it (translated, read or
+        re-read): what a switch reports as switched, not as the line's own."""
+        if target in self.ahead:
+            s = self.ahead[target]
+            return s.tokens_translated + s.tokens_tail + s.tokens_fallback + s.tokens_sink
         if target in self.refused:
             return self.lines[target].seen - self.refused[target][1]
         return 0
 
+    def _receive(self, target: str, read_fallback: bool = True,
+                 refused: str | None = None) -> SwitchStatus:
+        """`target` receives from the active model what it has not seen (`receive_span`)."""
+        number = sum(1 for s in self.switches if s.target == target) + 1
+        return receive_span(self.conversation, self.lines[self.active], self.lines[target],
+                            self.translators.get((self.active, target)), number,
+                            read_fallback, refused)
+
     def switch(self, target: str) -> SwitchStatus:
-        """Make `target` the active model, giving it what it has not seen (`hand_over`). After
-        `prepare(target)` the status is the whole hand-over, made ahead and now (`joined`)."""
+        """Make `target` the active model, giving it what it has not seen (`receive_span`). After
+        `translate_ahead(target)` the status is the whole switch, made ahead and now (`joined`)."""
         if target not in self.lines:
             raise ValueError(f"unknown model {target!r}")
         self._finish_turn()
@@ -398,9 +376,9 @@ class Session:
         reason = None
         if refused is not None and refused[0].source == self.active:  # judged for this cache
             reason = refused[0].reason
-            self.keep_reread(target)  # what was re-read of it ahead is part of this hand-over
+            self.keep_reread(target)  # what was re-read of it ahead is part of this switch
         self.refused.pop(target, None)
-        status = self.joined(target, hand_over(self, self.active, target, refused=reason))
+        status = self.joined(target, self._receive(target, refused=reason))
         self.active = target
         self._drop_received()
         status.recorded_bytes = sum(self.recorded_bytes().values())
@@ -408,28 +386,28 @@ class Session:
         return status
 
     def joined(self, target: str, now: SwitchStatus | None = None) -> SwitchStatus | None:
-        """The hand-over to `target` made ahead (taken: reported once) joined with the one made
+        """The switch to `target` made ahead (taken: reported once) joined with the one made
         now: the tokens of both; the outcome, gate and setting of the one that gave the most
         recent span; `translate_seconds` now's and `ahead_seconds` the earlier one's, with the
         tokens it translated in `tokens_translated_ahead`. None when nothing was made ahead
         and nothing now."""
-        ahead = self.prepared.pop(target, None)
+        ahead = self.ahead.pop(target, None)
         if ahead is None:
             return now
-        if now is None or not (now.tokens_translated or now.tokens_reprefilled or now.tokens_read):
+        if now is None or not (now.tokens_translated or now.tokens_fallback or now.tokens_tail):
             return replace(ahead, translate_seconds=now.translate_seconds if now else 0.0,
                            gate_seconds=0.0, ahead_seconds=ahead.translate_seconds,
                            tokens_translated_ahead=ahead.tokens_translated)
         now.tokens_translated += ahead.tokens_translated
-        now.tokens_read += ahead.tokens_read
+        now.tokens_tail += ahead.tokens_tail
         now.tokens_sink += ahead.tokens_sink
-        now.tokens_reprefilled += ahead.tokens_reprefilled
+        now.tokens_fallback += ahead.tokens_fallback
         now.tokens_translated_ahead = ahead.tokens_translated
         now.ahead_seconds = ahead.translate_seconds
         return now
 
     def refresh(self, name: str | None = None) -> None:
-        """Re-prefill a model's cache line from the conversation (on request)."""
+        """Re-reading a model's cache line from the conversation (on request)."""
         self._finish_turn()
         line = self.lines[name or self.active]
         self.forget_ahead(line.name)

@@ -1,7 +1,7 @@
 """Reading and decoding: a model of a session reads the conversation, or continues it.
 
 While it reads, it records the per-token objects its outgoing translators read (capture points
-(1) and (2)), the final-norm rows of its last tokens (for the fidelity gate), and, when a
+raw and normed), the final-norm rows of its last tokens (for the fidelity gate), and, when a
 translator from it reads its recurrent state, snapshots of its fixed-size caches every r
 positions (references to arrays, not copies).
 
@@ -16,7 +16,7 @@ takes back the model's last forward (trim the KV caches, restore the fixed-size 
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import Callable, Iterator
 
 import mlx.core as mx
 
@@ -28,17 +28,15 @@ from ..layouts.linear_attention import RecurrentInputs
 from ..translators.gate import Tail, tail_of
 from .line import CacheLine, fixed_slots, split
 
-if TYPE_CHECKING:
-    from .conversation import Session
-
 RECORD_POINTS = (CapturePoint.RAW, CapturePoint.NORMED)
 
 
-def read(session: Session, line: CacheLine, upto: int, whole: bool = False,
+def read(line: CacheLine, tokens: list[int], upto: int, whole: bool = False,
          split_at: int | None = None, generated: range | None = None) -> Tail | None:
-    """Let `line`'s model read conversation tokens [seen, upto), keeping what it records, the
+    """Let `line`'s model read tokens [seen, upto) of `tokens` (the conversation as it reads
+    it), keeping what its `recording` says: the objects it records, the
     final-norm rows of the last of them and (when it keeps states) a snapshot at each of its
-    handoff marks before the end.
+    switch marks before the end.
 
     `whole`: in one forward (upto - seen <= PREFILL_CHUNK), keeping the logits of the last
     token (the next token's, for `decode`) and returning the final-norm rows of every token
@@ -53,63 +51,63 @@ def read(session: Session, line: CacheLine, upto: int, whole: bool = False,
     if line.cache is None:
         line.cache = make_prompt_cache(line.lm.model)
     if whole:
-        session.snapshot(line)
-        rows = _read_part(session, line, upto, whole=True, split_at=split_at)
-        session.snapshot(line)
+        line.snapshot()
+        rows = _read_part(line, tokens, upto, whole=True, split_at=split_at)
+        line.snapshot()
         return rows
-    if session.keeps_states(line.name):
-        # a snapshot at each place a translation from this line may stop (`handoff_marks`)
-        for mark in session.handoff_marks(line.name):
+    if line.recording.keeps_states:
+        # a snapshot at each place a translation from this line may stop (its marks)
+        for mark in line.recording.marks:
             if upto - line.seen > mark:
-                _read_part(session, line, upto - mark, generated=generated)
-                session.snapshot(line)
-    session.snapshot(line)
-    _read_part(session, line, upto, generated=generated)
-    session.snapshot(line)
+                _read_part(line, tokens, upto - mark, generated=generated)
+                line.snapshot()
+    line.snapshot()
+    _read_part(line, tokens, upto, generated=generated)
+    line.snapshot()
 
 
-def _read_part(session: Session, line: CacheLine, upto: int, whole: bool = False,
+def _read_part(line: CacheLine, tokens: list[int], upto: int, whole: bool = False,
                split_at: int | None = None, generated: range | None = None) -> Tail | None:
     start = line.seen
-    keep = upto - start if whole else session.tail_rows
+    keep = upto - start if whole else line.recording.tail_rows
     with contextlib.ExitStack() as stack:
         rows = (stack.enter_context(recording_final_rows(line.lm.model, keep))
-                if session.gate_tokens or whole else None)
+                if line.recording.gate_tokens or whole else None)
         stack.enter_context(short_reads(line.lm.model))  # a turn, the gate's tail
         # linear attention over a read of many tokens: chunkwise off a Mac, not token by token
         stack.enter_context(fastest_recurrence())
-        cap = line.whole(capture(line.lm.model, session.view(line.name)[start:upto],
+        cap = line.whole(capture(line.lm.model, tokens[start:upto],
                                  points=RECORD_POINTS, layout=line.local_layout,
                                  cache=line.cache,
-                                 select=line.local_select(session.selection(line.name)),
+                                 select=line.local_select(set(line.recording.select)),
                                  chunk_size=PREFILL_CHUNK))
     if split_at is not None and start < split_at < upto:
         first, rest = split(cap, split_at - start)
-        session.keep(line, start, first, own=True)
-        session.keep(line, split_at, rest, own=True)
+        line.keep(start, first, own=True)
+        line.keep(split_at, rest, own=True)
     else:
-        session.keep(line, start, cap, own=True)
+        line.keep(start, cap, own=True)
     line.seen = upto
     line.next_logits = cap.last_logits[0] if whole else None
     if rows is None:
         return None
     read_rows = tail_of(rows.last(min(keep, upto - start)), upto, generated)
     if read_rows is not None:
-        session.keep_tail(line, read_rows.rows, upto, generated)
+        line.keep_tail(read_rows.rows, upto, generated)
     return read_rows
 
 
-def decode(session: Session, line: CacheLine, max_tokens: int, temperature: float,
+def decode(line: CacheLine, tokens: list[int], max_tokens: int, temperature: float,
            stop: set[int], top_p: float = 1.0) -> Iterator[int]:
-    """`line`'s model continues the conversation: up to `max_tokens` tokens, appended to its
-    view of the conversation (`Session.view`) as they are yielded (none: it only reads what it
-    has not). A line that has read the whole conversation holds its next token's logits (a
-    switch's one forward, `read(whole=True)`): the first token is sampled from them."""
+    """`line`'s model continues the conversation: up to `max_tokens` tokens, appended to
+    `tokens` (its view of the conversation, `Session.view`) as they are yielded (none: it only
+    reads what it has not). A line that has read the whole conversation holds its next token's
+    logits (a switch's one forward, `read(whole=True)`): the first token is sampled from
+    them."""
     from mlx_lm.sample_utils import make_sampler
 
-    tokens = session.view(line.name)
     if max_tokens < 1:
-        read(session, line, len(tokens))
+        read(line, tokens, len(tokens))
         return
     if line.next_logits is not None and line.seen == len(tokens):
         logits, line.next_logits = line.next_logits, None
@@ -120,10 +118,10 @@ def decode(session: Session, line: CacheLine, max_tokens: int, temperature: floa
         if token in stop or max_tokens == 1:
             return  # the model has read every token but the one generated
         max_tokens -= 1
-    yield from _continue(session, line, tokens, max_tokens, temperature, stop, top_p)
+    yield from _continue(line, tokens, max_tokens, temperature, stop, top_p)
 
 
-def _continue(session: Session, line: CacheLine, tokens: list[int], max_tokens: int,
+def _continue(line: CacheLine, tokens: list[int], max_tokens: int,
               temperature: float, stop: set[int], top_p: float) -> Iterator[int]:
     """The rest of `decode`: `tokens` is the line's view, taken before the turn began (asking
     for it again would give a token already sampled to the other views as a piece alone)."""
@@ -132,7 +130,7 @@ def _continue(session: Session, line: CacheLine, tokens: list[int], max_tokens: 
     from mlx_lm.sample_utils import make_sampler
 
     line.next_logits = None
-    r = session.gate_tokens
+    r, recording = line.recording.gate_tokens, line.recording
     model, start = line.lm.model, line.seen
     if line.cache is None:
         line.cache = make_prompt_cache(model)
@@ -142,12 +140,12 @@ def _continue(session: Session, line: CacheLine, tokens: list[int], max_tokens: 
         drawn[:] = [sampler(logprobs)]
         return drawn[0]
 
-    select = session.selection(line.name)
+    select = set(recording.select)
     read_upto = prompt_end = len(tokens)
     # the prompt but its last r tokens is read first, so that the last r, read by
     # generate_step, are a forward of their own: their final-norm rows cost a few rows of
     # the last layer, and a state snapshot falls r tokens before the prompt's end
-    marks = session.handoff_marks(line.name) if session.keeps_states(line.name) else []
+    marks = list(recording.marks) if recording.keeps_states else []
     tail = r or min(marks, default=0)  # without a gate, the dial's smallest R
     tail_from = prompt_end - tail if tail and prompt_end - start > tail + 1 else start
     broken = False
@@ -164,7 +162,7 @@ def _continue(session: Session, line: CacheLine, tokens: list[int], max_tokens: 
             for at in range(begin, end, PREFILL_CHUNK):
                 model(mx.array([tokens[at:min(at + PREFILL_CHUNK, end)]]), cache=line.cache)
                 mx.eval([c.state for c in line.cache], rec.pending())
-        rows = (stack.enter_context(recording_final_rows(model, session.tail_rows + 1))
+        rows = (stack.enter_context(recording_final_rows(model, recording.tail_rows + 1))
                 if r else None)  # one more: the last forward may go back
         # generate_step reads each token before yielding it: ask for one fewer, and take
         # the last from the sampler (sampled after the last read, not read itself)
@@ -200,13 +198,12 @@ def _continue(session: Session, line: CacheLine, tokens: list[int], max_tokens: 
                 part = line.whole(Capture(line.local_layout,
                                           mx.array([tokens[start:read_upto]]), objects,
                                           line.cache))
-                session.keep(line, start, part, own=True)
+                line.keep(start, part, own=True)
                 line.seen = read_upto
                 if rows is not None:
-                    session.keep_tail(line, rows.last(min(session.tail_rows,
-                                                          read_upto - tail_from)),
-                                      read_upto, range(prompt_end, len(tokens)))
-                session.snapshot(line)
+                    line.keep_tail(rows.last(min(recording.tail_rows, read_upto - tail_from)),
+                                   read_upto, range(prompt_end, len(tokens)))
+                line.snapshot()
 
 
 @contextlib.contextmanager

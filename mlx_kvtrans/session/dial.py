@@ -17,7 +17,7 @@ The frontier's rows are settings of both knobs, so `fidelity` and the default pi
 where the frontier measured k (`eval frontier --recompute`); a session's `recompute` fixes it.
 
 With `Session(escalate=True)`, a switch whose gate fired tries once more with `ESCALATION`
-times the tokens re-read before it re-prefills the span (a translation can err on the first
+times the tokens re-read before it re-reads the span (a translation can err on the first
 tokens the target reads, and a few more read natively mend that), judged by the gate again.
 """
 
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from ..translators.frontier import Setting, cheapest_row, fitting_length, rows_at
 
 DEFAULT_AGREEMENT = 0.9  # the default setting meets this agreement at 2x the fitting length
-# a switch whose gate fired re-reads this many times as many tokens before re-prefilling
+# a switch whose gate fired re-reads this many times as many tokens before re-reading
 ESCALATION = 4
 
 
@@ -37,7 +37,7 @@ class Choice:
     """The setting a switch runs with, and what its translator's frontier expects of it."""
     reread: int
     expected_agreement: float | None = None  # held-out teacher-forced agreement
-    expected_speedup: float | None = None  # warm switch over re-prefill, as measured
+    expected_speedup: float | None = None  # warm switch over re-reading, as measured
     note: str = ""
     recompute: int = 0  # k: the target's first layers that read the translated span
 
@@ -71,8 +71,8 @@ def expecting(translator, reread: int, length: int, recompute: int = 0) -> Choic
 
 def escalated(read: int, span: int) -> int | None:
     """After the gate fired on a switch whose target read `read` of the `span` tokens it was
-    given: the wider re-read to try before re-prefilling the span, or None where that would
-    read half the span or more (a re-prefill then costs little more)."""
+    given: the wider re-read to try before re-reading the span, or None where that would
+    read half the span or more (a full re-read then costs little more)."""
     wider = ESCALATION * read
     return wider if wider < span / 2 else None
 
@@ -123,7 +123,7 @@ def choose(translator, length: int, reread: int | None, fidelity: float | None,
         if row is None:
             longest = max((r.length for r in _rows(frontier)), default=0)
             why = (f"measured only up to {longest} tokens" if length > longest else
-                   "no measured setting reaches it faster than re-prefill")
+                   "no measured setting reaches it faster than re-reading")
             return None, f"fidelity {fidelity:g} at {length} tokens: {why}"
         return Choice(row.setting.reread, row.agreement, row.speedup,
                       f"fidelity {fidelity:g}", row.setting.recompute), ""

@@ -15,9 +15,9 @@ from functools import cached_property
 import mlx.core as mx
 
 from ..capture import Capture, join_recorded
-from ..translators.gate import Tail
 from ..layouts import CapturePoint, layout_of
 from ..layouts.linear_attention import RecurrentInputs
+from ..translators.gate import Tail, tail_of
 
 
 def covers(value, length: int) -> bool:
@@ -72,8 +72,29 @@ def _tokens(part: Capture, lo: int, hi: int) -> Capture:
 
 
 @dataclass
+@dataclass(frozen=True)
+class Recording:
+    """What a line keeps as its model reads, as the translators from it need: the objects they
+    read (`select`; none: it keeps no span), the places a translation from it may stop
+    (`marks`, largest first), whether it snapshots its fixed-size caches there (`keeps_states`),
+    and the fidelity gate's tail (`gate_tokens`)."""
+
+    select: frozenset = frozenset()
+    marks: tuple[int, ...] = ()
+    keeps_states: bool = False
+    gate_tokens: int = 0
+
+    @property
+    def tail_rows(self) -> int:
+        """Final-norm rows a line keeps: a translation that stops at a state snapshot leaves up
+        to 2r tokens to the target."""
+        return 2 * self.gate_tokens
+
+
+@dataclass
 class CacheLine:
-    """One model's view of the conversation: its cache and what it has read."""
+    """One model's view of the conversation: its cache, what it has read and what it keeps
+    (`recording`)."""
 
     name: str
     lm: object  # LoadedModel
@@ -85,6 +106,7 @@ class CacheLine:
     tail: Tail | None = None  # final-norm rows of the last tokens it read
     states: dict[int, list] = field(default_factory=dict)  # position -> `fixed_slots` there
     next_logits: mx.array | None = field(default=None, repr=False)  # (vocab,) after token seen-1
+    recording: Recording = field(default_factory=Recording)
 
     @cached_property
     def shards(self):
@@ -112,7 +134,11 @@ class CacheLine:
 
     def reset(self) -> None:
         """Forget everything: no cache, nothing read."""
-        self.cache, self.seen, self.recorded, self.tail, self.states = None, 0, [], None, {}
+        self.cache = None
+        self.seen = 0
+        self.recorded = []
+        self.tail = None
+        self.states = {}
         self.next_logits = None
 
     def cut(self, stop: int) -> None:
@@ -143,6 +169,49 @@ class CacheLine:
             c.cache = slots
         self.cut(start)
         self.seen = start
+
+    def keep(self, start: int, part: Capture, own: bool) -> None:
+        """Hold `part` (conversation tokens from `start`) as recorded (`own`: this line's model
+        computed it, rather than a translator)."""
+        if not self.recording.select:
+            self.recorded = []  # records nothing, holds nothing
+            return
+        if self.recorded and start != self.recorded_from + self.recorded_tokens:
+            self.recorded = []  # spans are contiguous: a gap starts a new run
+        if not self.recorded:
+            self.recorded_from = start
+        self.recorded.append(part)
+        if own:
+            self.own_recorded[0] += capture_bytes(part)
+            self.own_recorded[1] += part.length
+
+    def keep_tail(self, rows, end: int, generated: range | None = None) -> None:
+        """Hold the final-norm `rows` of the tokens read up to `end` (`generated`: the positions
+        of tokens this model sampled)."""
+        tail = tail_of(rows, end, generated)
+        if tail is not None:
+            self.tail = tail if self.tail is None else self.tail.then(tail,
+                                                                       self.recording.tail_rows)
+
+    def snapshot(self) -> None:
+        """Keep the fixed-size state where it stands, and of the older snapshots only those a
+        translation could still stop at: the last one at least the largest mark back and the
+        later ones, thinned so that a snapshot of age a lies within the smallest mark m >= a / 2
+        of the next one kept (a switch with mark m stops between 2m and m tokens back)."""
+        if not self.recording.keeps_states or self.cache is None:
+            return
+        self.states[self.seen] = fixed_slots(self.cache)
+        marks = sorted(self.recording.marks)
+        back = [p for p in self.states if p <= self.seen - marks[-1]]
+        floor = max(back, default=0)
+        newest_first = sorted((p for p in self.states if floor <= p <= self.seen), reverse=True)
+        kept = [newest_first[0]]
+        for p, older in zip(newest_first[1:], newest_first[2:] + [None]):
+            age = self.seen - p
+            spacing = next((m for m in marks if 2 * m >= age), marks[-1])
+            if age < 2 * marks[0] or older is None or kept[-1] - older > spacing:
+                kept.append(p)  # near the end, the floor, or a gap it alone bridges
+        self.states = {p: self.states[p] for p in kept}
 
     @property
     def recorded_tokens(self) -> int:

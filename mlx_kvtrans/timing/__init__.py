@@ -1,7 +1,7 @@
-"""Timing a switch: time to first token after a switch against re-prefill, beside its bound.
+"""Timing a switch: time to first token after a switch against re-reading, beside its bound.
 
-- `switch.py`: `bench_switch`, the measurements (warm, cold and gated switches, re-prefill, the
-  bound), the gated switch being `session.hand_over` itself;
+- `switch.py`: `bench_switch`, the measurements (warm, cold and gated switches, re-reading, the
+  bound), the gated switch being `session.receive_span` itself;
 - `shaped.py`: a translator of a fit's shapes with random weights, for timing;
 - `report.py`: `switch_report`, the result `kvtrans bench` prints and writes.
 """

@@ -85,12 +85,12 @@ def runs_of(result: dict) -> str:
 def report_table(result: dict) -> tuple[str, list[str], list[list[str]], list[str]]:
     """(title, columns, rows, notes) of a result, as `kvtrans bench` prints it."""
     rows = result["rows"]
-    chunked = any(r["reprefill_chunked_s"] is not None for r in rows)
+    chunked = any(r["reread_chunked_s"] is not None for r in rows)
     gated = any(r["gated_switch_s"] is not None for r in rows)
     title = (f"TTFT after a switch · {result['pair']} · {result['dtype']} · {result['blas']} "
              f"({result['matmul_peak_gflops']:.0f} GFLOP/s peak, "
              f"{result['memory_bandwidth_gbs']:.0f} GB/s) · median of {runs_of(result)}")
-    columns = ["tokens", "re-prefill", *(["re-prefill chunked"] if chunked else []),
+    columns = ["tokens", "re-reading", *(["re-reading chunked"] if chunked else []),
                "warm switch", "speed-up", "bound", "warm / bound",
                *(["gated switch", "speed-up"] if gated else []), "cold switch", "speed-up",
                "translate GFLOP/s", "extra peak MB switch / prefill"]
@@ -102,14 +102,14 @@ def report_table(result: dict) -> tuple[str, list[str], list[list[str]], list[st
     for r in rows:
         gated_cells = [ms(r["gated_switch_s"]), f"x{r['speedup_gated']:.1f}"
                        if r["speedup_gated"] is not None else "-"]
-        cells.append([str(r["length"]), ms(r["reprefill_s"]),
-                      *([ms(r["reprefill_chunked_s"])] if chunked else []),
+        cells.append([str(r["length"]), ms(r["reread_s"]),
+                      *([ms(r["reread_chunked_s"])] if chunked else []),
                       ms(r["warm_switch_s"]), f"x{r['speedup_warm']:.1f}", ms(r["bound_s"]),
                       f"x{r['warm_over_bound']:.1f}", *(gated_cells if gated else []),
                       ms(r["cold_switch_s"]), f"x{r['speedup_cold']:.2f}",
                       f"{r['translate_gflops']:.1f} "
                       f"({100 * r['translate_gflops'] / r['matmul_peak_gflops']:.0f}%)",
-                      f"{r['peak_mb_switch']:.0f} / {r['peak_mb_reprefill']:.0f}"])
+                      f"{r['peak_mb_switch']:.0f} / {r['peak_mb_reread']:.0f}"])
     notes = ["bound = first decode step on the installed cache + translation FLOPs at the "
              "matmul peak + installed bytes at the memory bandwidth, measured beside each row",
              "cold switch = a user's first: the translator loaded, then its first translation "
@@ -117,13 +117,13 @@ def report_table(result: dict) -> tuple[str, list[str], list[list[str]], list[st
     if gated:
         read = [r.get("gated_read") or r["gate_tokens"] for r in rows]
         what = str(read[0]) if len(set(read)) == 1 else " / ".join(map(str, read))
-        notes.append("gated switch = what a session does (the same hand-over): all but the "
+        notes.append("gated switch = what a session does (the same switch): all but the "
                      f"last {what} tokens translated (the gate's tail, or the fidelity dial's "
                      "default R where it is longer), the target reads those itself and the "
                      "fidelity gate compares its NLL on the last of them with the source's, "
                      "then the first token")
         notes += [f"{r['length']} tokens: the gated switch did not translate ({outcome}); its "
-                  f"time is a re-prefill's" for r in rows
+                  f"time is a full re-read's" for r in rows
                   if (outcome := r.get("gated_outcome")) and not outcome.startswith("applied")]
     notes.append(f"prompts: {rows[0].get('prompt', 'random ids')}")
     if "fit" in result:
@@ -163,8 +163,8 @@ def plot_switch(result: dict, path: Path) -> Path | None:
     rows = result["rows"]
     x = [r["length"] for r in rows]
     fig, ax = plt.subplots(figsize=(6, 4))
-    for key, label in (("reprefill_s", "re-prefill"),
-                       ("reprefill_chunked_s", "re-prefill (chunked recurrence)"),
+    for key, label in (("reread_s", "re-reading"),
+                       ("reread_chunked_s", "re-reading (chunked recurrence)"),
                        ("cold_switch_s", "cold switch"),
                        ("warm_switch_s", "warm switch (translate)"),
                        ("gated_switch_s", "gated switch (translate, read the last r, gate)")):

@@ -1,4 +1,4 @@
-"""Time to first token after a switch: translation versus re-prefill, side by side in one run.
+"""Time to first token after a switch: translation versus re-reading, side by side in one run.
 
 For each prompt length, with medians over repeats:
 - warm switch: the source's cache exists (and its per-token objects were recorded while it read);
@@ -10,14 +10,14 @@ For each prompt length, with medians over repeats:
   the prompt with the fastest recurrence the device has (`fastest_recurrence`: mlx-lm's Metal
   kernel on a Mac, the chunkwise-parallel form elsewhere), so the figure measures translation,
   not mlx-lm's token loop off Metal;
-- gated switch: what a `Session` does, by the same code (`session.hand_over`): all but the last
+- gated switch: what a `Session` does, by the same code (`session.receive_span`): all but the last
   r tokens translated and installed, the target reading those r and the prompt's last token in
   one forward (whose last logits give the first token), the fidelity gate's NLL comparison;
-- re-prefill: the target reads the whole prompt and produces its first token, in plain mlx-lm
+- re-reading: the target reads the whole prompt and produces its first token, in plain mlx-lm
   (what a user of mlx-lm gets: the token loop off Metal). When the target has linear-attention
-  layers, `reprefill_chunked_s` is the same prefill under the chunkwise form, so both
-  comparisons are visible: source prefill + switch vs re-prefill (what switching saves a user
-  today) and vs chunked re-prefill (same recurrence on both sides);
+  layers, `reread_chunked_s` is the same prefill under the chunkwise form, so both
+  comparisons are visible: source prefill + switch vs re-reading (what switching saves a user
+  today) and vs chunked re-reading (same recurrence on both sides);
 - bound: the least a warm switch could cost here, measured beside it: (a) the target's first
   decode step on the installed cache alone, (b) the translation's arithmetic at the matmul peak
   measured in the bench's dtype, (c) the installed cache's bytes at the measured memory
@@ -45,7 +45,7 @@ from ..capture.instrument import chunked_recurrence, fastest_recurrence
 from ..translators.install import install
 from ..layouts import ObjectKind, layout_of
 from ..models import LoadedModel
-from ..session import Session, SwitchStatus, hand_over
+from ..session import Session, SwitchStatus, receive_span
 from ..session.status import Outcome
 from ..translators.translator import Translator
 
@@ -55,11 +55,11 @@ class BenchRow:
     length: int
     warm_switch_s: float
     cold_switch_s: float  # a user's first switch: translator loaded, first translation
-    reprefill_s: float
+    reread_s: float
     translate_s: float
     translate_gflops: float
     peak_mb_switch: float
-    peak_mb_reprefill: float
+    peak_mb_reread: float
     # the bound = first_step_s + flops_at_peak_s + bytes_at_bandwidth_s
     first_step_s: float  # (a) the target's first decode step on the installed cache
     flops_at_peak_s: float  # (b) translation flops / matmul peak
@@ -67,7 +67,7 @@ class BenchRow:
     install_bytes: int
     matmul_peak_gflops: float  # measured in this row, in the bench's dtype
     bandwidth_gbs: float  # measured in this row (bytes read + written)
-    reprefill_chunked_s: float | None = None  # target prefill, chunkwise recurrence
+    reread_chunked_s: float | None = None  # target prefill, chunkwise recurrence
     # the switch a Session makes: translate all but the last `gated_read` tokens (the gate's
     # `gate_tokens`, or the dial's R where longer), the target reads those itself, the
     # fidelity gate compares its NLL on the last `gate_tokens` with the source's, first token
@@ -75,7 +75,7 @@ class BenchRow:
     gate_tokens: int = 0
     gated_read: int = 0  # tokens its target read itself: the gate's or the dial's R, if more
     # what the gated switch did: "applied" (its gate's verdict after a colon) or why it fell
-    # back; a fallback times a re-prefill, not a switch
+    # back; a fallback times a full re-read, not a switch
     gated_outcome: str | None = None
     # of the gated switch: the target's one forward of the tokens it read (and of the first
     # token) and the gate's comparison, what it spends beyond translating; the warm switch
@@ -94,20 +94,20 @@ class BenchRow:
 
     @property
     def speedup_warm(self) -> float:
-        return self.reprefill_s / self.warm_switch_s
+        return self.reread_s / self.warm_switch_s
 
     @property
     def speedup_cold(self) -> float:
-        return self.reprefill_s / self.cold_switch_s
+        return self.reread_s / self.cold_switch_s
 
     @property
     def speedup_prefill_and_switch(self) -> float | None:
-        return self.reprefill_s / self.prefill_and_switch_s if self.prefill_and_switch_s \
+        return self.reread_s / self.prefill_and_switch_s if self.prefill_and_switch_s \
             else None
 
     @property
     def speedup_gated(self) -> float | None:
-        return self.reprefill_s / self.gated_switch_s if self.gated_switch_s else None
+        return self.reread_s / self.gated_switch_s if self.gated_switch_s else None
 
     def to_json(self) -> dict:
         return {**asdict(self), "bound_s": self.bound_s, "warm_over_bound": self.warm_over_bound,
@@ -154,13 +154,14 @@ def gated_session(translator: Translator, source, target, prompt: list[int], las
 
 
 def gated_switch(session: Session) -> tuple[SwitchStatus, mx.array]:
-    """The switch `session` makes (`hand_over` itself) into a target that holds nothing, then
-    the target's greedy first token (from the logits the hand-over's one forward kept, else a
+    """The switch `session` makes (`receive_span` itself) into a target that holds nothing, then
+    the target's greedy first token (from the logits the switch's one forward kept, else a
     decode step): (the switch's status, the token). The source's line is left as it was, so
     the switch can be timed again."""
     target = session.lines["target"]
     target.reset()
-    status = hand_over(session, "source", "target")
+    status = receive_span(session.conversation, session.lines["source"], target,
+                          session.translators.get(("source", "target")), number=1)
     if target.next_logits is not None and target.seen == len(session.tokens):
         token = mx.argmax(target.next_logits, axis=-1)
         mx.eval(token)
@@ -282,7 +283,7 @@ def bench_switch(translator: Translator, source, target, lengths: list[int], rep
             recorded = source_prefill(translator, source, prompt, source_layout)
             warm()
 
-        def reprefill():  # plain mlx-lm prefill, in the chunks its generation uses
+        def full_reread():  # plain mlx-lm prefill, in the chunks its generation uses
             from mlx_lm.models.cache import make_prompt_cache
 
             cache = make_prompt_cache(target)
@@ -291,9 +292,9 @@ def bench_switch(translator: Translator, source, target, lengths: list[int], rep
                 mx.eval([c.state for c in cache])
             first_token(target, last, cache)
 
-        def reprefill_chunked():
+        def reread_chunked():
             with chunked_recurrence():
-                reprefill()
+                full_reread()
 
         step("cold switch", length)
         t_cold, _ = _median(cold, 1, quick=False)  # a user's first switch happens once
@@ -323,25 +324,25 @@ def bench_switch(translator: Translator, source, target, lengths: list[int], rep
         t_warm, peak_switch = timed["warm"]
         if tail:
             t_gated = timed["gated"][0]
-            read = status.tokens_read
-            if status.status == Outcome.APPLIED:  # else the time is a re-prefill's
+            read = status.tokens_tail
+            if status.status == Outcome.APPLIED:  # else the time is a full re-read's
                 t_gate_read = statistics.median(s.gate_seconds for s in statuses)
         step("source prefill + switch", length)
         t_prefill_switch, _ = _median(prefill_and_switch, repeats)
-        step("re-prefill", length)
-        t_full, peak_full = _median(reprefill, repeats)
+        step("re-reading", length)
+        t_full, peak_full = _median(full_reread, repeats)
         if target_is_hybrid:
-            step("chunked re-prefill", length)
-        t_chunked = _median(reprefill_chunked, repeats)[0] if target_is_hybrid else None
+            step("chunked re-reading", length)
+        t_chunked = _median(reread_chunked, repeats)[0] if target_is_hybrid else None
         flops = translation_flops(translator, length, target_layout)
         rows.append(BenchRow(
-            length=length, warm_switch_s=t_warm, cold_switch_s=t_cold, reprefill_s=t_full,
+            length=length, warm_switch_s=t_warm, cold_switch_s=t_cold, reread_s=t_full,
             translate_s=t_translate, translate_gflops=flops / t_translate / 1e9,
-            peak_mb_switch=peak_switch, peak_mb_reprefill=peak_full,
+            peak_mb_switch=peak_switch, peak_mb_reread=peak_full,
             first_step_s=t_step, flops_at_peak_s=flops / (peak * 1e9),
             bytes_at_bandwidth_s=install_bytes / (bandwidth * 1e9),
             install_bytes=install_bytes, matmul_peak_gflops=peak, bandwidth_gbs=bandwidth,
-            reprefill_chunked_s=t_chunked, gated_switch_s=t_gated, gate_tokens=tail,
+            reread_chunked_s=t_chunked, gated_switch_s=t_gated, gate_tokens=tail,
             gated_read=read, gated_outcome=outcome, gated_read_s=t_gate_read,
             prompt="held-out text" if from_text else "random ids",
             prefill_and_switch_s=t_prefill_switch))

@@ -8,8 +8,8 @@ an MLA layer 0, whose latent is a function of the token alone, also the accuracy
 translators' token identity: nearest neighbour over a codebook of the whole vocabulary
 (`translators.token_identity`).
 
-Rows are read at capture point (3), what the engine caches and a prompt-cache file stores. A
-conv history keeps only its last K-1 rows at (3): its rows are read at (1), where every token
+Rows are read at capture point engine, what the engine caches and a prompt-cache file stores. A
+conv history keeps only its last K-1 rows at engine: its rows are read at raw, where every token
 has one (and the stored K-1 are exactly these rows). A recurrent state is one fixed-size matrix
 per layer, not a row per token: it gets no read-out.
 """
@@ -204,7 +204,7 @@ def audit(lm, fit_ids: list[int], score_ids: list[int], window: int = 256, batch
         for obj in layer.objects:
             key = (layer.index, obj.name)
             if key in reads:
-                note = (f"(3) stores its last {obj.engine_shape[1]} rows" if not obj.per_token
+                note = (f"engine stores its last {obj.engine_shape[1]} rows" if not obj.per_token
                         else "")
                 result.rows.append(AuditRow(
                     layer.index, layer.mixer, obj.name, obj.kind.value, int(reads[key]),

@@ -14,7 +14,7 @@ import mlx.core as mx
 
 from ..capture import capture
 from ..translators.install import install, to_engine
-from ..layouts import ModelLayout, ObjectKind, layout_of
+from ..layouts import CapturePoint, ModelLayout, ObjectKind, layout_of
 from ..layouts.linear_attention import RecurrentInputs
 from ..prompt_cache import read_prompt_cache, write_prompt_cache
 
@@ -118,11 +118,16 @@ def run_checks(model, tokenizer, prefix: int | None = None, continuation: int = 
                         diffs.append(max_abs_diff(conv[obj.name], native[obj.name]))
                         scale = max(scale, _scale(native[obj.name]))
             if len(diffs) > 1:  # the kind has this capture point
-                add(f"({point}) -> (3) conversion equals the engine cache: {kind.value}",
+                add(f"{CapturePoint(point).name.lower()} -> engine conversion equals the engine "
+                    f"cache: {kind.value}",
                     max(diffs), scale)
 
     if ObjectKind.RECURRENT_STATE in layout.kinds():
-        whole, chunked, convolved, scale, input_scale = [0.0], [0.0], [0.0], 0.0, 0.0
+        whole = [0.0]
+        chunked = [0.0]
+        convolved = [0.0]
+        scale = 0.0
+        input_scale = 0.0
         chunk = max(1, prefix // 3 + 1)
         for layer, raw, objects, native in zip(layout.layers, cap.at(1), cap.at(2), cap.at(3)):
             inputs = objects.get("state")
@@ -137,8 +142,8 @@ def run_checks(model, tokenizer, prefix: int | None = None, continuation: int = 
                 {name: raw[name] for name in layer.cache.conv_names}, inputs), {})
             convolved.append(max(max_abs_diff(made.k, inputs.k), max_abs_diff(made.v, inputs.v)))
             input_scale = max(input_scale, _scale(inputs.k), _scale(inputs.v))
-        add("replay of captured (2) inputs reproduces the recurrent state", max(whole), scale)
-        add("the rows before the short convolution, convolved, are the (2) inputs",
+        add("replay of captured normed inputs reproduces the recurrent state", max(whole), scale)
+        add("the rows before the short convolution, convolved, are the normed inputs",
             max(convolved), input_scale)
         add("replay in chunks reproduces the recurrent state", max(chunked), scale,
             f"chunks of {chunk} tokens")

@@ -140,7 +140,7 @@ def calibrate(translator, source, target, token_ids: list[int], windows: int = W
                        if draws[i][0] == kind and not np.isnan(measured[i])] for kind in KINDS}
         if not all(gaps.values()):
             raise KvtransError("no window could be compared: the gate needs a translator a "
-                               "session can hand over with")
+                               "session can switch with")
         record["bands"].append({
             "prefix": [lo, hi],
             "threshold": {k: round(float(np.quantile(g, quantile)) + margin, 4)

@@ -27,7 +27,6 @@ continuation ends with the question and the answer.
 from __future__ import annotations
 
 import contextlib
-import copy
 import hashlib
 import json
 import random
@@ -41,24 +40,10 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..capture import capture
+from ..capture.instrument import chunked_recurrence
 from ..errors import KvtransError
-from ..translators.install import install
-from ..capture.instrument import chunked_recurrence, recording_indexer_scores
-from ..layouts import CapturePoint, ObjectKind, layout_of
-from .attention_weights import recording_attention_probabilities
-from ..translators.cross_tokenizer import across_capture
-from .rehearsal import (  # noqa: F401  the losses' home; tests read them here
-    attention_rehearsal, indexer_rehearsal, object_rehearsal, output_rehearsal,
-    recording_mixer_outputs)
-from ..translators.fidelity import kl_per_token, tempered_kl
-from ..translators.recipes.token_map import TokenMap
-from ..translators.translator import Translator, after, measured_sink
-
-# the objects the object rehearsal holds: one row per token, as stage 1 fits them
-TOKEN_KINDS = (ObjectKind.TOKEN_KEY, ObjectKind.TOKEN_VALUE, ObjectKind.MLA_LATENT,
-               ObjectKind.ROPE_KEY, ObjectKind.INDEXER_KEY)
-
+from ..translators.translator import Translator, measured_sink
+from .problem import Problem
 
 @dataclass(frozen=True)
 class DistillConfig:
@@ -106,108 +91,6 @@ class DistillConfig:
 LATER_DEFAULTS = {"greedy": False, "reread": 0, "sink": 0, "output_weight": 0.0,
                   "object_weight": 0.0, "temperature": 1.0, "train_only": ""}
 KEEP = ("last", "best")
-
-
-class Problem:
-    """One batch of windows: the source's capture and the target's native continuation (fixed),
-    from which `loss(params)` measures a translator's parameters."""
-
-    def __init__(self, translator: Translator, source, target, windows: mx.array, prefix: int,
-                 attention: bool = False, greedy: bool = False, reread: int = 0,
-                 sink: int = 0, outputs: bool = False, tokenizers: tuple | None = None,
-                 objects: bool = False):
-        self.translator, self.target, self.attention = translator, target, attention
-        self.outputs = outputs
-        self.layout = layout_of(target)
-        self.prefix_ids = windows[:, :prefix]
-        self.inputs = windows[:, prefix:]
-        self.prefix = prefix
-        translated = prefix - min(reread, prefix - 1)
-        self.sink = min(sink, translated - 1)
-        self.translated_ids = self.prefix_ids[:, self.sink:translated]
-        self.tail = self.prefix_ids[:, translated:]
-        self.source = capture(source, self.prefix_ids[:, :translated],
-                              points=translator.source_points()) if tokenizers is None else \
-            across_capture(translator, source, tokenizers, self.prefix_ids[:, :translated])
-        self.sink_cache = None
-        if self.sink:  # the target's own cache of the first tokens, which the translation follows
-            self.source = after(self.source, self.sink)
-            self.sink_cache = capture(target, self.prefix_ids[:, :self.sink],
-                                      points=(CapturePoint.ENGINE,), layout=self.layout).engine
-        native_cache = capture(target, self.prefix_ids, points=(CapturePoint.ENGINE,),
-                               layout=self.layout).engine
-        self.rehearsed, self.native_objects = self._native_objects(translated) if objects \
-            else ([], [])
-        if greedy:  # on a copy: the native logits below read the prefix's cache as it is
-            self.inputs = self._greedy_continuation(copy.deepcopy(native_cache))
-        with self._recording() as (scores, probs, mixed):
-            self.native_logits = target(self.inputs, cache=native_cache)
-        self.native_scores = [mx.stop_gradient(s) for s in scores]
-        self.native_attention = [mx.stop_gradient(p) for p in probs]
-        self.native_outputs = [mx.stop_gradient(o.astype(mx.float32)) for o in mixed]
-        mx.eval(self.native_logits, self.native_scores, self.native_attention,
-                self.native_outputs)
-
-    def _native_objects(self, translated: int) -> tuple[list, list[mx.array]]:
-        """(the (layer, name) of every per-token object a map builds at (1) or (2),
-        the target's own of each over the translated tokens): the object rehearsal's targets."""
-        wanted = [r for r in self.translator.recipes if isinstance(r, TokenMap)
-                  and r.point in (CapturePoint.RAW, CapturePoint.NORMED)
-                  and self.layout.layers[r.layer].cache.object(r.name).kind in TOKEN_KINDS]
-        if not wanted:
-            return [], []
-        own = capture(self.target, self.prefix_ids[:, :translated],
-                      points={r.point for r in wanted}, layout=self.layout,
-                      select={(r.layer, r.name, r.point) for r in wanted})
-        return ([(r.layer, r.name) for r in wanted],
-                [mx.stop_gradient(own.objects[r.layer][(r.name, r.point)][:, self.sink:]
-                                  .astype(mx.float32)) for r in wanted])
-
-    def _greedy_continuation(self, cache) -> mx.array:
-        """The window's first continuation token, then what the target says after it reading
-        its own `cache` of the prefix: what a user of the switched target would be shown."""
-        tokens = [self.inputs[:, :1]]
-        for _ in range(self.inputs.shape[1] - 1):
-            tokens.append(mx.argmax(self.target(tokens[-1], cache=cache)[:, -1:], axis=-1))
-        return mx.concatenate(tokens, axis=1)
-
-    @contextlib.contextmanager
-    def _recording(self):
-        with contextlib.ExitStack() as stack:
-            scores = stack.enter_context(recording_indexer_scores(self.target))
-            probs = (stack.enter_context(recording_attention_probabilities(self.target))
-                     if self.attention else [])
-            mixed = (stack.enter_context(recording_mixer_outputs(self.target))
-                     if self.outputs else [])
-            yield scores, probs, mixed
-
-    def loss(self, params: dict, indexer_weight: float = 1.0, attention_weight: float = 0.0,
-             output_weight: float = 0.0, object_weight: float = 0.0, temperature: float = 1.0):
-        """(total, (KL, indexer rehearsal, attention rehearsal, output rehearsal, object
-        rehearsal)) of `params` (a tree or flat) on this batch. The total's KL is taken at
-        `temperature` (`tempered_kl`); the KL returned is at 1."""
-        objects, points = self.translator.translate(self.source, self.target, self.layout,
-                                                    self.translated_ids, params=params,
-                                                    all_rows=self.sink > 0)
-        cache = install(self.layout, objects, points, offset=self.sink,
-                        cache=copy.deepcopy(self.sink_cache) if self.sink else None)
-        n = self.inputs.shape[1]  # the re-read tail's positions are not scored
-        with self._recording() as (scores, probs, mixed):
-            logits = self.target(mx.concatenate([self.tail, self.inputs], axis=1),
-                                 cache=cache)[:, -n:]
-        scores = [s[:, -n:] for s in scores]
-        probs = [p[..., -n:, :] for p in probs]
-        kl = kl_per_token(self.native_logits, logits).mean()
-        tempered = kl if temperature == 1.0 else tempered_kl(self.native_logits, logits,
-                                                             temperature).mean()
-        rehearsal = indexer_rehearsal(self.native_scores, scores, self.prefix)
-        attention = attention_rehearsal(self.native_attention, probs)
-        outputs = output_rehearsal(self.native_outputs, [o[:, -n:] for o in mixed])
-        built = object_rehearsal(self.native_objects,
-                                 [objects[layer][name] for layer, name in self.rehearsed])
-        total = (tempered + indexer_weight * rehearsal + attention_weight * attention
-                 + output_weight * outputs + object_weight * built)
-        return total, (kl, rehearsal, attention, outputs, built)
 
 
 def frozen(names, train_only: str) -> set[str]:
@@ -270,7 +153,9 @@ class Distiller:
         if "alignment" in translator.info and tokenizers is None:
             raise KvtransError("distilling a translator across tokenizers needs the two "
                                "tokenizers (the windows are the target's tokens)")
-        self.translator, self.source, self.target = translator, source, target
+        self.translator = translator
+        self.source = source
+        self.target = target
         self.tokenizers = tokenizers  # (source's, target's) across tokenizers
         if config.needle_share and not needles:
             raise KvtransError("needle_share needs needle rows (workflows.training_needles)")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import zlib
 
-import mlx.core as mx
 import numpy as np
 
 from ..backend.processes import gathered, summed

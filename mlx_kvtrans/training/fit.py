@@ -73,7 +73,7 @@ class FitConfig:
         if self.replay_convolve:
             if self.point != CapturePoint.RAW:
                 raise RecipeError("replay through the target's convolution reads features at "
-                                  "(1): the rows before it")
+                                  "raw (capture point 1): the rows before it")
             if not any(isinstance(r, Replay) for r in recipes):
                 raise RecipeError("replay through the target's convolution: the plan replays "
                                   "no recurrent state (the target has none, or its states are "

@@ -61,7 +61,9 @@ def check_directory(directory: Path, resume: bool, name: str = FILE) -> None:
 class FitCheckpoint:
     def __init__(self, directory: str | Path, resume: bool = False, context: str = "",
                  every_seconds: float = 60.0, rank: int = 0, size: int = 1):
-        self.directory, self.resume, self.context = Path(directory), resume, context
+        self.directory = Path(directory)
+        self.resume = resume
+        self.context = context
         self.every_seconds = every_seconds
         self.name = state_file(rank, size)
         self.key = ""

@@ -10,7 +10,7 @@ Source features (`features`), per the hybrid-translation paper's design (`auto`,
 - `nearest`: the `nu` nearest attention layers, also for a hybrid source (when all of them are
   too wide, as Qwen3.5-27B's 16 x 2,048);
 - `all`: every per-token object of the `nu` nearest layers, linear-attention layers' conv rows
-  (1) or recurrence inputs (2) included, compressed to `width` principal directions when a
+  raw or recurrence inputs normed included, compressed to `width` principal directions when a
   width is given (those rows are 12,288 wide per layer on Kimi-Linear);
 - `same`, for two models of one geometry (a new generation, a fine-tune): each object is built
   from the same object of the same source layer: states and conv histories copied, per-token
@@ -37,7 +37,7 @@ def relative_depth(n_source: int, n_target: int, layer: int, nu: int,
 
 
 def feature_layers(source: ModelLayout, point: int) -> list[int]:
-    """Source layers with per-token features at `point` (at (3) a linear-attention layer holds
+    """Source layers with per-token features at `point` (at engine a linear-attention layer holds
     only fixed-size summaries, so it has none)."""
     def readable(o):
         return ((o.per_token and point in o.capture_points)

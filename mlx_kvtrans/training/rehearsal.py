@@ -1,5 +1,5 @@
 """Stage 2's rehearsals: losses that hold what the target computes reading a translated cache
-to what it computes reading its own, beside the KL of its output (`distill.Problem.loss`).
+to what it computes reading its own, beside the KL of its output (`problem.Problem.loss`).
 
 - indexer: a DSA target's indexer scores over the prefix (its keys get no gradient through
   the top-k selection otherwise);

@@ -81,6 +81,20 @@ def read_ids(tokenizer, files: Sequence[str | Path], progress: Progress | None =
     return ids
 
 
+def fitting_text_tokens(source: LoadedModel, files: Sequence[str | Path],
+                        config: FitConfig) -> int:
+    """The tokens of `files` a fit with `config` draws its windows from, read as `kvtrans fit`
+    reads them (tokenized once, then cached, so the fit a plan projects finds them read); a
+    text shorter than one window is refused, as the fit refuses it."""
+    from ..models import tokenizer_of
+
+    ids = read_ids(tokenizer_of(source), files)
+    if len(ids) <= config.length:
+        raise KvtransError(f"the fitting text has {len(ids)} tokens: fewer than one window of "
+                           f"{config.length}")
+    return len(ids)
+
+
 def training_needles(encode, texts: Sequence[str], length: int, count: int = 2000,
                      as_text: bool = False) -> list[list[int]] | list[str]:
     """Synthetic needles (training seeds) of at least `length` tokens, their filler sentences

@@ -19,7 +19,7 @@ tokenizer's tokens of the text and the character where each token's text ends. A
 added to the conversation (a user turn, a template's markup) is tokenized by every tokenizer;
 tokens a model appends to its own view (its reply) are decoded to text, which the other
 tokenizers read when their view is next asked for. Pieces are tokenized one by one, so every
-piece's end is a place where all views split: a switch hands over whole alignment groups
+piece's end is a place where all views split: a switch switches whole alignment groups
 (`align`: the fewest tokens of each side covering the same characters), up to the last place
 both views split within what the source has read.
 
@@ -205,7 +205,7 @@ class Views:
 
     def mapped(self, source: str, position: int, target: str) -> int:
         """The target's tokens of the text that the source's first `position` tokens cover, up
-        to the last place where both views split: what a hand-over of them may give."""
+        to the last place where both views split: what a switch of them may give."""
         self.sync()
         ends, targets = self.ends[source], set(self.ends[target])
         for i in range(min(position, len(ends)) - 1, -1, -1):
@@ -263,7 +263,9 @@ def own_ends(tokenizer, ids: list[int]) -> tuple[str, list[int]]:
     if own == list(ids):
         return text, [end for _, end in spans]
     # decoded in pieces, each from the last token that ended a whole character
-    ends, start, at = [], 0, 0
+    ends = []
+    start = 0
+    at = 0
     for i in range(len(ids)):
         piece = decode(tokenizer, ids[start:i + 1])
         ends.append(min(at + len(piece), len(text)))

@@ -2,7 +2,7 @@
 
 A source layer's features at a capture point are its per-token objects there, flattened and
 concatenated per token: GQA keys and values; MLA latent and rope key (and indexer key); the raw
-conv rows of a linear-attention layer at (1), or its recurrence inputs (q, k, v, a, b) at (2).
+conv rows of a linear-attention layer at raw, or its recurrence inputs (q, k, v, a, b) at normed.
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ from ..layouts.linear_attention import RecurrentInputs
 def _per_token(value, B: int, T: int) -> mx.array:
     if isinstance(value, RecurrentInputs):
         return mx.concatenate([x.reshape(B, T, -1) for x in value.arrays()], axis=-1)
-    if value.ndim == 4:  # (3): (B, heads, T, dim)
+    if value.ndim == 4:  # engine: (B, heads, T, dim)
         return value.transpose(0, 2, 1, 3).reshape(B, T, -1)
     return value
 
 
 def feature_point(obj, point: int) -> int | None:
     """`point` if `obj` has per-token features there, else None: a conv history is per token at
-    (1) only, a recurrent state (its recurrence inputs) at (2) only; at (3) both are fixed-size
+    raw only, a recurrent state (its recurrence inputs) at normed only; at engine both are fixed-size
     summaries."""
     if obj.kind == ObjectKind.CONV_HISTORY:
         return point if point == CapturePoint.RAW else None

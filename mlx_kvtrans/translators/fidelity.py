@@ -67,7 +67,10 @@ def fidelity(translator: Translator, source, target, token_ids: list[int],
         span = length + continuation
         if len(token_ids) < span + 1:
             raise ValueError(f"held-out text has {len(token_ids)} tokens, fewer than {span + 1}")
-        kls, floor_kls, agree, floor_agree = [], [], [], []
+        kls = []
+        floor_kls = []
+        agree = []
+        floor_agree = []
         for w in range(windows):
             if progress:
                 progress(n * windows + w, len(prefix_lengths) * windows, f"prefix {length:,}")

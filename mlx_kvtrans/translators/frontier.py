@@ -28,7 +28,7 @@ class Setting:
     recompute: int = 0  # k: the target's first layers that read the translated prefix too
 
     def translated(self, prefix_length: int) -> int:
-        """Tokens of a `prefix_length`-token prefix the translator builds (0: re-prefill)."""
+        """Tokens of a `prefix_length`-token prefix the translator builds (0: re-reading)."""
         return max(0, prefix_length - self.reread)
 
     def applies(self, length: int) -> bool:
@@ -77,7 +77,7 @@ class Row:
     needles: int
     recall_native: float | None
     recall_translated: float | None
-    reprefill_s: float
+    reread_s: float
     switch_s: float
     applied: float | None = None  # through a session: the share of switches the gate let stand
     intervals: dict | None = None  # figure -> [low, high], 95% (evaluation/intervals.py)
@@ -88,7 +88,7 @@ class Row:
 
     @property
     def speedup(self) -> float:
-        return self.reprefill_s / self.switch_s
+        return self.reread_s / self.switch_s
 
     def to_json(self) -> dict:
         return {**asdict(self), "setting": self.setting.to_json(), "speedup": self.speedup}
@@ -141,7 +141,7 @@ def rows_at(frontier, length: int) -> list[Row]:
 def cheapest_row(frontier, agreement: float, length: int, min_speedup: float = 1.0
                  ) -> Row | None:
     """The row of the fastest setting whose held-out agreement is at least `agreement` at a
-    switch of `length` tokens; None if none is, or none beats re-prefill (`min_speedup`).
+    switch of `length` tokens; None if none is, or none beats re-reading (`min_speedup`).
 
     The rows read are `rows_at(frontier, length)`; past every measured length nothing is
     known and None is returned."""
@@ -152,7 +152,7 @@ def cheapest_row(frontier, agreement: float, length: int, min_speedup: float = 1
 
 def cheapest(frontier, agreement: float, length: int, min_speedup: float = 1.0
              ) -> Setting | None:
-    """The setting of `cheapest_row` (None: re-prefill)."""
+    """The setting of `cheapest_row` (None: re-reading)."""
     row = cheapest_row(frontier, agreement, length, min_speedup)
     return None if row is None else row.setting
 
@@ -184,12 +184,15 @@ def load(path) -> Frontier:
         data = json.loads(file.read_text())
         if data.get("format") != FORMAT:
             raise ValueError(f"not an {FORMAT} file")
+        if any("reread_s" not in row for row in data.get("rows", [])):
+            raise ValueError("recorded by an earlier version of mlx-kvtrans, whose rows name "
+                             "their figures otherwise: measure it again with `--record --force`")
         frontier = Frontier.from_json(data)
         if not frontier.rows:
             raise ValueError("no rows")
         for row in frontier.rows:  # what a switch will compare and divide
             if not all(isinstance(v, (int, float)) for v in
-                       (row.length, row.agreement, row.reprefill_s, row.switch_s)) \
+                       (row.length, row.agreement, row.reread_s, row.switch_s)) \
                     or row.switch_s <= 0 or row.setting.reread < 0:
                 raise ValueError(f"a row is not measured figures: {row.to_json()}")
     except (ValueError, KeyError, TypeError, AttributeError) as e:

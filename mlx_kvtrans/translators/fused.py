@@ -122,8 +122,13 @@ def fuse(group: list[Recipe], params_of) -> FusedMaps:
     # maps with terms first, one run per shape, so that each group's columns lie together
     ordered = [r for kind in kinds for r in group if shapes[r] == kind]
     ordered += [r for r in group if shapes[r] is None]
-    parts, weights, biases = [], [], []
-    u0, u1, up, rows = [], [], [], {}
+    parts = []
+    weights = []
+    biases = []
+    u0 = []
+    u1 = []
+    up = []
+    rows = {}
     for r in ordered:
         for part, w, b in r.linear_parts(params[r]):
             parts.append((r, part, w.shape[0]))
@@ -143,7 +148,10 @@ def fuse(group: list[Recipe], params_of) -> FusedMaps:
         if stacked:
             rows[r] = mx.concatenate(stacked)
     width = sum(w.shape[0] for w in weights)
-    groups, column, rank_at, hidden_at = [], 0, 0, 0
+    groups = []
+    column = 0
+    rank_at = 0
+    hidden_at = 0
     for rank, hidden, out in kinds:
         members = [r for r in ordered if shapes[r] == (rank, hidden, out)]
         n = len(members)
@@ -152,7 +160,9 @@ def fuse(group: list[Recipe], params_of) -> FusedMaps:
             slice(rank_at, rank_at + n * rank) if rank else None,
             slice(hidden_at, hidden_at + n * hidden) if hidden else None,
             mx.stack([rows[r] for r in members])))
-        column, rank_at, hidden_at = column + n * out, rank_at + n * rank, hidden_at + n * hidden
+        column += n * out
+        rank_at += n * rank
+        hidden_at += n * hidden
     tables = (mx.concatenate(u0, axis=1), mx.concatenate(u1, axis=1)) if u0 else None
     weight = mx.concatenate(weights + up).T
     bias = mx.concatenate(biases + ([mx.zeros((hidden_at,), biases[0].dtype)] if up else []))

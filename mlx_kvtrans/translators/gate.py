@@ -2,7 +2,7 @@
 
 At a switch the target receives the span it has not seen translated, except its last r tokens,
 which it reads itself on top of the translation (C = N - r, as the hybrid-translation paper
-times its handoff; the target must read them anyway). Its mean NLL on those tokens, beside the
+times its switch; the target must read them anyway). Its mean NLL on those tokens, beside the
 source's NLL on the same tokens, is the gap:
 
     gap = mean_i NLL_T(x_i | translated cache, x_C..x_i-1) - mean_i NLL_S(x_i | x_<i)

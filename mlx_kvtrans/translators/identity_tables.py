@@ -41,9 +41,13 @@ class TableMoments:
         ids = np.asarray(ids, np.int64)
         for lag in LAGS:
             if lag:  # position t reads the id at t-1: the first position has none
-                key, xs, ys = ids[:, :-lag], x[:, lag:], y[:, lag:]
+                key = ids[:, :-lag]
+                xs = x[:, lag:]
+                ys = y[:, lag:]
             else:
-                key, xs, ys = ids, x, y
+                key = ids
+                xs = x
+                ys = y
             key = key.reshape(-1)
             np.add.at(self.count[lag], key, 1.0)
             np.add.at(self.sx[lag], key, xs.reshape(len(key), -1))

@@ -1,7 +1,7 @@
 """Install: turn cache objects into mlx-lm cache objects the model continues from, and the step
 every switch runs (`translate_into`: translate a capture and install it, whole or sharded).
 
-Objects given at (1) or (2) become (3) with the target's own norm and RoPE at the target's
+Objects given at raw or normed become engine with the target's own norm and RoPE at the target's
 positions (and, for recurrent states, by replaying the target's own recurrence). The result is a
 list of plain mlx-lm caches (`KVCache`, `ArraysCache`, `CacheList`): `model(tokens, cache=...)`,
 mlx-lm's generation and `save_prompt_cache` take it as they take their own.
@@ -25,7 +25,7 @@ def resolve_layout(model_or_layout) -> ModelLayout:
 def to_engine(model_or_layout: nn.Module | ModelLayout, layers: list[dict[str, Any]],
               point: int | list[dict[str, int]], offset: int = 0,
               previous: list[dict[str, mx.array]] | None = None) -> list[dict[str, mx.array]]:
-    """Per-layer objects captured at `point` -> per-layer (3) objects, tokens from `offset` on.
+    """Per-layer objects captured at `point` -> per-layer engine objects, tokens from `offset` on.
 
     `point`: one capture point for every object, or per layer a point per object name."""
     layout = resolve_layout(model_or_layout)
@@ -106,7 +106,7 @@ def install(model_or_layout: nn.Module | ModelLayout, layers: list[dict[str, Any
 
 
 def all_finite(layers: list[dict[str, mx.array]]) -> bool:
-    """Whether every (3) object is finite (one evaluation for all of them). A NaN or an
+    """Whether every engine object is finite (one evaluation for all of them). A NaN or an
     infinity makes its tensor's sum one too, and a sum is one pass over the tensor where
     `isfinite(...).all()` on a CPU is two and several times slower. Finite values whose sum
     overflows float32 (3.4e38) read as not finite: no usable cache holds them. float16

@@ -5,7 +5,7 @@ Pipeline (`model.model.pipeline(group)`): each process holds a run of consecutiv
 A translator is fitted for the whole models. A sharded source's capture is made whole on
 every process: head shares gathered (`all_gather`), each layer's objects sent from the process
 that holds it (`all_sum` over zeros elsewhere). A sharded target's process translates as for
-the whole model, only the layers it holds, brings the objects to (3) with the whole layer's
+the whole model, only the layers it holds, brings the objects to engine with the whole layer's
 norm and rotation, and keeps its share of the heads: the caches it installs are what the
 unsharded target would hold, split the way mlx-lm split the model.
 
@@ -34,7 +34,7 @@ RECURRENT = {cls.__name__: cls for cls in (RecurrentInputs, RawRecurrentInputs)}
 _TENSOR_SHARDED = (distributed.AllToShardedLinear, distributed.ShardedToAllLinear,
                    distributed.QuantizedAllToShardedLinear,
                    distributed.QuantizedShardedToAllLinear)
-# cache objects whose (3) form needs only weights a tensor-sharded layer holds whole (the key
+# cache objects whose engine form needs only weights a tensor-sharded layer holds whole (the key
 # norm and the rotation); a recurrent layer's replay reads its sharded projections
 _TENSOR_MIXERS = ("gqa",)
 
@@ -56,7 +56,7 @@ class Shards:
                            [self.whole.layers[i] for i in self.layers])
 
     def split(self, engine: list[dict[str, mx.array]]) -> list[dict[str, mx.array]]:
-        """(3) objects of the held layers, whole -> this process's share of every object."""
+        """Engine objects of the held layers, whole -> this process's share of every object."""
         out = []
         for objects, whole, local in zip(engine, self.held().layers, self.local.layers):
             out.append({name: self._share(value, whole.cache.object(name).engine_shape,
@@ -72,7 +72,7 @@ class Shards:
         return {(i - start, name, point) for i, name, point in select if i in self.layers}
 
     def whole_engine(self, objects: list[dict]) -> list[dict]:
-        """(3) objects read from this process's caches (its layers, its share of the heads) ->
+        """Engine objects read from this process's caches (its layers, its share of the heads) ->
         the whole model's, on every process."""
         return self.whole_capture(Capture(self.local, None, objects, None)).objects
 

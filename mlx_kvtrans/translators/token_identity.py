@@ -35,7 +35,7 @@ def first_mla_layer(layout) -> int:
 
 
 def build_codebook(model, vocab_size: int, chunk: int = 4096) -> mx.array:
-    """(vocab, kv_lora_rank) layer-0 latents of every token id, at capture point (2)."""
+    """(vocab, kv_lora_rank) layer-0 latents of every token id, at capture point normed."""
     layout = layout_of(model)
     layer = first_mla_layer(layout)
     if layer != 0:

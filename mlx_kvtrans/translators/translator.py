@@ -208,7 +208,7 @@ def translate_cache(translator: Translator, source_model, target_model, tokens,
     Either model may be loaded sharded by mlx-lm (`sharding`): every process then calls this,
     and gets its share of the target's caches.
     `sink` > 0: the target reads the first `sink` tokens itself and the translation covers the
-    rest, as a session's switch with that sink does (`session.handover`); None: the
+    rest, as a session's switch with that sink does (`session.switching`); None: the
     translator's `measured_sink`."""
     from mlx_lm.models.cache import make_prompt_cache
 

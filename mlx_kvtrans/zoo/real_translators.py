@@ -47,7 +47,9 @@ def chat_text(tokenizer, text: str, seed: int = 0) -> str:
     """`text`'s paragraphs as conversations in `tokenizer`'s chat template, user and assistant
     turns alternating: the shape of what a chat model's history holds."""
     paragraphs = [" ".join(p.split()) for p in text.split("\n\n") if p.strip()]
-    rng, conversations, at = random.Random(seed), [], 0
+    rng = random.Random(seed)
+    conversations = []
+    at = 0
     while at < len(paragraphs):
         turns = paragraphs[at:at + rng.randint(*TURNS)]
         at += len(turns)

@@ -3,7 +3,7 @@ target's per-token recurrence inputs (k, v, gate and beta logits; q only reads t
 from the source's features, and `install` runs the target's `gated_delta_update` over them. The
 default for a target state the source has nothing like.
 
-`convolve` (`FitConfig.replay_convolve`, from features at (1)): k and v are predicted as the
+`convolve` (`FitConfig.replay_convolve`, from features at raw): k and v are predicted as the
 rows entering the layer's short convolution, which `install` passes through the target's own
 convolution, after the conv history it holds. Each convolved row mixes the last K tokens, which
 a token-wise map of one position's features fits poorly; the rows before it are one token's
@@ -54,7 +54,7 @@ class Replay(Recipe):
 
     def _targets(self, target) -> dict[str, mx.array]:
         """Per input, what the maps are fitted to in a target capture: the recurrence inputs
-        (2), with k and v the rows entering the convolution when `convolve`."""
+        normed, with k and v the rows entering the convolution when `convolve`."""
         inputs = target.objects[self.layer][(self.name, CapturePoint.NORMED)]
         out = {name: getattr(inputs, name) for name in REPLAY_INPUTS}
         if self.convolve:
@@ -107,7 +107,7 @@ class Replay(Recipe):
         return params, metrics
 
     def build(self, inputs, params):
-        """Predicted per-token recurrence inputs (2); install replays the target's recurrence."""
+        """Predicted per-token recurrence inputs normed; install replays the target's recurrence."""
         x = concat_features(inputs.features, self.sources, (), inputs.identity,
                             inputs.expand if self.expand else None)
         return self.from_parts(inputs, {name: x @ weight.T + bias

@@ -32,7 +32,7 @@ PER_TOKEN = {ObjectKind.TOKEN_KEY, ObjectKind.TOKEN_VALUE, ObjectKind.MLA_LATENT
 
 
 def per_token_rows(value: mx.array) -> mx.array:
-    """A target object as (B, T, D) rows: (3) per-token tensors are (B, heads, T, dim)."""
+    """A target object as (B, T, D) rows: engine per-token tensors are (B, heads, T, dim)."""
     if value.ndim == 4:
         B, H, T, D = value.shape
         return value.transpose(0, 2, 1, 3).reshape(B, T, H * D)
@@ -56,7 +56,7 @@ class TokenMap(Recipe):
             kinds = (obj.kind.value,) if ctx.split_kv else ()
             return cls(layer, obj.name, obj.point_for(ctx.point_of(obj)), ctx.sources, kinds,
                        ctx.heads)
-        if obj.kind == ObjectKind.CONV_HISTORY:  # its rows are per token at (1)
+        if obj.kind == ObjectKind.CONV_HISTORY:  # its rows are per token at raw
             return cls(layer, obj.name, CapturePoint.RAW, ctx.sources)
         raise RecipeError(f"{obj.name} ({obj.kind.value}) is not per token: zero, copy, "
                           "bilinear or replay")

@@ -1,10 +1,10 @@
-"""The hand-over: a session's target model receives the span of the conversation it has not
+"""The switch: a session's target model receives the span of the conversation it has not
 seen, translated from the source's recorded objects and installed after what its cache holds
 (segment-wise transfer, KV-Lingo section 4.7).
 
 Strategies: `segment` (the default), `naive` (re-translate the whole prefix at every switch),
-`refresh` (segment-wise, but re-prefill the target every N switches). A switch falls back to
-re-prefilling the unseen span, visibly, when there is no translator for the pair, when the
+`refresh` (segment-wise, but re-reading the target every N switches). A switch falls back to
+re-reading the unseen span, visibly, when there is no translator for the pair, when the
 translated tensors are not finite, or when the context is longer than the translator allows.
 
 The fidelity dial (`dial`) and the gate: the translation covers the span except its last
@@ -29,12 +29,12 @@ prompt, when it was added before the switch) in one forward, and keeps that forw
 logits: its first token costs no further forward (`decode`). A caller that adds the next prompt
 before switching pays one forward for the gate, the prompt and the first token together.
 
-Across tokenizers (`views`) positions are the target's: the hand-over gives the target's tokens
+Across tokenizers (`views`) positions are the target's: the switch gives the target's tokens
 of the text the source has read, up to the last place where both split; each of them reads its
 alignment group's source tokens pooled, as its translator was fitted (`_across`). The gate
 compares each model's NLL of its own tokens of the same text (`gate.compare_across`).
 
-`hand_over` is the one switch: `Session.switch`, the server (through it) and the switch
+`receive_span` is the one switch: `Session.switch`, the server (through it) and the switch
 benchmark's gated switch all run it.
 """
 
@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import copy
 import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import mlx.core as mx
 
@@ -53,66 +53,120 @@ from ..translators.cross_tokenizer import AlignedText, pooling, realigned
 from ..errors import KvtransError
 from ..layouts import CapturePoint, ObjectKind
 from ..layouts.linear_attention import RawRecurrentInputs
-from . import dial
+from ..translators.alignment import Views
+from ..translators.translator import measured_sink
+from . import decode, dial
 from .line import CacheLine, covers, fixed_slots
 from .status import Outcome, SwitchStatus, Verdict
 
-if TYPE_CHECKING:
-    from .conversation import Session
+
+@dataclass(frozen=True)
+class Settings:
+    """How a session switches: its options (`Session(...)`), as values."""
+
+    strategy: str = "segment"
+    refresh_every: int = 4
+    max_context: int | None = None
+    gate_tokens: int = gate.GATE_TOKENS
+    reread: int | None = None
+    fidelity: float | None = None
+    escalate: bool = False
+    recompute: int | None = None
+    sink: int | None = None
+
+    def sink_for(self, translator) -> int:
+        """The first tokens a target handed the conversation from its start reads itself: the
+        session's `sink`, else what the translator's fit measured of its target."""
+        return measured_sink(translator) if self.sink is None else self.sink
 
 
-def hand_over(session: Session, source: str, target: str, read_fallback: bool = True,
-              refused: str | None = None) -> SwitchStatus:
-    """Give `target` what `source` has read and it has not: translated (and judged by the
-    gate), or re-read with the reason why. Only the target's line changes; the session's
-    active model, its dropped spans and its list of switches are the caller's.
-    `read_fallback=False`: a fallback reads nothing (the status says why and how much is left to read). `refused`:
-    why a hand-over made ahead fell back; the target reads on instead of translating again."""
-    src, tgt = session.lines[source], session.lines[target]
-    n = session.mapped(source, src.seen, target)  # the target's tokens of what the source read
-    status = SwitchStatus(source, target, Outcome.APPLIED, strategy=session.strategy)
+@dataclass(frozen=True)
+class Conversation:
+    """The conversation as each model reads it: one token list per tokenizer (`views`), the
+    group each model reads (`groups`), and the session's `settings`. A switch reads the session
+    through this alone."""
+
+    views: Views
+    groups: dict[str, int]
+    settings: Settings
+
+    def view(self, name: str) -> list[int]:
+        """The conversation as model `name` reads it: its tokenizer's tokens."""
+        self.views.sync()
+        return self.views.tokens[self.groups[name]]
+
+    def across(self, source: str, target: str) -> bool:
+        """Whether `source` and `target` read different tokens of the conversation."""
+        return self.groups[source] != self.groups[target]
+
+    def mapped(self, source: str, position: int, target: str) -> int:
+        """`target`'s tokens of what `source`'s first `position` tokens cover (`Views.mapped`;
+        `position` itself when they share a tokenizer)."""
+        if not self.across(source, target):
+            return position
+        return self.views.mapped(self.groups[source], position, self.groups[target])
+
+    def read(self, line: CacheLine, upto: int, whole: bool = False,
+             split_at: int | None = None, generated: range | None = None):
+        """Let `line`'s model read the conversation up to `upto` (`decode.read`)."""
+        return decode.read(line, self.view(line.name), upto, whole, split_at, generated)
+
+
+def receive_span(conversation: Conversation, src: CacheLine, tgt: CacheLine, translator,
+                 number: int, read_fallback: bool = True,
+                 refused: str | None = None) -> SwitchStatus:
+    """Give `tgt` what `src` has read and it has not: translated by `translator` (and judged by
+    the gate), or re-read with the reason why. Only the target's line changes; the session's
+    active model, its dropped spans and its list of switches are the caller's. `number`: this
+    switch's count among the target's (`refresh` re-reads every Nth). `read_fallback=False`: a
+    fallback reads nothing (the status says why and how much is left to read). `refused`:
+    why a switch made ahead fell back; the target reads on instead of translating again."""
+    source, target = src.name, tgt.name
+    settings = conversation.settings
+    n = conversation.mapped(source, src.seen, target)  # the target's tokens of what src read
+    status = SwitchStatus(source, target, Outcome.APPLIED, strategy=settings.strategy)
     started = time.perf_counter()
-    translator = session.translators.get((source, target))
     if translator is not None:
         status.translator_note = translator.info.get("fitted_on", "")
-    number = sum(1 for s in session.switches if s.target == target) + 1
-    refresh = session.strategy == "refresh" and number % session.refresh_every == 0
-    if source == target or n <= tgt.seen and session.strategy != "naive":
+    refresh = settings.strategy == "refresh" and number % settings.refresh_every == 0
+    if source == target or n <= tgt.seen and settings.strategy != "naive":
         pass  # nothing to give
     elif translator is None:
-        _fallback(session, tgt, n, status, "no translator for this pair", read=read_fallback)
+        _fallback(conversation, tgt, n, status, "no translator for this pair",
+                  read=read_fallback)
     elif refused is not None:
-        _fallback(session, tgt, n, status, f"{refused} (when translating ahead)",
+        _fallback(conversation, tgt, n, status, f"{refused} (when translating ahead)",
                   read=read_fallback)
     elif refresh:
-        _fallback(session, tgt, n, status, f"refresh every {session.refresh_every} switches",
-                  full=True, read=read_fallback)
-    elif session.max_context is not None and n > session.max_context:
-        _fallback(session, tgt, n, status, f"context {n} tokens is longer than the translator "
-                                           f"allows ({session.max_context})", read=read_fallback)
+        _fallback(conversation, tgt, n, status,
+                  f"refresh every {settings.refresh_every} switches", full=True,
+                  read=read_fallback)
+    elif settings.max_context is not None and n > settings.max_context:
+        _fallback(conversation, tgt, n, status, f"context {n} tokens is longer than the "
+                  f"translator allows ({settings.max_context})", read=read_fallback)
     else:
-        start = 0 if session.strategy == "naive" else tgt.seen
-        if session.mapped(target, start, source) < src.recorded_from:
-            _fallback(session, tgt, n, status, "the source did not record the span the target "
-                                               "has not seen", read=read_fallback)
+        start = 0 if settings.strategy == "naive" else tgt.seen
+        if conversation.mapped(target, start, source) < src.recorded_from:
+            _fallback(conversation, tgt, n, status, "the source did not record the span the "
+                      "target has not seen", read=read_fallback)
         else:
             # the frontier's L counts the token the target reads next: n + 1
-            choice, why = dial.choose(translator, n + 1, session.reread, session.fidelity,
-                                      session.recompute)
+            choice, why = dial.choose(translator, n + 1, settings.reread, settings.fidelity,
+                                      settings.recompute)
             if choice is None:
-                _fallback(session, tgt, n, status, why, read=read_fallback)
+                _fallback(conversation, tgt, n, status, why, read=read_fallback)
             else:
                 status.reread, status.setting_note = choice.reread, choice.note
                 status.expected_agreement = choice.expected_agreement
                 status.expected_speedup = choice.expected_speedup
-                _translate_and_gate(session, translator, src, tgt, start, n, status,
-                                    choice.reread, read_fallback, session.escalate,
+                _translate_and_gate(conversation, translator, src, tgt, start, n, status,
+                                    choice.reread, read_fallback, settings.escalate,
                                     choice.recompute)
     status.translate_seconds = time.perf_counter() - started
     return status
 
 
-def handoff_point(translator, src: CacheLine, start: int, n: int, r: int,
+def switch_point(translator, src: CacheLine, start: int, n: int, r: int,
                   at_least: int = 0) -> tuple[int, str]:
     """(C, why the gate cannot run): the translation covers [start, C), the target reads
     [C, n) itself. C = n - r (r: the larger of the gate's tokens and the dial's R); a
@@ -132,78 +186,81 @@ def handoff_point(translator, src: CacheLine, start: int, n: int, r: int,
     return n, "the source kept no state a few tokens back (the translator reads its state)"
 
 
-def _translate_and_gate(session: Session, translator, src: CacheLine, tgt: CacheLine,
+def _translate_and_gate(conversation: Conversation, translator, src: CacheLine, tgt: CacheLine,
                         start: int, n: int, status: SwitchStatus, reread: int = 0,
                         read_fallback: bool = True, escalate: bool = True,
                         recompute: int = 0) -> None:
     """Translate [start, C), let the target read [C, n), and let the gate judge its last
     tokens: over its threshold, the target reads more of the span itself (`dial.escalated`,
     once, if `escalate`), else re-reads [start, n) instead (`read_fallback`)."""
-    r = session.gate_tokens
-    handoff, why = handoff_point(translator, src, start, n, max(r, reread), reread)
-    if handoff == n and reread and why:  # no state to stop at: everything translated
+    r = conversation.settings.gate_tokens
+    stop_at, why = switch_point(translator, src, start, n, max(r, reread), reread)
+    if stop_at == n and reread and why:  # no state to stop at: everything translated
         status.setting_note += f"; R not kept: {why}"
     # the attention sink, read natively by a target that holds nothing yet (under `naive`
     # a later switch starts at 0 too, over a line that holds the sink already)
-    sink = session.sink_for(translator)
-    if tgt.seen == 0 and 0 < sink < handoff:
-        session.read(tgt, sink)
+    sink = conversation.settings.sink_for(translator)
+    if tgt.seen == 0 and 0 < sink < stop_at:
+        conversation.read(tgt, sink)
         start = status.tokens_sink = sink
     before = None if tgt.cache is None or start == 0 else fixed_slots(tgt.cache)
-    if handoff > start:
+    if stop_at > start:
         own = _own_layers(tgt, start, recompute)
         try:
-            _translate(session, translator, src, tgt, start, handoff, status)
+            _translate(conversation, translator, src, tgt, start, stop_at, status)
             if own:
                 recompute_first_layers(tgt.lm.model, tgt.cache, own,
-                                       mx.array(session.view(tgt.name)[start:handoff])[None],
+                                       mx.array(conversation.view(tgt.name)[start:stop_at])[None],
                                        len(own))
                 status.layers_recomputed = len(own)
         except ValueError as e:  # the recorded span lacks what the translator reads
-            _fallback(session, tgt, n, status, f"cannot translate the source's cache: {e}",
+            _fallback(conversation, tgt, n, status, f"cannot translate the source's cache: {e}",
                       read=read_fallback)
             return
         except NotFinite:
-            _fallback(session, tgt, n, status, "translated tensors are not finite",
+            _fallback(conversation, tgt, n, status, "translated tensors are not finite",
                       read=read_fallback)
             return
-        session.snapshot(tgt)
+        tgt.snapshot()
     if r == 0:
-        _read_on(session, tgt, n)  # the dial's R, if any
-        status.tokens_read = n - handoff
+        _read_on(conversation, tgt, n)  # the dial's R, if any
+        status.tokens_tail = n - stop_at
         status.gate = Verdict.OFF
         return
-    if handoff == n:
+    if stop_at == n:
         status.gate, status.gate_note = Verdict.UNCHECKED, why
         return
     started = time.perf_counter()
-    rows = _read_on(session, tgt, n)
-    status.tokens_read = n - handoff
-    if handoff == start:
+    rows = _read_on(conversation, tgt, n)
+    status.tokens_tail = n - stop_at
+    if stop_at == start:
         status.gate, status.gate_note = Verdict.UNCHECKED, why
         status.gate_seconds = time.perf_counter() - started
         return
     # the gate judges the last tokens only (the rows both lines keep); after a re-read of R
     # over 2r tokens these follow more native context than calibration saw, so the threshold
     # errs towards letting the translation stand
-    since = max(handoff, n - session.tail_rows)
-    if session.across(src.name, tgt.name):  # each model's NLL of its own tokens of the text
-        views, s, t = session.views, session.groups[src.name], session.groups[tgt.name]
+    since = max(stop_at, n - tgt.recording.tail_rows)
+    if conversation.across(src.name, tgt.name):  # each model's NLL of its own tokens of the text
+        views = conversation.views
+        s = conversation.groups[src.name]
+        t = conversation.groups[tgt.name]
         views.sync()
         reading = gate.compare_across(src.lm.model, src.tail, views.tokens[s], views.ends[s],
                                       tgt.lm.model, rows or tgt.tail, views.tokens[t],
                                       views.ends[t], since, n)
     else:
         reading = gate.compare(src.lm.model, src.tail, tgt.lm.model, rows or tgt.tail,
-                               session.view(tgt.name), since, n)
+                               conversation.view(tgt.name), since, n)
     status.gate_seconds = time.perf_counter() - started
     if reading is None:
         status.gate, status.gate_note = Verdict.UNCHECKED, ("the source holds no predictions "
                                                             "of the span's last tokens")
         return
     threshold, why = gate.threshold(translator.info.get("gate"), r, reading.generated, n)
-    status.gate_gap, status.gate_tokens, status.gate_threshold = (
-        reading.gap, reading.tokens, threshold)
+    status.gate_gap = reading.gap
+    status.gate_tokens = reading.tokens
+    status.gate_threshold = threshold
     status.gate_agreement = reading.agreement
     if threshold is None:
         status.gate, status.gate_note = Verdict.UNCALIBRATED, why
@@ -212,24 +269,25 @@ def _translate_and_gate(session: Session, translator, src: CacheLine, tgt: Cache
     else:
         status.gate = Verdict.FIRED
         tgt.rewind(start, before)
-        status.tokens_translated = status.tokens_read = 0
+        status.tokens_translated = status.tokens_tail = 0
         wider = dial.escalated(max(r, reread), n - start) if escalate else None
-        if wider is not None and start < handoff_point(translator, src, start, n, max(r, wider),
+        if wider is not None and start < switch_point(translator, src, start, n, max(r, wider),
                                                        wider)[0] < n:  # and the gate can judge
             status.setting_note += (f"; the gate fired at R = {max(r, reread)} (gap "
                                     f"{reading.gap:+.2f}, threshold {threshold:.2f}): "
                                     f"R = {wider}")
             first_seconds = status.gate_seconds
             expected = dial.expecting(translator, wider, n + 1, recompute)
-            status.reread, status.expected_agreement, status.expected_speedup = (
-                wider, expected.expected_agreement, expected.expected_speedup)
+            status.reread = wider
+            status.expected_agreement = expected.expected_agreement
+            status.expected_speedup = expected.expected_speedup
             status.gate_gap = status.gate_threshold = status.gate_agreement = None
             status.gate_tokens = 0  # the second reading's, or none
-            _translate_and_gate(session, translator, src, tgt, start, n, status, wider,
+            _translate_and_gate(conversation, translator, src, tgt, start, n, status, wider,
                                 read_fallback, escalate=False, recompute=recompute)
             status.gate_seconds += first_seconds
             return
-        _fallback(session, tgt, n, status, f"fidelity gate: the target's NLL on the last "
+        _fallback(conversation, tgt, n, status, f"fidelity gate: the target's NLL on the last "
                                            f"{reading.tokens} tokens is {reading.gap:+.2f} "
                                            f"nats/token from the source's, over the "
                                            f"translator's threshold {threshold:.2f}",
@@ -250,32 +308,32 @@ def _own_layers(tgt: CacheLine, start: int, recompute: int) -> list:
     return copy.deepcopy(tgt.cache[:k])
 
 
-def _read_on(session: Session, tgt: CacheLine, n: int):
+def _read_on(conversation: Conversation, tgt: CacheLine, n: int):
     """The target reads the span's last tokens [seen, n) on the translation and, in the same
     forward, what the conversation holds after them (the next prompt, which it reads before
     its first token anyway): one forward for the gate and the first decode step, whose logits
     the line keeps. Returns the final-norm rows of the tokens read (None when it took more
     than one forward)."""
-    ahead = len(session.view(tgt.name))
+    ahead = len(conversation.view(tgt.name))
     if ahead - tgt.seen > PREFILL_CHUNK:
-        session.read(tgt, n)
+        conversation.read(tgt, n)
         return None
-    return session.read(tgt, ahead, whole=True, split_at=n)
+    return conversation.read(tgt, ahead, whole=True, split_at=n)
 
 
-def _translate(session: Session, translator, src: CacheLine, tgt: CacheLine, start: int,
+def _translate(conversation: Conversation, translator, src: CacheLine, tgt: CacheLine, start: int,
                stop: int, status: SwitchStatus) -> None:
     """Translate the source's recorded [start, stop) and install it after what the target
     holds (a fresh cache when it holds nothing, or under `naive`)."""
-    if session.across(src.name, tgt.name):
-        span = _across(session, translator, src, tgt, start, stop)
+    if conversation.across(src.name, tgt.name):
+        span = _across(conversation, translator, src, tgt, start, stop)
     else:
-        span = src.span(session.view(src.name), start, stop)
+        span = src.span(conversation.view(src.name), start, stop)
     fresh = start == 0 or tgt.cache is None
     # What the target now holds for the span, at the points the translator produced it and
     # its own translators read: a later switch away translates it onwards, errors and all;
     # a conv history's every row only where one of them reads it (else its K-1 rows)
-    select = session.selection(tgt.name)
+    select = set(tgt.recording.select)
     layers = tgt.layout.layers
     all_rows = any(layers[i].cache.object(name).kind == ObjectKind.CONV_HISTORY
                    for i, name, _ in select)
@@ -288,14 +346,16 @@ def _translate(session: Session, translator, src: CacheLine, tgt: CacheLine, sta
                                             offset=start, cache=None if fresh else tgt.cache,
                                             all_rows=all_rows, finite=True)
     if fresh:
-        tgt.recorded, tgt.tail, tgt.states = [], None, {}
+        tgt.recorded = []
+        tgt.tail = None
+        tgt.states = {}
     held = [{(name, points[i][name]): _recorded(layers[i].cache, value, before[i])
              for name, value in objs.items()
              if (i, name, points[i][name]) in select and covers(value, stop - start)}
             for i, objs in enumerate(objects)]
     if tgt.shards is not None:  # each process translated the layers it holds
         held = tgt.shards.share_held(held)
-    session.keep(tgt, start, Capture(tgt.layout, span.tokens, held, cache), own=False)
+    tgt.keep(start, Capture(tgt.layout, span.tokens, held, cache), own=False)
     tgt.cache, tgt.seen = cache, stop
     status.tokens_translated = stop - start
 
@@ -304,7 +364,7 @@ def _recorded(layer, value, before: dict | None):
     """What the target records of a translated object: replay's rows before the convolution
     (`RawRecurrentInputs`) as the recurrence inputs installing made of them, after the conv
     histories `before` (None: not read, on a sharded target), so a switch onwards reads what a
-    recorded (2) is."""
+    recorded normed is."""
     if not isinstance(value, RawRecurrentInputs):
         return value
     if before is None:
@@ -313,32 +373,33 @@ def _recorded(layer, value, before: dict | None):
     return layer.convolved(value, before)
 
 
-def _across(session: Session, translator, src: CacheLine, tgt: CacheLine, start: int,
+def _across(conversation: Conversation, translator, src: CacheLine, tgt: CacheLine, start: int,
             stop: int) -> Capture:
     """What the source recorded of the text of the target's tokens [start, stop), seen at the
     target's tokens: each reads its group's source tokens pooled as the translator was fitted
     (`cross_tokenizer.realigned`). Its state is rebuilt by replay, so no engine objects."""
     how = translator.info["alignment"].get("pooling", "mean")
-    alignment = session.views.alignment(session.groups[src.name], session.groups[tgt.name])
+    groups = conversation.groups
+    alignment = conversation.views.alignment(groups[src.name], groups[tgt.name])
     sources, weights = pooling(alignment, how)
     sources, weights = sources[start:stop], weights[start:stop]
     lo, hi = int(sources.min()), int(sources.max()) + 1
-    ids = session.view(src.name)
+    ids = conversation.view(src.name)
     span = src.span(ids, lo, hi)
     objects = [{key: value for key, value in layer.items() if key[1] != CapturePoint.ENGINE}
                for layer in span.objects]
-    text = AlignedText(mx.array([ids[lo:hi]]), mx.array([session.view(tgt.name)[start:stop]]),
+    text = AlignedText(mx.array([ids[lo:hi]]), mx.array([conversation.view(tgt.name)[start:stop]]),
                        mx.array(sources - lo), mx.array(weights), alignment.one_to_one(), how)
     return realigned(Capture(span.layout, span.tokens, objects, span.engine), text)
 
 
-def _fallback(session: Session, tgt: CacheLine, n: int, status: SwitchStatus, reason: str,
+def _fallback(conversation: Conversation, tgt: CacheLine, n: int, status: SwitchStatus, reason: str,
               full: bool = False, read: bool = True) -> None:
-    """Re-prefill: the target reads up to `n`, what it has not seen (everything, when
+    """Re-reading: the target reads up to `n`, what it has not seen (everything, when
     `full`); without `read`, that is left to the caller."""
-    status.status, status.reason = Outcome.FALLBACK_REPREFILL, reason
+    status.status, status.reason = Outcome.FALLBACK, reason
     if full:
         tgt.reset()
-    status.tokens_reprefilled = n - tgt.seen
+    status.tokens_fallback = n - tgt.seen
     if read:
-        session.read(tgt, n)
+        conversation.read(tgt, n)
