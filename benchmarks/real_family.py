@@ -231,7 +231,7 @@ def write_markdown(results: dict, path: Path) -> None:
                   "needles a length. Recovered: the history's worth kept over what the last 16 "
                   "tokens give; match: greedy tokens of 32 equal to native's; recall native / "
                   "switched; k: the target's first layers that read the span themselves.", "",
-                  "| direction | stage | sink | k | " + " | ".join(
+                  "| direction | stage | sink tokens | k | " + " | ".join(
                       f"recovered / first / match / recall @{n:,}" for n in shown) +
                   " | applied | speed-up @2,048 | bars missed |",
                   "|---|---|---|---|" + "---|" * len(shown) + "---|---|---|"]
@@ -247,7 +247,8 @@ def write_markdown(results: dict, path: Path) -> None:
             long = row["lengths"].get("2048")
             speedup = f"{long['speedup']:.1f}x" if long else "-"
             missed = [k for k, ok in direction_bars(row).items() if not ok]
-            lines.append(f"| {name} | {row['stage']} | {row['sink']} | {row['recompute']} | " +
+            sink = (row["sink"] or {}).get("tokens", 0)
+            lines.append(f"| {name} | {row['stage']} | {sink} | {row['recompute']} | " +
                          " | ".join(cells) +
                          f" | {applied:.2f} | {speedup} | {', '.join(missed) or 'none'} |")
     path.write_text("\n".join(lines) + "\n")

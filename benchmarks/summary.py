@@ -126,7 +126,7 @@ def _real_rows(family: dict) -> list[str]:
     if not directions:
         return []
     at = " / ".join(str(n) for n in REAL_LENGTHS)
-    lines = ["", f"| real translator (built) | stage | sink | history recovered @{at} | "
+    lines = ["", f"| real translator (built) | stage | sink tokens | history recovered @{at} | "
              f"first token @{at} | greedy match @{at} | recall @{at} (native) | applied | "
              "switch speed-up @2K |", "|---|---|---|---|---|---|---|---|---|"]
     for name, entry in directions.items():
@@ -137,7 +137,7 @@ def _real_rows(family: dict) -> list[str]:
                             for n in REAL_LENGTHS)
         applied = min((r["applied"] or 0) for r in rows.values())
         speedup = _times(rows[2048]["speedup"]) if 2048 in rows else "-"
-        lines.append(f"| `{name}` | {row['stage']} | {row['sink']} | "
+        lines.append(f"| `{name}` | {row['stage']} | {(row['sink'] or {}).get('tokens', 0)} | "
                      f"{_pair(rows, 'history_recovered', lengths=REAL_LENGTHS)} | "
                      f"{_pair(rows, 'first_token', lengths=REAL_LENGTHS)} | "
                      f"{_pair(rows, 'greedy_match', '.1f', REAL_LENGTHS)} | {recall} | "
