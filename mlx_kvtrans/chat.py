@@ -345,9 +345,11 @@ class Chat:
                 read += f", its first {counted(s.layers_recomputed, 'layer')} on the span too"
             ahead = (f" ({s.tokens_translated_ahead} of them ahead, "
                      f"{s.ahead_seconds * 1000:.1f} ms)" if s.tokens_translated_ahead else "")
+            fallback = (f", {counted(s.tokens_fallback, 'token')} re-read in its place"
+                        if s.tokens_fallback else "")
             return (f"switched {s.source} -> {s.target}: {s.status}{detail}; "
-                    f"{counted(s.tokens_translated, 'token')} translated{ahead}{read}, "
-                    f"{s.tokens_fallback} re-read, {s.translate_seconds * 1000:.1f} ms"
+                    f"{counted(s.tokens_translated, 'token')} translated{ahead}{read}"
+                    f"{fallback}, {s.translate_seconds * 1000:.1f} ms"
                     f"{dial_summary(s)}{gate_summary(s)}")
         if word == "/who":
             if arg:
