@@ -208,7 +208,7 @@ class Session:
     def read(self, line: CacheLine, upto: int, whole: bool = False,
              split_at: int | None = None, generated: range | None = None):
         """Let `line`'s model read conversation tokens [seen, upto) (see `decode.read`)."""
-        return decode.read(line, self.view(line.name), upto, whole, split_at, generated)
+        return self.conversation.read(line, upto, whole, split_at, generated)
 
     def _finish_turn(self) -> None:
         """End a generation whose iterator is still open (as closing it would)."""
