@@ -36,7 +36,7 @@ def loaded(name, models: dict):
     for alias in (source, target):
         models.setdefault(alias, kv.load(alias))
     src, tgt = models[source], models[target]
-    return artifact.load(name, src, tgt, across_tokenizers=True), src, tgt
+    return artifact.load(name, src, tgt), src, tgt
 
 
 def cell(value, spec: str) -> str:

@@ -271,7 +271,7 @@ def _load_translator(name, source, target):
     path = artifact.resolve(name)
     try:
         # a session keeps the conversation as text for models that tokenize differently
-        return path, artifact.load(path, source, target, across_tokenizers=True)
+        return path, artifact.load(path, source, target)
     except (KeyError, TypeError, ValueError) as e:  # hashes agree, the contents do not parse
         raise KvtransError(f"not a readable translator ({type(e).__name__}: {e})") from None
 

@@ -342,7 +342,7 @@ def eval_frontier(translator_dir: Path = typer.Option(..., "--translator",
     text = text_file("--text", text, "test")
     src, tgt = mlx_kvtrans.load(names[0]), mlx_kvtrans.load(names[1])
     # across tokenizers the source reads its own tokens of each prompt's text
-    translator = artifact.load(directory, src, tgt, across_tokenizers=True)
+    translator = artifact.load(directory, src, tgt)
     ids = tgt.tokenizer.encode(text.read_text(errors="replace"))
     group = launched_group()  # under mlx.launch: the windows and needles are shared out
     make = needle_maker(needle_format, 1, tgt)

@@ -155,8 +155,7 @@ def measure_direction(source: str, target: str, args, train_file: Path, test_tex
            "variants": {}}
     for variant in args.variants:
         if variant == "shipped":  # the translator that ships for this direction, as it is
-            translator = artifact.load(artifact.shipped(source, target), src, tgt,
-                                       across_tokenizers=True)
+            translator = artifact.load(artifact.shipped(source, target), src, tgt)
             how = translator.info["alignment"]["pooling"]
             result = {"fit_s": translator.info["fit"]["seconds"],
                       "fit_tokens": translator.info["fit"]["tokens"],

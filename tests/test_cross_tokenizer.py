@@ -375,3 +375,40 @@ def test_every_object_kind_translates_across_tokenizers(pair, source_family, tar
     assert all(c.offset == 100 for c in cache if getattr(c, "offset", 0))
     logits = target(mx.array([[ord("a")]]), cache=cache)
     assert bool(mx.isfinite(logits).all())
+
+
+# each command runs once, on one of the two shipped directions
+ACROSS_COMMANDS = {
+    "qwen3.5-a__qwen3.5-xt": {
+        "fidelity": ["--prefix-lengths", "32", "--windows", "1"],
+        "needle": ["--lengths", "64", "--samples", "2"],
+        "behaviour": ["--prompts", "2", "--max-tokens", "4", "--length", "48"]},
+    "qwen3.5-xt__qwen3.5-a": {
+        "multiturn": ["--dialogues", "1", "--turns", "2"],
+        "ablate": ["--lengths", "32", "--windows", "1", "--needles", "1"],
+        "bench": ["--lengths", "64", "--repeats", "1"]},
+}
+
+
+FIGURES = {"fidelity": "rows", "needle": "translated_recall", "behaviour": "rows",
+           "multiturn": "accuracy", "ablate": "rows"}  # where each command's JSON holds them
+
+
+@pytest.mark.parametrize("direction", list(ACROSS_COMMANDS))
+def test_every_evaluation_and_bench_take_a_translator_across_tokenizers(direction):
+    """Prompts are the target's tokens of a text; the source reads its own tokens of it."""
+    from typer.testing import CliRunner
+
+    from mlx_kvtrans.cli.main import app
+
+    runner = CliRunner()
+    for command, options in ACROSS_COMMANDS[direction].items():
+        args = [command] if command == "bench" else ["eval", command]
+        result = runner.invoke(app, [*args, "--translator", direction, *options, "--json"])
+        assert result.exit_code == 0, (command, result.output)
+        found = json.loads(result.output)
+        if command == "bench":
+            row, = found["rows"]
+            assert row["prompt"] == "held-out text" and row["warm_switch_s"] > 0
+        else:
+            assert found[FIGURES[command]] not in (None, [], {}), command

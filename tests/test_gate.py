@@ -45,7 +45,7 @@ def shipped(name, zoo):
     """(translator, source, target) of a shipped translator, loaded with its pair."""
     manifest = artifact.read_manifest(name)
     src, tgt = zoo(manifest["source"]["name"]), zoo(manifest["target"]["name"])
-    return artifact.load(name, src, tgt, across_tokenizers=True), src, tgt
+    return artifact.load(name, src, tgt), src, tgt
 
 
 def noise(translator, scale=10.0, seed=0):

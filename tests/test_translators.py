@@ -335,16 +335,26 @@ def test_cli_fit_then_fidelity_and_refusals(model_dirs, tmp_path):
     assert result.exit_code == 0, result.output
     manifest = json.loads((tmp_path / "across" / "manifest.json").read_text())
     assert manifest["alignment"]["pooling"] == "last" and manifest["gate"]["tail"] == 8
-    # what reads one token list for both models refuses it in one line; translating texts takes it
+    # an evaluation gives the target its tokens of a text; the source reads its own
     result = runner.invoke(app, ["eval", "fidelity", "--translator", str(tmp_path / "across"),
-                                 "--text", str(text)])
-    assert result.exit_code == 2 and "across tokenizers" in result.output
+                                 "--text", str(text), "--prefix-lengths", "32", "--windows", "1",
+                                 "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["rows"][0]["kl"] >= 0
     src_lm, tgt_lm = kv.load(str(other)), kv.load(tgt)
-    across_translator = kv.load_translator(tmp_path / "across", src_lm, tgt_lm,
-                                           across_tokenizers=True)
+    across_translator = kv.load_translator(tmp_path / "across", src_lm, tgt_lm)
     prompt = aligned_text(src_lm.tokenizer, tgt_lm.tokenizer, text.read_text()[:200], "last")
     cache = translate_text(across_translator, src_lm.model, tgt_lm.model, prompt)
+    # the target's tokens of the text, given as ids, translate as the text does
+    given_ids = kv.translate_cache(across_translator, src_lm.model, tgt_lm.model,
+                                   prompt.target[0].tolist(), sink=0)
+    for a, b in zip(cache, given_ids):
+        assert all(mx.allclose(x, y, atol=1e-5).item() for x, y in zip(a.state, b.state)
+                   if isinstance(x, mx.array))
     assert bool(mx.isfinite(tgt_lm.model(prompt.target[:, -1:], cache=cache)).all())
+    with pytest.raises(kv.KvtransError, match="load it with both models"):
+        kv.translate_cache(kv.load_translator(tmp_path / "across"), src_lm.model, tgt_lm.model,
+                           prompt.target[0].tolist())
     with pytest.raises(ValueError, match="fitted on last"):  # pooled as it was fitted, or not at all
         translate_text(across_translator, src_lm.model, tgt_lm.model, aligned_text(
             src_lm.tokenizer, tgt_lm.tokenizer, text.read_text()[:200]))
@@ -625,7 +635,7 @@ def test_a_conv_history_maps_only_the_rows_it_keeps(length, zoo):
     """A conv history keeps its last K-1 rows: its map reads only those (identity tables
     included, which read the token before the first), and they are the rows the map gives
     when it maps every token."""
-    tr = artifact.load(artifact.resolve("qwen3.5-xt__qwen3.5-a"), across_tokenizers=True)
+    tr = artifact.load(artifact.resolve("qwen3.5-xt__qwen3.5-a"))
     assert any(r.tables for r in tr.recipes if r.name == "conv")
     src, tgt = zoo(tr.info["source"]["name"]), zoo(tr.info["target"]["name"])
     tokens = mx.random.randint(0, 3000, (1, length), key=mx.random.key(6))  # both vocabularies

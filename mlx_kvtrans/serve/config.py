@@ -124,7 +124,7 @@ def find_translators(models: dict, given: list[str]) -> tuple[dict, list[str]]:
                                f"-> {manifest['target']['name']}, not a pair of the served "
                                f"models ({', '.join(models)})")
         for a, b in fits:  # across tokenizers too: a session reads each model's own tokens
-            found[(a, b)] = artifact.load(path, models[a], models[b], across_tokenizers=True)
+            found[(a, b)] = artifact.load(path, models[a], models[b])
     for a, b in pairs:
         if (a, b) in found:
             continue
@@ -135,7 +135,7 @@ def find_translators(models: dict, given: list[str]) -> tuple[dict, list[str]]:
                             else ""))
             continue
         try:
-            found[(a, b)] = artifact.load(path, models[a], models[b], across_tokenizers=True)
+            found[(a, b)] = artifact.load(path, models[a], models[b])
         except KvtransError as e:
             notes.append(f"translator {path.name} not used ({e}): switching {a} -> {b} re-reads")
     notes += [f"translator {a} -> {b}: {t.info['fitted_on']}" for (a, b), t in found.items()

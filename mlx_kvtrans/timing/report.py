@@ -38,7 +38,8 @@ def switch_report(translator: Translator, source: LoadedModel, target: LoadedMod
     blas = blas_report(measure=False)  # the peak is measured beside each row, in `dtype`
     rows = bench_switch(translator, source.model, target.model, lengths, repeats, vocab,
                         dtype=getattr(mx, dtype), progress=progress,
-                        text_ids=held_out_ids(source, max(lengths)), fresh=fresh)
+                        text_ids=held_out_ids(target if translator.across_tokenizers else
+                                              source, max(lengths)), fresh=fresh)
     result = {"pair": label, "source": source.name, "target": target.name, "dtype": dtype,
               "device": str(mx.default_device()), "blas": blas.name,
               "matmul_peak_gflops": round(statistics.median(r.matmul_peak_gflops for r in rows), 1),

@@ -42,6 +42,7 @@ from ..backend.blas import matmul_gflops, memory_bandwidth_gbs
 from ..capture import PREFILL_CHUNK, Capture, capture
 from ..translators.gate import GATE_TOKENS
 from ..capture.instrument import chunked_recurrence, fastest_recurrence
+from ..translators.cross_tokenizer import aligned_ids, realigned
 from ..translators.install import install
 from ..layouts import ObjectKind, layout_of
 from ..models import LoadedModel
@@ -141,15 +142,17 @@ def gated_session(translator: Translator, source, target, prompt: list[int], las
                   gate_tokens: int = GATE_TOKENS, fast: bool = True) -> Session:
     """A `Session` over mlx-lm models `source` -> `target` whose source has read `prompt`, with
     `last` after it unread, as a conversation's source has when a switch comes (with `fast`,
-    under `fastest_recurrence`)."""
-    session = Session({"source": LoadedModel("source", None, source, None, {}),
-                       "target": LoadedModel("target", None, target, None, {})},
+    under `fastest_recurrence`). Across tokenizers `prompt` and `last` are the target's tokens
+    and the source reads its own tokens of their text."""
+    tokenizers = translator.tokenizers if translator.across_tokenizers else (None, None)
+    session = Session({"source": LoadedModel("source", None, source, tokenizers[0], {}),
+                       "target": LoadedModel("target", None, target, tokenizers[1], {})},
                       {("source", "target"): translator}, active="source",
                       gate_tokens=gate_tokens)
-    session.add(prompt)
+    session.add(prompt, model="target")
     with fastest_recurrence() if fast else contextlib.nullcontext():
         list(session.generate(0))
-    session.add([last])
+    session.add([last], model="target")
     return session
 
 
@@ -160,13 +163,15 @@ def gated_switch(session: Session) -> tuple[SwitchStatus, mx.array]:
     the switch can be timed again."""
     target = session.lines["target"]
     target.reset()
-    status = receive_span(session.conversation, session.lines["source"], target,
+    conversation = session.conversation
+    status = receive_span(conversation, session.lines["source"], target,
                           session.translators.get(("source", "target")), number=1)
-    if target.next_logits is not None and target.seen == len(session.tokens):
+    tokens = conversation.view("target")
+    if target.next_logits is not None and target.seen == len(tokens):
         token = mx.argmax(target.next_logits, axis=-1)
         mx.eval(token)
         return status, token
-    last = mx.array([session.tokens[target.seen:]])
+    last = mx.array([tokens[target.seen:]])
     return status, first_token(target.lm.model, last, target.cache)
 
 
@@ -243,8 +248,11 @@ def bench_switch(translator: Translator, source, target, lengths: list[int], rep
     have them) where it is long enough, else random ids below `vocab`. `fresh()` gives the
     translator as a user's first switch has it (loaded from its directory; default: a new
     object of the same weights, with nothing built or evaluated on first use).
-    `progress(done, total, what)` follows each measurement."""
+    `progress(done, total, what)` follows each measurement. Across tokenizers prompts are the
+    target's tokens of `text_ids`, the source reads its own tokens of their text, and a switch
+    includes pooling the source's capture onto the target's tokens (`cross_tokenizer`)."""
     source_layout, target_layout = layout_of(source), layout_of(target)
+    across = translator.across_tokenizers
     target_is_hybrid = ObjectKind.RECURRENT_STATE in target_layout.kinds()
     dtype = dtype or _main_dtype(target)
     translator.prepare()
@@ -262,25 +270,35 @@ def bench_switch(translator: Translator, source, target, lengths: list[int], rep
     for length in lengths:
         step("source prefill", length)
         from_text = text_ids is not None and len(text_ids) >= length
+        if across and not from_text:
+            raise ValueError(f"across tokenizers prompts are text: the held-out text holds "
+                             f"fewer than {length:,} of the target's tokens")
         tokens = (mx.array([text_ids[:length]]) if from_text else
                   mx.random.randint(0, vocab, (1, length), key=mx.random.key(seed + length)))
         prompt, last = tokens[:, :-1], tokens[:, -1:]
-        recorded = source_prefill(translator, source, prompt, source_layout)
+        text = (aligned_ids(*translator.tokenizers, prompt[0].tolist(),
+                            translator.info["alignment"].get("pooling", "mean")) if across
+                else None)
+        source_ids = text.source if across else prompt  # the source's tokens of the prompt
+        recorded = source_prefill(translator, source, source_ids, source_layout)
+
+        def at_target(capture: Capture) -> Capture:  # the source's capture at the target's tokens
+            return realigned(capture, text) if across else capture
 
         def translate_only():
-            return switch_cache(translator, recorded, target, target_layout, prompt)
+            return switch_cache(translator, at_target(recorded), target, target_layout, prompt)
 
         def warm():
             first_token(target, last, translate_only())
 
         def cold():  # once, before anything else translates at this length
             first = (fresh or (lambda: replace(translator)))().prepare()
-            first_token(target, last, switch_cache(first, recorded, target, target_layout,
-                                                   prompt))
+            first_token(target, last, switch_cache(first, at_target(recorded), target,
+                                                   target_layout, prompt))
 
         def prefill_and_switch():
             nonlocal recorded
-            recorded = source_prefill(translator, source, prompt, source_layout)
+            recorded = source_prefill(translator, source, source_ids, source_layout)
             warm()
 
         def full_reread():  # plain mlx-lm prefill, in the chunks its generation uses

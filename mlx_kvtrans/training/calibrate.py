@@ -188,7 +188,7 @@ def calibrate_directory(directory: str | Path, text: str | Path | None = None,
 
     manifest = artifact.read_manifest(directory)
     source, target = load(manifest["source"]["name"]), load(manifest["target"]["name"])
-    translator = artifact.load(directory, source, target, across_tokenizers=True)
+    translator = artifact.load(directory, source, target)
     path = Path(text) if text is not None else held_out_split("validation")
     if path is None:
         raise KvtransError("no held-out text to calibrate on: give one, or build the zoo corpus")

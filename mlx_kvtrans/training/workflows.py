@@ -346,7 +346,7 @@ def load_pair(translator: str | Path) -> tuple[Translator, LoadedModel, LoadedMo
     """A saved translator and the models its manifest names, checked against it."""
     manifest = artifact.read_manifest(translator)
     src, tgt = load(manifest["source"]["name"]), load(manifest["target"]["name"])
-    return artifact.load(translator, src, tgt, across_tokenizers=True), src, tgt
+    return artifact.load(translator, src, tgt), src, tgt
 
 
 def distill_translator(translator: str | Path, data: Sequence[str | Path], validation: str | Path,

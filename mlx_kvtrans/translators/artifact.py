@@ -212,21 +212,13 @@ def _conversion(identity: dict) -> str:
             f"{q.get('group_size', '?')})")
 
 
-def load(directory: str | Path, source=None, target=None, across_tokenizers: bool = False
-         ) -> Translator:
+def load(directory: str | Path, source=None, target=None) -> Translator:
     """Load a verified translator. With `source` (a LoadedModel) a codebook translator loads
-    the source's codebook when first needed; with `target` too, the pair is checked. A
-    translator between models that tokenize differently loads only when `across_tokenizers`
-    says the caller reads each model's own tokens (a `Session`, calibration, distillation,
-    `cross_tokenizer.translate_text`): the other evaluations read one token list for both
-    models."""
+    the source's codebook when first needed; with `target` too, the pair is checked, and a
+    translator between models that tokenize differently learns their tokenizers
+    (`translate_cache` then reads the source's own tokens of a text)."""
     directory = resolve(directory)
     manifest = read_manifest(directory)
-    if "alignment" in manifest and not across_tokenizers:
-        raise KvtransError(f"translator {directory} translates across tokenizers, which only "
-                           "sessions (chat, serve, eval frontier), fit, distill, calibrate and "
-                           "cross_tokenizer.translate_text take yet (bench and the other "
-                           "evaluations read one token list)")
     conversion = ""
     if source is not None and target is not None:
         try:
@@ -254,6 +246,8 @@ def load(directory: str | Path, source=None, target=None, across_tokenizers: boo
     translator = Translator(point, identity, recipes, params, info, expansion=expansion)
     if conversion:
         translator.info["fitted_on"] = conversion
+    if "alignment" in manifest and source is not None and target is not None:
+        translator.tokenizers = (source.tokenizer, target.tokenizer)
     if (directory / frontier.FILE).is_file():  # what the fidelity dial chooses from
         try:
             translator.frontier = frontier.load(directory)

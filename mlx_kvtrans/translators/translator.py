@@ -37,6 +37,9 @@ class Translator:
     expansion: RandomFeatures | None = None  # random features of the maps' inputs (`expand`)
     # its measured fidelity per setting (frontier.json beside its weights), for the dial
     frontier: Any = field(default=None, compare=False, repr=False)
+    # across tokenizers: (the source's, the target's), bound by `artifact.load` given both
+    # models, so that a translation of the target's tokens finds the source's tokens of them
+    tokenizers: tuple | None = field(default=None, compare=False, repr=False)
     # fused group -> its FusedMaps, built on first use: a switch then reads the weights once
     # instead of concatenating them first
     _fused: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -45,13 +48,10 @@ class Translator:
     def token_identity(self) -> str:
         return self.identity.mode
 
-    def refuse_across_tokenizers(self, what: str) -> None:
-        """Raise for `what`, which reads one token list for both models, when this translator
-        was fitted between models that tokenize differently (it translates texts:
-        `cross_tokenizer.translate_text`)."""
-        if "alignment" in self.info:
-            raise KvtransError(f"{what} reads one token list for both models; this translator "
-                               "translates across tokenizers (cross_tokenizer.translate_text)")
+    @property
+    def across_tokenizers(self) -> bool:
+        """Whether it was fitted between models that tokenize differently."""
+        return "alignment" in self.info
 
     def prepare(self) -> "Translator":
         """Load what is loaded lazily (a source's codebook), so no switch pays for it."""
@@ -205,6 +205,8 @@ def measured_sink(translator) -> int:
 def translate_cache(translator: Translator, source_model, target_model, tokens,
                     sink: int | None = None) -> list:
     """Prefill `tokens` on the source, translate, and install: mlx-lm caches for the target.
+    Across tokenizers `tokens` are the target's (one row): the source reads its own tokens of
+    their text, pooled onto them as the translator was fitted (`cross_tokenizer`).
     Either model may be loaded sharded by mlx-lm (`sharding`): every process then calls this,
     and gets its share of the target's caches.
     `sink` > 0: the target reads the first `sink` tokens itself and the translation covers the
@@ -215,10 +217,12 @@ def translate_cache(translator: Translator, source_model, target_model, tokens,
     from .install import translate_into
     from .sharding import capture_whole
 
-    translator.refuse_across_tokenizers("translate_cache")
     tokens = mx.array(tokens)
     tokens = tokens[None] if tokens.ndim == 1 else tokens
-    source = capture_whole(source_model, tokens, translator.source_points())
+    if translator.across_tokenizers:
+        source = _source_of_text(translator, source_model, tokens)
+    else:
+        source = capture_whole(source_model, tokens, translator.source_points())
     sink = measured_sink(translator) if sink is None else sink
     if not 0 < sink < tokens.shape[1]:
         return translate_into(translator, source, target_model, tokens)[2]
@@ -227,6 +231,23 @@ def translate_cache(translator: Translator, source_model, target_model, tokens,
     target_model(tokens[:, :sink], cache=cache)
     return translate_into(translator, span, target_model, span.tokens, offset=sink, cache=cache,
                           all_rows=True)[2]
+
+
+def _source_of_text(translator: Translator, source_model, tokens: mx.array) -> Capture:
+    """The source's capture of the text of the target's `tokens` (1, T), its own tokens of it
+    read and pooled onto `tokens` as the translator was fitted."""
+    from .cross_tokenizer import aligned_ids, realigned
+    from .sharding import capture_whole
+
+    if translator.tokenizers is None:
+        raise KvtransError("this translator translates across tokenizers: load it with both "
+                           "models (load_translator(path, source, target)) so that it knows "
+                           "their tokenizers")
+    if tokens.shape[0] != 1:
+        raise ValueError("across tokenizers a translation reads one text at a time (batch 1)")
+    text = aligned_ids(*translator.tokenizers, tokens[0].tolist(),
+                       translator.info["alignment"].get("pooling", "mean"))
+    return realigned(capture_whole(source_model, text.source, translator.source_points()), text)
 
 
 def after(source: Capture, start: int) -> Capture:
