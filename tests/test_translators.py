@@ -362,10 +362,17 @@ def test_cli_fit_then_fidelity_and_refusals(model_dirs, tmp_path):
     session.add_text(text.read_text()[:200])  # each model reads its own tokens of it
     list(session.generate(0))
     assert session.switch("b").gate in ("passed", "fired")  # translated, and judged
-    for refused in (["--mix-lengths", "48,64"], ["--capture", "3"],
+    for refused in (["--token-identity", "codebook"], ["--capture", "3"],
                     ["--recipe", "recurrent_state=copy"]):
         result = runner.invoke(app, across + ["--out", str(tmp_path / "x"), *refused])
         assert result.exit_code == 2 and "tokenize differently" in result.output, refused
+    # windows of several lengths, and each target layer reading the source layer that fits it
+    result = runner.invoke(app, across + ["--out", str(tmp_path / "mixed"), "--mix-lengths",
+                                          "32,64", "--assign", "best", "--gate-windows", "1"])
+    assert result.exit_code == 0, result.output
+    mixed = kv.load_translator(tmp_path / "mixed", src_lm, tgt_lm)
+    assert mixed.info["fit"]["mix"] == [32, 64]
+    assert mixed.info["fit"]["assign"] == "best"
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "kimi_linear"])

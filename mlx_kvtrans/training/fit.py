@@ -248,7 +248,7 @@ def _solved(shell, recipes, stats, config, started, tokens_seen, decoded_right,
                          "peak_memory_bytes": mx.get_peak_memory(),
                          "moments_bytes": moments_bytes(stats)}
     shell.info["metrics"] = metrics
-    if across:  # what reads one token list for both models refuses it (`across_tokenizers`)
+    if across:  # how a translation pools the source's tokens onto the target's
         shell.info["alignment"] = {"pooling": config.pooling}
     if config.token_identity == "codebook":
         shell.info["fit"]["codebook_decode_accuracy"] = round(decoded_right / tokens_seen, 5)

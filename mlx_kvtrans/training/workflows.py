@@ -62,8 +62,7 @@ def same_tokenizer(a: LoadedModel, b: LoadedModel) -> bool:
 
 def for_pair(src: LoadedModel, tgt: LoadedModel, config: FitConfig) -> FitConfig:
     """`config` as a fit of this pair runs it: across tokenizers, `across_tokenizers`'s."""
-    return config if same_tokenizer(src, tgt) else across_tokenizers(src, tgt, config,
-                                                                     "relative")
+    return config if same_tokenizer(src, tgt) else across_tokenizers(src, tgt, config)
 
 
 def read_ids(tokenizer, files: Sequence[str | Path], progress: Progress | None = None
@@ -152,25 +151,24 @@ def refuse_unless_it_fits(src: LoadedModel, tgt: LoadedModel, config: FitConfig,
                        f"{gib(cost.machine_bytes)}; {hint}")
 
 
-def across_tokenizers(src: LoadedModel, tgt: LoadedModel, config: FitConfig,
-                      assign: str) -> FitConfig:
+def across_tokenizers(src: LoadedModel, tgt: LoadedModel, config: FitConfig) -> FitConfig:
     """The fit of a pair that tokenizes differently (`translators.cross_tokenizer`): its
-    recurrent states replayed; what it cannot do refused. Capture point 3 holds keys rotated
-    at the source's own positions, which pooling would mix."""
+    recurrent states replayed; what has no meaning across tokenizers refused, saying why."""
     from ..layouts import layout_of
     from ..translators.cross_tokenizer import RECIPES
 
     state_recipe = config.recipes.get("recurrent_state", "replay")
-    refused = [what for what, asked in (
-        ("--mix-lengths", config.mix),
-        ("--assign best", assign == "best"),
-        ("--token-identity codebook", config.token_identity == "codebook"),
-        ("--capture 3 or --point ...=3", 3 in (int(config.point), *config.points.values())),
-        (f"--recipe recurrent_state={state_recipe}", state_recipe in ("copy", "bilinear")))
+    refused = [f"{what} ({why})" for what, asked, why in (
+        ("--token-identity codebook", config.token_identity == "codebook",
+         "the target reads its own ids, so token identity is the target's"),
+        ("--capture 3 or --point ...=3", 3 in (int(config.point), *config.points.values()),
+         "keys there are rotated at the source's own positions, which pooling would mix"),
+        (f"--recipe recurrent_state={state_recipe}", state_recipe in ("copy", "bilinear"),
+         "a state read over other tokens: it is replayed over the target's"))
         if asked]
     if refused:
-        raise KvtransError(f"{src.name} and {tgt.name} tokenize differently, and "
-                           f"{', '.join(refused)} is not supported across tokenizers")
+        raise KvtransError(f"{src.name} and {tgt.name} tokenize differently: "
+                           f"{'; '.join(refused)}")
     kinds = {o.kind.value for layer in layout_of(tgt.model).layers for o in layer.objects}
     replayed = {kind: recipe for kind, recipe in RECIPES.items() if kind in kinds}
     return replace(config, recipes={**replayed, **config.recipes})
@@ -200,7 +198,7 @@ def fit_translator(source: str | Path | LoadedModel, target: str | Path | Loaded
     src, tgt = loaded(source), loaded(target)
     across = not same_tokenizer(src, tgt)
     if across:
-        config = across_tokenizers(src, tgt, config, assign)
+        config = across_tokenizers(src, tgt, config)
     recipes, cost = plan_and_cost(src, tgt, config)
     refuse_unless_it_fits(src, tgt, config, cost)  # before the text is even read
     codebook = None
@@ -221,11 +219,15 @@ def fit_translator(source: str | Path | LoadedModel, target: str | Path | Loaded
         if across:  # each model reads its own tokens of each window's text
             from ..translators.cross_tokenizer import aligned_windows
 
-            needles = training_needles(tgt.tokenizer.encode, texts, config.length, max(
-                1, round(config.windows * needle_share)), as_text=True) if needle_share else None
-            batches = aligned_windows(src.tokenizer, tgt.tokenizer, "\n".join(texts),
-                                      config.windows, config.length, config.pooling, needles,
-                                      needle_share)
+            batches = []
+            lengths = config.mix or [config.length]  # the same tokens, spread over each
+            for length in lengths:
+                windows = max(1, config.windows * config.length // len(lengths) // length)
+                needles = training_needles(tgt.tokenizer.encode, texts, length, max(
+                    1, round(windows * needle_share)), as_text=True) if needle_share else None
+                batches += aligned_windows(src.tokenizer, tgt.tokenizer, "\n".join(texts),
+                                           windows, length, config.pooling, needles,
+                                           needle_share)
         elif config.mix:  # the lengths served: the same tokens, spread over every length
             tokens = config.windows * config.length
             batches = mixed_windows(
@@ -266,7 +268,7 @@ def fit_translator(source: str | Path | LoadedModel, target: str | Path | Loaded
                                             sort_keys=True), rank=rank, size=size)
     translator = fit(src.model, tgt.model, batches, recipes, config, codebook=codebook,
                      progress=fitted if rank == 0 else None, checkpoint=checkpoint, group=group)
-    translator.info["fit"]["processes"] = size
+    translator.info["fit"].update(processes=size, assign=assign)
     translator.info["sink"] = sink
     if rank:
         translator.info["fit"]["rank"] = rank  # not saved: the first process saves

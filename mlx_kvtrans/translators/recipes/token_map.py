@@ -21,6 +21,7 @@ import numpy as np
 
 from ...capture import capture
 from ...layouts import CapturePoint, ObjectKind, layout_of
+from ..cross_tokenizer import AlignedText, realigned
 from ..features import layer_features
 from ..identity_tables import LAGS, TableMoments, table_offsets, table_shapes
 from ..stats import LinearFit, Moments, solve
@@ -215,6 +216,8 @@ def assign_best_single(source_model, target_model, batches, recipes, source_poin
                        ridge: float = 1e-3):
     """Best-single-fit layer assignment: each target layer's maps read the one source layer
     whose features fit its per-token objects best (mean R^2), instead of relative depth.
+    `batches`: token ids both models read, or `AlignedText`s of models that tokenize
+    differently (the source's features pooled onto the target's tokens).
 
     Holds second moments for every (target object, source layer) pair: meant for small models or
     a few layers at a time. Returns the re-assigned recipes and the R^2 table per target layer.
@@ -222,9 +225,12 @@ def assign_best_single(source_model, target_model, batches, recipes, source_poin
     source_layout, target_layout = layout_of(source_model), layout_of(target_model)
     maps = [r for r in recipes if isinstance(r, TokenMap)]
     moments: dict[tuple[TokenMap, int], Moments] = {}
-    for tokens in batches:
-        tokens = mx.array(tokens)
-        src = capture(source_model, tokens, points={source_point}, layout=source_layout)
+    for batch in batches:
+        text = batch if isinstance(batch, AlignedText) else None
+        tokens = text.target if text else mx.array(batch)
+        src = capture(source_model, text.source if text else tokens, points={source_point},
+                      layout=source_layout)
+        src = realigned(src, text) if text else src
         tgt = capture(target_model, tokens, points={r.point for r in maps},
                       layout=target_layout)
         for s in range(len(source_layout.layers)):
