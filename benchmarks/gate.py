@@ -8,6 +8,10 @@ minus its NLL reading the whole window itself (nats/token).
 
 - held-out: the zoo corpus's test split, prefixes of 32-512 tokens (as calibrated), and of
   768-1024 (past them): false alarms, every shipped translator;
+- held-out needles (`--needles`): a fact among filler turns of another domain's prose, then
+  its question, in the target's chat template, switched once the source has read the question:
+  false alarms on the tails users send (across tokenizers too: no damage is computed there,
+  the two models reading different tokens of the tail);
 - noise: every weight plus Gaussian noise of `scale` times its own standard deviation;
 - wrong pair: a translator fitted for another pair of the same shapes, forced past the
   fingerprint check;
@@ -48,6 +52,8 @@ import mlx_kvtrans as kv  # first: fast BLAS
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from mlx_kvtrans.evaluation.chat_needles import ChatNeedles
+from mlx_kvtrans.evaluation.needles import HELD_OUT_SEED, held_out_filler, needle_prompt_tokens
 from mlx_kvtrans.training import calibrate
 from mlx_kvtrans.translators import gate
 from mlx_kvtrans.layouts.linear_attention import RecurrentInputs
@@ -107,9 +113,10 @@ def shapes(lm) -> dict:
 
 def damage(session, src, tgt) -> float | None:
     """The target's NLL on the gated tail from the translated cache minus its NLL reading the
-    conversation itself (from the gap and both models' own NLL on the same tokens)."""
+    conversation itself (from the gap and both models' own NLL on the same tokens); None across
+    tokenizers, where the two read different tokens of the tail."""
     status = session.switches[-1]
-    if status.gate_gap is None:
+    if status.gate_gap is None or session.conversation.across("source", "target"):
         return None
     n = session.lines["source"].seen
     start = n - status.gate_tokens  # the next token is known: every row of the tail scores
@@ -124,8 +131,30 @@ def damage(session, src, tgt) -> float | None:
     return status.gate_gap + nll(src.model) - nll(tgt.model)
 
 
+def switch_row(session, src, tgt) -> dict:
+    status = session.switches[-1]
+    return {"gate": status.gate, "gap": status.gate_gap, "threshold": status.gate_threshold,
+            "status": status.status, "gate_ms": status.gate_seconds * 1000,
+            "damage": damage(session, src, tgt)}
+
+
+def summary(rows: list[dict]) -> dict:
+    """windows, judged, fired, mean gap, mean damage and the gate's median ms of `rows`."""
+    judged = [r for r in rows if r["gate"] in ("passed", "fired")]
+    gaps = [r["gap"] for r in rows if r["gap"] is not None]
+    harm = [r["damage"] for r in rows if r["damage"] is not None]
+    return {"windows": len(rows), "judged": len(judged),
+            "fired": sum(r["gate"] == "fired" for r in rows),
+            "gap_mean": round(statistics.mean(gaps), 3) if gaps else None,
+            "damage_mean": round(statistics.mean(harm), 3) if harm else None,
+            "gate_ms_median": (round(statistics.median(r["gate_ms"] for r in rows), 2)
+                               if rows else None),
+            "verdicts": sorted({r["gate"] for r in rows})}
+
+
 def run_case(translator, src, tgt, token_ids, windows: int, prefix, seed: int) -> dict:
-    """`windows` of each kind; per kind: windows, fired, mean gap, mean damage."""
+    """`windows` of each kind over the target's `token_ids`; per kind: windows, fired, mean
+    gap, mean damage."""
     rng = random.Random(seed)
     out = {}
     for kind in gate.KINDS:
@@ -135,21 +164,28 @@ def run_case(translator, src, tgt, token_ids, windows: int, prefix, seed: int) -
             begin = rng.randrange(0, len(token_ids) - length - gate.GATE_TOKENS - 2)
             window = token_ids[begin:begin + length + gate.GATE_TOKENS + 2]
             session = calibrate.window_switch(translator, src, tgt, window, length, kind)
-            status = session.switches[-1]
-            rows.append({"gate": status.gate, "gap": status.gate_gap,
-                         "threshold": status.gate_threshold, "status": status.status,
-                         "gate_ms": status.gate_seconds * 1000,
-                         "damage": damage(session, src, tgt)})
-        judged = [r for r in rows if r["gate"] in ("passed", "fired")]
-        gaps = [r["gap"] for r in rows if r["gap"] is not None]
-        harm = [r["damage"] for r in rows if r["damage"] is not None]
-        out[kind] = {"windows": len(rows), "judged": len(judged),
-                     "fired": sum(r["gate"] == "fired" for r in rows),
-                     "gap_mean": round(statistics.mean(gaps), 3) if gaps else None,
-                     "damage_mean": round(statistics.mean(harm), 3) if harm else None,
-                     "gate_ms_median": round(statistics.median(r["gate_ms"] for r in rows), 2),
-                     "verdicts": sorted({r["gate"] for r in rows})}
+            rows.append(switch_row(session, src, tgt))
+        out[kind] = summary(rows)
     return out
+
+
+def run_needles(translator, src, tgt, count: int, prefix, seed: int) -> dict:
+    """`count` held-out needles (a fact among filler, then its question; in the target's
+    chat template where it has one), each switched once the source has read the question, so
+    the gate reads a question's tail: the "read" kind, and none "generated"."""
+    rng = random.Random(seed)
+    if getattr(tgt.tokenizer, "chat_template", None):
+        make = ChatNeedles(tgt.tokenizer)
+    else:
+        filler = held_out_filler()
+        make = lambda s, n: needle_prompt_tokens(tgt.tokenizer.encode, s, n, filler)  # noqa: E731
+    rows = []
+    for i in range(count):
+        prompt, answer = make(HELD_OUT_SEED + seed * 1000 + i, rng.randint(*prefix))
+        session = calibrate.window_switch(translator, src, tgt, prompt + answer, len(prompt),
+                                          "read")
+        rows.append(switch_row(session, src, tgt))
+    return {"read": summary(rows), "generated": summary([])}
 
 
 BAD = 0.8  # a switch whose continuation agrees with native less than this went wrong
@@ -260,6 +296,8 @@ def far_text(tokenizer, kind: str, seed: int) -> list[int]:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--windows", type=int, default=8, help="windows of each kind per case")
+    parser.add_argument("--needles", type=int, default=48,
+                        help="held-out needles per translator (false alarms on questions)")
     parser.add_argument("--behaviour", action="store_true",
                         help="measure only how the gate predicts behaviour (added to the files)")
     parser.add_argument("--behaviour-windows", type=int, default=24,
@@ -284,17 +322,20 @@ def main():
         return main_behaviour(args, model)
 
     test = (weights_dir() / "corpus" / "test.txt").read_text()
-    result = {"windows_per_kind": args.windows, "gate_tokens": gate.GATE_TOKENS,
+    result = {"windows_per_kind": args.windows, "needles": args.needles,
+              "gate_tokens": gate.GATE_TOKENS,
               "prefix_lengths": list(PREFIX), "noise": list(NOISE), "translators": {}}
     names = args.translators.split(",") if args.translators else artifact.shipped_names()
     for name in names:
         manifest = artifact.read_manifest(name)
         src, tgt = model(manifest["source"]["name"]), model(manifest["target"]["name"])
         translator = artifact.load(name, src, tgt)
-        ids = src.tokenizer.encode(test)
+        ids = tgt.tokenizer.encode(test)  # a switch gives the target its own tokens
         record = {"source": src.name, "target": tgt.name,
                   "threshold": [b["threshold"] for b in translator.info["gate"]["bands"]],
-                  "held-out": run_case(translator, src, tgt, ids, args.windows, PREFIX, 1)}
+                  "held-out": run_case(translator, src, tgt, ids, args.windows, PREFIX, 1),
+                  "held-out needles": run_needles(translator, src, tgt, args.needles, PREFIX,
+                                                  8)}
         print(name, "held-out", record["held-out"], flush=True)
         # every case for what a session uses, or for the translators named
         if args.translators or artifact.shipped(src.name, tgt.name).name == name:
@@ -304,7 +345,7 @@ def main():
                 record[f"noise {scale}"] = run_case(noised(translator, scale), src, tgt, ids,
                                                     args.windows, PREFIX, 3)
             for kind in ("random tokens", "digits"):
-                record[kind] = run_case(translator, src, tgt, far_text(src.tokenizer, kind, 4),
+                record[kind] = run_case(translator, src, tgt, far_text(tgt.tokenizer, kind, 4),
                                         args.windows, PREFIX, 5)
             record["cut short"] = run_case(CutShort(translator), src, tgt, ids, args.windows,
                                            PREFIX, 6)
@@ -380,15 +421,16 @@ def markdown(result: dict) -> str:
         "| translator | thresholds read / generated, per band of prefixes "
         f"({', '.join(f'{lo}-{hi}' for lo, hi in calibrate.BANDS)}) | "
         f"prefixes {PREFIX[0]}-{PREFIX[1]} | "
-        f"prefixes {LONG[0]}-{LONG[1]} | gate ms (median) |",
-        "|---|---|---|---|---|",
+        f"prefixes {LONG[0]}-{LONG[1]} | needles, the question read last | gate ms (median) |",
+        "|---|---|---|---|---|---|",
     ]
     for name, r in result["translators"].items():
         t = ", ".join(f"{b['read']:+.2f} / {b['generated']:+.2f}" for b in r["threshold"])
         long = _cell(r["held-out, long prefix"]) if "held-out, long prefix" in r else ""
         ms = statistics.median(r["held-out"][k]["gate_ms_median"] for k in gate.KINDS)
+        needles = (_rate(r["held-out needles"], ("read",)) if "held-out needles" in r else "")
         lines.append(f"| {name} | {t} | "
-                     f"{_cell(r['held-out'])} | {long} | {ms:.1f} |")
+                     f"{_cell(r['held-out'])} | {long} | {needles} | {ms:.1f} |")
     faults = [f"noise {s}" for s in result["noise"]] + ["random tokens", "digits", "cut short"]
     lines += ["", "## Catch rate on faulty translations", "",
               "| translator | " + " | ".join(faults) + " | wrong pair |",

@@ -12,7 +12,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from mlx_kvtrans.training.calibrate import WINDOWS
+from mlx_kvtrans.training.calibrate import NEEDLE_SHARE, WINDOWS
 from mlx_kvtrans.errors import KvtransError
 from mlx_kvtrans.layouts import CapturePoint
 from mlx_kvtrans.training.fit import FitConfig
@@ -273,11 +273,13 @@ def calibrate(translator_dir: Path = typer.Option(..., "--translator", help="a t
               validation: Path = typer.Option(None, help="held-out text (default: the zoo "
                                               "corpus's validation split)"),
               windows: int = typer.Option(WINDOWS, min=1, help=GATE_WINDOWS_HELP),
-              needle_share: float = typer.Option(0.0, min=0.0, max=1.0, callback=finite,
+              needle_share: float = typer.Option(NEEDLE_SHARE, min=0.0, max=1.0,
+                                                 callback=finite,
                                                  help="about this share of the windows whose "
                                                  "tail the source read are needles, question "
-                                                 "last (a gate calibrated on prose alone "
-                                                 "re-reads needle switches it need not)"),
+                                                 "last, in the target's chat template (a gate "
+                                                 "calibrated on prose alone re-reads needle "
+                                                 "switches it need not)"),
               force: bool = typer.Option(False, "--force", help="replace the calibration the "
                                          "translator already holds"),
               as_json: bool = typer.Option(False, "--json", help=JSON_HELP)):

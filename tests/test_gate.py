@@ -333,18 +333,20 @@ def test_calibration_is_stored_and_read_back(zoo, tmp_path):
 
 
 def test_calibration_on_needles_reads_their_question_tails(zoo):
-    """With a needle share, "read" windows are needles of the calibration's own draw (the
-    record says so, and the windows it read differ); without one the draw is the prose one,
-    as it always was."""
+    """With a needle share (by default `NEEDLE_SHARE`), "read" windows are needles of the
+    calibration's own draw (the record says so, and the windows it read differ); without one
+    the draw is the prose one, as it always was."""
     from mlx_kvtrans.evaluation.needles import HELD_OUT_SEED
 
     tr, src, tgt = shipped(artifact.shipped("qwen3-small", "qwen3-large"), zoo)
     ids = tgt.tokenizer.encode(weights_dir().joinpath("corpus", "validation.txt").read_text())
     options = dict(windows=2, bands=((64, 160),))
-    prose = calibrate.calibrate(tr, src, tgt, ids, **options)
-    again = calibrate.calibrate(tr, src, tgt, ids, needle_share=0.0, **options)
+    prose = calibrate.calibrate(tr, src, tgt, ids, needle_share=0.0, **options)
+    again = calibrate.calibrate(tr, src.model, tgt.model, ids, **options)  # no tokenizer: prose
     needles = calibrate.calibrate(tr, src, tgt, ids, needle_share=1.0, **options)
     assert again["data_sha256"] == prose["data_sha256"] and "needle_share" not in prose
+    assert calibrate.calibrate(tr, src, tgt, ids, **options)["needle_share"] == \
+        calibrate.NEEDLE_SHARE
     assert needles["needle_share"] == 1.0 and needles["data_sha256"] != prose["data_sha256"]
     assert needles["bands"][0]["gap"]["read"]["windows"] == 2
     assert needles["bands"][0]["gap"]["generated"] == prose["bands"][0]["gap"]["generated"]

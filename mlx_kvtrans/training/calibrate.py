@@ -28,6 +28,10 @@ from ..translators.gate import GATE_TOKENS, KINDS
 NEEDLE_SEED = 800_000_000
 QUANTILE = 0.99
 MARGIN = 0.5  # nats/token above the quantile: the held-out windows are few
+# share of the windows whose tail the source read that are needles, question last: the tails
+# users send are questions as well as prose, and a gate calibrated on prose alone re-read 4 of
+# 48 held-out needle switches of qwen3.5-a -> qwen3.5-xt that needed no re-read
+NEEDLE_SHARE = 0.5
 WINDOWS = 64  # held-out windows of each kind and band a calibration reads
 # prefix lengths calibrated apart: the gap of good translations grows where the models read past
 # their training length (256 tokens in the zoo); a longer switch takes the last band's threshold
@@ -75,7 +79,7 @@ def gap_summary(gaps: list[float]) -> dict:
 def calibrate(translator, source, target, token_ids: list[int], windows: int = WINDOWS,
               tail: int = GATE_TOKENS, bands=BANDS, seed: int = 0, quantile: float = QUANTILE,
               margin: float = MARGIN, progress=None, group=None,
-              needle_share: float = 0.0) -> dict:
+              needle_share: float = NEEDLE_SHARE) -> dict:
     """The gate's calibration of `translator` (source -> target: mlx-lm models or LoadedModels)
     on held-out `token_ids` (the target's; LoadedModels that tokenize differently each read
     their own tokens of the windows' text): per band of prefix lengths, the gap over `windows`
@@ -84,11 +88,13 @@ def calibrate(translator, source, target, token_ids: list[int], windows: int = W
     too short for a band cuts it short or leaves it out. With `group` (every process of an
     `mx.distributed` group calls it), process r reads windows r, r + size, ... and the gaps are
     shared: every process returns the record one process would.
-    `needle_share`: about this share of the "read" windows are needles instead of prose (the
-    target's tokenizer writes them, so `target` is a LoadedModel): their tail is the question,
-    which reads unlike prose, and a gate calibrated on prose alone re-reads such switches that
-    needed no re-read."""
+    `needle_share`: about this share of the "read" windows are needles instead of prose, in the
+    target's chat template where it has one: their tail is the question, which reads unlike
+    prose, and a gate calibrated on prose alone re-reads such switches that needed no re-read.
+    The target's tokenizer writes them: a bare mlx-lm `target` is calibrated on prose alone."""
     started = time.perf_counter()
+    if getattr(target, "tokenizer", None) is None:
+        needle_share = 0.0
     rank, size = (0, 1) if group is None else (group.rank(), group.size())
     # measured without a threshold, so that no window falls back before its gap is read
     bare = replace(translator, info={k: v for k, v in translator.info.items() if k != "gate"})
@@ -155,13 +161,17 @@ def calibrate(translator, source, target, token_ids: list[int], windows: int = W
 
 def _needle(target, seed: int, length: int) -> tuple[int, list[int]]:
     """(the prompt's length, its tokens and the answer's): a calibration needle of about
-    `length` tokens in the target's tokens."""
+    `length` tokens in the target's tokens, in its chat template where it has one (a fact in a
+    user turn among others, the question in the last), as users send them; its filler is the
+    corpus's validation prose, apart from the held-out needles' other-domain prose."""
+    from ..evaluation.chat_needles import ChatNeedles
     from ..evaluation.needles import held_out_filler, needle_prompt_tokens
 
-    if getattr(target, "tokenizer", None) is None:
-        raise KvtransError("calibrating on needles needs the target's tokenizer (a LoadedModel)")
-    prompt, answer = needle_prompt_tokens(target.tokenizer.encode, seed, length,
-                                          held_out_filler())
+    tokenizer = getattr(target, "tokenizer", None)
+    if getattr(tokenizer, "chat_template", None):
+        prompt, answer = ChatNeedles(tokenizer, prose=held_out_filler())(seed, length)
+    else:
+        prompt, answer = needle_prompt_tokens(tokenizer.encode, seed, length, held_out_filler())
     return len(prompt), prompt + answer
 
 
