@@ -72,8 +72,8 @@ def _default_healing() -> dict[str, Healing]:
 
 @dataclass(frozen=True)
 class FamilyConfig:
-    # layers the pruned sibling keeps, of the parent's 30: unhealed, dropping 1 / 2 / 4 / 6
-    # layers leaves chat needle recall 1.00 / 0.58 / 0.50 / 0.00 at 256 tokens
+    # layers the pruned sibling keeps, of the parent's 30: with 24, healing within the
+    # family's budget left no chat needle recalled (`benchmarks/results/real-family.md`)
     keep: int = 28
     healing: dict = field(default_factory=_default_healing)
     batch: int = 2
