@@ -42,7 +42,7 @@ from ..backend.blas import matmul_gflops, memory_bandwidth_gbs
 from ..capture import PREFILL_CHUNK, Capture, capture
 from ..translators.gate import GATE_TOKENS
 from ..capture.instrument import chunked_recurrence, fastest_recurrence
-from ..translators.cross_tokenizer import aligned_ids, realigned
+from ..translators.cross_tokenizer import realigned
 from ..translators.install import install
 from ..layouts import ObjectKind, layout_of
 from ..models import LoadedModel
@@ -276,9 +276,7 @@ def bench_switch(translator: Translator, source, target, lengths: list[int], rep
         tokens = (mx.array([text_ids[:length]]) if from_text else
                   mx.random.randint(0, vocab, (1, length), key=mx.random.key(seed + length)))
         prompt, last = tokens[:, :-1], tokens[:, -1:]
-        text = (aligned_ids(*translator.tokenizers, prompt[0].tolist(),
-                            translator.info["alignment"].get("pooling", "mean")) if across
-                else None)
+        text = translator.aligned(prompt[0].tolist()) if across else None
         source_ids = text.source if across else prompt  # the source's tokens of the prompt
         recorded = source_prefill(translator, source, source_ids, source_layout)
 

@@ -53,6 +53,18 @@ class Translator:
         """Whether it was fitted between models that tokenize differently."""
         return "alignment" in self.info
 
+    def aligned(self, target_ids: list[int]):
+        """The text of the target's `target_ids` as both models read it, each target token's
+        source tokens pooled as this translator was fitted (`cross_tokenizer.aligned_ids`)."""
+        from .cross_tokenizer import aligned_ids
+
+        if self.tokenizers is None:
+            raise KvtransError("this translator translates across tokenizers: load it with both "
+                               "models (load_translator(path, source, target)) so that it knows "
+                               "their tokenizers")
+        return aligned_ids(*self.tokenizers, list(target_ids),
+                           self.info["alignment"].get("pooling", "mean"))
+
     def prepare(self) -> "Translator":
         """Load what is loaded lazily (a source's codebook), so no switch pays for it."""
         if self.identity.mode == "codebook":
@@ -236,17 +248,12 @@ def translate_cache(translator: Translator, source_model, target_model, tokens,
 def _source_of_text(translator: Translator, source_model, tokens: mx.array) -> Capture:
     """The source's capture of the text of the target's `tokens` (1, T), its own tokens of it
     read and pooled onto `tokens` as the translator was fitted."""
-    from .cross_tokenizer import aligned_ids, realigned
+    from .cross_tokenizer import realigned
     from .sharding import capture_whole
 
-    if translator.tokenizers is None:
-        raise KvtransError("this translator translates across tokenizers: load it with both "
-                           "models (load_translator(path, source, target)) so that it knows "
-                           "their tokenizers")
     if tokens.shape[0] != 1:
         raise ValueError("across tokenizers a translation reads one text at a time (batch 1)")
-    text = aligned_ids(*translator.tokenizers, tokens[0].tolist(),
-                       translator.info["alignment"].get("pooling", "mean"))
+    text = translator.aligned(tokens[0].tolist())
     return realigned(capture_whole(source_model, text.source, translator.source_points()), text)
 
 
