@@ -43,8 +43,8 @@ def measure(name: str, models: dict, args) -> dict:
     ids = tgt.tokenizer.encode(held_out_split("test").read_text())
     start = time.perf_counter()
     frontier = fr.measure_translator(artifact.resolve(name), src, tgt, translator, ids,
-                                     list(LENGTHS) + [LONG], [reread], args.prompts,
-                                     args.needles, repeats=1)
+                                     fr.FrontierConfig(list(LENGTHS) + [LONG], [reread],
+                                                       args.prompts, args.needles, repeats=1))
     return {"source": src.name, "target": tgt.name, "reread": reread, "how": how,
             "weights_sha256": frontier.weights_sha256,
             "rows": [row.to_json() for row in frontier.rows],

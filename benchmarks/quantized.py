@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import mlx_kvtrans as kv  # first: fast BLAS
@@ -92,9 +93,9 @@ def lineage_rows() -> list[dict]:
 
 def stage1(source: str, target: str, out: Path) -> Path:
     if not (out / "weights.safetensors").is_file():
-        fit_translator(source, target, [held_out_split("train")], STAGE1,
-                       validation=held_out_split("validation"), out=out, needle_share=0.5,
-                       gate_windows=8)
+        fit_translator(source, target, [held_out_split("train")],
+                       replace(STAGE1, needle_share=0.5),
+                       validation=held_out_split("validation"), out=out, gate_windows=8)
     return out
 
 
@@ -105,8 +106,9 @@ def _two(x: float | None) -> str:
 def measure(label: str, directory: Path, src, tgt, args) -> dict:
     translator = artifact.load(directory, src, tgt)
     ids = tgt.tokenizer.encode(held_out_split("test").read_text())
-    frontier = fr.measure_translator(directory, src, tgt, translator, ids, LENGTHS, [REREAD],
-                                     args.prompts, args.needles, repeats=1)
+    frontier = fr.measure_translator(directory, src, tgt, translator, ids,
+                                     fr.FrontierConfig(LENGTHS, [REREAD], args.prompts,
+                                                       args.needles, repeats=1))
     rows = [r.to_json() for r in frontier.rows]
     for r in rows:
         print(f"{label} at {r['length']}: recovered {_two(r['history_recovered'])}, first "

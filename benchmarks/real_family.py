@@ -39,10 +39,10 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from mlx_kvtrans.backend.blas import blas_report
-from mlx_kvtrans.evaluation.ablate import ablate
+from mlx_kvtrans.evaluation.ablate import AblateConfig, ablate
 from mlx_kvtrans.evaluation.chat_needles import ChatNeedles, other_domain_prose
 from mlx_kvtrans.evaluation.intervals import wilson
-from mlx_kvtrans.evaluation.needles import needle_report
+from mlx_kvtrans.evaluation.needles import NeedleConfig, needle_report
 from mlx_kvtrans.evaluation.perplexity import perplexity
 from mlx_kvtrans.layouts import layout_of
 from mlx_kvtrans.models import held_out_split
@@ -74,13 +74,15 @@ def measure(path: Path, args) -> dict:
     for facts, lengths in ((1, args.lengths), (3, args.multi_lengths)):
         make = ChatNeedles(lm.tokenizer, facts=facts)
         row["recall"][str(facts)] = {
-            str(n): needle_report(lm.model, encode, n, args.needles, make=make)["recall"]
+            str(n): needle_report(lm.model, encode, n, NeedleConfig(args.needles),
+                                  make=make)["recall"]
             for n in lengths}
     kinds = [k for k in STATE_KINDS if k in row["cache_objects"]]
     if kinds:
         labels = {"native"} | {f"zero every {k}" for k in kinds}
-        rows = ablate(lm.model, encode, other.tolist(), args.ablate_lengths, windows=4,
-                      needles=args.needles, only=labels, make=ChatNeedles(lm.tokenizer))
+        rows = ablate(lm.model, encode, other.tolist(),
+                      AblateConfig(args.ablate_lengths, windows=4, needles=args.needles,
+                                   only=labels), make=ChatNeedles(lm.tokenizer))
         row["states_zeroed"] = {r["label"]: {n: {"kl": v["kl"], "recall": v["recall"]}
                                              for n, v in r["lengths"].items()} for r in rows}
     return row
@@ -90,7 +92,7 @@ def measure_direction(family: Path, name: str, args) -> list[dict]:
     """A translator of FAMILY/translators through a `Session` at its default setting, and with
     each of `args.recompute` first layers recomputed: per setting and length, the frontier's
     figures on the other-domain text and chat needles."""
-    from mlx_kvtrans.evaluation.frontier import GATE_TOKENS, measure_translator
+    from mlx_kvtrans.evaluation.frontier import GATE_TOKENS, FrontierConfig, measure_translator
     from mlx_kvtrans.session.dial import default_reread
     from mlx_kvtrans.translators import artifact
 
@@ -99,10 +101,9 @@ def measure_direction(family: Path, name: str, args) -> list[dict]:
     translator = artifact.load(path, source, target)
     other = target.tokenizer.encode(" ".join(other_domain_prose()))
     reread = max(GATE_TOKENS, default_reread(translator)[0])  # a Session's default setting
-    frontier = measure_translator(path, source, target, translator, other,
-                                  lengths=args.direction_lengths, rereads=[reread],
-                                  prompts=args.prompts, needles=args.needles,
-                                  make=ChatNeedles(target.tokenizer), recomputes=args.recompute)
+    frontier = measure_translator(path, source, target, translator, other, FrontierConfig(
+        lengths=args.direction_lengths, rereads=[reread], prompts=args.prompts,
+        needles=args.needles, recomputes=args.recompute, make=ChatNeedles(target.tokenizer)))
     keys = ("history_recovered", "agreement", "agreement_last16", "greedy_match",
             "first_token", "kl", "recall_native", "recall_translated", "applied", "speedup")
     return [{"stage": translator.info.get("stage", 1), "sink": translator.info.get("sink"),

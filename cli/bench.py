@@ -37,7 +37,7 @@ def bench(source: str = typer.Option(None, "--from", help="default: the translat
           as_json: bool = typer.Option(False, "--json", help="print the result as JSON")):
     """Time to first token after a switch (warm, cold, gated) versus re-reading on the target,
     and the bound a warm switch could reach here (see mlx_kvtrans.timing)."""
-    from mlx_kvtrans.timing import report_table, switch_report, write_report
+    from mlx_kvtrans.timing import BenchConfig, report_table, switch_report, write_report
     from mlx_kvtrans.translators import artifact
     from mlx_kvtrans.zoo.realistic import realistic_configs, realistic_pair
 
@@ -67,8 +67,9 @@ def bench(source: str = typer.Option(None, "--from", help="default: the translat
         (translator, src, tgt), fit = load_translator_pair(path, source, target), None
     with progress_bar("bench") as progress:
         fresh = None if realistic else (lambda: artifact.load(path, src, tgt))
-        result = switch_report(translator, src, tgt, sizes, repeats, dtype, fit_record=fit,
-                               label=realistic and f"realistic-{realistic}", progress=progress,
+        config = BenchConfig(sizes, repeats, dtype=dtype,
+                             label=realistic and f"realistic-{realistic}")
+        result = switch_report(translator, src, tgt, config, fit_record=fit, progress=progress,
                                fresh=fresh)
     written = write_report(result, out_dir) if out_dir is not None else None
     if as_json:

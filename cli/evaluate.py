@@ -34,7 +34,7 @@ def eval_fidelity(translator_dir: Path = typer.Option(..., "--translator",
                   as_json: bool = typer.Option(False, "--json", help=JSON_HELP)):
     """KL and greedy agreement of the target continuing from translated caches, with the
     no-cache floor beside them."""
-    from mlx_kvtrans.translators.fidelity import fidelity
+    from mlx_kvtrans.translators.fidelity import FidelityConfig, fidelity
 
     source, target = translator_models(translator_dir, source, target)
     lengths = int_list("--prefix-lengths", prefix_lengths, 2, position_limit(
@@ -44,9 +44,10 @@ def eval_fidelity(translator_dir: Path = typer.Option(..., "--translator",
     ids = src.tokenizer.encode(text.read_text(errors="replace"))
     try:
         with progress_bar("fidelity") as progress:
-            rows = fidelity(translator, src.model, tgt.model, ids, lengths, windows=windows,
-                            continuation=FIDELITY_CONTINUATION, progress=progress,
-                            sink=sink)
+            rows = fidelity(translator, src.model, tgt.model, ids,
+                            FidelityConfig(lengths, windows=windows,
+                                           continuation=FIDELITY_CONTINUATION, sink=sink),
+                            progress=progress)
     except ValueError as e:
         raise KvtransError(str(e))
     if as_json:
@@ -147,7 +148,7 @@ def eval_ablate(model: str = typer.Option(None, "--model", help="zoo alias, dire
     everything, or every layer from one up translated): KL against native, greedy agreement,
     the history's worth recovered (the fidelity bars' measure) and needle recall, beside the
     no-cache floor."""
-    from mlx_kvtrans.evaluation.ablate import ablate
+    from mlx_kvtrans.evaluation.ablate import AblateConfig, ablate
 
     if (model is None) == (translator_dir is None):
         raise KvtransError("give --model, or --translator (its target is the model)")
@@ -165,9 +166,10 @@ def eval_ablate(model: str = typer.Option(None, "--model", help="zoo alias, dire
     ids = lm.tokenizer.encode(text.read_text(errors="replace"))
     try:
         with progress_bar("ablate") as progress:
-            rows = ablate(lm.model, lm.tokenizer.encode, ids, sizes, windows, needles,
-                          continuation=ABLATION_CONTINUATION, translator=translator,
-                          source=src, progress=progress,
+            rows = ablate(lm.model, lm.tokenizer.encode, ids,
+                          AblateConfig(sizes, windows, needles,
+                                       continuation=ABLATION_CONTINUATION),
+                          translator=translator, source=src, progress=progress,
                           make=needle_maker(needle_format, 1, lm))
     except ValueError as e:
         raise KvtransError(str(e))
@@ -345,18 +347,18 @@ def eval_frontier(translator_dir: Path = typer.Option(..., "--translator",
     translator = artifact.load(directory, src, tgt)
     ids = tgt.tokenizer.encode(text.read_text(errors="replace"))
     group = launched_group()  # under mlx.launch: the windows and needles are shared out
-    make = needle_maker(needle_format, 1, tgt)
+    config = fr.FrontierConfig(sizes, reads, prompts, needles, repeats, seed, recomputes=layers,
+                               make=needle_maker(needle_format, 1, tgt))
     try:
         with progress_bar("frontier") as progress:  # silent under mlx.launch (no terminal)
-            frontier = fr.measure_translator(directory, src, tgt, translator, ids, sizes,
-                                             reads, prompts, needles, repeats, seed, progress,
-                                             group=group, make=make, recomputes=layers)
+            frontier = fr.measure_translator(directory, src, tgt, translator, ids, config,
+                                             progress, group=group)
     except ValueError as e:
         raise KvtransError(f"--text {text}: {e}")
     if group is not None and group.rank() != 0:  # the first process reports and writes
         return
     frontier.settings["text"] = str(text)
-    frontier.settings["needle_format"] = "chat" if make else "text"
+    frontier.settings["needle_format"] = "chat" if config.make else "text"
     written = [fr.save(frontier, path, force=True)
                for path in (out_file, directory / fr.FILE if record else None) if path]
     if as_json:

@@ -129,7 +129,7 @@ def fit(source: str = typer.Option(..., "--from", help="source model"),
                                       "values"),
         headwise: bool = typer.Option(FIT.headwise, help="with --split-kv: target head h reads "
                                       "source head h only"),
-        assign: str = typer.Option("relative", help="layer assignment: relative (depth) or best "
+        assign: str = typer.Option(FIT.assign, help="layer assignment: relative (depth) or best "
                                    "(best single fit)"),
         attention_weighted: int = typer.Option(FIT.attention_weighted, min=0,
                                                help="C > 0: weight prefix tokens by the "
@@ -144,7 +144,7 @@ def fit(source: str = typer.Option(..., "--from", help="source model"),
                                             help=RANDOM_FEATURES_HELP),
         random_layers: str = typer.Option(None, help=RANDOM_LAYERS_HELP),
         replay_convolve: bool = REPLAY_CONVOLVE,
-        needle_share: float = typer.Option(0.0, min=0.0, max=1.0, callback=finite,
+        needle_share: float = typer.Option(FIT.needle_share, min=0.0, max=1.0, callback=finite,
                                            help="about this share of the fitting windows are "
                                            "synthetic needles, question and answer last (with "
                                            "--attention-weighted, their queries weight the fit)"),
@@ -174,15 +174,15 @@ def fit(source: str = typer.Option(..., "--from", help="source model"),
                          identity_tables=identity_tables, residual=residual,
                          random_features=random_features, windows=windows, length=length, mix=tuple(
                              int_list("--mix-lengths", mix_lengths, 2) if mix_lengths else ()),
-                         pooling=pooling, replay_convolve=replay_convolve,
+                         pooling=pooling, replay_convolve=replay_convolve, assign=assign,
+                         needle_share=needle_share,
                          random_layers=random_layer_list(random_layers, random_features, target))
     _check_window_lengths(config, source, target)
     files = text_files("--data", data, "train")
     held_out = text_file("--validation", validation, "validation")
     workdir = output_dir("--workdir", workdir or Path("runs") / "fit" / out_dir.resolve().name)
     translator = _resumable(workdir, resume, fit_translator, source, target, files, config,
-                            validation=held_out, out=out_dir, assign=assign,
-                            needle_share=needle_share, gate_windows=gate_windows)
+                            validation=held_out, out=out_dir, gate_windows=gate_windows)
     _print_fit(translator, f"{source} -> {target} (stage 1, "
                f"{CapturePoint(capture_point).name.lower()}, nu={nu})", out_dir, as_json)
 
@@ -287,7 +287,7 @@ def calibrate(translator_dir: Path = typer.Option(..., "--translator", help="a t
     (its weights are not touched). Under mlx.launch the processes share the windows."""
     import mlx.core as mx
 
-    from mlx_kvtrans.training.calibrate import calibrate_directory
+    from mlx_kvtrans.training.calibrate import CalibrationConfig, calibrate_directory
     from mlx_kvtrans.translators import artifact
 
     path = artifact.resolve(translator_dir)
@@ -295,7 +295,8 @@ def calibrate(translator_dir: Path = typer.Option(..., "--translator", help="a t
         raise KvtransError(f"--translator {translator_dir}: already holds a gate calibration "
                            "(pass --force to replace it)")
     held_out = text_file("--validation", validation, "validation")
-    record = calibrate_directory(path, held_out, windows=windows, needle_share=needle_share)
+    record = calibrate_directory(path, held_out, CalibrationConfig(windows=windows,
+                                                                   needle_share=needle_share))
     if mx.distributed.init().rank() != 0:  # under mlx.launch the first process reports
         return
     if as_json:
@@ -376,7 +377,7 @@ def distill(translator_dir: Path = typer.Option(..., "--translator", help="stage
     refuse_existing(output_dir("--out", out_dir), force)
     with _stages() as progress:
         run = distill_translator(translator_dir, files, held_out, config, out=out_dir,
-                                 workdir=workdir, resume=resume, max_minutes=max_minutes,
+                                 workdir=workdir, resume=resume,
                                  gate_windows=gate_windows, progress=progress, note=err.print)
     if not run.finished:
         out.print(f"stopped at step {run.summary['steps']} of {steps}; checkpoint in "

@@ -40,7 +40,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_kvtrans.translators.alignment import align, char_spans
 from mlx_kvtrans.backend.blas import blas_report
 from mlx_kvtrans.layouts import layout_of
-from mlx_kvtrans.evaluation.needles import HELD_OUT_SEED, needle_report
+from mlx_kvtrans.evaluation.needles import HELD_OUT_SEED, NeedleConfig, needle_report
 from mlx_kvtrans.models import held_out_split
 from mlx_kvtrans.translators.sharding import capture_whole
 from mlx_kvtrans.translators import artifact
@@ -141,9 +141,9 @@ def needle_recall(translator, src, tgt, length: int, count: int, how: str,
                             target_tokens=len(prefix))
         return translate_text(translator, src.model, tgt.model, text)
 
-    native = needle_report(tgt.model, encode, length, count, seed=seed)["recall"]
-    return native, needle_report(tgt.model, encode, length, count, seed=seed,
-                                 cache_for=translated)["recall"]
+    draw = NeedleConfig(count, seed=seed)
+    native = needle_report(tgt.model, encode, length, draw)["recall"]
+    return native, needle_report(tgt.model, encode, length, draw, cache_for=translated)["recall"]
 
 
 def measure_direction(source: str, target: str, args, train_file: Path, test_text: str
@@ -173,8 +173,7 @@ def measure_direction(source: str, target: str, args, train_file: Path, test_tex
                          width=width, **(NEEDLE_FIT if needles else {}),
                          **(TABLES if "tables" in more else {}),
                          **({"nu": len(layout_of(src.model).layers)} if "layers" in more else {}))
-        translator = fit_translator(src, tgt, [train_file], config,
-                                    needle_share=share,
+        translator = fit_translator(src, tgt, [train_file], replace(config, needle_share=share),
                                     out=RUNS / f"{source}__{target}-{variant}"
                                     f"{'' if args.windows == 256 else f'-{args.windows}'}")
         size = sum(v.nbytes for v in translator.params.values())

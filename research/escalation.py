@@ -42,8 +42,8 @@ def measure(name: str, models: dict, prompts: int, needles: int) -> dict:
     out = {"reread": reread, "how": how}
     for escalate in (False, True):
         switch = fr.SessionSwitch(translator.prepare(), src, tgt, escalate=escalate)
-        rows = fr.measure(switch, tgt.tokenizer.encode, ids, plan, prompts, needles,
-                          repeats=1, seed=1)
+        rows = fr.measure(switch, tgt.tokenizer.encode, ids, plan,
+                          fr.FrontierConfig(prompts=prompts, needles=needles, repeats=1, seed=1))
         out["escalating" if escalate else "default"] = [
             {"length": r.length, **{k: getattr(r, k) for k in FIGURES}} for r in rows]
         print(name, "escalating" if escalate else "default",

@@ -34,11 +34,12 @@ import mlx_kvtrans as kv  # first: fast BLAS
 import mlx.core as mx
 
 from mlx_kvtrans.backend.blas import blas_report
-from mlx_kvtrans.evaluation.needles import filler_sentences, needle_report, needle_rows
+from mlx_kvtrans.evaluation.needles import (NeedleConfig, filler_sentences, needle_report,
+                                            needle_rows)
 from mlx_kvtrans.models import weights_fingerprint
 from mlx_kvtrans.translators import artifact
 from mlx_kvtrans.training.distill import DistillConfig, Distiller, start_fingerprint
-from mlx_kvtrans.translators.fidelity import fidelity
+from mlx_kvtrans.translators.fidelity import FidelityConfig, fidelity
 from mlx_kvtrans.training.fit import FitConfig, fit, token_windows
 from mlx_kvtrans.translators.translator import translate_cache
 from mlx_kvtrans.zoo.corpus import read_split
@@ -69,7 +70,7 @@ def corpus_ids(tokenizer, split: str) -> list[int]:
 def needles_report(translator, src, tgt, samples: int) -> dict:
     cache_for = (None if translator is None else
                  lambda ids: translate_cache(translator, src.model, tgt.model, ids))
-    return {str(n): needle_report(tgt.model, tgt.tokenizer.encode, n, samples,
+    return {str(n): needle_report(tgt.model, tgt.tokenizer.encode, n, NeedleConfig(samples),
                                   cache_for=cache_for) for n in LENGTHS}
 
 
@@ -81,7 +82,8 @@ def run_idea(src, tgt, idea: str, args, train_ids, validation_ids, test_ids, nee
                             **window_options)
     translator = fit(src.model, tgt.model, batches, None, config)
     fit_minutes = (time.perf_counter() - started) / 60
-    stage1 = needle_report(tgt.model, tgt.tokenizer.encode, FIT_LENGTH, args.samples,
+    stage1 = needle_report(tgt.model, tgt.tokenizer.encode, FIT_LENGTH,
+                           NeedleConfig(args.samples),
                            cache_for=lambda ids: translate_cache(translator, src.model,
                                                                  tgt.model, ids))
     distill = DistillConfig(steps=args.distill_steps, batch=8, max_prefix=FIT_LENGTH,
@@ -96,8 +98,8 @@ def run_idea(src, tgt, idea: str, args, train_ids, validation_ids, test_ids, nee
     distilled = distiller.distilled()
     distilled.info.update(stage=2, distill=summary)
     artifact.save(distilled, workdir / "translator", src, tgt)  # for `kvtrans eval ...`
-    kl = fidelity(distilled, src.model, tgt.model, test_ids, [LENGTHS[0], LENGTHS[2]],
-                  windows=args.kl_windows)
+    kl = fidelity(distilled, src.model, tgt.model, test_ids,
+                  FidelityConfig([LENGTHS[0], LENGTHS[2]], windows=args.kl_windows))
     return {"idea": idea, "fit": config.to_json(), "fit_windows": window_options,
             "distill": summary["config"],
             "fit_minutes": round(fit_minutes, 2), "distill_minutes": summary["minutes"],

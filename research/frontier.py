@@ -37,8 +37,8 @@ def measure(name: str, models: dict, args) -> dict:
     ids = tgt.tokenizer.encode(held_out_split("test").read_text())
     start = time.perf_counter()
     frontier = fr.measure_translator(artifact.resolve(name), src, tgt, translator, ids,
-                                     args.lengths or ZOO_LENGTHS, args.rereads, args.prompts,
-                                     args.needles, args.repeats)
+                                     fr.FrontierConfig(args.lengths or ZOO_LENGTHS, args.rereads,
+                                                       args.prompts, args.needles, args.repeats))
     return {**frontier.to_json(), "stage": translator.info.get("stage", 1),
             "minutes": round((time.perf_counter() - start) / 60, 2)}
 

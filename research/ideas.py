@@ -40,7 +40,7 @@ import json
 import shutil
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import mlx_kvtrans  # noqa: F401  first: fast BLAS
@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # b
 from bars import LENGTHS as BAR_LENGTHS
 from frontier import ZOO_LENGTHS, loaded
 from idea_list import IDEAS, REREAD, Idea
-from mlx_kvtrans.training.calibrate import calibrate_directory
+from mlx_kvtrans.training.calibrate import CalibrationConfig, calibrate_directory
 from mlx_kvtrans.errors import KvtransError
 from mlx_kvtrans.evaluation import frontier as fr
 from mlx_kvtrans.evaluation.intervals import paired_gain
@@ -78,9 +78,9 @@ def measure(name: str, directory: Path | str, models: dict, args,
     translator, src, tgt = loaded(directory, models)
     ids = tgt.tokenizer.encode(held_out_split("validation").read_text())
     frontier = fr.measure_translator(artifact.resolve(directory), src, tgt, translator, ids,
-                                     list(lengths or wanted_lengths(args)), [REREAD],
-                                     args.prompts,
-                                     args.needles, repeats=1, seed=SEED)
+                                     fr.FrontierConfig(list(lengths or wanted_lengths(args)),
+                                                       [REREAD], args.prompts, args.needles,
+                                                       repeats=1, seed=SEED))
     return {"name": name, "source": src.name, "target": tgt.name,
             "weights_mb": weights_mb(artifact.resolve(directory)),
             "settings": settings_of(args), "rows": [row.to_json() for row in frontier.rows]}
@@ -149,9 +149,9 @@ def run_idea(idea: Idea, models: dict, args) -> dict:
         if not (start / "weights.safetensors").is_file():
             manifest = artifact.read_manifest(idea.start)
             fit_translator(manifest["source"]["name"], manifest["target"]["name"],
-                           [held_out_split("train")], idea.fit,
-                           validation=held_out_split("validation"), out=start,
-                           needle_share=idea.fit_needle_share, gate_windows=32)
+                           [held_out_split("train")],
+                           replace(idea.fit, needle_share=idea.fit_needle_share),
+                           validation=held_out_split("validation"), out=start, gate_windows=32)
     stored = idea.stored != "float32"
     made = out.with_name(out.name + "-float32") if stored else out  # before it is stored
     if idea.config is None:  # as fitted
@@ -167,7 +167,7 @@ def run_idea(idea: Idea, models: dict, args) -> dict:
         out = made
     elif not (out / "weights.safetensors").is_file():
         artifact.store_as(made, out, getattr(mx, idea.stored))
-        calibrate_directory(out, windows=32)  # the gate judges the stored weights
+        calibrate_directory(out, config=CalibrationConfig(windows=32))  # the gate judges the stored weights
     minutes = artifact.read_manifest(out).get("distill", {}).get("minutes", 0.0)
     result = measure(idea.name, out, models, args)
     return {**result, "start": idea.start, "what": idea.what,
@@ -202,9 +202,9 @@ def ship(idea: Idea, models: dict) -> Path:
     translator, src, tgt = loaded(place, models)
     text = held_out_split("validation")
     frontier = fr.measure_translator(place, src, tgt, translator,
-                                     tgt.tokenizer.encode(text.read_text()), ZOO_LENGTHS,
-                                     [8, 32, 128],
-                                     prompts=8, needles=0, repeats=3, seed=0)
+                                     tgt.tokenizer.encode(text.read_text()),
+                                     fr.FrontierConfig(ZOO_LENGTHS, [8, 32, 128], prompts=8,
+                                                       needles=0, repeats=3, seed=0))
     root = Path(__file__).resolve().parents[1]
     frontier.settings["text"] = str(text.relative_to(root) if text.is_relative_to(root) else text)
     fr.save(frontier, place, force=True)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import mlx_kvtrans as kv  # first: fast BLAS
 
-from mlx_kvtrans.evaluation.ablate import ablate
+from mlx_kvtrans.evaluation.ablate import AblateConfig, ablate
 from mlx_kvtrans.models import held_out_split
 from mlx_kvtrans.translators import artifact
 
@@ -49,9 +49,10 @@ def measure(directory: Path, args, models: dict) -> dict:
     labels = ["translated all"] + [f"translated from layer {k} up" for k in range(1, layers)]
     ids = tgt.tokenizer.encode(held_out_split("validation").read_text())
     rows = {r["label"]: r["lengths"] for r in ablate(
-        tgt.model, tgt.tokenizer.encode, ids, list(LENGTHS), windows=args.windows,
-        needles=args.needles, translator=translator, source=src.model,
-        only={"native", *labels})}
+        tgt.model, tgt.tokenizer.encode, ids,
+        AblateConfig(list(LENGTHS), windows=args.windows, needles=args.needles,
+                     only={"native", *labels}),
+        translator=translator, source=src.model)}
     return {"translator": directory.name, "source": names[0], "target": names[1],
             "layers": layers,
             "rows": [{"own_layers": k, "cost": k / layers, **{

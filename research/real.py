@@ -44,7 +44,7 @@ from mlx_kvtrans.models import held_out_split
 from mlx_kvtrans.translators import artifact
 from mlx_kvtrans.training.distill import DistillConfig
 from mlx_kvtrans.training.attention_weights import SINK_TOKENS
-from mlx_kvtrans.translators.fidelity import fidelity
+from mlx_kvtrans.translators.fidelity import FidelityConfig, fidelity
 from mlx_kvtrans.training.fit import FitConfig
 from mlx_kvtrans.training.workflows import distill_translator, fit_translator
 from mlx_kvtrans.zoo.real import PARENT, SIBLING, FamilyConfig, build
@@ -117,8 +117,8 @@ def main() -> None:
     stage2_sink = work / f"translator-sink{args.sink}"
     train, validation, test = (held_out_split(s) for s in ("train", "validation", "test"))
     if not (stage1 / "weights.safetensors").is_file():
-        fit_translator(parent, sibling, [train], FitConfig(windows=args.windows),
-                       validation=validation, out=stage1, gate_windows=16, assign=args.assign)
+        fit_translator(parent, sibling, [train], FitConfig(windows=args.windows, assign=args.assign),
+                       validation=validation, out=stage1, gate_windows=16)
     for out, sink in ((stage2, 0), (stage2_sink, args.sink)):
         if (out / "weights.safetensors").is_file():
             continue
@@ -140,20 +140,22 @@ def main() -> None:
         translator = artifact.load(directory, src, tgt)
         for sink in sinks:
             label = name + (f", sink {sink}" if sink else "")
-            kl[label] = fidelity(translator, src.model, tgt.model, ids, LENGTHS,
-                                 windows=args.kl_windows, sink=sink)
+            kl[label] = fidelity(translator, src.model, tgt.model, ids,
+                                 FidelityConfig(LENGTHS, windows=args.kl_windows, sink=sink))
             print(f"{label}: {[(r['prefix_length'], round(r['kl'], 4)) for r in kl[label]]}",
                   flush=True)
-    identity = fidelity(translator, src.model, tgt.model, ids, LENGTHS, windows=args.kl_windows,
+    identity = fidelity(translator, src.model, tgt.model, ids,
+                        FidelityConfig(LENGTHS, windows=args.kl_windows),
                         build_cache=copying(src.model, layers))
     # a stage 2 is kept where it lowered the validation split's KL in its own setting (the
     # test split decides nothing)
     kept = {sink: distilled if lowered(distilled) else stage1
             for sink, distilled in ((0, stage2), (args.sink, stage2_sink))}
     frontiers = {sink: fr.measure_translator(kept[sink], src, tgt,
-                                             artifact.load(kept[sink], src, tgt), ids, LENGTHS,
-                                             [8], args.prompts, args.needles, repeats=2,
-                                             sink=sink)
+                                             artifact.load(kept[sink], src, tgt), ids,
+                                             fr.FrontierConfig(LENGTHS, [8], args.prompts,
+                                                               args.needles, repeats=2,
+                                                               sink=sink))
                  for sink in (0, args.sink)}
     chat = scripted_chat(parent, sibling, kept[args.sink], args.sink)
     names = {stage1: "stage 1", stage2: "stage 2", stage2_sink: "stage 2 with sink"}

@@ -34,7 +34,7 @@ from mlx_kvtrans.evaluation.needles import held_out_filler, needle_prompt_tokens
 from mlx_kvtrans.models import weights_dir
 from mlx_kvtrans.translators import artifact
 from mlx_kvtrans.training.distill import DistillConfig, Distiller, start_fingerprint
-from mlx_kvtrans.translators.fidelity import fidelity, indexer_selection
+from mlx_kvtrans.translators.fidelity import FidelityConfig, fidelity, indexer_selection
 from mlx_kvtrans.training.fit import FitConfig, fit, token_windows
 from mlx_kvtrans.translators.token_identity import codebook_of
 from mlx_kvtrans.translators.translator import translate_cache
@@ -140,7 +140,8 @@ def needles(tokenizer, length: int, samples: int):
 
 
 def measure(translator, src, tgt, args, test_ids) -> dict:
-    rows = fidelity(translator, src.model, tgt.model, test_ids, LENGTHS, windows=args.windows)
+    rows = fidelity(translator, src.model, tgt.model, test_ids,
+                    FidelityConfig(LENGTHS, windows=args.windows))
     translated = needle_recall(
         tgt.model, tgt.tokenizer.encode, LENGTHS, samples=args.samples,
         cache_for=lambda ids: translate_cache(translator, src.model, tgt.model, ids))

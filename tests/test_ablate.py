@@ -5,7 +5,7 @@ import pytest
 import mlx.core as mx
 
 import mlx_kvtrans as kv
-from mlx_kvtrans.evaluation.ablate import Ablation, Case, ablate
+from mlx_kvtrans.evaluation.ablate import AblateConfig, Ablation, Case, ablate
 from mlx_kvtrans.translators import artifact
 from mlx_kvtrans.zoo.gates import reference_gate_init
 
@@ -18,7 +18,7 @@ def test_native_is_exact_and_each_zeroed_object_is_its_own_case(model_dirs):
     reference_gate_init(lm.model, mx.random.key(1))  # states that carry the context
     ids = lm.tokenizer.encode(TEXT)
     rows = {r["label"]: r["lengths"]["48"]
-            for r in ablate(lm.model, lm.tokenizer.encode, ids, [48], windows=2, needles=2)}
+            for r in ablate(lm.model, lm.tokenizer.encode, ids, AblateConfig([48], 2, 2))}
     assert rows["native"]["kl"] == pytest.approx(0.0, abs=1e-6)
     assert rows["native"]["agreement"] == 1.0
     assert rows["no cache"]["kl"] > 1e-3
@@ -30,7 +30,7 @@ def test_native_is_exact_and_each_zeroed_object_is_its_own_case(model_dirs):
     assert rows["zero all"]["kl"] >= max(rows[s]["kl"] for s in states) * 0.5
     chosen = {"no cache", states[0]}
     some = {r["label"]: r["lengths"]["48"] for r in ablate(
-        lm.model, lm.tokenizer.encode, ids, [48], windows=2, needles=2, only=chosen)}
+        lm.model, lm.tokenizer.encode, ids, AblateConfig([48], 2, 2, only=chosen))}
     assert set(some) == chosen and all(some[k] == rows[k] for k in chosen)
 
 
@@ -39,8 +39,9 @@ def test_translated_cases_swap_in_exactly_what_they_name():
     translator = artifact.load(artifact.shipped("kimi-linear", "kimi-vl"), src, tgt)
     layout = kv.layout_of(tgt.model)
     ids = tgt.tokenizer.encode(TEXT)
-    rows = {r["label"]: r for r in ablate(tgt.model, tgt.tokenizer.encode, ids, [64], windows=1,
-                                          needles=1, translator=translator, source=src.model)}
+    rows = {r["label"]: r for r in ablate(tgt.model, tgt.tokenizer.encode, ids,
+                                          AblateConfig([64], windows=1, needles=1),
+                                          translator=translator, source=src.model)}
     objects = [k for k in rows if k.startswith("translated ") and "." in k]
     assert len(objects) == sum(len(l.objects) for l in layout.layers)
     assert all(rows[k]["lengths"]["64"]["kl"] > 0 for k in objects)
@@ -83,8 +84,8 @@ def test_zeroing_every_object_of_a_linear_attention_model_is_the_no_cache_floor(
     assert all(o.kind.value in ("conv_history", "recurrent_state")
                for layer in kv.layout_of(lm.model).layers for o in layer.objects)
     rows = {r["label"]: r["lengths"]["48"] for r in ablate(
-        lm.model, lm.tokenizer.encode, lm.tokenizer.encode(TEXT), [48], windows=2, needles=2,
-        only={"no cache", "zero all"})}
+        lm.model, lm.tokenizer.encode, lm.tokenizer.encode(TEXT),
+        AblateConfig([48], windows=2, needles=2, only={"no cache", "zero all"}))}
     assert rows["no cache"]["kl"] > 1e-3
     assert rows["zero all"]["kl"] == pytest.approx(rows["no cache"]["kl"], rel=1e-4)
     assert rows["zero all"]["agreement"] == rows["no cache"]["agreement"]
@@ -96,8 +97,8 @@ def test_the_recovered_share_is_one_natively_and_falls_without_the_history():
     layer's zeroed keys lie between."""
     lm = kv.load("qwen3-large")
     rows = {r["label"]: r["lengths"]["64"]["recovered"] for r in ablate(
-        lm.model, lm.tokenizer.encode, lm.tokenizer.encode(TEXT), [64], windows=2, needles=1,
-        only={"native", "no cache", "zero 2.keys"})}
+        lm.model, lm.tokenizer.encode, lm.tokenizer.encode(TEXT),
+        AblateConfig([64], windows=2, needles=1, only={"native", "no cache", "zero 2.keys"}))}
     assert None not in rows.values()  # the floor does not already agree everywhere
     assert rows["native"] >= 0.9
     assert rows["no cache"] < 0.0

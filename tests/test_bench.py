@@ -17,8 +17,9 @@ import mlx_kvtrans as kv
 from mlx_kvtrans.layouts import gated_delta
 from mlx_kvtrans.layouts.gated_delta import metal_recurrence_available
 from mlx_kvtrans.session import Session
-from mlx_kvtrans.timing.switch import (bench_switch, cache_nbytes, first_token, gated_session,
-                                       gated_switch, source_prefill, switch_cache)
+from mlx_kvtrans.timing.switch import (BenchConfig, bench_switch, cache_nbytes, first_token,
+                                       gated_session, gated_switch, source_prefill,
+                                       switch_cache)
 from mlx_kvtrans.training.fit import FitConfig, fit
 from mlx_kvtrans.training.plan import plan
 
@@ -73,7 +74,7 @@ def hand_count(cache) -> int:
 @pytest.mark.parametrize("source,target", [("kimi_linear", "kimi_vl"), ("kimi_vl", "kimi_linear")])
 def test_bound_parts_are_positive_and_sum_to_the_bound(loaded, source, target):
     S, T = loaded(source).model, loaded(target).model
-    row, = bench_switch(tiny_translator(S, T), S, T, [64], repeats=1)
+    row, = bench_switch(tiny_translator(S, T), S, T, BenchConfig([64], repeats=1))
     parts = (row.first_step_s, row.flops_at_peak_s, row.bytes_at_bandwidth_s)
     assert all(p > 0 for p in parts)
     assert row.bound_s == pytest.approx(sum(parts))
@@ -95,7 +96,7 @@ def test_install_bytes_equal_the_installed_caches_nbytes(loaded, source, target)
     cache = switch_cache(tr, source_prefill(tr, S, prompt), T, layout, prompt)
     assert cache_nbytes(cache) == hand_count(cache)
     assert cache_nbytes(cache) == layout.bytes_per_token * 63 + layout.fixed_bytes
-    row, = bench_switch(tr, S, T, [64], repeats=1)  # the bench's prompt is 63 tokens + 1
+    row, = bench_switch(tr, S, T, BenchConfig([64], repeats=1))  # the prompt: 63 tokens + 1
     assert row.install_bytes == cache_nbytes(cache)
 
 

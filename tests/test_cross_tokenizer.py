@@ -311,7 +311,7 @@ def test_the_gate_across_one_tokenizer_reads_what_the_gate_within_one_does(pair)
 
 
 def test_a_switch_across_tokenizers_meets_its_calibrated_gate(pair, both_ways):
-    from mlx_kvtrans.training.calibrate import calibrate
+    from mlx_kvtrans.training.calibrate import CalibrationConfig, calibrate
     from mlx_kvtrans.session import Session
 
     source, target, coarse, fine = pair
@@ -319,7 +319,8 @@ def test_a_switch_across_tokenizers_meets_its_calibrated_gate(pair, both_ways):
     a, b = loaded("a", source, coarse), loaded("b", target, fine)
     ids = char_spans(fine, TEXT * 3)[0]
     # prose alone: these bare test tokenizers write no needles
-    record = calibrate(there, a, b, ids, windows=2, bands=((32, 120),), needle_share=0.0)
+    record = calibrate(there, a, b, ids, CalibrationConfig(windows=2, bands=((32, 120),),
+                                                         needle_share=0.0))
     assert record["tail"] == 8 and len(record["bands"]) == 1
     calibrated = replace(there, info={**there.info, "gate": record})
     session = Session({"a": a, "b": b}, {("a", "b"): calibrated})

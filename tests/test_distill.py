@@ -17,7 +17,8 @@ import mlx_kvtrans as kv
 from mlx_kvtrans.capture.instrument import chunked_recurrence
 from mlx_kvtrans.errors import KvtransError
 from mlx_kvtrans.translators import artifact
-from mlx_kvtrans.training.distill import DistillConfig, Distiller, Problem
+from mlx_kvtrans.training.distill import DistillConfig, Distiller
+from mlx_kvtrans.training.problem import Problem, ProblemConfig
 from mlx_kvtrans.training.fit import FitConfig, fit
 from mlx_kvtrans.training.plan import plan
 from conftest import ring_port
@@ -47,8 +48,8 @@ def test_gradient_matches_finite_differences(loaded, source, target, recipes, pr
     translator, S, T = tiny_translator(loaded, source, target, recipes)
     windows = mx.random.randint(0, 259, (2, prefix + continuation), key=mx.random.key(9))
     with chunked_recurrence():
-        problem = Problem(translator, S, T, windows, prefix, attention=True, outputs=True,
-                          objects=True)
+        problem = Problem(translator, S, T, windows, prefix,
+                          ProblemConfig(attention=True, outputs=True, objects=True))
         params = dict(tree_flatten(translator.parameters()))  # flat names: the loss takes either
         (total, (kl, rehearsal, attention, outputs, built)), _ = mx.value_and_grad(
             problem.loss)(params)
@@ -114,7 +115,7 @@ def test_attention_rehearsal_is_zero_for_the_native_cache_and_positive_otherwise
 
     translator, S, T = tiny_translator(loaded, "qwen3", "llama")
     windows = mx.random.randint(0, 259, (2, 40), key=mx.random.key(4))
-    problem = Problem(translator, S, T, windows, 32, attention=True)
+    problem = Problem(translator, S, T, windows, 32, ProblemConfig(attention=True))
     assert len(problem.native_attention) == len(T.layers)
     assert float(attention_rehearsal(problem.native_attention, problem.native_attention)) \
         == pytest.approx(0.0, abs=1e-6)
@@ -134,7 +135,7 @@ def test_output_rehearsal_is_zero_for_the_native_cache_and_positive_otherwise(lo
     translator, S, T = tiny_translator(loaded, source, target)
     windows = mx.random.randint(0, 259, (2, 40), key=mx.random.key(4))
     with chunked_recurrence():
-        problem = Problem(translator, S, T, windows, 32, outputs=True)
+        problem = Problem(translator, S, T, windows, 32, ProblemConfig(outputs=True))
         assert len(problem.native_outputs) == len(T.layers)
         assert all(o.shape == (2, 8, T.args.hidden_size) for o in problem.native_outputs)
         native = capture(T, windows[:, :32], points=(CapturePoint.ENGINE,)).engine
@@ -151,7 +152,7 @@ def test_greedy_continuation_is_what_the_target_says(loaded, family):
     argmax at every step reading its native cache; the native logits are taken on it."""
     translator, S, T = tiny_translator(loaded, "qwen3_5", family)
     windows = mx.random.randint(0, 259, (2, 30), key=mx.random.key(5))
-    problem = Problem(translator, S, T, windows, 22, greedy=True)
+    problem = Problem(translator, S, T, windows, 22, ProblemConfig(greedy=True))
     assert problem.inputs.shape == (2, 8)
     assert mx.array_equal(problem.inputs[:, 0], windows[:, 22])
     assert mx.array_equal(problem.inputs[:, 1:], mx.argmax(problem.native_logits[:, :-1], -1))
@@ -168,11 +169,12 @@ def test_reread_tail_is_read_natively_and_not_scored(loaded, family):
     if family == "qwen3":
         exact, S, _ = tiny_translator(loaded, family, family)
         for reread in (0, 8):
-            problem = Problem(exact, S, S, windows, 32, reread=reread)
+            problem = Problem(exact, S, S, windows, 32, ProblemConfig(reread=reread))
             assert problem.translated_ids.shape[1] == 32 - reread
             assert float(problem.loss(exact.params)[1][0]) < 1e-3
     translator, S, T = tiny_translator(loaded, "qwen3_5", family)
-    losses = [float(Problem(translator, S, T, windows, 32, reread=r).loss(translator.params)[0])
+    losses = [float(Problem(translator, S, T, windows, 32, ProblemConfig(reread=r))
+                    .loss(translator.params)[0])
               for r in (0, 8, 31)]
     assert losses[0] > losses[1] > losses[2] > 0, losses
 
@@ -188,7 +190,7 @@ def test_a_sink_is_read_natively_and_the_loss_is_what_a_switch_with_it_gives(loa
     translator, S, T = tiny_translator(loaded, source, target)
     windows = mx.random.randint(0, 259, (2, 40), key=mx.random.key(8))
     with chunked_recurrence():
-        problem = Problem(translator, S, T, windows, 32, sink=4)
+        problem = Problem(translator, S, T, windows, 32, ProblemConfig(sink=4))
         assert problem.translated_ids.shape[1] == 28
         kl = float(problem.loss(translator.params)[1][0])
         switched = []
@@ -439,7 +441,7 @@ def test_object_rehearsal_reads_the_targets_own_objects_of_the_translated_span(l
 
     translator, S, T = tiny_translator(loaded, "qwen3", "llama")
     windows = mx.random.randint(0, 259, (2, 40), key=mx.random.key(5))
-    problem = Problem(translator, S, T, windows, 32, reread=4, objects=True)
+    problem = Problem(translator, S, T, windows, 32, ProblemConfig(reread=4, objects=True))
     assert len(problem.rehearsed) == len(translator.recipes)
     own = capture(T, windows[:, :28], points=(1,))
     for (layer, name), native in zip(problem.rehearsed, problem.native_objects):

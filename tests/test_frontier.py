@@ -37,8 +37,8 @@ def self_switch(loaded):
 def test_self_translation_and_reread_measure_as_native(self_switch):
     lm, switch, text = self_switch
     settings = [fr.Setting(0), fr.Setting(8), fr.Setting(LENGTH)]  # R >= L - 1: re-reading
-    rows = fr.measure(switch, lm.tokenizer.encode, text, {LENGTH: settings}, prompts=2,
-                      needles=1, repeats=1)
+    rows = fr.measure(switch, lm.tokenizer.encode, text, {LENGTH: settings},
+                      fr.FrontierConfig(prompts=2, needles=1, repeats=1))
     assert [r.setting for r in rows] == settings
     for r in rows:
         assert r.agreement == r.agreement_native == 1.0
@@ -58,7 +58,8 @@ def test_a_cache_that_forgot_the_prompt_scores_below_native(self_switch):
     zeroed = type(tr)(tr.source_point, tr.identity, tr.recipes,
                       {k: mx.zeros_like(v) for k, v in tr.params.items()}, tr.info)
     rows = fr.measure(fr.Switch(zeroed, lm.model, lm.model), lm.tokenizer.encode, text,
-                      {LENGTH: [fr.Setting(0)]}, prompts=2, needles=0, repeats=1)
+                      {LENGTH: [fr.Setting(0)]},
+                      fr.FrontierConfig(prompts=2, needles=0, repeats=1))
     assert rows[0].agreement < 1.0 and rows[0].kl > 1e-3
     assert 0.0 <= rows[0].near_ties <= 1.0
     assert rows[0].recall_native is None and rows[0].recall_translated is None

@@ -317,7 +317,7 @@ def test_calibration_is_stored_and_read_back(zoo, tmp_path):
     shutil.copytree(artifact.shipped("qwen3-small", "qwen3-large"), copy)
     weights = hashlib.sha256((copy / "weights.safetensors").read_bytes()).hexdigest()
     before = artifact.read_manifest(copy)
-    record = calibrate.calibrate_directory(copy, windows=3)
+    record = calibrate.calibrate_directory(copy, config=calibrate.CalibrationConfig(windows=3))
     assert hashlib.sha256((copy / "weights.safetensors").read_bytes()).hexdigest() == weights
     after = artifact.read_manifest(copy)  # its sums check out
     assert after["format_version"] == before["format_version"]
@@ -332,6 +332,18 @@ def test_calibration_is_stored_and_read_back(zoo, tmp_path):
         artifact.update_manifest(copy, source={"name": "another"})
 
 
+def test_calibration_needles_are_chat_turns_and_plain_text_alike(zoo):
+    """Users ask in the chat template (chat, serve) and in plain text (a completion request, a
+    router's raw prompt): of the "read" windows' needles (every other seed), half are each."""
+    target = zoo("qwen3-large")
+    opening = target.tokenizer.apply_chat_template([{"role": "user", "content": "x"}],
+                                                   tokenize=False).split("x")[0]
+    needles = [calibrate._needle(target, calibrate.NEEDLE_SEED + i, 120) for i in range(0, 16, 2)]
+    decode = target.tokenizer.decode
+    assert sum(decode(ids).startswith(opening) for _, ids in needles) == 4
+    assert all(decode(ids[n:]).strip(" .").isdigit() for n, ids in needles)  # the answer last
+
+
 def test_calibration_on_needles_reads_their_question_tails(zoo):
     """With a needle share (by default `NEEDLE_SHARE`), "read" windows are needles of the
     calibration's own draw (the record says so, and the windows it read differ); without one
@@ -340,12 +352,12 @@ def test_calibration_on_needles_reads_their_question_tails(zoo):
 
     tr, src, tgt = shipped(artifact.shipped("qwen3-small", "qwen3-large"), zoo)
     ids = tgt.tokenizer.encode(weights_dir().joinpath("corpus", "validation.txt").read_text())
-    options = dict(windows=2, bands=((64, 160),))
-    prose = calibrate.calibrate(tr, src, tgt, ids, needle_share=0.0, **options)
-    again = calibrate.calibrate(tr, src.model, tgt.model, ids, **options)  # no tokenizer: prose
-    needles = calibrate.calibrate(tr, src, tgt, ids, needle_share=1.0, **options)
+    options = calibrate.CalibrationConfig(windows=2, bands=((64, 160),))
+    prose = calibrate.calibrate(tr, src, tgt, ids, replace(options, needle_share=0.0))
+    again = calibrate.calibrate(tr, src.model, tgt.model, ids, options)  # no tokenizer: prose
+    needles = calibrate.calibrate(tr, src, tgt, ids, replace(options, needle_share=1.0))
     assert again["data_sha256"] == prose["data_sha256"] and "needle_share" not in prose
-    assert calibrate.calibrate(tr, src, tgt, ids, **options)["needle_share"] == \
+    assert calibrate.calibrate(tr, src, tgt, ids, options)["needle_share"] == \
         calibrate.NEEDLE_SHARE
     assert needles["needle_share"] == 1.0 and needles["data_sha256"] != prose["data_sha256"]
     assert needles["bands"][0]["gap"]["read"]["windows"] == 2
@@ -354,14 +366,14 @@ def test_calibration_on_needles_reads_their_question_tails(zoo):
 
 
 def test_bench_times_the_gated_switch(loaded):
-    from mlx_kvtrans.timing import bench_switch
+    from mlx_kvtrans.timing import BenchConfig, bench_switch
     from mlx_kvtrans.training.fit import fit
     from mlx_kvtrans.training.plan import plan
 
     S, T = loaded("kimi_linear").model, loaded("kimi_vl").model
     batches = [mx.random.randint(0, 259, (4, 48), key=mx.random.key(i)) for i in range(2)]
     tr = fit(S, T, batches, plan(kv.layout_of(S), kv.layout_of(T)))
-    row, = bench_switch(tr, S, T, [64], repeats=1)
+    row, = bench_switch(tr, S, T, BenchConfig([64], repeats=1))
     assert row.gate_tokens == gate.GATE_TOKENS and row.gated_switch_s > 0
     assert row.to_json()["speedup_gated"] == pytest.approx(row.reread_s / row.gated_switch_s)
 

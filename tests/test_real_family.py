@@ -15,9 +15,9 @@ from typer.testing import CliRunner
 import mlx_kvtrans as kv
 from mlx_kvtrans.cli.main import app as cli
 from mlx_kvtrans.evaluation.chat_needles import ChatNeedles
-from mlx_kvtrans.evaluation.needles import needle_report
+from mlx_kvtrans.evaluation.needles import NeedleConfig, needle_report
 from mlx_kvtrans.models import held_out_split
-from mlx_kvtrans.translators.fidelity import fidelity
+from mlx_kvtrans.translators.fidelity import FidelityConfig, fidelity
 from mlx_kvtrans.zoo import conversions
 from mlx_kvtrans.zoo.healing import Healing, heal
 from mlx_kvtrans.zoo.real import (PARENT, RECORD, SIBLING, FamilyConfig, _model_of, build,
@@ -178,7 +178,8 @@ def test_the_parent_recalls_a_chat_needle(parent):
     prompt, answer = make(900_000_000, 192)
     assert len(prompt) + len(answer) <= 192 and len(prompt) > 120  # filled towards the length
     assert parent.tokenizer.decode(answer).strip().rstrip(".").isdigit()
-    report = needle_report(parent.model, parent.tokenizer.encode, 192, 4, make=make)
+    report = needle_report(parent.model, parent.tokenizer.encode, 192, NeedleConfig(4),
+                           make=make)
     assert report["recall"] >= 0.75
 
 
@@ -214,8 +215,8 @@ def test_real_translators_fit_distil_and_keep_what_is_built(pair, tmp_path):
     assert translator.info["fit"]["mix"] == [48, 96]  # windows of every length asked for
     src, tgt = kv.load(str(out / PARENT)), kv.load(str(out / SIBLING))
     ids = tgt.tokenizer.encode(held_out_split("test").read_text()[:200_000])
-    row, = fidelity(translator, src.model, tgt.model, ids, [96], windows=2, continuation=32,
-                    generated=4)
+    row, = fidelity(translator, src.model, tgt.model, ids,
+                    FidelityConfig([96], windows=2, continuation=32, generated=4))
     assert row["kl"] < row["kl_no_cache"] / 2  # keeps most of what the history is worth
     lines = []
     build_translators(out, (name,), config, log=lines.append)

@@ -61,6 +61,26 @@ def test_segment_wise_transfer_translates_only_new_tokens(kimi_pair):
     assert s.lines[b.name].seen - 1 == s.lines[a.name].seen == len(s.tokens) - 1
 
 
+def test_a_switch_is_planned_from_values_and_the_plan_is_what_it_does(kimi_pair):
+    a, b, _ = kimi_pair
+    s = session_for(kimi_pair, both=False)
+    s.add(list(range(60, 90)))
+    list(s.generate(5))
+    seen = {name: line.seen for name, line in s.lines.items()}
+    plan = s.plan(b.name)
+    # planning reads nothing and changes nothing
+    assert {name: line.seen for name, line in s.lines.items()} == seen and s.active == a.name
+    assert (plan.start, plan.upto, plan.reason) == (0, 34, None) and plan.choice is not None
+    done = s.switch(b.name)
+    assert done.status == "applied" and done.reread == plan.choice.reread
+    assert done.tokens_translated + done.tokens_tail + done.tokens_sink == plan.upto
+    assert s.plan(b.name).gives_nothing
+    s.add([1, 2, 3])
+    list(s.generate(3))
+    back = s.plan(a.name)  # no translator from b to a
+    assert back.choice is None and back.reason == "no translator for this pair"
+
+
 def test_token_ids_outside_the_vocabulary_are_refused_and_nothing_is_added(kimi_pair):
     a, b, _ = kimi_pair
     s = session_for(kimi_pair)

@@ -5,6 +5,7 @@ session reads, and no command replaces an existing output unless told to."""
 from __future__ import annotations
 
 import hashlib
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -13,7 +14,7 @@ import pytest
 import mlx_kvtrans as kv
 from mlx_kvtrans.training import workflows
 from mlx_kvtrans.translators import gate
-from mlx_kvtrans.training.calibrate import calibrate_directory, window_switch
+from mlx_kvtrans.training.calibrate import CalibrationConfig, calibrate_directory, window_switch
 from mlx_kvtrans.translators import artifact
 from mlx_kvtrans.training.distill import DistillConfig
 from mlx_kvtrans.training.fit import FitConfig, fit, mixed_windows, token_windows
@@ -75,7 +76,7 @@ def test_fit_translator_fits_the_windows_of_its_text(fitted):
 
 def test_needle_windows_come_from_the_training_needles(loaded):
     src, tgt = (loaded(f) for f in PAIR)
-    with_needles = workflows.fit_translator(src, tgt, [TEXT], CONFIG, needle_share=0.5)
+    with_needles = workflows.fit_translator(src, tgt, [TEXT], replace(CONFIG, needle_share=0.5))
     ids = src.tokenizer.encode(TEXT.read_text())
     needles = workflows.training_needles(src.tokenizer.encode, [TEXT.read_text()], 40, count=2)
     assert all(len(r) >= 40 for r in needles)
@@ -115,7 +116,7 @@ def test_calibrate_directory_writes_a_gate_the_session_reads(loaded, tmp_path):
     workflows.fit_translator(src, tgt, [TEXT], CONFIG, out=out)
     assert "gate" not in artifact.read_manifest(out)
     weights = hashlib.sha256((out / "weights.safetensors").read_bytes()).hexdigest()
-    record = calibrate_directory(out, TEXT, windows=1)
+    record = calibrate_directory(out, TEXT, CalibrationConfig(windows=1))
     assert hashlib.sha256((out / "weights.safetensors").read_bytes()).hexdigest() == weights
     translator = artifact.load(out, src, tgt)
     assert translator.info["gate"] == record and record["tail"] == gate.GATE_TOKENS
@@ -165,8 +166,8 @@ def test_distill_translator_distils_calibrates_and_saves(fitted, tmp_path):
     path, stage1, src, tgt = fitted
     config = DistillConfig(steps=2, lr=1e-3, warmup=1, batch=2, min_prefix=16, max_prefix=32,
                            continuation=8, validate_every=1, validation_windows=2)
-    stopped = workflows.distill_translator(path, [TEXT], TEXT, config, out=tmp_path / "early",
-                                           workdir=tmp_path / "w", max_minutes=1e-9,
+    stopped = workflows.distill_translator(path, [TEXT], TEXT, replace(config, max_minutes=1e-9),
+                                           out=tmp_path / "early", workdir=tmp_path / "w",
                                            gate_windows=1)
     assert not stopped.finished and stopped.translator is None
     assert not (tmp_path / "early").exists() and (tmp_path / "w" / "state.json").exists()

@@ -114,27 +114,37 @@ class Ablation:
         return install(self.layout, objects, CapturePoint.ENGINE)
 
 
-def ablate(model, encode, token_ids: list[int], lengths: list[int], windows: int = 4,
-           needles: int = 20, continuation: int = 32, generated: int = 16, translator=None,
-           source=None, seed: int = 0, progress=None, only: set[str] | None = None,
-           make=None) -> list[dict]:
+@dataclass(frozen=True)
+class AblateConfig:
+    """What `ablate` measures and on how much, apart from the models and text."""
+    lengths: list[int]  # prompt lengths
+    windows: int = 4  # held-out windows per length
+    needles: int = 20  # held-out needles per length
+    continuation: int = 32  # tokens after each prompt the KL is taken over
+    generated: int = 16  # greedy tokens compared for agreement
+    seed: int = 0  # where the windows start
+    only: set[str] | None = None  # the labels of the cases to run; None: all
+
+
+def ablate(model, encode, token_ids: list[int], config: AblateConfig, translator=None,
+           source=None, progress=None, make=None) -> list[dict]:
     """Per case: {"case", "layer", "object", "lengths": {L: {"kl", "agreement", "recovered",
     "recall"}}} (recovered None where the floor already agrees everywhere).
     `encode`: the model's tokenizer encode (for the needles); `token_ids`: held-out text;
-    `only`: the labels of the cases to run (all by default); `make`: the needles' format
-    (`needles.needle_report`)."""
+    `make`: the needles' format (`needles.needle_report`)."""
+    lengths, generated = config.lengths, config.generated
     ablation = Ablation(model, translator, source)
     todo = [c for c in cases(ablation.layout, translator is not None)
-            if only is None or c.label in only]
+            if config.only is None or c.label in config.only]
     rows = [{"case": c.name, "label": c.label, "layer": c.layer, "object": c.object,
              "kind": c.kind, "above": c.above, "lengths": {}} for c in todo]
     total, done = len(todo) * len(lengths), 0
     for length in lengths:
-        span = length + continuation
+        span = length + config.continuation
         if len(token_ids) < span + 1:
             raise ValueError(f"held-out text has {len(token_ids)} tokens, fewer than {span + 1}")
-        rng = random.Random(seed + length)
-        starts = [rng.randrange(0, len(token_ids) - span) for _ in range(windows)]
+        rng = random.Random(config.seed + length)
+        starts = [rng.randrange(0, len(token_ids) - span) for _ in range(config.windows)]
         prefixes = []
         natives = []
         fed = []
@@ -167,7 +177,7 @@ def ablate(model, encode, token_ids: list[int], lengths: list[int], windows: int
                 predicted = mx.argmax(model(tokens, cache=copy.deepcopy(built))[0], -1)
                 forced.append(agreement(said[:GENERATED], predicted.tolist()))
             recall, _ = needle_scores(
-                model, encode, length, needles, make=make,
+                model, encode, length, config.needles, make=make,
                 cache_for=lambda ids, case=case: ablation.cache(case, mx.array(ids)))
             row["lengths"][str(length)] = {"kl": sum(kls) / len(kls),
                                            "agreement": sum(agrees) / len(agrees),

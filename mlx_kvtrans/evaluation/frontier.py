@@ -36,6 +36,7 @@ import copy
 import random
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,7 +55,7 @@ from ..translators.frontier import (  # noqa: F401
     FILE, FLOOR_TOKENS, GENERATED, Frontier, Row, Setting, cheapest, cheapest_row,
     fitting_length, history_recovered, load, save)
 from .intervals import window_intervals
-from .needles import HELD_OUT_SEED, held_out_filler, needle_report
+from .needles import HELD_OUT_SEED, NeedleConfig, held_out_filler, needle_report
 
 NEEDLE_DRAW = 1_000_000  # needle seeds per frontier seed: another seed, other needles
 
@@ -292,24 +293,40 @@ def near_tie(logits: mx.array) -> mx.array:
 SCORES = ("agree", "kl", "parted", "tied", "match", "exact", "first")  # per window (`score`)
 
 
+@dataclass(frozen=True)
+class FrontierConfig:
+    """A frontier measurement's options, apart from the models and data it runs on: one
+    value that callers build once and pass along. `measure` reads prompts, needles, repeats,
+    seed and make (its plan holds the lengths and settings); `measure_translator` all."""
+    lengths: list[int] | None = None  # prompt lengths; None: 1x-8x the fitting length
+    rereads: list[int] | None = None  # R; None: `default_rereads` at each length
+    prompts: int = 16  # held-out prose windows per length
+    needles: int = 16  # held-out needles per length (0: no recall)
+    repeats: int = 3  # timed runs of each switch (the median)
+    seed: int = 0  # another seed: other windows and another draw of needles
+    sink: int | None = None  # the target reads this many first tokens; None: the translator's
+    recomputes: list[int] = (0,)  # k, the target's first layers that re-read, with every R
+    make: Callable | None = None  # the needles' format (`needles.needle_report`); None: raw text
+
+
 def measure(switch: Switch, encode, text_ids: list[int], plan: dict[int, list[Setting]],
-            prompts: int = 16, needles: int = 16, repeats: int = 3, seed: int = 0,
-            progress=None, group=None, make=None) -> list[Row]:
-    """One row per (length, setting) of `plan` (prompt length -> settings), over `prompts`
-    held-out windows of `text_ids` (`window_starts`) and `needles` held-out needles (0: no
-    recall; seed 0: the needles every benchmark reads, another seed another draw of them).
-    `encode`: the target tokenizer's; `make`: the needles' format (`needles.needle_report`).
+            config: FrontierConfig = FrontierConfig(), progress=None, group=None) -> list[Row]:
+    """One row per (length, setting) of `plan` (prompt length -> settings), over
+    `config.prompts` held-out windows of `text_ids` (`window_starts`) and `config.needles`
+    held-out needles (0: no recall; seed 0: the needles every benchmark reads, another seed
+    another draw of them). `encode`: the target tokenizer's.
     `progress(done, total, what)` follows the windows.
     `group`: the processes of `mlx.launch`: each scores its share of the windows and needles,
     the first alone times the switch, and every process returns the same rows."""
     from ..backend.processes import mine, summed
 
+    prompts, needles = config.prompts, config.needles
     target, rows = switch.target, []
     total, done = sum(len(s) for s in plan.values()) * (prompts + 2), 0
-    filler = held_out_filler() if needles and make is None else None
+    filler = held_out_filler() if needles and config.make is None else None
     timer = group is None or group.rank() == 0
     for length, settings in plan.items():
-        starts = window_starts(text_ids, length, prompts, seed)
+        starts = window_starts(text_ids, length, prompts, config.seed)
         scores = {s: {k: [] for k in SCORES} for s in settings}
         floor, own = [], []  # per window: the last-16 floor's agreement, native's own
         owned = []  # the windows this process scores, in order
@@ -326,19 +343,20 @@ def measure(switch: Switch, encode, text_ids: list[int], plan: dict[int, list[Se
                 done += 1
                 for key, value in score(switch, s, ref).items():
                     scores[s][key].append(value)
-        needle_seed = HELD_OUT_SEED + seed * NEEDLE_DRAW  # seed 0: the held-out needles
-        native_recall = needle_report(target, encode, length, needles, filler, needle_seed,
-                                      group=group, make=make)["recall"] if needles else None
+        # seed 0: the held-out needles
+        draw = NeedleConfig(needles, HELD_OUT_SEED + config.seed * NEEDLE_DRAW, filler)
+        native_recall = needle_report(target, encode, length, draw, group=group,
+                                      make=config.make)["recall"] if needles else None
         for s in settings:
             if progress:
                 progress(done, total, f"{length:,} tokens, needles and timing, {s.label()}")
             done += 2
-            recall = needle_report(target, encode, length, needles, filler, needle_seed,
+            recall = needle_report(target, encode, length, draw,
                                    cache_for=lambda ids, s=s: switch.cache(s, ids),
-                                   group=group, make=make)["recall"] if needles else None
+                                   group=group, make=config.make)["recall"] if needles else None
             made = getattr(switch, "statuses", {}).pop(s, None) or []  # a session's switches
             timed = time_switch(switch, s, list(text_ids[starts[0]:starts[0] + length]),
-                                repeats) if timer else (0.0, 0.0)
+                                config.repeats) if timer else (0.0, 0.0)
             sums = [sum(scores[s][k]) for k in SCORES] + [
                 sum(floor), sum(own), sum(st.status == "applied" for st in made), len(made),
                 *timed]
@@ -372,22 +390,21 @@ def measure(switch: Switch, encode, text_ids: list[int], plan: dict[int, list[Se
 
 
 def measure_translator(directory, source, target, translator, text_ids: list[int],
-                       lengths: list[int] | None = None, rereads: list[int] | None = None,
-                       prompts: int = 16, needles: int = 16, repeats: int = 3, seed: int = 0,
-                       progress=None, sink: int | None = None, group=None, make=None,
-                       recomputes: list[int] = (0,)) -> Frontier:
+                       config: FrontierConfig = FrontierConfig(), progress=None,
+                       group=None) -> Frontier:
     """The frontier of a loaded translator (`source`, `target`: LoadedModels) from the
-    translator directory `directory`: at `lengths` (default 1x-8x its fitting length) and
-    R in `rereads` (default `default_rereads`); settings that translate nothing are left out.
-    A session's switch reads the gate's r tokens whatever R asks, so R below r is refused
-    (ValueError); and the target reads the first `sink` tokens itself (None: the
-    translator's measured sink, as a `Session`'s default). `group`: the
+    translator directory `directory`: at `config.lengths` (default 1x-8x its fitting length)
+    and R in `config.rereads` (default `default_rereads`); settings that translate nothing are
+    left out. A session's switch reads the gate's r tokens whatever R asks, so R below r is
+    refused (ValueError); and the target reads the first `config.sink` tokens itself (None:
+    the translator's measured sink, as a `Session`'s default). `group`: the
     processes of `mlx.launch`, which share the windows and needles (`measure`).
-    `recomputes`: k, the target's first layers that read the translated prefix themselves,
-    measured with every R."""
+    `config.recomputes`: k, the target's first layers that read the translated prefix
+    themselves, measured with every R."""
     directory = Path(directory)
     fit_length = fitting_length(translator.info)
-    lengths = lengths or [fit_length * m for m in MULTIPLES]
+    lengths = config.lengths or [fit_length * m for m in MULTIPLES]
+    rereads = config.rereads
 
     below = [r for r in rereads or () if r < GATE_TOKENS]
     if below:
@@ -396,16 +413,16 @@ def measure_translator(directory, source, target, translator, text_ids: list[int
     def asked(n: int) -> set[int]:
         return set(rereads or default_rereads(n))
     wanted = sorted(set().union(*(asked(n) for n in lengths)))
-    plan = {n: [Setting(r, k) for r in wanted for k in recomputes
+    plan = {n: [Setting(r, k) for r in wanted for k in config.recomputes
                 if Setting(r).applies(n) and r in asked(n)] for n in lengths}
     for n, settings in plan.items():
         if not settings:
             raise ValueError(f"no setting of R in {wanted} translates anything at {n} tokens")
-    switch = SessionSwitch(translator.prepare(), source, target, sink=sink)
-    rows = measure(switch, target.tokenizer.encode, text_ids, plan, prompts, needles, repeats,
-                   seed, progress, group, make)
+    switch = SessionSwitch(translator.prepare(), source, target, sink=config.sink)
+    rows = measure(switch, target.tokenizer.encode, text_ids, plan, config, progress, group)
     weights = directory / "weights.safetensors"
-    settings = {"prompts": prompts, "needles": needles, "repeats": repeats, "seed": seed}
+    settings = {"prompts": config.prompts, "needles": config.needles,
+                "repeats": config.repeats, "seed": config.seed}
     if group is not None:
         settings["processes"] = group.size()
     return Frontier(directory.name, source.name, target.name, fit_length, rows, settings,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -53,6 +54,14 @@ def needle_prompt_tokens(encode, seed: int, n_tokens: int, filler: list[str]):
     return prompt, answer
 
 
+@dataclass(frozen=True)
+class NeedleConfig:
+    """Which held-out needles a report reads: the same config, the same needles."""
+    samples: int = 50  # needles at the length
+    seed: int = HELD_OUT_SEED  # the first needle's seed; the rest follow it
+    filler: list[str] | None = None  # raw-text needles' prose; None: `held_out_filler()`
+
+
 def needle_recall(model, encode, lengths: list[int], samples: int = 50, filler=None,
                   seed: int = HELD_OUT_SEED, cache_for=None, progress=None,
                   make=None) -> dict[int, float]:
@@ -67,8 +76,8 @@ def needle_recall(model, encode, lengths: list[int], samples: int = 50, filler=N
     for n, length in enumerate(lengths):
         step = progress and (lambda i, length=length, n=n: progress(
             n * samples + i, len(lengths) * samples, f"{length:,} tokens"))
-        out[length] = needle_report(model, encode, length, samples, filler, seed, cache_for,
-                                    step, make=make)["recall"]
+        out[length] = needle_report(model, encode, length, NeedleConfig(samples, seed, filler),
+                                    cache_for, step, make=make)["recall"]
     return out
 
 
@@ -78,21 +87,21 @@ def needle_scores(model, encode, length: int, samples: int = 50, filler=None,
     """(exact recall, mean loss of the answer digits in nats) at one prompt length.
 
     The digit loss shows copying long before recall does: chance is ln 10 = 2.30."""
-    report = needle_report(model, encode, length, samples, filler, seed, cache_for, progress,
-                           make=make)
+    report = needle_report(model, encode, length, NeedleConfig(samples, seed, filler),
+                           cache_for, progress, make=make)
     return report["recall"], report["digit_nll"]
 
 
-def needle_report(model, encode, length: int, samples: int = 50, filler=None,
-                  seed: int = HELD_OUT_SEED, cache_for=None, progress=None,
-                  group=None, make=None) -> dict:
+def needle_report(model, encode, length: int, config: NeedleConfig = NeedleConfig(),
+                  cache_for=None, progress=None, group=None, make=None) -> dict:
     """{"recall", "digit_nll", "digit_accuracy"} at one prompt length: exact recall, the answer
     digits' mean loss, and the share of answer digits whose greedy prediction is right (with
     the earlier digits given). `group`: the processes of `mlx.launch`, which read their share
     of the needles each and all return the whole report."""
     from ..backend.processes import mine, summed
 
-    filler = filler or (None if make else held_out_filler())
+    samples, seed = config.samples, config.seed
+    filler = config.filler or (None if make else held_out_filler())
     hits = 0
     nll = 0.0
     right = 0

@@ -17,6 +17,7 @@ import signal
 import socket
 import threading
 from contextlib import asynccontextmanager
+from typing import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -124,7 +125,10 @@ def _sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
-async def _respond(engine: Engine, job: Generation, reply, stream: bool, include_usage: bool):
+def _event_feed() -> tuple[asyncio.Queue, threading.Event, Callable[[object], None]]:
+    """(the queue a generation's events arrive on, the flag that stops it, the `emit` the
+    worker thread calls): the worker cannot touch the loop's queue directly, and once the
+    loop is gone (the server stopped) nobody reads, so the generation stops."""
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
     cancelled = threading.Event()
@@ -135,56 +139,62 @@ async def _respond(engine: Engine, job: Generation, reply, stream: bool, include
         except RuntimeError:  # the event loop is gone (the server stopped)
             cancelled.set()
 
-    deadline = engine.config.load_deadline
-    loading = engine.waits_for_load(job.model) and math.isfinite(deadline)
+    return events, cancelled, emit
+
+
+async def _first_event(engine: Engine, job: Generation, events: asyncio.Queue, loading: bool,
+                       deadline: float):
+    """The generation's first event. While its model is `loading`, that must come within
+    `deadline` seconds or `asyncio.TimeoutError` is raised, unless the model finished loading
+    meanwhile: then the request's own events follow, and are awaited."""
+    if not loading:
+        return await events.get()
     try:
-        engine.submit(job, emit, cancelled)
-    except RuntimeError:  # the worker has shut down
-        return _error_response(RequestError("the server is shutting down", status=503,
-                                            kind="server_error", code="shutting_down"))
-    try:
-        if loading:  # its weights are read first: a deadline, then a 503 to retry after
-            try:
-                first = await asyncio.wait_for(events.get(), deadline)
-            except asyncio.TimeoutError:
-                if engine.waits_for_load(job.model):
-                    raise
-                first = await events.get()  # loaded: what follows is the request's own
-        else:
-            first = await events.get()
+        return await asyncio.wait_for(events.get(), deadline)
     except asyncio.TimeoutError:
-        cancelled.set()
-        seconds = engine.load_soon(job.model)  # a retry finds it loaded
-        return _error_response(
-            RequestError(f"the model {job.model!r} is loading (about {seconds:.0f} s): retry "
-                         "after the time Retry-After gives", status=503, kind="server_error",
-                         code="model_loading"),
-            headers={"retry-after": str(max(1, math.ceil(seconds)))})
+        if engine.waits_for_load(job.model):
+            raise
+        return await events.get()  # loaded: what follows is the request's own
+
+
+def _still_loading(engine: Engine, model: str) -> JSONResponse:
+    """The 503 a request gets when its model's weights took past the deadline: loading goes on,
+    and Retry-After says when a retry finds the model loaded."""
+    seconds = engine.load_soon(model)  # a retry finds it loaded
+    return _error_response(
+        RequestError(f"the model {model!r} is loading (about {seconds:.0f} s): retry "
+                     "after the time Retry-After gives", status=503, kind="server_error",
+                     code="model_loading"),
+        headers={"retry-after": str(max(1, math.ceil(seconds)))})
+
+
+def _used(done: Finished) -> dict:
+    """The reply's usage: tokens reused or translated count as cached prompt tokens."""
+    h = done.history
+    return usage(done.prompt_tokens, done.completion_tokens,
+                 h.tokens_reused + h.tokens_translated)
+
+
+async def _whole_reply(events: asyncio.Queue, cancelled: threading.Event, reply):
+    """A non-streaming response: the generation's text once it finished, or its failure."""
+    pieces = []
+    try:
+        while not isinstance(event := await events.get(), (Finished, Failed)):
+            pieces.append(event.text)
     except asyncio.CancelledError:
         cancelled.set()
         raise
-    if isinstance(first, Failed):
-        return _failure(first.error)
-    headers = first.history.headers()
+    if isinstance(event, Failed):
+        return _failure(event.error)
+    report = event.history.fields()
+    return JSONResponse(reply.full("".join(pieces), event.reason, _used(event), report),
+                        headers=event.history.headers())
 
-    def used(done: Finished) -> dict:
-        h = done.history
-        return usage(done.prompt_tokens, done.completion_tokens,
-                     h.tokens_reused + h.tokens_translated)
 
-    if not stream:
-        pieces = []
-        try:
-            while not isinstance(event := await events.get(), (Finished, Failed)):
-                pieces.append(event.text)
-        except asyncio.CancelledError:
-            cancelled.set()
-            raise
-        if isinstance(event, Failed):
-            return _failure(event.error)
-        report = event.history.fields()
-        return JSONResponse(reply.full("".join(pieces), event.reason, used(event), report),
-                            headers=event.history.headers())
+def _streamed_reply(events: asyncio.Queue, cancelled: threading.Event, reply,
+                    include_usage: bool, headers: dict) -> StreamingResponse:
+    """A streaming response: server-sent chunks as the text comes, a failure as an error
+    object, then [DONE]; a client that leaves stops the generation."""
 
     async def chunks():
         try:
@@ -198,7 +208,7 @@ async def _respond(engine: Engine, job: Generation, reply, stream: bool, include
                     report = event.history.fields()
                     yield _sse(reply.chunk(finish=event.reason, kvtrans=report))
                     if include_usage:
-                        yield _sse(reply.usage_chunk(used(event), report))
+                        yield _sse(reply.usage_chunk(_used(event), report))
                     break
                 elif isinstance(event, Failed):
                     body = _failure(event.error).body
@@ -210,6 +220,33 @@ async def _respond(engine: Engine, job: Generation, reply, stream: bool, include
 
     return StreamingResponse(chunks(), media_type="text/event-stream",
                              headers={**headers, "cache-control": "no-cache"})
+
+
+async def _respond(engine: Engine, job: Generation, reply, stream: bool, include_usage: bool):
+    """Queue `job` on the engine's worker and answer once its first event exists, so a
+    stream's headers already say how the history was switched."""
+    events, cancelled, emit = _event_feed()
+    deadline = engine.config.load_deadline
+    loading = engine.waits_for_load(job.model) and math.isfinite(deadline)
+    try:
+        engine.submit(job, emit, cancelled)
+    except RuntimeError:  # the worker has shut down
+        return _error_response(RequestError("the server is shutting down", status=503,
+                                            kind="server_error", code="shutting_down"))
+    try:  # its weights are read first: a deadline, then a 503 to retry after
+        first = await _first_event(engine, job, events, loading, deadline)
+    except asyncio.TimeoutError:
+        cancelled.set()
+        return _still_loading(engine, job.model)
+    except asyncio.CancelledError:
+        cancelled.set()
+        raise
+    if isinstance(first, Failed):
+        return _failure(first.error)
+    headers = first.history.headers()
+    if not stream:
+        return await _whole_reply(events, cancelled, reply)
+    return _streamed_reply(events, cancelled, reply, include_usage, headers)
 
 
 def create_app(engine: Engine) -> FastAPI:

@@ -4,8 +4,8 @@ The session holds the conversation's tokens, each model's `CacheLine` and the tr
 between them, and decides what each model records while it reads: only what its outgoing
 translators read (`Translator.reads`); a model with no translator from it records nothing.
 Under `segment` and `refresh` a recorded span is dropped once every model this one has a
-translator to has read it; `naive` keeps everything. Reading and decoding live in `decode`, the
-switch in `switch`.
+translator to has read it; `naive` keeps everything. Reading and decoding live in `decode`; a
+switch is planned from values and carried out in `switching`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from ..translators.alignment import Views, tokenizer_groups
 from . import decode, dial
 from .line import CacheLine, Recording
 from .status import Outcome, SwitchStatus
-from .switching import Conversation, Settings, receive_span
+from .switching import Conversation, Plan, Settings, carry_out, plan_switch
 
 STRATEGIES = ("segment", "naive", "refresh")
 
@@ -358,13 +358,33 @@ class Session:
             return self.lines[target].seen - self.refused[target][1]
         return 0
 
+    def plan(self, target: str) -> Plan:
+        """What `switch(target)` would do now, decided before anything is read (`Plan`): give
+        nothing, re-read and why, or translate a span at the dial's setting (whose gate may
+        still turn it into a re-read)."""
+        if target not in self.lines:
+            raise ValueError(f"unknown model {target!r}")
+        return self._plan(target, self._refused_reason(target))
+
+    def _plan(self, target: str, refused: str | None = None) -> Plan:
+        number = sum(1 for s in self.switches if s.target == target) + 1
+        return plan_switch(self.conversation, self.lines[self.active], self.lines[target],
+                           self.translators.get((self.active, target)), number, refused)
+
+    def _refused_reason(self, target: str) -> str | None:
+        """Why a switch to `target` made ahead from the active model fell back, if one did."""
+        refused = self.refused.get(target)
+        if refused is not None and refused[0].source == self.active:  # judged for this cache
+            return refused[0].reason
+        return None
+
     def _receive(self, target: str, read_fallback: bool = True,
                  refused: str | None = None) -> SwitchStatus:
-        """`target` receives from the active model what it has not seen (`receive_span`)."""
-        number = sum(1 for s in self.switches if s.target == target) + 1
-        return receive_span(self.conversation, self.lines[self.active], self.lines[target],
-                            self.translators.get((self.active, target)), number,
-                            read_fallback, refused)
+        """`target` receives from the active model what it has not seen: the session plans the
+        switch and carries it out (`switching`)."""
+        return carry_out(self._plan(target, refused), self.conversation,
+                         self.lines[self.active], self.lines[target],
+                         self.translators.get((self.active, target)), read_fallback)
 
     def switch(self, target: str) -> SwitchStatus:
         """Make `target` the active model, giving it what it has not seen (`receive_span`). After
@@ -372,10 +392,8 @@ class Session:
         if target not in self.lines:
             raise ValueError(f"unknown model {target!r}")
         self._finish_turn()
-        refused = self.refused.get(target)
-        reason = None
-        if refused is not None and refused[0].source == self.active:  # judged for this cache
-            reason = refused[0].reason
+        reason = self._refused_reason(target)
+        if reason is not None:
             self.keep_reread(target)  # what was re-read of it ahead is part of this switch
         self.refused.pop(target, None)
         status = self.joined(target, self._receive(target, refused=reason))

@@ -153,15 +153,7 @@ def _continue(line: CacheLine, tokens: list[int], max_tokens: int,
         rec = stack.enter_context(tapped(model, line.local_layout, set(RECORD_POINTS),
                                          line.local_select(select)))
         take_back = stack.enter_context(_taking_back(model, line.cache, rec))
-        cuts = [start]
-        if marks:
-            cuts += sorted(prompt_end - m for m in marks if start < prompt_end - m < tail_from)
-            stack.enter_context(_snapshots(line, cuts[1] if len(cuts) > 1 else tail_from,
-                                           tail))
-        for begin, end in zip(cuts, cuts[1:] + [tail_from]):  # a forward starts at each mark
-            for at in range(begin, end, PREFILL_CHUNK):
-                model(mx.array([tokens[at:min(at + PREFILL_CHUNK, end)]]), cache=line.cache)
-                mx.eval([c.state for c in line.cache], rec.pending())
+        _read_prompt(stack, line, tokens, range(start, tail_from), marks, tail, rec)
         rows = (stack.enter_context(recording_final_rows(model, recording.tail_rows + 1))
                 if r else None)  # one more: the last forward may go back
         # generate_step reads each token before yielding it: ask for one fewer, and take
@@ -204,6 +196,21 @@ def _continue(line: CacheLine, tokens: list[int], max_tokens: int,
                     line.keep_tail(rows.last(min(recording.tail_rows, read_upto - tail_from)),
                                    read_upto, range(prompt_end, len(tokens)))
                 line.snapshot()
+
+
+def _read_prompt(stack: contextlib.ExitStack, line: CacheLine, tokens: list[int], span: range,
+                 marks: list[int], tail: int, rec) -> None:
+    """Read the prompt's `span` (all of it but the tail generate_step reads), a forward
+    starting at each of the switch marks, where the line keeps a state snapshot."""
+    model, prompt_end = line.lm.model, len(tokens)
+    cuts = [span.start]
+    if marks:
+        cuts += sorted(prompt_end - m for m in marks if span.start < prompt_end - m < span.stop)
+        stack.enter_context(_snapshots(line, cuts[1] if len(cuts) > 1 else span.stop, tail))
+    for begin, end in zip(cuts, cuts[1:] + [span.stop]):
+        for at in range(begin, end, PREFILL_CHUNK):
+            model(mx.array([tokens[at:min(at + PREFILL_CHUNK, end)]]), cache=line.cache)
+            mx.eval([c.state for c in line.cache], rec.pending())
 
 
 @contextlib.contextmanager

@@ -34,15 +34,16 @@ of the text the source has read, up to the last place where both split; each of 
 alignment group's source tokens pooled, as its translator was fitted (`_across`). The gate
 compares each model's NLL of its own tokens of the same text (`gate.compare_across`).
 
-`receive_span` is the one switch: `Session.switch`, the server (through it) and the switch
-benchmark's gated switch all run it.
+`receive_span` is the one switch: `plan_switch` decides from values what it does (`Plan`),
+`carry_out` does it. `Session.switch`, the server (through it) and the switch benchmark's gated
+switch all run it.
 """
 
 from __future__ import annotations
 
 import copy
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
@@ -112,58 +113,92 @@ class Conversation:
         return decode.read(line, self.view(line.name), upto, whole, split_at, generated)
 
 
+@dataclass(frozen=True)
+class Plan:
+    """What a switch from `source` to `target` does, decided from values before anything is
+    read or translated: give nothing, re-read up to `upto` (`reason` says why; `full`: the
+    target's whole line), or translate [`start`, `upto`) at the dial's `choice`, which the
+    gate may still turn into a re-read."""
+
+    source: str
+    target: str
+    upto: int  # the target's tokens of what the source has read
+    start: int = 0
+    reason: str | None = None
+    full: bool = False
+    choice: dial.Choice | None = None
+    translator_note: str = ""
+
+    @property
+    def gives_nothing(self) -> bool:
+        """Whether the target holds everything already."""
+        return self.reason is None and self.choice is None
+
+
+def plan_switch(conversation: Conversation, src: CacheLine, tgt: CacheLine, translator,
+                number: int, refused: str | None = None) -> Plan:
+    """The plan of the switch that gives `tgt` what `src` has read and it has not. `number`:
+    this switch's count among the target's (`refresh` re-reads every Nth); `refused`: why a
+    switch made ahead fell back (the target reads on instead of translating again)."""
+    source, target = src.name, tgt.name
+    settings = conversation.settings
+    n = conversation.mapped(source, src.seen, target)
+    note = translator.info.get("fitted_on", "") if translator is not None else ""
+    plan = Plan(source, target, n, start=tgt.seen, translator_note=note)
+    if source == target or n <= tgt.seen and settings.strategy != "naive":
+        return plan
+    if translator is None:
+        return replace(plan, reason="no translator for this pair")
+    if refused is not None:
+        return replace(plan, reason=f"{refused} (when translating ahead)")
+    if settings.strategy == "refresh" and number % settings.refresh_every == 0:
+        return replace(plan, reason=f"refresh every {settings.refresh_every} switches",
+                       full=True)
+    if settings.max_context is not None and n > settings.max_context:
+        return replace(plan, reason=f"context {n} tokens is longer than the translator "
+                                    f"allows ({settings.max_context})")
+    start = 0 if settings.strategy == "naive" else tgt.seen
+    if conversation.mapped(target, start, source) < src.recorded_from:
+        return replace(plan, reason="the source did not record the span the target has not "
+                                    "seen")
+    # the frontier's L counts the token the target reads next: n + 1
+    choice, why = dial.choose(translator, n + 1, settings.reread, settings.fidelity,
+                              settings.recompute)
+    if choice is None:
+        return replace(plan, reason=why)
+    return replace(plan, start=start, choice=choice)
+
+
+def carry_out(plan: Plan, conversation: Conversation, src: CacheLine, tgt: CacheLine,
+              translator, read_fallback: bool = True) -> SwitchStatus:
+    """Do what `plan` says: only the target's line changes; the session's active model, its
+    dropped spans and its list of switches are the caller's. `read_fallback=False`: a
+    fallback reads nothing (the status says why and how much is left to read)."""
+    settings = conversation.settings
+    status = SwitchStatus(plan.source, plan.target, Outcome.APPLIED, strategy=settings.strategy,
+                          translator_note=plan.translator_note)
+    started = time.perf_counter()
+    if plan.reason is not None:
+        _fallback(conversation, tgt, plan.upto, status, plan.reason, full=plan.full,
+                  read=read_fallback)
+    elif plan.choice is not None:
+        choice = plan.choice
+        status.reread, status.setting_note = choice.reread, choice.note
+        status.expected_agreement = choice.expected_agreement
+        status.expected_speedup = choice.expected_speedup
+        _translate_and_gate(conversation, translator, src, tgt, plan, status, read_fallback,
+                            settings.escalate)
+    status.translate_seconds = time.perf_counter() - started
+    return status
+
+
 def receive_span(conversation: Conversation, src: CacheLine, tgt: CacheLine, translator,
                  number: int, read_fallback: bool = True,
                  refused: str | None = None) -> SwitchStatus:
     """Give `tgt` what `src` has read and it has not: translated by `translator` (and judged by
-    the gate), or re-read with the reason why. Only the target's line changes; the session's
-    active model, its dropped spans and its list of switches are the caller's. `number`: this
-    switch's count among the target's (`refresh` re-reads every Nth). `read_fallback=False`: a
-    fallback reads nothing (the status says why and how much is left to read). `refused`:
-    why a switch made ahead fell back; the target reads on instead of translating again."""
-    source, target = src.name, tgt.name
-    settings = conversation.settings
-    n = conversation.mapped(source, src.seen, target)  # the target's tokens of what src read
-    status = SwitchStatus(source, target, Outcome.APPLIED, strategy=settings.strategy)
-    started = time.perf_counter()
-    if translator is not None:
-        status.translator_note = translator.info.get("fitted_on", "")
-    refresh = settings.strategy == "refresh" and number % settings.refresh_every == 0
-    if source == target or n <= tgt.seen and settings.strategy != "naive":
-        pass  # nothing to give
-    elif translator is None:
-        _fallback(conversation, tgt, n, status, "no translator for this pair",
-                  read=read_fallback)
-    elif refused is not None:
-        _fallback(conversation, tgt, n, status, f"{refused} (when translating ahead)",
-                  read=read_fallback)
-    elif refresh:
-        _fallback(conversation, tgt, n, status,
-                  f"refresh every {settings.refresh_every} switches", full=True,
-                  read=read_fallback)
-    elif settings.max_context is not None and n > settings.max_context:
-        _fallback(conversation, tgt, n, status, f"context {n} tokens is longer than the "
-                  f"translator allows ({settings.max_context})", read=read_fallback)
-    else:
-        start = 0 if settings.strategy == "naive" else tgt.seen
-        if conversation.mapped(target, start, source) < src.recorded_from:
-            _fallback(conversation, tgt, n, status, "the source did not record the span the "
-                      "target has not seen", read=read_fallback)
-        else:
-            # the frontier's L counts the token the target reads next: n + 1
-            choice, why = dial.choose(translator, n + 1, settings.reread, settings.fidelity,
-                                      settings.recompute)
-            if choice is None:
-                _fallback(conversation, tgt, n, status, why, read=read_fallback)
-            else:
-                status.reread, status.setting_note = choice.reread, choice.note
-                status.expected_agreement = choice.expected_agreement
-                status.expected_speedup = choice.expected_speedup
-                _translate_and_gate(conversation, translator, src, tgt, start, n, status,
-                                    choice.reread, read_fallback, settings.escalate,
-                                    choice.recompute)
-    status.translate_seconds = time.perf_counter() - started
-    return status
+    the gate), or re-read with the reason why (`plan_switch`, then `carry_out`)."""
+    plan = plan_switch(conversation, src, tgt, translator, number, refused)
+    return carry_out(plan, conversation, src, tgt, translator, read_fallback)
 
 
 def switch_point(translator, src: CacheLine, start: int, n: int, r: int,
@@ -187,12 +222,13 @@ def switch_point(translator, src: CacheLine, start: int, n: int, r: int,
 
 
 def _translate_and_gate(conversation: Conversation, translator, src: CacheLine, tgt: CacheLine,
-                        start: int, n: int, status: SwitchStatus, reread: int = 0,
-                        read_fallback: bool = True, escalate: bool = True,
-                        recompute: int = 0) -> None:
+                        plan: Plan, status: SwitchStatus, read_fallback: bool = True,
+                        escalate: bool = True) -> None:
     """Translate [start, C), let the target read [C, n), and let the gate judge its last
     tokens: over its threshold, the target reads more of the span itself (`dial.escalated`,
     once, if `escalate`), else re-reads [start, n) instead (`read_fallback`)."""
+    start, n = plan.start, plan.upto
+    reread, recompute = plan.choice.reread, plan.choice.recompute
     r = conversation.settings.gate_tokens
     stop_at, why = switch_point(translator, src, start, n, max(r, reread), reread)
     if stop_at == n and reread and why:  # no state to stop at: everything translated
@@ -205,23 +241,11 @@ def _translate_and_gate(conversation: Conversation, translator, src: CacheLine, 
         start = status.tokens_sink = sink
     before = None if tgt.cache is None or start == 0 else fixed_slots(tgt.cache)
     if stop_at > start:
-        own = _own_layers(tgt, start, recompute)
-        try:
-            _translate(conversation, translator, src, tgt, start, stop_at, status)
-            if own:
-                recompute_first_layers(tgt.lm.model, tgt.cache, own,
-                                       mx.array(conversation.view(tgt.name)[start:stop_at])[None],
-                                       len(own))
-                status.layers_recomputed = len(own)
-        except ValueError as e:  # the recorded span lacks what the translator reads
-            _fallback(conversation, tgt, n, status, f"cannot translate the source's cache: {e}",
-                      read=read_fallback)
+        failed = _translate_span(conversation, translator, src, tgt, range(start, stop_at),
+                                 recompute, status)
+        if failed is not None:
+            _fallback(conversation, tgt, n, status, failed, read=read_fallback)
             return
-        except NotFinite:
-            _fallback(conversation, tgt, n, status, "translated tensors are not finite",
-                      read=read_fallback)
-            return
-        tgt.snapshot()
     if r == 0:
         _read_on(conversation, tgt, n)  # the dial's R, if any
         status.tokens_tail = n - stop_at
@@ -241,17 +265,7 @@ def _translate_and_gate(conversation: Conversation, translator, src: CacheLine, 
     # over 2r tokens these follow more native context than calibration saw, so the threshold
     # errs towards letting the translation stand
     since = max(stop_at, n - tgt.recording.tail_rows)
-    if conversation.across(src.name, tgt.name):  # each model's NLL of its own tokens of the text
-        views = conversation.views
-        s = conversation.groups[src.name]
-        t = conversation.groups[tgt.name]
-        views.sync()
-        reading = gate.compare_across(src.lm.model, src.tail, views.tokens[s], views.ends[s],
-                                      tgt.lm.model, rows or tgt.tail, views.tokens[t],
-                                      views.ends[t], since, n)
-    else:
-        reading = gate.compare(src.lm.model, src.tail, tgt.lm.model, rows or tgt.tail,
-                               conversation.view(tgt.name), since, n)
+    reading = _gate_reading(conversation, src, tgt, rows, since, n)
     status.gate_seconds = time.perf_counter() - started
     if reading is None:
         status.gate, status.gate_note = Verdict.UNCHECKED, ("the source holds no predictions "
@@ -270,28 +284,75 @@ def _translate_and_gate(conversation: Conversation, translator, src: CacheLine, 
         status.gate = Verdict.FIRED
         tgt.rewind(start, before)
         status.tokens_translated = status.tokens_tail = 0
-        wider = dial.escalated(max(r, reread), n - start) if escalate else None
-        if wider is not None and start < switch_point(translator, src, start, n, max(r, wider),
-                                                       wider)[0] < n:  # and the gate can judge
-            status.setting_note += (f"; the gate fired at R = {max(r, reread)} (gap "
-                                    f"{reading.gap:+.2f}, threshold {threshold:.2f}): "
-                                    f"R = {wider}")
-            first_seconds = status.gate_seconds
-            expected = dial.expecting(translator, wider, n + 1, recompute)
-            status.reread = wider
-            status.expected_agreement = expected.expected_agreement
-            status.expected_speedup = expected.expected_speedup
-            status.gate_gap = status.gate_threshold = status.gate_agreement = None
-            status.gate_tokens = 0  # the second reading's, or none
-            _translate_and_gate(conversation, translator, src, tgt, start, n, status, wider,
-                                read_fallback, escalate=False, recompute=recompute)
-            status.gate_seconds += first_seconds
+        if escalate and _escalated(conversation, translator, src, tgt, replace(plan, start=start),
+                                   status, read_fallback):
             return
         _fallback(conversation, tgt, n, status, f"fidelity gate: the target's NLL on the last "
                                            f"{reading.tokens} tokens is {reading.gap:+.2f} "
                                            f"nats/token from the source's, over the "
                                            f"translator's threshold {threshold:.2f}",
                   read=read_fallback)
+
+
+def _translate_span(conversation: Conversation, translator, src: CacheLine, tgt: CacheLine,
+                    span: range, recompute: int, status: SwitchStatus) -> str | None:
+    """Translate the source's recorded `span` into the target (its first `recompute` layers
+    reading the span themselves); None, or why it could not be translated."""
+    own = _own_layers(tgt, span.start, recompute)
+    try:
+        _translate(conversation, translator, src, tgt, span.start, span.stop, status)
+        if own:
+            ids = conversation.view(tgt.name)[span.start:span.stop]
+            recompute_first_layers(tgt.lm.model, tgt.cache, own, mx.array(ids)[None], len(own))
+            status.layers_recomputed = len(own)
+    except ValueError as e:  # the recorded span lacks what the translator reads
+        return f"cannot translate the source's cache: {e}"
+    except NotFinite:
+        return "translated tensors are not finite"
+    tgt.snapshot()
+    return None
+
+
+def _gate_reading(conversation: Conversation, src: CacheLine, tgt: CacheLine, rows, since: int,
+                  n: int):
+    """The gate's reading of the tokens [since, n): across tokenizers, each model's NLL of its
+    own tokens of their text."""
+    if not conversation.across(src.name, tgt.name):
+        return gate.compare(src.lm.model, src.tail, tgt.lm.model, rows or tgt.tail,
+                            conversation.view(tgt.name), since, n)
+    views = conversation.views
+    s = conversation.groups[src.name]
+    t = conversation.groups[tgt.name]
+    views.sync()
+    return gate.compare_across(src.lm.model, src.tail, views.tokens[s], views.ends[s],
+                               tgt.lm.model, rows or tgt.tail, views.tokens[t], views.ends[t],
+                               since, n)
+
+
+def _escalated(conversation: Conversation, translator, src: CacheLine, tgt: CacheLine,
+               plan: Plan, status: SwitchStatus, read_fallback: bool) -> bool:
+    """After the gate fired: translate once more with the target reading a wider tail
+    (`dial.escalated`), where the gate can judge that; whether it was tried."""
+    r = conversation.settings.gate_tokens
+    read, n = max(r, plan.choice.reread), plan.upto
+    wider = dial.escalated(read, n - plan.start)
+    if wider is None or not plan.start < switch_point(translator, src, plan.start, n,
+                                                       max(r, wider), wider)[0] < n:
+        return False
+    status.setting_note += (f"; the gate fired at R = {read} (gap {status.gate_gap:+.2f}, "
+                            f"threshold {status.gate_threshold:.2f}): R = {wider}")
+    first_seconds = status.gate_seconds
+    expected = dial.expecting(translator, wider, n + 1, plan.choice.recompute)
+    status.reread = wider
+    status.expected_agreement = expected.expected_agreement
+    status.expected_speedup = expected.expected_speedup
+    status.gate_gap = status.gate_threshold = status.gate_agreement = None
+    status.gate_tokens = 0  # the second reading's, or none
+    _translate_and_gate(conversation, translator, src, tgt,
+                        replace(plan, choice=replace(plan.choice, reread=wider)), status,
+                        read_fallback, escalate=False)
+    status.gate_seconds += first_seconds
+    return True
 
 
 def _own_layers(tgt: CacheLine, start: int, recompute: int) -> list:

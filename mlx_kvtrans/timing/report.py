@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -17,34 +18,35 @@ from ..backend.blas import blas_report
 from ..models import LoadedModel, cast_parameters
 from ..models import input_embedding
 from ..translators.translator import Translator
-from .switch import QUICK_RUNS, QUICK_S, bench_switch
+from .switch import QUICK_RUNS, QUICK_S, BenchConfig, bench_switch
 
 
 def switch_report(translator: Translator, source: LoadedModel, target: LoadedModel,
-                  lengths: list[int], repeats: int = 3, dtype: str = "float32",
-                  label: str | None = None, vocab: int | None = None,
-                  fit_record: dict | None = None, progress=None, fresh=None) -> dict:
-    """Time `source` -> `target` cast to `dtype` at each prompt length: the result a `kvtrans
-    bench` run writes (`label`: the pair's name in it, default the models' names; `vocab`: the
-    token ids prompts draw from, default the source tokenizer's (its embedding's rows without
-    one); `fit_record`: a realistic
+                  config: BenchConfig, fit_record: dict | None = None, progress=None,
+                  fresh=None) -> dict:
+    """Time `source` -> `target` cast to `config.dtype` (default float32) at each prompt
+    length: the result a `kvtrans bench` run writes (`config.label`: the pair's name in it,
+    default the models' names; `config.vocab`: the token ids prompts draw from, default the
+    source tokenizer's (its embedding's rows without one); `fit_record`: a realistic
     pair's fit, kept with its translator's features; `fresh()`: the translator as a user's
     first switch loads it, for the cold switch)."""
+    dtype = config.dtype or "float32"
     for lm in (source, target):
         cast_parameters(lm.model, getattr(mx, dtype))
-    label = label or f"{Path(source.name).name}__{Path(target.name).name}"
-    vocab = vocab or (len(source.tokenizer.get_vocab()) if source.tokenizer is not None
-                      else input_embedding(source.model).weight.shape[0])
+    label = config.label or f"{Path(source.name).name}__{Path(target.name).name}"
+    vocab = config.vocab or (len(source.tokenizer.get_vocab()) if source.tokenizer is not None
+                             else input_embedding(source.model).weight.shape[0])
     blas = blas_report(measure=False)  # the peak is measured beside each row, in `dtype`
-    rows = bench_switch(translator, source.model, target.model, lengths, repeats, vocab,
-                        dtype=getattr(mx, dtype), progress=progress,
+    rows = bench_switch(translator, source.model, target.model,
+                        replace(config, vocab=vocab, dtype=dtype),
+                        progress=progress, fresh=fresh,
                         text_ids=held_out_ids(target if translator.across_tokenizers else
-                                              source, max(lengths)), fresh=fresh)
+                                              source, max(config.lengths)))
     result = {"pair": label, "source": source.name, "target": target.name, "dtype": dtype,
               "device": str(mx.default_device()), "blas": blas.name,
               "matmul_peak_gflops": round(statistics.median(r.matmul_peak_gflops for r in rows), 1),
               "memory_bandwidth_gbs": round(statistics.median(r.bandwidth_gbs for r in rows), 1),
-              "repeats": repeats, "quick": {"seconds": QUICK_S, "runs": QUICK_RUNS},
+              "repeats": config.repeats, "quick": {"seconds": QUICK_S, "runs": QUICK_RUNS},
               "rows": [r.to_json() for r in rows]}
     if fit_record is not None:
         result["fit"] = {**fit_record, "features": translator.info["features"],

@@ -237,26 +237,179 @@ def _main_dtype(model) -> mx.Dtype:
     return sizes.most_common(1)[0][0]
 
 
-def bench_switch(translator: Translator, source, target, lengths: list[int], repeats: int = 3,
-                 vocab: int | None = None, seed: int = 0, dtype=None,
-                 progress=None, gate_tokens: int = GATE_TOKENS,
+@dataclass(frozen=True)
+class BenchConfig:
+    """What a switch bench times and how, apart from the models: `bench_switch` and
+    `switch_report` (a `kvtrans bench` run) read the same value. Where None, `vocab` is the
+    source tokenizer's in a report and 256 in a bare bench; `dtype` is float32 in a report
+    (which casts the pair to it) and the target's own in a bare bench."""
+    lengths: list[int]  # prompt lengths, in tokens
+    repeats: int = 3  # timed runs per measurement, at least (the median)
+    vocab: int | None = None  # random prompts' ids lie below it
+    seed: int = 0  # random prompts' key
+    dtype: str | None = None  # "float32", "bfloat16" or "float16": the matmul peak's
+    gate_tokens: int = GATE_TOKENS  # the gated switch's tail, 0 for none
+    label: str | None = None  # the pair's name in a report; None: the models' names
+
+
+def _bench_prompt(text_ids: list[int] | None, length: int, vocab: int, seed: int,
+                  across: bool) -> tuple[mx.array, bool]:
+    """(the `length` tokens a row times, whether they are held-out text): a window of `text_ids`
+    where it is long enough, else random ids; across tokenizers only text will do, since the
+    source must read the same words in its own tokens."""
+    from_text = text_ids is not None and len(text_ids) >= length
+    if across and not from_text:
+        raise ValueError(f"across tokenizers prompts are text: the held-out text holds "
+                         f"fewer than {length:,} of the target's tokens")
+    tokens = (mx.array([text_ids[:length]]) if from_text else
+              mx.random.randint(0, vocab, (1, length), key=mx.random.key(seed + length)))
+    return tokens, from_text
+
+
+@dataclass(frozen=True)
+class _SwitchPaths:
+    """The paths a row times, each a closure over one source recording (`_switch_paths`)."""
+    translate: Callable[[], list]  # translate + install: the target's cache
+    warm: Callable[[], None]  # translate + install + the target's first decode step
+    cold: Callable[[], None]  # a user's first switch: a fresh translator, then warm's work
+    prefill_and_switch: Callable[[], None]  # the source records anew, then a warm switch
+    reread: Callable[[], None]  # plain mlx-lm prefill of the prompt + first token
+    reread_chunked: Callable[[], None]  # the same under the chunkwise recurrence
+
+
+def _switch_paths(translator: Translator, source, target, source_layout, target_layout,
+                  prompt: mx.array, last: mx.array, across: bool,
+                  fresh: Callable[[], Translator] | None) -> _SwitchPaths:
+    """The source reads `prompt` (untimed), and the paths a row times close over what it
+    recorded; `prefill_and_switch` replaces that recording, so later switches translate the
+    new one. Closures, not methods, so each timed region runs exactly the calls it names."""
+    text = translator.aligned(prompt[0].tolist()) if across else None
+    source_ids = text.source if across else prompt  # the source's tokens of the prompt
+    recorded = source_prefill(translator, source, source_ids, source_layout)
+
+    def at_target(capture: Capture) -> Capture:  # the source's capture at the target's tokens
+        return realigned(capture, text) if across else capture
+
+    def translate_only():
+        return switch_cache(translator, at_target(recorded), target, target_layout, prompt)
+
+    def warm():
+        first_token(target, last, translate_only())
+
+    def cold():  # once, before anything else translates at this length
+        first = (fresh or (lambda: replace(translator)))().prepare()
+        first_token(target, last, switch_cache(first, at_target(recorded), target,
+                                               target_layout, prompt))
+
+    def prefill_and_switch():
+        nonlocal recorded
+        recorded = source_prefill(translator, source, source_ids, source_layout)
+        warm()
+
+    def full_reread():  # plain mlx-lm prefill, in the chunks its generation uses
+        from mlx_lm.models.cache import make_prompt_cache
+
+        cache = make_prompt_cache(target)
+        for start in range(0, prompt.shape[1], PREFILL_CHUNK):
+            target(prompt[:, start:start + PREFILL_CHUNK], cache=cache)
+            mx.eval([c.state for c in cache])
+        first_token(target, last, cache)
+
+    def reread_chunked():
+        with chunked_recurrence():
+            full_reread()
+
+    return _SwitchPaths(translate=translate_only, warm=warm, cold=cold,
+                        prefill_and_switch=prefill_and_switch, reread=full_reread,
+                        reread_chunked=reread_chunked)
+
+
+@dataclass(frozen=True)
+class _BoundParts:
+    """What the bound on a warm switch is made of, measured before the flops are known."""
+    install_bytes: int
+    matmul_peak_gflops: float
+    bandwidth_gbs: float
+    translate_s: float
+    first_step_s: float
+
+    def row_fields(self, flops: float) -> dict:
+        """The `BenchRow` fields of the bound, its arithmetic at the measured peak included."""
+        return dict(translate_s=self.translate_s,
+                    translate_gflops=flops / self.translate_s / 1e9,
+                    first_step_s=self.first_step_s,
+                    flops_at_peak_s=flops / (self.matmul_peak_gflops * 1e9),
+                    bytes_at_bandwidth_s=self.install_bytes / (self.bandwidth_gbs * 1e9),
+                    install_bytes=self.install_bytes,
+                    matmul_peak_gflops=self.matmul_peak_gflops,
+                    bandwidth_gbs=self.bandwidth_gbs)
+
+
+def _measure_bound(paths: _SwitchPaths, target, last: mx.array, dtype: mx.Dtype,
+                   repeats: int) -> _BoundParts:
+    """The bound's parts, after one warm switch compiles and allocates: the installed bytes,
+    the matmul peak and memory bandwidth here, translation alone and the first decode step
+    alone (on a cache installed untimed)."""
+    paths.warm()  # compile and allocate once
+    install_bytes = cache_nbytes(paths.translate())
+    peak = matmul_gflops(dtype=dtype)
+    bandwidth = memory_bandwidth_gbs()
+    t_translate, _ = _median(paths.translate, repeats)
+    t_step, _ = _median(lambda cache: first_token(target, last, cache), repeats,
+                        setup=paths.translate)
+    return _BoundParts(install_bytes=install_bytes, matmul_peak_gflops=peak,
+                       bandwidth_gbs=bandwidth, translate_s=t_translate, first_step_s=t_step)
+
+
+def _outcome_word(status: SwitchStatus) -> str:
+    """What a gated switch did, for `BenchRow.gated_outcome`."""
+    return (f"applied: gate {status.gate.value}" if status.status == Outcome.APPLIED else
+            f"{status.status.value}: {status.reason}")
+
+
+def _time_warm_and_gated(warm: Callable[[], None], session: Session | None,
+                         repeats: int) -> dict:
+    """The warm switch and, given a `session`, the switch it makes, timed in turn so both see
+    the same load: their `BenchRow` fields. A gated switch that fell back times a full
+    re-read, so its read time is left out."""
+    runs = {"warm": warm}
+    t_gated = outcome = t_gate_read = None
+    read = 0
+    if session is not None:
+        status, _ = gated_switch(session)  # compile and allocate once
+        outcome = _outcome_word(status)
+        statuses = []
+        runs["gated"] = lambda: statuses.append(gated_switch(session)[0])
+    timed = _medians(runs, repeats)
+    t_warm, peak_switch = timed["warm"]
+    if session is not None:
+        t_gated = timed["gated"][0]
+        read = status.tokens_tail
+        if status.status == Outcome.APPLIED:  # else the time is a full re-read's
+            t_gate_read = statistics.median(s.gate_seconds for s in statuses)
+    return dict(warm_switch_s=t_warm, peak_mb_switch=peak_switch, gated_switch_s=t_gated,
+                gated_read=read, gated_outcome=outcome, gated_read_s=t_gate_read)
+
+
+def bench_switch(translator: Translator, source, target, config: BenchConfig, progress=None,
                  text_ids: list[int] | None = None,
                  fresh: Callable[[], Translator] | None = None) -> list[BenchRow]:
-    """TTFT rows for mlx-lm models `source` -> `target` at each prompt length (`dtype`, for the
-    matmul peak: default the target's; `gate_tokens`: the gated switch's tail, 0 for none).
-    Prompts are windows of `text_ids` (held-out text: the gate judges a conversation as users
-    have them) where it is long enough, else random ids below `vocab`. `fresh()` gives the
-    translator as a user's first switch has it (loaded from its directory; default: a new
-    object of the same weights, with nothing built or evaluated on first use).
+    """TTFT rows for mlx-lm models `source` -> `target` at each of `config.lengths` (`dtype`,
+    for the matmul peak: default the target's). Prompts are windows of `text_ids` (held-out
+    text: the gate judges a conversation as users have them) where it is long enough, else
+    random ids below `config.vocab` (default 256). `fresh()` gives the translator as a user's
+    first switch has it (loaded from its directory; default: a new object of the same
+    weights, with nothing built or evaluated on first use).
     `progress(done, total, what)` follows each measurement. Across tokenizers prompts are the
     target's tokens of `text_ids`, the source reads its own tokens of their text, and a switch
     includes pooling the source's capture onto the target's tokens (`cross_tokenizer`)."""
     source_layout, target_layout = layout_of(source), layout_of(target)
     across = translator.across_tokenizers
     target_is_hybrid = ObjectKind.RECURRENT_STATE in target_layout.kinds()
-    dtype = dtype or _main_dtype(target)
+    dtype = getattr(mx, config.dtype) if config.dtype else _main_dtype(target)
     translator.prepare()
-    vocab = vocab or 256
+    lengths, repeats = config.lengths, config.repeats
+    vocab, seed = config.vocab or 256, config.seed
     rows = []
     phases = 8 if target_is_hybrid else 7
     done = 0
@@ -269,99 +422,33 @@ def bench_switch(translator: Translator, source, target, lengths: list[int], rep
 
     for length in lengths:
         step("source prefill", length)
-        from_text = text_ids is not None and len(text_ids) >= length
-        if across and not from_text:
-            raise ValueError(f"across tokenizers prompts are text: the held-out text holds "
-                             f"fewer than {length:,} of the target's tokens")
-        tokens = (mx.array([text_ids[:length]]) if from_text else
-                  mx.random.randint(0, vocab, (1, length), key=mx.random.key(seed + length)))
+        tokens, from_text = _bench_prompt(text_ids, length, vocab, seed, across)
         prompt, last = tokens[:, :-1], tokens[:, -1:]
-        text = translator.aligned(prompt[0].tolist()) if across else None
-        source_ids = text.source if across else prompt  # the source's tokens of the prompt
-        recorded = source_prefill(translator, source, source_ids, source_layout)
-
-        def at_target(capture: Capture) -> Capture:  # the source's capture at the target's tokens
-            return realigned(capture, text) if across else capture
-
-        def translate_only():
-            return switch_cache(translator, at_target(recorded), target, target_layout, prompt)
-
-        def warm():
-            first_token(target, last, translate_only())
-
-        def cold():  # once, before anything else translates at this length
-            first = (fresh or (lambda: replace(translator)))().prepare()
-            first_token(target, last, switch_cache(first, at_target(recorded), target,
-                                                   target_layout, prompt))
-
-        def prefill_and_switch():
-            nonlocal recorded
-            recorded = source_prefill(translator, source, source_ids, source_layout)
-            warm()
-
-        def full_reread():  # plain mlx-lm prefill, in the chunks its generation uses
-            from mlx_lm.models.cache import make_prompt_cache
-
-            cache = make_prompt_cache(target)
-            for start in range(0, prompt.shape[1], PREFILL_CHUNK):
-                target(prompt[:, start:start + PREFILL_CHUNK], cache=cache)
-                mx.eval([c.state for c in cache])
-            first_token(target, last, cache)
-
-        def reread_chunked():
-            with chunked_recurrence():
-                full_reread()
-
+        paths = _switch_paths(translator, source, target, source_layout, target_layout,
+                              prompt, last, across, fresh)
         step("cold switch", length)
-        t_cold, _ = _median(cold, 1, quick=False)  # a user's first switch happens once
+        t_cold, _ = _median(paths.cold, 1, quick=False)  # a user's first switch happens once
         step("bound", length)
-        warm()  # compile and allocate once
-        install_bytes = cache_nbytes(translate_only())
-        peak = matmul_gflops(dtype=dtype)
-        bandwidth = memory_bandwidth_gbs()
-        t_translate, _ = _median(translate_only, repeats)
-        t_step, _ = _median(lambda cache: first_token(target, last, cache), repeats,
-                            setup=translate_only)
+        bound = _measure_bound(paths, target, last, dtype, repeats)
         step("warm switch", length)
-        runs = {"warm": warm}
-        tail = min(gate_tokens, prompt.shape[1] - 1)
-        t_gated = outcome = t_gate_read = None
-        read = 0
-        if tail:  # what a session does, timed in turn with the warm switch
-            session = gated_session(translator, source, target, prompt[0].tolist(),
-                                    int(last.item()), tail)
-            status, _ = gated_switch(session)  # compile and allocate once
-            outcome = (f"applied: gate {status.gate.value}"
-                       if status.status == Outcome.APPLIED else
-                       f"{status.status.value}: {status.reason}")
-            statuses = []
-            runs["gated"] = lambda: statuses.append(gated_switch(session)[0])
-        timed = _medians(runs, repeats)
-        t_warm, peak_switch = timed["warm"]
-        if tail:
-            t_gated = timed["gated"][0]
-            read = status.tokens_tail
-            if status.status == Outcome.APPLIED:  # else the time is a full re-read's
-                t_gate_read = statistics.median(s.gate_seconds for s in statuses)
+        tail = min(config.gate_tokens, prompt.shape[1] - 1)
+        # what a session does; held here, resident through the re-reads, till the next length
+        session = gated_session(translator, source, target, prompt[0].tolist(),
+                                int(last.item()), tail) if tail else None
+        switched = _time_warm_and_gated(paths.warm, session, repeats)
         step("source prefill + switch", length)
-        t_prefill_switch, _ = _median(prefill_and_switch, repeats)
+        t_prefill_switch, _ = _median(paths.prefill_and_switch, repeats)
         step("re-reading", length)
-        t_full, peak_full = _median(full_reread, repeats)
+        t_full, peak_full = _median(paths.reread, repeats)
         if target_is_hybrid:
             step("chunked re-reading", length)
-        t_chunked = _median(reread_chunked, repeats)[0] if target_is_hybrid else None
+        t_chunked = _median(paths.reread_chunked, repeats)[0] if target_is_hybrid else None
         flops = translation_flops(translator, length, target_layout)
         rows.append(BenchRow(
-            length=length, warm_switch_s=t_warm, cold_switch_s=t_cold, reread_s=t_full,
-            translate_s=t_translate, translate_gflops=flops / t_translate / 1e9,
-            peak_mb_switch=peak_switch, peak_mb_reread=peak_full,
-            first_step_s=t_step, flops_at_peak_s=flops / (peak * 1e9),
-            bytes_at_bandwidth_s=install_bytes / (bandwidth * 1e9),
-            install_bytes=install_bytes, matmul_peak_gflops=peak, bandwidth_gbs=bandwidth,
-            reread_chunked_s=t_chunked, gated_switch_s=t_gated, gate_tokens=tail,
-            gated_read=read, gated_outcome=outcome, gated_read_s=t_gate_read,
+            length=length, cold_switch_s=t_cold, reread_s=t_full, peak_mb_reread=peak_full,
+            reread_chunked_s=t_chunked, gate_tokens=tail,
             prompt="held-out text" if from_text else "random ids",
-            prefill_and_switch_s=t_prefill_switch))
+            prefill_and_switch_s=t_prefill_switch, **switched, **bound.row_fields(flops)))
         step("done", length)
     if progress:
         progress(done, done, "done")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import random
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -76,22 +76,38 @@ def gap_summary(gaps: list[float]) -> dict:
             "max": round(float(a.max()), 4)}
 
 
-def calibrate(translator, source, target, token_ids: list[int], windows: int = WINDOWS,
-              tail: int = GATE_TOKENS, bands=BANDS, seed: int = 0, quantile: float = QUANTILE,
-              margin: float = MARGIN, progress=None, group=None,
-              needle_share: float = NEEDLE_SHARE) -> dict:
+@dataclass(frozen=True)
+class CalibrationConfig:
+    """How the gate is calibrated. `windows`: held-out windows of each kind and band; `tail`:
+    the tokens the gate reads (r); `bands`: prefix lengths calibrated apart; per band and kind
+    the threshold is the gaps' `quantile` + `margin`; `needle_share`: about this share of the
+    "read" windows are needles instead of prose, in the target's chat template where it has
+    one: their tail is the question, which reads unlike prose, and a gate calibrated on prose
+    alone re-reads such switches that needed no re-read."""
+
+    windows: int = WINDOWS
+    tail: int = GATE_TOKENS
+    bands: tuple = BANDS
+    seed: int = 0
+    quantile: float = QUANTILE
+    margin: float = MARGIN
+    needle_share: float = NEEDLE_SHARE
+
+
+def calibrate(translator, source, target, token_ids: list[int],
+              config: CalibrationConfig = CalibrationConfig(), progress=None,
+              group=None) -> dict:
     """The gate's calibration of `translator` (source -> target: mlx-lm models or LoadedModels)
     on held-out `token_ids` (the target's; LoadedModels that tokenize differently each read
-    their own tokens of the windows' text): per band of prefix lengths, the gap over `windows`
-    windows of each kind and per kind the threshold quantile + margin. The record a manifest
+    their own tokens of the windows' text): per band of prefix lengths, the gap over
+    `config.windows` windows of each kind and per kind the threshold. The record a manifest
     keeps under "gate". `progress(done, total)` follows the windows (this process's). A text
     too short for a band cuts it short or leaves it out. With `group` (every process of an
     `mx.distributed` group calls it), process r reads windows r, r + size, ... and the gaps are
-    shared: every process returns the record one process would.
-    `needle_share`: about this share of the "read" windows are needles instead of prose, in the
-    target's chat template where it has one: their tail is the question, which reads unlike
-    prose, and a gate calibrated on prose alone re-reads such switches that needed no re-read.
-    The target's tokenizer writes them: a bare mlx-lm `target` is calibrated on prose alone."""
+    shared: every process returns the record one process would. The target's tokenizer writes
+    the needles: a bare mlx-lm `target` is calibrated on prose alone."""
+    tail, bands = config.tail, config.bands
+    needle_share, seed = config.needle_share, config.seed
     started = time.perf_counter()
     if getattr(target, "tokenizer", None) is None:
         needle_share = 0.0
@@ -107,10 +123,11 @@ def calibrate(translator, source, target, token_ids: list[int], windows: int = W
                            f"the gate on (at least {shortest + tail + 3})")
     bands = [(max(lo, 2 * tail + 1), min(hi, longest)) for lo, hi in bands if lo <= longest]
     digest = hashlib.sha256()
-    record = {"tail": tail, "quantile": quantile, "margin": margin, "bands": []}
+    record = {"tail": tail, "quantile": config.quantile, "margin": config.margin,
+              "bands": []}
     if needle_share:
         record["needle_share"] = needle_share
-    count = windows * len(KINDS)
+    count = config.windows * len(KINDS)
     total, done = len(range(rank, count, size)) * len(bands), 0
     for lo, hi in bands:
         draws = []
@@ -149,7 +166,7 @@ def calibrate(translator, source, target, token_ids: list[int], windows: int = W
                                "session can switch with")
         record["bands"].append({
             "prefix": [lo, hi],
-            "threshold": {k: round(float(np.quantile(g, quantile)) + margin, 4)
+            "threshold": {k: round(float(np.quantile(g, config.quantile)) + config.margin, 4)
                           for k, g in gaps.items()},
             "gap": {k: gap_summary(g) for k, g in gaps.items()}})
     record.update(seed=seed, data_sha256=digest.hexdigest(),
@@ -161,14 +178,16 @@ def calibrate(translator, source, target, token_ids: list[int], windows: int = W
 
 def _needle(target, seed: int, length: int) -> tuple[int, list[int]]:
     """(the prompt's length, its tokens and the answer's): a calibration needle of about
-    `length` tokens in the target's tokens, in its chat template where it has one (a fact in a
-    user turn among others, the question in the last), as users send them; its filler is the
-    corpus's validation prose, apart from the held-out needles' other-domain prose."""
+    `length` tokens in the target's tokens, as users send them: every other one in the target's
+    chat template where it has one (a fact in a user turn among others, the question in the
+    last), the rest as plain text (a completion request, a router's raw prompt); its filler is
+    the corpus's validation prose, apart from the held-out needles' other-domain prose."""
     from ..evaluation.chat_needles import ChatNeedles
     from ..evaluation.needles import held_out_filler, needle_prompt_tokens
 
     tokenizer = getattr(target, "tokenizer", None)
-    if getattr(tokenizer, "chat_template", None):
+    # needles are drawn for every other window (the "read" ones): alternate among those
+    if getattr(tokenizer, "chat_template", None) and seed // 2 % 2 == 0:
         prompt, answer = ChatNeedles(tokenizer, prose=held_out_filler())(seed, length)
     else:
         prompt, answer = needle_prompt_tokens(tokenizer.encode, seed, length, held_out_filler())
@@ -187,7 +206,7 @@ def _shared(measured: np.ndarray, failed: bool, group) -> tuple[np.ndarray, bool
 
 
 def calibrate_directory(directory: str | Path, text: str | Path | None = None,
-                        **options) -> dict:
+                        config: CalibrationConfig = CalibrationConfig()) -> dict:
     """Calibrate the gate of a translator directory (or shipped name) on held-out text
     (default: the zoo corpus's validation split) and write it into its manifest, replacing any
     calibration there; its weights are not touched. Returns the calibration. Under
@@ -204,7 +223,7 @@ def calibrate_directory(directory: str | Path, text: str | Path | None = None,
         raise KvtransError("no held-out text to calibrate on: give one, or build the zoo corpus")
     ids = target.tokenizer.encode(path.read_text(errors="replace"))
     group = launched_group()
-    record = calibrate(translator, source, target, ids, group=group, **options)
+    record = calibrate(translator, source, target, ids, config, group=group)
     if group is None or group.rank() == 0:
         artifact.update_manifest(directory, gate=record)
     return record

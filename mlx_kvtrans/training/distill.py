@@ -43,7 +43,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from ..capture.instrument import chunked_recurrence
 from ..errors import KvtransError
 from ..translators.translator import Translator, measured_sink
-from .problem import Problem
+from .problem import Problem, ProblemConfig
 
 @dataclass(frozen=True)
 class DistillConfig:
@@ -68,6 +68,7 @@ class DistillConfig:
     validate_every: int = 50
     validation_windows: int = 16
     seed: int = 0
+    max_minutes: float | None = None  # stop after this long, checkpointed: a rerun resumes
 
     def __post_init__(self):
         if self.min_prefix > self.max_prefix:
@@ -82,8 +83,10 @@ class DistillConfig:
 
     def fingerprint(self) -> str:
         """What a checkpoint must match to resume: every setting but `keep`, which only
-        chooses among the parameters a run holds (a finished run resumes to write the other)."""
-        fields = {k: v for k, v in asdict(self).items() if k != "keep" and (  # settings added
+        chooses among the parameters a run holds (a finished run resumes to write the other),
+        and `max_minutes`, which only says when this run stops."""
+        fields = {k: v for k, v in asdict(self).items()
+                  if k not in ("keep", "max_minutes") and (  # settings added
                   k not in LATER_DEFAULTS or LATER_DEFAULTS[k] != v)}  # later, at their defaults
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -237,8 +240,8 @@ class Distiller:
             with chunked_recurrence():
                 self._validation = [
                     Problem(self.translator, self.source, self.target, windows[i:i + c.batch],
-                            c.max_prefix, greedy=c.greedy, reread=c.reread, sink=c.sink,
-                            tokenizers=self.tokenizers)
+                            c.max_prefix, ProblemConfig(greedy=c.greedy, reread=c.reread,
+                                                        sink=c.sink), self.tokenizers)
                     for i in range(0, len(starts), c.batch)]
         return self._validation
 
@@ -256,10 +259,11 @@ class Distiller:
         share = windows[self.rank::self.size]
         with chunked_recurrence():
             c = self.config
-            problem = Problem(self.translator, self.source, self.target, share, prefix,
-                              attention=c.attention_weight > 0, greedy=c.greedy,
-                              reread=c.reread, sink=c.sink, outputs=c.output_weight > 0,
-                              tokenizers=self.tokenizers, objects=c.object_weight > 0)
+            reading = ProblemConfig(attention=c.attention_weight > 0,
+                                    outputs=c.output_weight > 0, objects=c.object_weight > 0,
+                                    greedy=c.greedy, reread=c.reread, sink=c.sink)
+            problem = Problem(self.translator, self.source, self.target, share, prefix, reading,
+                              self.tokenizers)
             (loss, (kl, rehearsal, attention, outputs, built)), grads = mx.value_and_grad(
                 lambda p: problem.loss(p, c.indexer_weight, c.attention_weight,
                                        c.output_weight, c.object_weight,

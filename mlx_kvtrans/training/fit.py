@@ -61,6 +61,8 @@ class FitConfig:
     length: int = 256  # tokens per window
     mix: tuple[int, ...] = ()  # windows of these lengths instead, windows x length tokens in all
     pooling: str = "mean"  # across tokenizers: how a group's source tokens feed its target tokens
+    assign: str = "relative"  # each target layer's source layers: by depth, or the best fit
+    needle_share: float = 0.0  # share of the fitting windows that are synthetic needles
 
     def plan(self, source_layout, target_layout) -> list[Recipe]:
         recipes = plan(source_layout, target_layout, self.point, self.nu, self.recipes,
@@ -133,11 +135,7 @@ def fit(source_model, target_model, batches: Iterable[mx.array],
     source_layout, target_layout = layout_of(source_model), layout_of(target_model)
     recipes = recipes if recipes is not None else config.plan(source_layout, target_layout)
     identity = TokenIdentity(config.token_identity, codebook)
-    shell = Translator(CapturePoint(config.point), identity, recipes, {},
-                       {"features": {"mode": designed(source_layout, target_layout,
-                                                      config.features), "width": config.width}},
-                       expansion=(RandomFeatures(config.random_features)
-                                  if config.random_features else None))
+    shell = _shell(source_layout, target_layout, recipes, config, identity)
     compress = compressed_layers(source_layout, recipes, config)
     group = group if group is not None and group.size() > 1 else None
     resumed = None
@@ -153,14 +151,13 @@ def fit(source_model, target_model, batches: Iterable[mx.array],
         batches = list(batches)
         shell.params.update(principal_directions(source_model, source_layout, batches, shell,
                                                  compress, config.width, group))
-    target_points = set().union(*(r.target_points() for r in recipes)) | {CapturePoint.ENGINE}
-    shared = SharedMoments() if config.share_moments else None
-    stats: dict = {"shared": shared} if resumed is None else resumed["stats"]
-    shared = stats["shared"]
+    fresh = {"shared": SharedMoments() if config.share_moments else None}
+    stats: dict = fresh if resumed is None else resumed["stats"]
     data_hash, across = hashlib.sha256(), False
     done, tokens_seen, decoded_right = (0, 0, 0) if resumed is None else (
         resumed["batches"], resumed["tokens"], resumed["decoded_right"])
-    embed = input_embedding(target_model)
+    sums = _Sums(source_model, target_model, source_layout, target_layout, shell, recipes,
+                 config, identity, input_embedding(target_model), stats["shared"], stats)
 
     def keep(summed: int, tokens: int, right: int) -> None:
         checkpoint.save({"batches": summed, "tokens": tokens, "decoded_right": right,
@@ -175,11 +172,9 @@ def fit(source_model, target_model, batches: Iterable[mx.array],
                 data_hash.update(np.asarray(ids, dtype=np.int32).tobytes())
             if i < done or not mine(i, group):
                 continue
-            tokens_seen, decoded_right = _fit_batch(
-                source_model, target_model, source_layout, target_layout,
-                tokens if aligned else mx.array(tokens),
-                shell, recipes, target_points, config, identity, embed, shared, stats,
-                tokens_seen, decoded_right)
+            seen, right = _fit_batch(sums, tokens if aligned else mx.array(tokens))
+            tokens_seen += seen
+            decoded_right += right
             if progress:
                 progress(i + 1, tokens_seen)
             if checkpoint is not None and (interrupted() or checkpoint.due()):
@@ -192,15 +187,49 @@ def fit(source_model, target_model, batches: Iterable[mx.array],
         combine(stats, group)
         tokens_seen, decoded_right = (int(n) for n in summed(
             np.array([tokens_seen, decoded_right]), group))
-    return _solved(shell, recipes, stats, config, started, tokens_seen, decoded_right,
-                   data_hash, across)
+    return _solved(sums, started, tokens_seen, decoded_right, data_hash, across)
 
 
-def _fit_batch(source_model, target_model, source_layout, target_layout, tokens, shell,
-               recipes, target_points, config, identity, embed, shared, stats, tokens_seen,
-               decoded_right) -> tuple[int, int]:
+def _shell(source_layout, target_layout, recipes: list[Recipe], config: FitConfig,
+           identity: TokenIdentity) -> Translator:
+    """The translator a fit fills: its recipes, no parameters yet."""
+    mode = designed(source_layout, target_layout, config.features)
+    expansion = RandomFeatures(config.random_features) if config.random_features else None
+    return Translator(CapturePoint(config.point), identity, recipes, {},
+                      {"features": {"mode": mode, "width": config.width}}, expansion=expansion)
+
+
+@dataclass
+class _Sums:
+    """What every batch of one fit streams into: the two models, the translator being built,
+    its recipes and their running sums (`stats`)."""
+
+    source_model: object
+    target_model: object
+    source_layout: object
+    target_layout: object
+    shell: Translator
+    recipes: list
+    config: FitConfig
+    identity: TokenIdentity
+    embed: object
+    shared: SharedMoments | None
+    stats: dict
+
+    @property
+    def target_points(self) -> set:
+        """The target's capture points the recipes read, and its cache (ENGINE)."""
+        return set().union(*(r.target_points() for r in self.recipes)) | {CapturePoint.ENGINE}
+
+
+def _fit_batch(sums: _Sums, tokens) -> tuple[int, int]:
     """Capture one batch through both models and stream it into every recipe's sums (an
-    `AlignedText`: each model reads its own tokens, the source's pooled onto the target's)."""
+    `AlignedText`: each model reads its own tokens, the source's pooled onto the target's).
+    Returns (tokens read, tokens whose identity the source's cache decoded right)."""
+    source_model, target_model = sums.source_model, sums.target_model
+    source_layout, target_layout = sums.source_layout, sums.target_layout
+    shell, config = sums.shell, sums.config
+    shared = sums.shared
     aligned = tokens if isinstance(tokens, AlignedText) else None
     # the fastest recurrence also holds the least: the token loop keeps every step's state
     with fastest_recurrence():
@@ -214,23 +243,25 @@ def _fit_batch(source_model, target_model, source_layout, target_layout, tokens,
         attention = (stack.enter_context(recording_attention(target_model, target_layout,
                                                               config.attention_weighted))
                      if config.attention_weighted else {})
-        tgt = capture(target_model, tokens, points=target_points, layout=target_layout)
-    ids = identity.ids(src, tokens)
-    if ids is not None:
-        decoded_right += int((ids == tokens).sum())
+        tgt = capture(target_model, tokens, points=sums.target_points, layout=target_layout)
+    ids = sums.identity.ids(src, tokens)
+    right = 0 if ids is None else int((ids == tokens).sum())
+    embed = sums.embed
     batch = FitBatch(src, tgt, shell.features(src),
                      None if ids is None else embed(ids).astype(mx.float32), attention,
                      shared, ids, embed.weight.shape[0], shell.expansion)
-    for recipe in recipes:
-        recipe.accumulate(batch, stats)
+    for recipe in sums.recipes:
+        recipe.accumulate(batch, sums.stats)
     if shared is not None:
         shared.flush()
-    return tokens_seen + tokens.size, decoded_right
+    return tokens.size, right
 
 
-def _solved(shell, recipes, stats, config, started, tokens_seen, decoded_right,
-            data_hash, across: bool = False) -> Translator:
+def _solved(sums: _Sums, started: float, tokens_seen: int, decoded_right: int, data_hash,
+            across: bool = False) -> Translator:
     """Solve every recipe from its sums; the fit's record in `info`."""
+    shell, config = sums.shell, sums.config
+    recipes, stats = sums.recipes, sums.stats
     params, metrics = dict(shell.params), {}
     fitted = [recipe.fitted(stats) for recipe in recipes]
     for recipe in fitted:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from dataclasses import dataclass
 
 import mlx.core as mx
 
@@ -28,18 +29,31 @@ TOKEN_KINDS = (ObjectKind.TOKEN_KEY, ObjectKind.TOKEN_VALUE, ObjectKind.MLA_LATE
                ObjectKind.ROPE_KEY, ObjectKind.INDEXER_KEY)
 
 
+@dataclass(frozen=True)
+class ProblemConfig:
+    """How a batch is read: which rehearsals' natives it records (`attention`, `outputs`,
+    `objects`), whether the continuation is the target's own greedy one, and the prefix's last
+    `reread` and first `sink` tokens the target reads itself, as a session does."""
+
+    attention: bool = False
+    outputs: bool = False
+    objects: bool = False
+    greedy: bool = False
+    reread: int = 0
+    sink: int = 0
+
+
 class Problem:
     """One batch of windows: the source's capture and the target's native continuation (fixed),
     from which `loss(params)` measures a translator's parameters."""
 
     def __init__(self, translator: Translator, source, target, windows: mx.array, prefix: int,
-                 attention: bool = False, greedy: bool = False, reread: int = 0,
-                 sink: int = 0, outputs: bool = False, tokenizers: tuple | None = None,
-                 objects: bool = False):
+                 config: ProblemConfig = ProblemConfig(), tokenizers: tuple | None = None):
+        reread, sink = config.reread, config.sink
         self.translator = translator
         self.target = target
-        self.attention = attention
-        self.outputs = outputs
+        self.attention = config.attention
+        self.outputs = config.outputs
         self.layout = layout_of(target)
         self.prefix_ids = windows[:, :prefix]
         self.inputs = windows[:, prefix:]
@@ -58,9 +72,9 @@ class Problem:
                                       points=(CapturePoint.ENGINE,), layout=self.layout).engine
         native_cache = capture(target, self.prefix_ids, points=(CapturePoint.ENGINE,),
                                layout=self.layout).engine
-        self.rehearsed, self.native_objects = self._native_objects(translated) if objects \
+        self.rehearsed, self.native_objects = self._native_objects(translated) if config.objects \
             else ([], [])
-        if greedy:  # on a copy: the native logits below read the prefix's cache as it is
+        if config.greedy:  # on a copy: the native logits below read the prefix's cache as it is
             self.inputs = self._greedy_continuation(copy.deepcopy(native_cache))
         with self._recording() as (scores, probs, mixed):
             self.native_logits = target(self.inputs, cache=native_cache)

@@ -26,7 +26,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .calibrate import WINDOWS, calibrate
+from .calibrate import WINDOWS, CalibrationConfig, calibrate
 from ..errors import KvtransError
 from .machines import Machine, this_machine
 from ..models import LoadedModel, embedding_dims, load, model_identity
@@ -177,12 +177,11 @@ def across_tokenizers(src: LoadedModel, tgt: LoadedModel, config: FitConfig) -> 
 def fit_translator(source: str | Path | LoadedModel, target: str | Path | LoadedModel,
                    data: Sequence[str | Path], config: FitConfig = FitConfig(), *,
                    validation: str | Path | None = None, out: str | Path | None = None,
-                   assign: str = "relative", needle_share: float = 0.0,
                    gate_windows: int = WINDOWS, progress: Progress | None = None,
                    workdir: str | Path | None = None, resume: bool = False) -> Translator:
     """Stage 1 as `kvtrans fit` runs it: `config.windows` windows of `config.length` tokens of
-    the `data` text files (with `needle_share`, about that share of them synthetic needles),
-    fitted in closed form. With `validation` (a held-out text file) the fidelity gate is
+    the `data` text files (with `config.needle_share`, about that share of them synthetic
+    needles), fitted in closed form, layers assigned as `config.assign` says. With `validation` (a held-out text file) the fidelity gate is
     calibrated on it over `gate_windows` windows per kind and band; with `out` the translator
     is saved there (replacing what is there: a command refuses first). With `workdir` the
     running sums are checkpointed there (Ctrl-C stops after the batch in flight, raising
@@ -193,6 +192,7 @@ def fit_translator(source: str | Path | LoadedModel, target: str | Path | Loaded
     of every window's text (`across_tokenizers`), and the manifest's `alignment` records how
     the groups were pooled.
     Bad input raises KvtransError before any heavy work it can precede."""
+    assign = config.assign
     if assign not in ASSIGNMENTS:
         raise KvtransError(f"--assign must be {' or '.join(ASSIGNMENTS)}, not {assign!r}")
     src, tgt = loaded(source), loaded(target)
@@ -209,6 +209,57 @@ def fit_translator(source: str | Path | LoadedModel, target: str | Path | Loaded
             codebook = codebook_of(src)
         except ValueError as e:
             raise KvtransError(str(e))
+    batches = fitting_batches(src, tgt, data, config, across, progress)
+    if assign == "best":  # a quarter of the windows choose each target layer's source layer
+        from ..translators.recipes import assign_best_single
+
+        recipes, _ = assign_best_single(src.model, tgt.model,
+                                        batches[: max(1, len(batches) // 4)], recipes,
+                                        config.point)
+
+    # the target's attention sink, which its switches (and the gate calibrated below) read
+    sink = attention_sink(tgt.model, [getattr(b, "target", b) for b in batches[:2]])
+    fitted = _fit_progress(progress, len(batches))
+    group = launched_group()
+    rank, size = (0, 1) if group is None else (group.rank(), group.size())
+    checkpoint = None if workdir is None else FitCheckpoint(
+        workdir, resume, context=json.dumps([model_identity(lm) for lm in (src, tgt)],
+                                            sort_keys=True), rank=rank, size=size)
+    translator = fit(src.model, tgt.model, batches, recipes, config, codebook=codebook,
+                     progress=fitted if rank == 0 and progress else None, checkpoint=checkpoint, group=group)
+    translator.info["fit"].update(processes=size, assign=assign)
+    translator.info["sink"] = sink
+    if rank:
+        translator.info["fit"]["rank"] = rank  # not saved: the first process saves
+    if validation is not None:  # every process calibrates its share
+        held_out = tgt.tokenizer.encode(Path(validation).read_text(errors="replace"))
+        translator.info["gate"] = gate_of(translator, src, tgt, held_out, gate_windows,
+                                          progress if rank == 0 else None, group)
+    failure = None
+    if rank == 0 and out is not None:
+        try:
+            artifact.save(translator, out, src, tgt)
+        except BaseException as e:  # the others wait for it below: tell them, then raise
+            failure = e
+    if group is not None:  # every process keeps its sums until the translator is saved
+        saved = summed(np.array([failure is None]), group)[0]
+        if failure is None and saved < size:
+            raise KvtransError("the first process failed to save the translator; "
+                               "every process's sums are kept in --workdir")
+    if failure is not None:
+        raise failure
+    if checkpoint is not None:
+        checkpoint.clear()
+    return translator
+
+
+def fitting_batches(src: LoadedModel, tgt: LoadedModel, data: Sequence[str | Path],
+                    config: FitConfig, across: bool, progress: Progress | None = None) -> list:
+    """The fit's windows of the `data` text files: `config.windows` of `config.length` tokens
+    (or the same tokens spread over the lengths of `config.mix`), about `config.needle_share`
+    of them synthetic needles; `across` tokenizers, each model's own tokens of each window's
+    text (`AlignedText`)."""
+    needle_share = config.needle_share
     ids = [] if across else read_ids(src.tokenizer, data, progress)
     texts = [plain_text(f) for f in data] if needle_share or across else []
 
@@ -239,59 +290,24 @@ def fit_translator(source: str | Path | LoadedModel, target: str | Path | Loaded
                                          needle_share=needle_share))
     except ValueError as e:
         raise KvtransError(str(e))
-    if assign == "best":  # a quarter of the windows choose each target layer's source layer
-        from ..translators.recipes import assign_best_single
+    return batches
 
-        recipes, _ = assign_best_single(src.model, tgt.model,
-                                        batches[: max(1, len(batches) // 4)], recipes,
-                                        config.point)
 
-    # the target's attention sink, which its switches (and the gate calibrated below) read
-    sink = attention_sink(tgt.model, [getattr(b, "target", b) for b in batches[:2]])
-    first: list = []  # (time, tokens) at this run's first batch: a resumed fit starts past 0
+def _fit_progress(progress: Progress | None, total: int):
+    """The fit's progress callback: batches done, tokens read, the rate since this run's first
+    batch (a resumed fit starts past 0) and peak memory."""
+    first: list = []  # (time, tokens) at this run's first batch
 
     def fitted(done: int, tokens: int) -> None:
-        if progress:
-            import mlx.core as mx
+        import mlx.core as mx
 
-            if not first:
-                first.append((time.perf_counter(), tokens))
-            seconds, since = time.perf_counter() - first[0][0], tokens - first[0][1]
-            rate = f", {since / seconds:,.0f} tokens/s" if since else ""
-            progress("fitting", done, len(batches), f"{tokens:,} tokens{rate}, peak "
-                     f"{mx.get_peak_memory() / 2**30:.1f} GiB")
-
-    group = launched_group()
-    rank, size = (0, 1) if group is None else (group.rank(), group.size())
-    checkpoint = None if workdir is None else FitCheckpoint(
-        workdir, resume, context=json.dumps([model_identity(lm) for lm in (src, tgt)],
-                                            sort_keys=True), rank=rank, size=size)
-    translator = fit(src.model, tgt.model, batches, recipes, config, codebook=codebook,
-                     progress=fitted if rank == 0 else None, checkpoint=checkpoint, group=group)
-    translator.info["fit"].update(processes=size, assign=assign)
-    translator.info["sink"] = sink
-    if rank:
-        translator.info["fit"]["rank"] = rank  # not saved: the first process saves
-    if validation is not None:  # every process calibrates its share
-        held_out = tgt.tokenizer.encode(Path(validation).read_text(errors="replace"))
-        translator.info["gate"] = gate_of(translator, src, tgt, held_out, gate_windows,
-                                          progress if rank == 0 else None, group)
-    failure = None
-    if rank == 0 and out is not None:
-        try:
-            artifact.save(translator, out, src, tgt)
-        except BaseException as e:  # the others wait for it below: tell them, then raise
-            failure = e
-    if group is not None:  # every process keeps its sums until the translator is saved
-        saved = summed(np.array([failure is None]), group)[0]
-        if failure is None and saved < size:
-            raise KvtransError("the first process failed to save the translator; "
-                               "every process's sums are kept in --workdir")
-    if failure is not None:
-        raise failure
-    if checkpoint is not None:
-        checkpoint.clear()
-    return translator
+        if not first:
+            first.append((time.perf_counter(), tokens))
+        seconds, since = time.perf_counter() - first[0][0], tokens - first[0][1]
+        rate = f", {since / seconds:,.0f} tokens/s" if since else ""
+        progress("fitting", done, total, f"{tokens:,} tokens{rate}, peak "
+                 f"{mx.get_peak_memory() / 2**30:.1f} GiB")
+    return fitted
 
 
 def gate_of(translator: Translator, src: LoadedModel, tgt: LoadedModel, held_out: list[int],
@@ -302,7 +318,8 @@ def gate_of(translator: Translator, src: LoadedModel, tgt: LoadedModel, held_out
         if progress:
             progress("calibrating", done, total, "held-out switches")
 
-    return calibrate(translator, src, tgt, held_out, windows=windows, progress=step, group=group)
+    return calibrate(translator, src, tgt, held_out, CalibrationConfig(windows=windows),
+                     progress=step, group=group)
 
 
 # -- stage 2 ----------------------------------------------------------------------------------
@@ -354,7 +371,7 @@ def load_pair(translator: str | Path) -> tuple[Translator, LoadedModel, LoadedMo
 def distill_translator(translator: str | Path, data: Sequence[str | Path], validation: str | Path,
                        config: DistillConfig = DistillConfig(), *, out: str | Path | None = None,
                        workdir: str | Path | None = None, resume: bool = False,
-                       max_minutes: float | None = None, gate_windows: int = WINDOWS,
+                       gate_windows: int = WINDOWS,
                        progress: Progress | None = None,
                        note: Callable[[str], None] | None = None) -> Distillation:
     """Stage 2 as `kvtrans distill` runs it: the saved `translator` (a directory or shipped
@@ -395,7 +412,7 @@ def distill_translator(translator: str | Path, data: Sequence[str | Path], valid
             report("distilling", record["step"], config.steps, f"KL {record['kl']:.4f}"
                    + (f"  held-out {held_out:.4f}" if held_out is not None else ""))
 
-    summary = run.run(on_step=on_step, max_minutes=max_minutes)
+    summary = run.run(on_step=on_step, max_minutes=config.max_minutes)
     result = Distillation(None, summary, workdir, Path(out) if out is not None else None,
                           resumed_at, main_process)
     if not result.finished:

@@ -9,6 +9,7 @@ number sits between 0 (native) and the floor.
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -47,20 +48,31 @@ def agreement(a: list[int], b: list[int]) -> float:
     return sum(x == y for x, y in zip(a, b)) / max(1, len(a))
 
 
+@dataclass(frozen=True)
+class FidelityConfig:
+    """What `fidelity` measures and on how much, apart from the models and text."""
+    prefix_lengths: list[int]
+    windows: int = 8  # held-out windows per prefix length
+    continuation: int = 64  # tokens after each prefix the KL is taken over
+    generated: int = 32  # greedy tokens compared for agreement
+    seed: int = 0  # where the windows start
+    sink: int | None = None  # the target reads these first tokens itself; None: the translator's
+
+
 def fidelity(translator: Translator, source, target, token_ids: list[int],
-             prefix_lengths: list[int], windows: int = 8, continuation: int = 64,
-             generated: int = 32, seed: int = 0, progress=None,
-             build_cache=None, sink: int | None = None) -> list[dict]:
-    """Per prefix length: KL and greedy agreement, translated and no-cache, over `windows`
-    held-out windows of `token_ids`. `source` and `target` are mlx-lm models.
+             config: FidelityConfig, progress=None, build_cache=None) -> list[dict]:
+    """Per prefix length: KL and greedy agreement, translated and no-cache, over
+    `config.windows` held-out windows of `token_ids`. `source` and `target` are mlx-lm models.
     `progress(done, total, what)` follows the windows. `build_cache(translator, source, target,
     prefix)`: the target's cache of the prefix another way than translation (a baseline);
-    `sink`: the target reads the prefix's first `sink` tokens itself (`translate_cache`; None:
+    `config.sink`: the target reads the prefix's first tokens itself (`translate_cache`; None:
     the translator's measured sink)."""
     if build_cache is None:
         def build_cache(translator, source, target, prefix):
-            return translate_cache(translator, source, target, prefix, sink=sink)
-    rng = random.Random(seed)
+            return translate_cache(translator, source, target, prefix, sink=config.sink)
+    prefix_lengths, windows = config.prefix_lengths, config.windows
+    continuation, generated = config.continuation, config.generated
+    rng = random.Random(config.seed)
     target_layout = layout_of(target)
     rows = []
     for n, length in enumerate(prefix_lengths):

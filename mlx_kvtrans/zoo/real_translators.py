@@ -110,9 +110,9 @@ def build(family: Path, directions=DIRECTIONS, config: TranslatorConfig = Transl
             started = time.perf_counter()
             fit = FitConfig(**{"windows": config.tokens // config.lengths[0],
                                "length": config.lengths[0], "mix": tuple(config.lengths),
-                               **config.extra})
+                               "assign": config.assign, **config.extra})
             fit_translator(source, target, [train], fit, validation=validation, out=stage1,
-                           assign=config.assign, gate_windows=config.gate_windows,
+                           gate_windows=config.gate_windows,
                            workdir=build_dir / "fit",
                            resume=(build_dir / "fit").is_dir(),
                            progress=progress)

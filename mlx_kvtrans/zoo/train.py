@@ -199,22 +199,13 @@ def train(alias: str, workdir: Path, weights: Path, log=print, eval_samples: int
     `log(line)` gets a line every 25 steps; `on_step(step, total, record)` every step.
     Returns the manifest, or None when `max_minutes` ran out first (the checkpoint is kept).
     """
-    from mlx_lm.utils import _get_classes
-
     curriculum = CURRICULA[alias]
     mx.random.seed(curriculum.seed)
     corpus = ensure_corpus(workdir, progress=log)
     tok = ensure_tokenizer(weights, corpus, curriculum.tokenizer_name)
     stream = TokenStream(corpus, "train", tok)
     maker = SampleMaker(tok, needle_filler(corpus))
-    config = build_config(curriculum, tok, weights)
-    model_class, args_class = _get_classes(config)
-    model = model_class(args_class.from_dict(config))
-    if curriculum.init_from:
-        load_initial_weights(model, seed_weights(weights / curriculum.init_from), log)
-    elif curriculum.gate_init == "reference":
-        reference_gate_init(model, mx.random.key(curriculum.seed))
-    model.train()
+    model = _initial_model(curriculum, tok, weights, log)
 
     run = workdir / alias
     run.mkdir(parents=True, exist_ok=True)
@@ -234,19 +225,7 @@ def train(alias: str, workdir: Path, weights: Path, log=print, eval_samples: int
 
     dsa = curriculum.family in ("deepseek_v32", "glm_moe_dsa")
     top_k = [layer.self_attn.indexer.index_topk for layer in model.layers] if dsa else []
-
-    def loss_fn(model, tokens, weights_):
-        with contextlib.ExitStack() as stack:
-            pairs = stack.enter_context(indexer_supervision(model)) if dsa else None
-            logits = model(tokens[:, :-1])
-            ce = nn.losses.cross_entropy(logits, tokens[:, 1:])
-            loss = (ce * weights_).sum() / weights_.sum()
-            if dsa:
-                aux = indexer_kl(pairs)
-                return loss + aux, (ce.mean(), aux)
-            return loss, (ce.mean(), mx.array(0.0))
-
-    step_fn = nn.value_and_grad(model, loss_fn)
+    step_fn = nn.value_and_grad(model, _loss(dsa))
     recurrence = (chunked_recurrence() if curriculum.family in RECURRENT
                   else contextlib.nullcontext())
     started = time.perf_counter() - state["seconds"]
@@ -277,24 +256,13 @@ def train(alias: str, workdir: Path, weights: Path, log=print, eval_samples: int
             record = {"step": state["step"], "loss": float(loss), "ce": float(ce),
                       "indexer_kl": float(aux), "seconds": round(time.perf_counter() - started, 1)}
             if state["step"] % PROBE_EVERY == 0:  # copying shows in the digit loss first
-                record["probe"] = {}
-                lengths = list(NEEDLE_LENGTHS[:2])
-                if state["step"] % PROBE_LONG_EVERY == 0 and curriculum.length not in lengths:
-                    lengths.append(curriculum.length)
-                for n in lengths:
-                    recall, digit_nll = needle_scores(model, encode, n, samples=16,
-                                                      filler=probe_filler, seed=PROBE_SEED)
-                    record["probe"][str(n)] = {"recall": recall, "digit_nll": digit_nll}
+                record["probe"] = _probe(model, encode, state["step"], curriculum, probe_filler)
             logf.write(json.dumps(record) + "\n")
             if on_step:
                 on_step(state["step"], curriculum.steps, record)
             if state["step"] % 25 == 0 or state["step"] == curriculum.steps:
                 logf.flush()
-                probe = "".join(f" needle@{n} {p['recall']:.2f} ({p['digit_nll']:.2f})"
-                                for n, p in record.get("probe", {}).items())
-                log(f"{alias} step {state['step']}/{curriculum.steps} loss {record['loss']:.3f} "
-                    f"ce {record['ce']:.3f} kl {record['indexer_kl']:.3f}{probe} "
-                    f"{record['seconds'] / 60:.1f} min")
+                log(_step_line(alias, curriculum.steps, record))
             if time.perf_counter() - last_save > 120 or state["step"] == curriculum.steps:
                 save_checkpoint()
                 last_save = time.perf_counter()
@@ -303,6 +271,60 @@ def train(alias: str, workdir: Path, weights: Path, log=print, eval_samples: int
                 save_checkpoint()
                 return None
     return ship(alias, workdir, weights, eval_samples, out)
+
+
+def _initial_model(curriculum, tok, weights: Path, log):
+    """The curriculum's model before training: its seed's weights, or fresh ones."""
+    from mlx_lm.utils import _get_classes
+
+    config = build_config(curriculum, tok, weights)
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    if curriculum.init_from:
+        load_initial_weights(model, seed_weights(weights / curriculum.init_from), log)
+    elif curriculum.gate_init == "reference":
+        reference_gate_init(model, mx.random.key(curriculum.seed))
+    model.train()
+    return model
+
+
+def _loss(dsa: bool):
+    """The training loss: weighted cross-entropy, and for an indexer model the KL that
+    teaches its indexer the attention's choice."""
+    def loss_fn(model, tokens, weights_):
+        with contextlib.ExitStack() as stack:
+            pairs = stack.enter_context(indexer_supervision(model)) if dsa else None
+            logits = model(tokens[:, :-1])
+            ce = nn.losses.cross_entropy(logits, tokens[:, 1:])
+            loss = (ce * weights_).sum() / weights_.sum()
+            if dsa:
+                aux = indexer_kl(pairs)
+                return loss + aux, (ce.mean(), aux)
+            return loss, (ce.mean(), mx.array(0.0))
+    return loss_fn
+
+
+def _step_line(alias: str, steps: int, record: dict) -> str:
+    """A training step's record as the log shows it."""
+    probe = "".join(f" needle@{n} {p['recall']:.2f} ({p['digit_nll']:.2f})"
+                    for n, p in record.get("probe", {}).items())
+    return (f"{alias} step {record['step']}/{steps} loss {record['loss']:.3f} "
+            f"ce {record['ce']:.3f} kl {record['indexer_kl']:.3f}{probe} "
+            f"{record['seconds'] / 60:.1f} min")
+
+
+def _probe(model, encode, step: int, curriculum, filler) -> dict:
+    """Needle recall and digit loss at the short lengths (and now and then at the trained
+    length): copying shows in the digit loss first."""
+    lengths = list(NEEDLE_LENGTHS[:2])
+    if step % PROBE_LONG_EVERY == 0 and curriculum.length not in lengths:
+        lengths.append(curriculum.length)
+    probe = {}
+    for n in lengths:
+        recall, digit_nll = needle_scores(model, encode, n, samples=16, filler=filler,
+                                          seed=PROBE_SEED)
+        probe[str(n)] = {"recall": recall, "digit_nll": digit_nll}
+    return probe
 
 
 SHIPPED_DTYPE = mx.bfloat16  # half the bytes of float32; computed in float32 on a CPU
@@ -381,14 +403,14 @@ def state_ablation(model, tok, held_out_ids) -> dict:
     """What zeroing every recurrent state costs the model at 1,024 held-out tokens (4 windows,
     10 needles), beside the no-cache floor. The zoo's bar: at least 30% of the floor's KL, or
     at least 0.3 of the native needle recall."""
-    from ..evaluation.ablate import ablate
+    from ..evaluation.ablate import AblateConfig, ablate
 
     length = STATE_BAR["length"]
     zero = "zero every recurrent_state"
     ids = [int(t) for t in held_out_ids]
     rows = {r["label"]: r["lengths"][str(length)] for r in ablate(
-        model, lambda s: tok.encode(s).ids, ids, [length], windows=4, needles=10,
-        only={"native", "no cache", zero})}
+        model, lambda s: tok.encode(s).ids, ids,
+        AblateConfig([length], windows=4, needles=10, only={"native", "no cache", zero}))}
     share = rows[zero]["kl"] / max(rows["no cache"]["kl"], 1e-9)
     drop = rows["native"]["recall"] - rows[zero]["recall"]
     return {"length": length, "kl_zero_states": round(rows[zero]["kl"], 4),
