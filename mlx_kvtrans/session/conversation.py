@@ -21,7 +21,7 @@ from ..translators.alignment import Views, tokenizer_groups
 from . import decode, dial
 from .line import CacheLine, Recording
 from .status import Outcome, SwitchStatus
-from .switching import Conversation, Plan, Settings, carry_out, plan_switch
+from .switching import Conversation, SwitchPlan, Settings, carry_out, plan_switch
 
 STRATEGIES = ("segment", "naive", "refresh")
 
@@ -358,15 +358,15 @@ class Session:
             return self.lines[target].seen - self.refused[target][1]
         return 0
 
-    def plan(self, target: str) -> Plan:
-        """What `switch(target)` would do now, decided before anything is read (`Plan`): give
+    def plan(self, target: str) -> SwitchPlan:
+        """What `switch(target)` would do now, decided before anything is read (`SwitchPlan`): give
         nothing, re-read and why, or translate a span at the dial's setting (whose gate may
         still turn it into a re-read)."""
         if target not in self.lines:
             raise ValueError(f"unknown model {target!r}")
         return self._plan(target, self._refused_reason(target))
 
-    def _plan(self, target: str, refused: str | None = None) -> Plan:
+    def _plan(self, target: str, refused: str | None = None) -> SwitchPlan:
         number = sum(1 for s in self.switches if s.target == target) + 1
         return plan_switch(self.conversation, self.lines[self.active], self.lines[target],
                            self.translators.get((self.active, target)), number, refused)

@@ -34,7 +34,7 @@ of the text the source has read, up to the last place where both split; each of 
 alignment group's source tokens pooled, as its translator was fitted (`_across`). The gate
 compares each model's NLL of its own tokens of the same text (`gate.compare_across`).
 
-`receive_span` is the one switch: `plan_switch` decides from values what it does (`Plan`),
+`receive_span` is the one switch: `plan_switch` decides from values what it does (`SwitchPlan`),
 `carry_out` does it. `Session.switch`, the server (through it) and the switch benchmark's gated
 switch all run it.
 """
@@ -114,7 +114,7 @@ class Conversation:
 
 
 @dataclass(frozen=True)
-class Plan:
+class SwitchPlan:
     """What a switch from `source` to `target` does, decided from values before anything is
     read or translated: give nothing, re-read up to `upto` (`reason` says why; `full`: the
     target's whole line), or translate [`start`, `upto`) at the dial's `choice`, which the
@@ -136,7 +136,7 @@ class Plan:
 
 
 def plan_switch(conversation: Conversation, src: CacheLine, tgt: CacheLine, translator,
-                number: int, refused: str | None = None) -> Plan:
+                number: int, refused: str | None = None) -> SwitchPlan:
     """The plan of the switch that gives `tgt` what `src` has read and it has not. `number`:
     this switch's count among the target's (`refresh` re-reads every Nth); `refused`: why a
     switch made ahead fell back (the target reads on instead of translating again)."""
@@ -144,7 +144,7 @@ def plan_switch(conversation: Conversation, src: CacheLine, tgt: CacheLine, tran
     settings = conversation.settings
     n = conversation.mapped(source, src.seen, target)
     note = translator.info.get("fitted_on", "") if translator is not None else ""
-    plan = Plan(source, target, n, start=tgt.seen, translator_note=note)
+    plan = SwitchPlan(source, target, n, start=tgt.seen, translator_note=note)
     if source == target or n <= tgt.seen and settings.strategy != "naive":
         return plan
     if translator is None:
@@ -169,7 +169,7 @@ def plan_switch(conversation: Conversation, src: CacheLine, tgt: CacheLine, tran
     return replace(plan, start=start, choice=choice)
 
 
-def carry_out(plan: Plan, conversation: Conversation, src: CacheLine, tgt: CacheLine,
+def carry_out(plan: SwitchPlan, conversation: Conversation, src: CacheLine, tgt: CacheLine,
               translator, read_fallback: bool = True) -> SwitchStatus:
     """Do what `plan` says: only the target's line changes; the session's active model, its
     dropped spans and its list of switches are the caller's. `read_fallback=False`: a
@@ -222,7 +222,7 @@ def switch_point(translator, src: CacheLine, start: int, n: int, r: int,
 
 
 def _translate_and_gate(conversation: Conversation, translator, src: CacheLine, tgt: CacheLine,
-                        plan: Plan, status: SwitchStatus, read_fallback: bool = True,
+                        plan: SwitchPlan, status: SwitchStatus, read_fallback: bool = True,
                         escalate: bool = True) -> None:
     """Translate [start, C), let the target read [C, n), and let the gate judge its last
     tokens: over its threshold, the target reads more of the span itself (`dial.escalated`,
@@ -330,7 +330,7 @@ def _gate_reading(conversation: Conversation, src: CacheLine, tgt: CacheLine, ro
 
 
 def _escalated(conversation: Conversation, translator, src: CacheLine, tgt: CacheLine,
-               plan: Plan, status: SwitchStatus, read_fallback: bool) -> bool:
+               plan: SwitchPlan, status: SwitchStatus, read_fallback: bool) -> bool:
     """After the gate fired: translate once more with the target reading a wider tail
     (`dial.escalated`), where the gate can judge that; whether it was tried."""
     r = conversation.settings.gate_tokens
