@@ -283,7 +283,8 @@ def test_two_processes_match_one(model_dirs, tmp_path):
     common = ["distill", "--translator", str(path), "--data", str(TEXT), "--validation",
               str(TEXT), "--steps", "6", "--batch", "4", "--lr", "1e-3", "--warmup", "2",
               "--min-prefix", "16", "--max-prefix", "32", "--continuation", "8",
-              "--validate-every", "3", "--validation-windows", "4", "--json"]
+              "--validate-every", "3", "--validation-windows", "4", "--gate-windows", "1",
+              "--json"]
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
     one = run_cli([*common, "--workdir", str(tmp_path / "w1"), "--out", str(tmp_path / "o1")],
                   env)

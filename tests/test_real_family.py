@@ -202,7 +202,7 @@ def test_real_translators_fit_distil_and_keep_what_is_built(pair, tmp_path):
     name = f"{PARENT}__{SIBLING}"
     config = TranslatorConfig(lengths=(48, 96), tokens=2304, assign="relative", distill_steps=2,
                               distill_batch=2, distill_max_prefix=64, validate_every=2,
-                              gate_windows=1)
+                              validation_windows=2, gate_windows=1)
     record = build_translators(out, (name,), config, log=None,
                                text=held_out_split("validation"))
     entry = record["directions"][name]

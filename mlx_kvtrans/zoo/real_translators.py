@@ -35,6 +35,7 @@ class TranslatorConfig:
     distill_batch: int = 4
     distill_max_prefix: int = 512
     validate_every: int = 5
+    validation_windows: int = 16  # held-out windows of the distillation's KL
     # held-out switches per kind and band calibrating the gate, fit and distillation each: a
     # real pair's switch takes about a second here, and the default's 256 take minutes
     gate_windows: int = 24
@@ -111,8 +112,8 @@ def build(family: Path, directions=DIRECTIONS, config: TranslatorConfig = Transl
             fit = FitConfig(**{"windows": config.tokens // config.lengths[0],
                                "length": config.lengths[0], "mix": tuple(config.lengths),
                                "assign": config.assign, **config.extra})
-            fit_translator(source, target, [train], fit, validation=validation, out=stage1,
-                           gate_windows=config.gate_windows,
+            # no gate for stage 1: the distilled translator is calibrated as it is saved
+            fit_translator(source, target, [train], fit, out=stage1,
                            workdir=build_dir / "fit",
                            resume=(build_dir / "fit").is_dir(),
                            progress=progress)
@@ -125,7 +126,8 @@ def build(family: Path, directions=DIRECTIONS, config: TranslatorConfig = Transl
             stage1, [train], validation,
             DistillConfig(steps=config.distill_steps, batch=config.distill_batch,
                           max_prefix=config.distill_max_prefix, keep="best",
-                          validate_every=config.validate_every),
+                          validate_every=config.validate_every,
+                          validation_windows=config.validation_windows),
             out=final, workdir=workdir, resume=(workdir / "state.json").is_file(),
             gate_windows=config.gate_windows, progress=progress)
         summary = distilled.summary
