@@ -276,7 +276,7 @@ class Chat:
         if name not in STRATEGIES:
             raise KvtransError(f"unknown strategy {name!r}: the strategies are "
                                f"{', '.join(STRATEGIES)} (now {self.session.strategy})")
-        self.session.strategy = name
+        self.session.set_strategy(name)
         self.transcript.add("strategy", strategy=name)
 
     def save(self, path: str | Path, force: bool = False) -> Saved:

@@ -169,16 +169,11 @@ class Entry:
         that would keep nothing are not copied. Recorded spans, gate tails and snapshots are
         never written into, so the copy shares them."""
         twin = Entry(new_id, self.group, session, self.conversation, reply=self.reply)
-        session.views = self.session.views.copy()
-        session.activate(self.session.active)
+        session.copy_conversation(self.session)
         for name, line in self.session.lines.items():
             if self.usable(name, self.limit_for(name, model, limit)) == 0:
                 continue
-            other = session.lines[name]
-            other.cache, other.seen = copy.deepcopy(line.cache), line.seen
-            other.recorded, other.recorded_from = list(line.recorded), line.recorded_from
-            other.own_recorded = list(line.own_recorded)
-            other.tail, other.states = line.tail, dict(line.states)
+            session.lines[name].copy_from(line)
             twin.checkpoints[name] = dict(self.checkpoints.get(name, {}))
             twin.marks[name] = dict(self.marks.get(name, {}))
             twin.used[name] = self.used.get(name, 0)

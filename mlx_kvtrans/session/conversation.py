@@ -330,6 +330,18 @@ class Session:
         """The refused switch to `target` whose re-read the caller is making ahead."""
         return self.refused[target][0] if target in self.refused else None
 
+    def copy_conversation(self, other: "Session") -> None:
+        """Hold `other`'s conversation (each tokenizer's tokens, copied) and its active model;
+        the lines are each model's to copy (`CacheLine.copy_from`)."""
+        self.views = other.views.copy()
+        self.activate(other.active)
+
+    def set_strategy(self, name: str) -> None:
+        """Switch by `name` (`STRATEGIES`) from the next switch on."""
+        if name not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}")
+        self.strategy = name
+
     def activate(self, name: str) -> None:
         """Make `name` the model that reads and answers next, as it stands (no switch)."""
         if name not in self.lines:

@@ -141,6 +141,14 @@ class CacheLine:
         self.states = {}
         self.next_logits = None
 
+    def copy_from(self, other: "CacheLine") -> None:
+        """Hold what `other` holds: its cache copied; its recorded spans, gate rows and state
+        snapshots shared, since no line writes into them (it replaces them)."""
+        self.cache, self.seen = copy.deepcopy(other.cache), other.seen
+        self.recorded, self.recorded_from = list(other.recorded), other.recorded_from
+        self.own_recorded = list(other.own_recorded)
+        self.tail, self.states = other.tail, dict(other.states)
+
     def cut(self, stop: int) -> None:
         """Forget what was recorded of conversation tokens from `stop` on (the cache itself is
         the caller's to trim)."""
