@@ -48,6 +48,9 @@ def serve(model: list[str] = typer.Option(
               None, metavar="tensor|pipeline",
               help="under mlx.launch: shard every model across its processes this way (process "
                    "0 answers HTTP; every model stays resident)"),
+          grace: float = typer.Option(
+              30.0, metavar="SECONDS", help="sharded: told to stop, the request in flight gets "
+              "this long to finish (a process that died can leave the others waiting)"),
           max_tokens: int = typer.Option(512, help="reply length when a request gives none"),
           temp: float = typer.Option(0.0, min=0, max=2, help="sampling temperature when a "
                                      "request gives none (0: greedy, as mlx-lm's server)"),
@@ -64,7 +67,8 @@ def serve(model: list[str] = typer.Option(
                          idle_unload=idle_unload, load_deadline=load_deadline,
                          default_max_tokens=max_tokens, temperature=temp,
                          max_body_bytes=parse_bytes(max_body_bytes),
-                         shard=shard, **dial_options(reread, fidelity, sink, recompute))
+                         shard=shard, grace=grace,
+                         **dial_options(reread, fidelity, sink, recompute))
     config.check()
     if shard:
         import mlx.core as mx
@@ -84,19 +88,16 @@ def serve(model: list[str] = typer.Option(
     run(engine, sock)
 
 
-FOLLOWER_GRACE = 60.0  # seconds a sharded process waits, once told to stop, for process 0's end
-
-
 def follow(engine) -> None:
     """A sharded process other than 0, until process 0 ends the server: Ctrl-C reaches every
     process mlx.launch started and process 0's decides; SIGTERM (mlx.launch's, when another
-    process failed) ends it after a grace for process 0's own end."""
+    process failed) ends it after a grace for process 0's own end (twice process 0's)."""
     import os
     import signal
     import threading
 
     def grace(*_):  # a daemon: a process that ended in the grace must not wait it out
-        timer = threading.Timer(FOLLOWER_GRACE, os._exit, (143,))
+        timer = threading.Timer(2 * engine.config.grace, os._exit, (143,))
         timer.daemon = True
         timer.start()
 

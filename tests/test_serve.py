@@ -669,7 +669,8 @@ def test_bad_cli_options_are_one_line_and_exit_2():
              ["--port", str(taken.getsockname()[1])], ["--max-tokens", "0"],
              ["--memory-budget", "0"], ["--memory-budget", "lots"], ["--memory-budget", "1M"],
              ["--idle-unload", "0"], ["--idle-unload", "nan"], ["--sink", "-1"],
-             ["--load-deadline", "-1"], ["--load-deadline", "nan"]]
+             ["--load-deadline", "-1"], ["--load-deadline", "nan"], ["--grace", "0"],
+             ["--grace", "nan"]]
     try:
         for args in cases:
             result = CliRunner().invoke(cli, ["serve", *args])

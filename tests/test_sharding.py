@@ -221,7 +221,7 @@ def test_a_sharded_server_ends_when_one_of_its_processes_dies(tmp_path, rank):
     MLX's ring backend raises in the collective the other ends at once and says why (the
     follower as it exits, process 0 in its log); where it fails the pending tasks without
     raising (it does either, by timing), the other waits in the collective until mlx.launch's
-    SIGTERM and ends through its grace (`SHARDED_GRACE`, `FOLLOWER_GRACE`)."""
+    SIGTERM and ends through its grace (`--grace`, and twice that for the others)."""
     import signal
     import time
     import urllib.request
@@ -236,10 +236,8 @@ def test_a_sharded_server_ends_when_one_of_its_processes_dies(tmp_path, rank):
     except BaseException:
         _kill_group(group)
         raise
-    from mlx_kvtrans.cli.serve import FOLLOWER_GRACE
-
     killed = time.monotonic()
-    deadline = killed + FOLLOWER_GRACE + 20  # the longer grace, and mlx.launch's clean-up
+    deadline = killed + 2 * GRACE + 20  # the followers' grace, and mlx.launch's clean-up
     while _ranks(group.pid) and time.monotonic() < deadline:
         time.sleep(0.2)
     left = _ranks(group.pid)
@@ -248,7 +246,7 @@ def test_a_sharded_server_ends_when_one_of_its_processes_dies(tmp_path, rank):
         pytest.fail(f"processes {sorted(left)} did not end after process {rank} was killed:\n"
                     + (tmp_path / "serve.log").read_text()[-2000:])
     _assert_ends(group, tmp_path, f"after process {rank} was killed")
-    if time.monotonic() - killed < 20:  # at once: the collective raised, and that is said
+    if time.monotonic() - killed < GRACE:  # at once: the collective raised, and that is said
         assert "the sharded server's group broke" in (tmp_path / "serve.log").read_text()
 
 
@@ -262,11 +260,9 @@ def test_a_sharded_server_ends_when_a_process_dies_while_it_streams(tmp_path):
     import json
     import signal
 
-    from mlx_kvtrans.serve.app import SHARDED_GRACE
-
     group, url = _launch_server(tmp_path, ring_port(), ["qwen3.5-a"], "pipeline")
     try:
-        conn = http.client.HTTPConnection(url.split("//")[1], timeout=SHARDED_GRACE + 60)
+        conn = http.client.HTTPConnection(url.split("//")[1], timeout=GRACE + 60)
         body = {"model": "qwen3.5-a", "max_tokens": 4000, "stream": True,
                 "messages": [{"role": "user", "content": "Tell a long story."}]}
         conn.request("POST", "/v1/chat/completions", json.dumps(body),
@@ -278,7 +274,10 @@ def test_a_sharded_server_ends_when_a_process_dies_while_it_streams(tmp_path):
         _kill_group(group)
         raise
     _assert_ends(group, tmp_path, "after process 1 was killed mid-stream",
-                 within=SHARDED_GRACE + 30)
+                 within=GRACE + 30)
+
+
+GRACE = 5.0  # seconds a sharded server's process 0, told to stop, waits (`--grace`)
 
 
 def _launch_server(tmp_path: Path, port: int, models: list[str], kind: str):
@@ -296,7 +295,7 @@ def _launch_server(tmp_path: Path, port: int, models: list[str], kind: str):
     group = subprocess.Popen(
         [launcher, "-n", "2", "--backend", "ring", "--starting-port", str(port), "--",
          kvtrans, "serve", *(a for m in models for a in ("--model", m)), "--shard", kind,
-         "--port", str(http_port)],
+         "--port", str(http_port), "--grace", str(GRACE)],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         env={**os.environ, "OPENBLAS_NUM_THREADS": "1"})
     url = f"http://127.0.0.1:{http_port}"

@@ -336,12 +336,9 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-SHARDED_GRACE = 30.0  # seconds a sharded server's process 0 waits, once told to stop, to end
-
-
 def server(engine: Engine):
     """A uvicorn server for `engine` (not started). Told to stop, it lets in-flight requests
-    finish; sharded, for SHARDED_GRACE seconds at most: a process of the group that died in a
+    finish; sharded, for `engine.config.grace` seconds at most: a process of the group that died in a
     collective can leave process 0's compute waiting in it forever (MLX's ring backend fails
     the pending tasks without raising), and `mlx.launch` waits for process 0 to end."""
     import uvicorn
@@ -349,7 +346,7 @@ def server(engine: Engine):
     class Bounded(uvicorn.Server):
         def handle_exit(self, sig, frame):
             if not self.should_exit:  # a daemon: a server that ends in time does not wait
-                timer = threading.Timer(SHARDED_GRACE, os._exit, (128 + sig,))
+                timer = threading.Timer(engine.config.grace, os._exit, (128 + sig,))
                 timer.daemon = True
                 timer.start()
             super().handle_exit(sig, frame)

@@ -43,6 +43,10 @@ class ServeConfig:
     recompute: int | None = None  # the target's first layers that read a translated span
     # themselves; None: as the dial's setting has it
     shard: str | None = None  # under mlx.launch: "tensor" or "pipeline" (sharding.py)
+    # sharded: seconds process 0, told to stop, lets its request in flight finish before it
+    # ends (a process of the group that died can leave it waiting in a collective); the other
+    # processes wait twice this for process 0's end
+    grace: float = 30.0
 
     def check(self) -> None:
         if not self.models:
@@ -63,6 +67,8 @@ class ServeConfig:
             raise KvtransError(f"--idle-unload {self.idle_unload}: seconds, more than 0")
         if not self.load_deadline >= 0:
             raise KvtransError(f"--load-deadline {self.load_deadline}: seconds, 0 or more")
+        if not self.grace > 0:
+            raise KvtransError(f"--grace {self.grace}: seconds, more than 0")
         if self.shard not in (None, "tensor", "pipeline"):
             raise KvtransError(f"--shard {self.shard}: tensor or pipeline")
         if self.shard and (self.memory_budget is not None or self.idle_unload is not None):
