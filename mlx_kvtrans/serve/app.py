@@ -338,9 +338,10 @@ def listen(host: str, port: int) -> socket.socket:
 
 def server(engine: Engine):
     """A uvicorn server for `engine` (not started). Told to stop, it lets in-flight requests
-    finish; sharded, for `engine.config.grace` seconds at most: a process of the group that died in a
-    collective can leave process 0's compute waiting in it forever (MLX's ring backend fails
-    the pending tasks without raising), and `mlx.launch` waits for process 0 to end."""
+    finish; sharded, for `engine.config.grace` seconds at most: a process of the group that
+    died in a collective can leave process 0's compute waiting in it forever (MLX's ring
+    backend fails the pending tasks without raising), and `mlx.launch` waits for process 0 to
+    end."""
     import uvicorn
 
     class Bounded(uvicorn.Server):

@@ -55,8 +55,7 @@ class Session:
                  gate_tokens: int = gate.GATE_TOKENS, reread: int | None = None,
                  fidelity: float | None = None, sink: int | None = None, groups: dict | None = None,
                  escalate: bool = False, recompute: int | None = None):
-        if strategy not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}")
+        self.set_strategy(strategy)
         if gate_tokens < 0:
             raise ValueError("gate_tokens must be 0 (no gate) or more")
         if dial.problem(reread, fidelity):
@@ -74,7 +73,7 @@ class Session:
         self.lines = {name: CacheLine(name, lm) for name, lm in models.items()}
         self.translators = {pair: tr.prepare() for pair, tr in (translators or {}).items()}
         self.active = active or next(iter(models))
-        self.strategy, self.refresh_every = strategy, refresh_every
+        self.refresh_every = refresh_every
         self.max_context = max_context
         if sink is not None and sink < 0:
             raise ValueError("sink must be 0 or more")
@@ -371,9 +370,9 @@ class Session:
         return 0
 
     def plan(self, target: str) -> SwitchPlan:
-        """What `switch(target)` would do now, decided before anything is read (`SwitchPlan`): give
-        nothing, re-read and why, or translate a span at the dial's setting (whose gate may
-        still turn it into a re-read)."""
+        """What `switch(target)` would do now, decided before anything is read (`SwitchPlan`):
+        give nothing, re-read and why, or translate a span at the dial's setting (whose gate
+        may still turn it into a re-read)."""
         if target not in self.lines:
             raise ValueError(f"unknown model {target!r}")
         return self._plan(target, self._refused_reason(target))

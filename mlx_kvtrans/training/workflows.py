@@ -181,14 +181,14 @@ def fit_translator(source: str | Path | LoadedModel, target: str | Path | Loaded
                    workdir: str | Path | None = None, resume: bool = False) -> Translator:
     """Stage 1 as `kvtrans fit` runs it: `config.windows` windows of `config.length` tokens of
     the `data` text files (with `config.needle_share`, about that share of them synthetic
-    needles), fitted in closed form, layers assigned as `config.assign` says. With `validation` (a held-out text file) the fidelity gate is
-    calibrated on it over `gate_windows` windows per kind and band; with `out` the translator
-    is saved there (replacing what is there: a command refuses first). With `workdir` the
-    running sums are checkpointed there (Ctrl-C stops after the batch in flight, raising
-    KeyboardInterrupt) and `resume` continues from them; the checkpoint goes once the
-    translator is saved. Under `mlx.launch` the batches are dealt among the processes, each
-    checkpointing its own sums, the gate's windows are dealt among them too, and the first
-    process saves (`processes`). Models that tokenize differently each read their own tokens
+    needles), fitted in closed form, layers assigned as `config.assign` says. With `validation`
+    (a held-out text file) the fidelity gate is calibrated on it over `gate_windows` windows per
+    kind and band; with `out` the translator is saved there (replacing what is there: a
+    command refuses first). With `workdir` the running sums are checkpointed there (Ctrl-C
+    stops after the batch in flight, raising KeyboardInterrupt) and `resume` continues from
+    them; the checkpoint goes once the translator is saved. Under `mlx.launch` the batches are
+    dealt among the processes, each checkpointing its own sums, the gate's windows are dealt
+    among them too, and the first process saves (`processes`). Models that tokenize differently each read their own tokens
     of every window's text (`across_tokenizers`), and the manifest's `alignment` records how
     the groups were pooled.
     Bad input raises KvtransError before any heavy work it can precede."""
@@ -226,7 +226,8 @@ def fit_translator(source: str | Path | LoadedModel, target: str | Path | Loaded
         workdir, resume, context=json.dumps([model_identity(lm) for lm in (src, tgt)],
                                             sort_keys=True), rank=rank, size=size)
     translator = fit(src.model, tgt.model, batches, recipes, config, codebook=codebook,
-                     progress=fitted if rank == 0 and progress else None, checkpoint=checkpoint, group=group)
+                     progress=fitted if rank == 0 and progress else None,
+                     checkpoint=checkpoint, group=group)
     translator.info["fit"].update(processes=size, assign=assign)
     translator.info["sink"] = sink
     if rank:
