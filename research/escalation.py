@@ -28,7 +28,7 @@ from mlx_kvtrans.session import dial
 
 OUT = Path(__file__).resolve().parent / "results"
 # the shipped directions whose gate fires on more than a tenth of switches (`bars.md`)
-TRANSLATORS = ["qwen3.5-a__qwen3.5-b-distilled", "qwen3.5-a__qwen3.5-xt"]
+TRANSLATORS = ["qwen3.5-a__qwen3.5-b-distilled", "qwen3.5-a__qwen3.5-xt-distilled"]
 LENGTHS = [256, 512]
 FIGURES = ["applied", "history_recovered", "first_token", "greedy_match", "recall_translated",
            "recall_native"]

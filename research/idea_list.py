@@ -235,13 +235,6 @@ IDEAS = [
            FitConfig(point=1, features="all", recipes={"recurrent_state": "bilinear"},
                      random_features=width, random_layers=(3,)))
       for width in (2048,)],
-    # stage 2 across tokenizers, as the directions furthest from native were distilled: the
-    # windows are the target's tokens, the source reads its own tokens of their text
-    *[Idea(f"{name.split('__')[0]}-to-{name.split('__')[1]}-sequence", name,
-           "300 steps on greedy continuations after an 8-token re-read, prefixes 32-512, half "
-           "needles, with the output rehearsal (weight 1)",
-           DistillConfig(**{**SEQUENCE, "steps": 300, "output_weight": 1.0}))
-      for name in ("qwen3.5-a__qwen3.5-xt", "qwen3.5-xt__qwen3.5-a")],
     Idea("kimi-vl-to-kimi-linear-random-features-stage1", "kimi-vl__kimi-linear-distilled",
          "refit as shipped with every source layer and 1,024 random features, not distilled",
          None, FitConfig(point=1, nu=6, token_identity="codebook", attention_weighted=8,

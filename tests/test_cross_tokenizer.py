@@ -381,11 +381,11 @@ def test_every_object_kind_translates_across_tokenizers(pair, source_family, tar
 
 # each command runs once, on one of the two shipped directions
 ACROSS_COMMANDS = {
-    "qwen3.5-a__qwen3.5-xt": {
+    "qwen3.5-a__qwen3.5-xt-distilled": {
         "fidelity": ["--prefix-lengths", "32", "--windows", "1"],
         "needle": ["--lengths", "64", "--samples", "2"],
         "behaviour": ["--prompts", "2", "--max-tokens", "4", "--length", "48"]},
-    "qwen3.5-xt__qwen3.5-a": {
+    "qwen3.5-xt__qwen3.5-a-distilled": {
         "multiturn": ["--dialogues", "1", "--turns", "2"],
         "ablate": ["--lengths", "32", "--windows", "1", "--needles", "1"],
         "bench": ["--lengths", "64", "--repeats", "1"]},

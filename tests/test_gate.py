@@ -334,14 +334,22 @@ def test_calibration_is_stored_and_read_back(zoo, tmp_path):
 
 def test_calibration_needles_are_chat_turns_and_plain_text_alike(zoo):
     """Users ask in the chat template (chat, serve) and in plain text (a completion request, a
-    router's raw prompt): of the "read" windows' needles (every other seed), half are each."""
+    router's raw prompt): of the "read" windows' needles (every other seed), half are each, and
+    of each form half switch at the prompt's end, half one token before it (where a generation
+    that reads the last token as its first step starts)."""
     target = zoo("qwen3-large")
     opening = target.tokenizer.apply_chat_template([{"role": "user", "content": "x"}],
                                                    tokenize=False).split("x")[0]
     needles = [calibrate._needle(target, calibrate.NEEDLE_SEED + i, 120) for i in range(0, 16, 2)]
     decode = target.tokenizer.decode
-    assert sum(decode(ids).startswith(opening) for _, ids in needles) == 4
-    assert all(decode(ids[n:]).strip(" .").isdigit() for n, ids in needles)  # the answer last
+    chat = [decode(ids).startswith(opening) for _, ids in needles]
+    assert sum(chat) == 4
+    for form in (True, False):
+        after = [len(ids) - n for (n, ids), c in zip(needles, chat) if c == form]
+        answer = min(after)  # the answer's tokens after the switch; one more where it is cut
+        assert sorted(after) == [answer, answer, answer + 1, answer + 1]
+        assert all(decode(ids[len(ids) - answer:]).strip(" .").isdigit()
+                   for (n, ids), c in zip(needles, chat) if c == form)  # the answer last
 
 
 def test_calibration_on_needles_reads_their_question_tails(zoo):

@@ -642,7 +642,7 @@ def test_a_conv_history_maps_only_the_rows_it_keeps(length, zoo):
     """A conv history keeps its last K-1 rows: its map reads only those (identity tables
     included, which read the token before the first), and they are the rows the map gives
     when it maps every token."""
-    tr = artifact.load(artifact.resolve("qwen3.5-xt__qwen3.5-a"))
+    tr = artifact.load(artifact.resolve("qwen3.5-xt__qwen3.5-a-distilled"))
     assert any(r.tables for r in tr.recipes if r.name == "conv")
     src, tgt = zoo(tr.info["source"]["name"]), zoo(tr.info["target"]["name"])
     tokens = mx.random.randint(0, 3000, (1, length), key=mx.random.key(6))  # both vocabularies

@@ -177,11 +177,13 @@ def calibrate(translator, source, target, token_ids: list[int],
 
 
 def _needle(target, seed: int, length: int) -> tuple[int, list[int]]:
-    """(the prompt's length, its tokens and the answer's): a calibration needle of about
-    `length` tokens in the target's tokens, as users send them: every other one in the target's
-    chat template where it has one (a fact in a user turn among others, the question in the
-    last), the rest as plain text (a completion request, a router's raw prompt); its filler is
-    the corpus's validation prose, apart from the held-out needles' other-domain prose."""
+    """(where the switch comes, the prompt's tokens and the answer's): a calibration needle of
+    about `length` tokens in the target's tokens, as users send them: every other one in the
+    target's chat template where it has one (a fact in a user turn among others, the question in
+    the last), the rest as plain text (a completion request, a router's raw prompt); its filler
+    is the corpus's validation prose. Every other one of each form switches one token before the
+    prompt's end: a generation that starts there reads the prompt's last token as its first
+    step (mlx-lm's `generate_step`), and the question's tail reads differently cut there."""
     from ..evaluation.chat_needles import ChatNeedles
     from ..evaluation.needles import held_out_filler, needle_prompt_tokens
 
@@ -191,7 +193,7 @@ def _needle(target, seed: int, length: int) -> tuple[int, list[int]]:
         prompt, answer = ChatNeedles(tokenizer, prose=held_out_filler())(seed, length)
     else:
         prompt, answer = needle_prompt_tokens(tokenizer.encode, seed, length, held_out_filler())
-    return len(prompt), prompt + answer
+    return len(prompt) - seed // 4 % 2, prompt + answer
 
 
 def _shared(measured: np.ndarray, failed: bool, group) -> tuple[np.ndarray, bool]:
