@@ -342,6 +342,8 @@ def distill(translator_dir: Path = typer.Option(..., "--translator", help="stage
             needle_share: float = typer.Option(DISTILL.needle_share, min=0.0, max=1.0,
                                                callback=finite, help="share of each batch that "
                                                "is synthetic needles, question and answer last"),
+            needle_form: str = typer.Option(DISTILL.needle_form, help="the needles as plain "
+                                            "text, or chat: in the target's chat template"),
             greedy: bool = typer.Option(DISTILL.greedy, help="continue each window with the "
                                         "target's own greedy tokens (sequence level)"),
             reread: int = typer.Option(DISTILL.reread, min=0, help="the target reads the "

@@ -200,6 +200,8 @@ CASES = {
                                           "-1"], "--indexer-weight"),
     "distill: needle share over 1": (["distill", "--translator", PAIR, "--needle-share", "1.5"],
                                      "--needle-share"),
+    "distill: unknown needle form": (["distill", "--translator", PAIR, "--needle-form", "html"],
+                                     "--needle-form"),
     "distill: zero validate every": (["distill", "--translator", PAIR, "--validate-every", "0"],
                                      "--validate-every"),
     "distill: zero validation windows": (["distill", "--translator", PAIR,

@@ -348,6 +348,30 @@ def test_needle_rows_end_with_question_and_answer():
     assert all(tok.decode(list(r[-7:-1])) in codes for r in rows[2:])
 
 
+def test_chat_needle_rows_are_chat_turns_that_end_with_the_answer():
+    """`--needle-form chat`: the rows are conversations in the target's chat template, at least
+    the span a step takes, the question in the last user turn and the six-digit answer last;
+    the default form leaves earlier checkpoints' fingerprints as they were."""
+    from mlx_kvtrans.training.workflows import chat_training_needles
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    from mlx_kvtrans.models import weights_dir
+
+    tok = load_tokenizer(weights_dir() / "tokenizer")
+    rows = chat_training_needles(tok, [TEXT.read_text()], 120, count=6)
+    opening = tok.apply_chat_template([{"role": "user", "content": "x"}],
+                                      tokenize=False).split("x")[0]
+    assert len(rows) == 6 and all(len(r) >= 120 for r in rows)
+    for row in rows:
+        text = tok.decode(row)
+        assert text.startswith(opening) and "What was the number for" in text
+        assert text.rstrip(".")[-6:].isdigit()
+    assert DistillConfig(needle_form="text").fingerprint() == DistillConfig().fingerprint()
+    assert DistillConfig(needle_form="chat").fingerprint() != DistillConfig().fingerprint()
+    with pytest.raises(KvtransError, match="--needle-form"):
+        DistillConfig(needle_form="html")
+
+
 def test_residual_nonlinearity_starts_at_zero_and_distils(loaded):
     """A map's residual term leaves the closed form exactly as it was; stage 2's gradient
     reaches it."""

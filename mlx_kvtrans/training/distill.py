@@ -62,6 +62,7 @@ class DistillConfig:
     train_only: str = ""  # train only the parameters whose names hold this (e.g. residual)
     keep: str = "last"  # or best: the parameters of the lowest validation KL, start included
     needle_share: float = 0.0  # share of each batch's rows that are needles, answer at the end
+    needle_form: str = "text"  # or chat: the needles in the target's chat template
     greedy: bool = False  # continue with the target's own greedy tokens (sequence level)
     reread: int = 0  # the target reads the prefix's last R tokens itself, as a session's dial
     sink: int | None = None  # and its first S (None: as its fit measured, `measured_sink`)
@@ -75,6 +76,9 @@ class DistillConfig:
             raise KvtransError("--min-prefix must not exceed --max-prefix")
         if self.keep not in KEEP:
             raise KvtransError(f"--keep must be {' or '.join(KEEP)}, not {self.keep!r}")
+        if self.needle_form not in NEEDLE_FORMS:
+            raise KvtransError(f"--needle-form must be {' or '.join(NEEDLE_FORMS)}, not "
+                               f"{self.needle_form!r}")
         if not self.temperature > 0:
             raise KvtransError("--temperature must be above 0")
         if self.reread + (self.sink or 0) >= self.min_prefix:
@@ -92,8 +96,10 @@ class DistillConfig:
 
 
 LATER_DEFAULTS = {"greedy": False, "reread": 0, "sink": 0, "output_weight": 0.0,
-                  "object_weight": 0.0, "temperature": 1.0, "train_only": ""}
+                  "object_weight": 0.0, "temperature": 1.0, "train_only": "",
+                  "needle_form": "text"}
 KEEP = ("last", "best")
+NEEDLE_FORMS = ("text", "chat")
 
 
 def frozen(names, train_only: str) -> set[str]:

@@ -105,6 +105,22 @@ def training_needles(encode, texts: Sequence[str], length: int, count: int = 200
     return make(encode, filler_sentences(list(texts), limit=20_000), length, count=count)
 
 
+def chat_training_needles(tokenizer, texts: Sequence[str], length: int,
+                          count: int = 500) -> list[list[int]]:
+    """`training_needles` in `tokenizer`'s chat template (a fact in a user turn among others,
+    the question in the last, the answer after it), at least `length` tokens each: what a chat
+    model answers, where a plain-text needle may ask what it never learned to answer."""
+    from ..evaluation.chat_needles import ChatNeedles
+    from ..evaluation.needles import NEEDLE_SEED, filler_sentences
+
+    try:
+        make = ChatNeedles(tokenizer, prose=filler_sentences(list(texts), limit=20_000))
+    except ValueError as e:
+        raise KvtransError(f"--needle-form chat: {e}") from None
+    rows = [sum(make(NEEDLE_SEED + i, 2 * length), []) for i in range(count)]
+    return [row for row in rows if len(row) >= length] or [max(rows, key=len)]
+
+
 # -- stage 1 ----------------------------------------------------------------------------------
 def plan_and_cost(src: LoadedModel, tgt: LoadedModel, config: FitConfig,
                   machine: Machine | None = None):
@@ -395,9 +411,10 @@ def distill_translator(translator: str | Path, data: Sequence[str | Path], valid
     tokenizers = None if same_tokenizer(src, tgt) else (src.tokenizer, tgt.tokenizer)
     train_ids = read_ids(tgt.tokenizer, data, progress)
     validation_ids = tgt.tokenizer.encode(Path(validation).read_text(errors="replace"))
-    needles = (training_needles(tgt.tokenizer.encode, texts,
-                                config.max_prefix + config.continuation)
-               if config.needle_share else None)
+    span = config.max_prefix + config.continuation
+    needles = None if not config.needle_share else (
+        chat_training_needles(tgt.tokenizer, texts, span) if config.needle_form == "chat"
+        else training_needles(tgt.tokenizer.encode, texts, span))
     group = mx.distributed.init()
     run = Distiller(trained, src.model, tgt.model, train_ids, validation_ids, config, workdir,
                     group if group.size() > 1 else None, needles, tokenizers)
