@@ -117,8 +117,12 @@ def chat_training_needles(tokenizer, texts: Sequence[str], length: int,
         make = ChatNeedles(tokenizer, prose=filler_sentences(list(texts), limit=20_000))
     except ValueError as e:
         raise KvtransError(f"--needle-form chat: {e}") from None
-    rows = [sum(make(NEEDLE_SEED + i, 2 * length), []) for i in range(count)]
-    return [row for row in rows if len(row) >= length] or [max(rows, key=len)]
+    rows = [prompt + answer for prompt, answer in
+            (make(NEEDLE_SEED + i, 2 * length) for i in range(count))]
+    rows = [row for row in rows if len(row) >= length]
+    if not rows:
+        raise KvtransError(f"--needle-form chat: no chat needle reaches {length} tokens")
+    return rows
 
 
 # -- stage 1 ----------------------------------------------------------------------------------
@@ -204,9 +208,9 @@ def fit_translator(source: str | Path | LoadedModel, target: str | Path | Loaded
     stops after the batch in flight, raising KeyboardInterrupt) and `resume` continues from
     them; the checkpoint goes once the translator is saved. Under `mlx.launch` the batches are
     dealt among the processes, each checkpointing its own sums, the gate's windows are dealt
-    among them too, and the first process saves (`processes`). Models that tokenize differently each read their own tokens
-    of every window's text (`across_tokenizers`), and the manifest's `alignment` records how
-    the groups were pooled.
+    among them too, and the first process saves (`processes`). Models that tokenize
+    differently each read their own tokens of every window's text (`across_tokenizers`), and
+    the manifest's `alignment` records how the groups were pooled.
     Bad input raises KvtransError before any heavy work it can precede."""
     assign = config.assign
     if assign not in ASSIGNMENTS:
