@@ -522,3 +522,15 @@ def test_the_loss_takes_its_kl_at_the_temperature_and_reports_it_at_one(loaded):
     assert abs(float(cold) - float(plain)) > 1e-6 * float(plain)
     with pytest.raises(KvtransError, match="temperature"):
         DistillConfig(temperature=0.0)
+
+
+def test_a_translator_distilled_again_keeps_its_earlier_runs_records():
+    from mlx_kvtrans.training.workflows import with_earlier_runs
+
+    first = {"steps": 200, "config": {"max_prefix": 512}, "curve": [{"step": 1}]}
+    second = with_earlier_runs({"steps": 300, "curve": [{"step": 1}]}, first)
+    third = with_earlier_runs({"steps": 50}, second)
+    assert [run["steps"] for run in third["earlier"]] == [200, 300]
+    assert all("curve" not in run and "earlier" not in run for run in third["earlier"])
+    assert third["earlier"][0]["config"] == {"max_prefix": 512}
+    assert with_earlier_runs({"steps": 1}, None) == {"steps": 1}

@@ -389,6 +389,16 @@ def load_pair(translator: str | Path) -> tuple[Translator, LoadedModel, LoadedMo
     return artifact.load(translator, src, tgt), src, tgt
 
 
+def with_earlier_runs(summary: dict, earlier: dict | None) -> dict:
+    """A distillation's record; one of a translator distilled before keeps, under "earlier",
+    each earlier run's record (its curve left out), first run first: what it was built by."""
+    if not earlier:
+        return summary
+    runs = list(earlier.get("earlier", []))
+    runs.append({k: v for k, v in earlier.items() if k not in ("curve", "earlier")})
+    return {**summary, "earlier": runs}
+
+
 def distill_translator(translator: str | Path, data: Sequence[str | Path], validation: str | Path,
                        config: DistillConfig = DistillConfig(), *, out: str | Path | None = None,
                        workdir: str | Path | None = None, resume: bool = False,
@@ -443,7 +453,7 @@ def distill_translator(translator: str | Path, data: Sequence[str | Path], valid
         "".join(f"{len(t)}:{t}" for t in texts).encode()).hexdigest()
     distilled = run.distilled()  # the same on every process
     distilled.info["stage"] = 2
-    distilled.info["distill"] = summary
+    distilled.info["distill"] = with_earlier_runs(summary, trained.info.get("distill"))
     distilled.info["gate"] = gate_of(distilled, src, tgt, validation_ids, gate_windows, report,
                                      run.group)
     if not main_process:
