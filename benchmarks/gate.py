@@ -35,7 +35,8 @@ benchmarks/results/gate.{json,md}.
     python benchmarks/gate.py --translators DIR,NAME --results DIR   # these, every case, there
 
 `--translators` measures the named translators (directories or shipped names: a calibration
-under trial beside the shipped one) with every case, and writes where `--results` says.
+under trial beside the shipped one) with every case, and writes where `--results` says, keeping
+the rows there of other shipped translators measured with the same settings.
 """
 
 from __future__ import annotations
@@ -364,10 +365,25 @@ def main():
         result["translators"][Path(name).name] = record
     result["seconds"] = round(time.perf_counter() - started, 1)
     out = args.results
+    if args.translators:
+        result = with_earlier_rows(result, out / "gate.json")
     out.mkdir(parents=True, exist_ok=True)
     (out / "gate.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / "gate.md").write_text(markdown(result))
     print(f"wrote {out / 'gate.json'} and {out / 'gate.md'} ({result['seconds']:.0f} s)")
+
+
+def with_earlier_rows(result: dict, results_file: Path) -> dict:
+    """`result` beside the rows `results_file` holds of other shipped translators measured with
+    the same settings (its time stays this run's)."""
+    previous = json.loads(results_file.read_text()) if results_file.exists() else {}
+    settings = ("windows_per_kind", "needles", "gate_tokens", "prefix_lengths", "noise")
+    if any(previous.get(k) != result[k] for k in settings):
+        return result
+    shipped = set(artifact.shipped_names())
+    kept = {k: v for k, v in previous["translators"].items()
+            if k in shipped and k not in result["translators"]}
+    return {**result, "translators": dict(sorted({**kept, **result["translators"]}.items()))}
 
 
 def main_behaviour(args, model) -> None:
