@@ -52,8 +52,9 @@ KEEP = typer.Option(DISTILL.keep, help="the parameters written: last (the last s
                     "(of the lowest held-out KL measured, the start's included; with --resume, "
                     "of a finished run too)")
 TRAIN_ONLY = typer.Option(DISTILL.train_only, help="train only the parameters whose names hold "
-                          "this text, e.g. residual (`fit --residual H`); the rest stay as they "
-                          "are")
+                          "this text, e.g. residual (`fit --residual H`), the rest staying as "
+                          "they are; \"\" every one; auto: every one unless the first held-out "
+                          "KL is worse than the start's, then the biases alone, from the start")
 GATE_WINDOWS_HELP = ("held-out windows of each kind (the source's text, its own reply) and band "
                      "of prefix lengths the fidelity gate is calibrated on")
 

@@ -408,6 +408,38 @@ def test_train_only_moves_the_parameters_named_and_no_other(loaded, tmp_path):
                   tmp_path / "other")
 
 
+def test_auto_trains_every_parameter_unless_the_first_validation_is_worse_then_the_biases(
+        loaded, tmp_path, monkeypatch):
+    """`train_only` auto (the default): every parameter moves while the held-out KL falls; where
+    the first validation is above the start's, the run starts again from the closed form with
+    the biases alone, records why, and a resumed run keeps that choice."""
+    translator, S, T = tiny_translator(loaded, "qwen3", "llama")
+    ids = ids_of(loaded, "llama")
+    config = DistillConfig(steps=4, lr=1e-3, warmup=1, batch=2, min_prefix=16, max_prefix=32,
+                           continuation=8, validate_every=2, validation_windows=2)
+    assert config.train_only == "auto"
+    falling = iter([1.0 - i / 100 for i in range(100)])
+    monkeypatch.setattr(Distiller, "validate", lambda self, params=None: next(falling))
+    steady = Distiller(translator, S, T, ids[:15000], ids[15000:], config, tmp_path / "a")
+    summary = steady.run()
+    assert summary["trained"] == "all" and "probe" not in summary
+    after = steady.distilled().params
+    assert any("bias" not in k and not mx.array_equal(v, translator.params[k])
+               for k, v in after.items())
+    rising = iter(range(100))
+    monkeypatch.setattr(Distiller, "validate", lambda self, params=None: float(next(rising)))
+    run = Distiller(translator, S, T, ids[:15000], ids[15000:], config, tmp_path / "b")
+    summary = run.run()
+    assert summary["trained"] == "bias" and summary["steps"] == 4
+    assert [r["step"] for r in summary["probe"]] == [1, 2]  # what every parameter did
+    assert [r["step"] for r in summary["curve"]] == [1, 2, 3, 4]  # from the start again
+    moved = {k for k, v in run.distilled().params.items()
+             if not mx.array_equal(v, translator.params[k])}
+    assert moved and all("bias" in k for k in moved), moved
+    resumed = Distiller(translator, S, T, ids[:15000], ids[15000:], config, tmp_path / "b")
+    assert resumed.resume() and resumed.frozen == run.frozen and resumed.frozen
+
+
 def test_keep_best_returns_the_lowest_validated_parameters_and_resumes_them(loaded, tmp_path,
                                                                            monkeypatch):
     """`keep` best: the parameters of the lowest validation KL measured, the start's included

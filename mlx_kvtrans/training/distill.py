@@ -15,6 +15,14 @@ and first S tokens to the target, as a session does; `temperature` below 1 weigh
 the likeliest tokens; `train_only` trains only the parameters named so (a residual beside a
 closed form it must not move); `keep` best keeps those of the lowest validation KL measured.
 
+Which parameters move is measured on the pair by default (`train_only="auto"`): every one, unless
+the first held-out KL is above the start's. Then the run starts again from the closed form with
+the biases alone. Between real pretrained models Adam's equal-sized steps on every entry of a
+map, summed over features of large magnitude, move the target's reading too far: held-out KL
+rises from the third step at 1e-4, and at 1e-6 falls 8% before rising, while the biases alone
+descend steadily. The zoo's small models improve under every parameter
+(docs/negative-results.md, "Stage 2 between real members").
+
 Recurrences run through the chunkwise-parallel gated delta rule (it has a backward pass on every
 device; the Metal kernel has none). Each step's batch depends only on (seed, step), and the
 parameters and Adam state are checkpointed, so a resumed run continues bit-identically. Under
@@ -59,7 +67,9 @@ class DistillConfig:
     output_weight: float = 0.0  # the output rehearsal's weight (0: off)
     object_weight: float = 0.0  # the object rehearsal's weight (0: off; rehearsal.py)
     temperature: float = 1.0  # the KL's; below 1 it weighs the ordering of the top tokens
-    train_only: str = ""  # train only the parameters whose names hold this (e.g. residual)
+    # train only the parameters whose names hold this (e.g. residual); "" every one; auto: every
+    # one unless the first validation is worse than the start, then the biases from the start
+    train_only: str = "auto"
     keep: str = "last"  # or best: the parameters of the lowest validation KL, start included
     needle_share: float = 0.0  # share of each batch's rows that are needles, answer at the end
     needle_form: str = "text"  # or chat: the needles in the target's chat template
@@ -100,11 +110,13 @@ LATER_DEFAULTS = {"greedy": False, "reread": 0, "sink": 0, "output_weight": 0.0,
                   "needle_form": "text"}
 KEEP = ("last", "best")
 NEEDLE_FORMS = ("text", "chat")
+AUTO, FALLBACK = "auto", "bias"  # what `auto` trains where every parameter makes things worse
 
 
 def frozen(names, train_only: str) -> set[str]:
-    """The parameters `--train-only` holds as they are: those whose names lack its text."""
-    held = {k for k in names if train_only not in k} if train_only else set()
+    """The parameters `--train-only` holds as they are: those whose names lack its text
+    (none for "" and, until its first validation says otherwise, for auto)."""
+    held = {k for k in names if train_only not in k} if train_only not in ("", AUTO) else set()
     if train_only and len(held) == len(names):
         raise KvtransError(f"--train-only {train_only}: no parameter of the translator is named "
                            "so (residual needs `kvtrans fit --residual`)")
@@ -185,7 +197,8 @@ class Distiller:
         self.optimizer = optim.Adam(learning_rate=_schedule(config))
         self.optimizer.init(self.params)
         self.state = {"step": 0, "seconds": 0.0, "config": config.fingerprint(),
-                      "start": start_fingerprint(translator), "history": []}
+                      "start": start_fingerprint(translator), "history": [],
+                      "trained": None if config.train_only == AUTO else config.train_only}
         self._validation = None
         self.best_params, self.best_unsaved = None, False  # lowest validation KL (keep best)
 
@@ -222,6 +235,8 @@ class Distiller:
             raise KvtransError(f"the checkpoint in {self.workdir} started from another "
                                "translator; resume it from that one, or use another --workdir")
         self.state = state
+        if state.get("trained"):  # auto's choice, made before the checkpoint
+            self.frozen = frozen(self.translator.params, state["trained"])
         self.params = tree_unflatten(list(mx.load(str(self.workdir / "params.safetensors")).items()))
         self.optimizer.state = tree_unflatten(
             list(mx.load(str(self.workdir / "optimizer.safetensors")).items()))
@@ -322,6 +337,8 @@ class Distiller:
                     "lower --lr or --max-prefix")
             if record["step"] % c.validate_every == 0 or record["step"] == c.steps:
                 record["validation_kl"] = self.validate()
+                if self.state.get("trained") is None and self.choose_trained(record):
+                    continue
                 if record["validation_kl"] < self.state["best"]["validation_kl"]:
                     self.state["best"] = {k: record[k] for k in ("step", "validation_kl")}
                     self.best_params, self.best_unsaved = self.params, True
@@ -342,9 +359,29 @@ class Distiller:
                 break
         return self.summary()
 
+    def choose_trained(self, record: dict) -> bool:
+        """`auto` at its first validation: keep training every parameter where the held-out KL
+        fell, else start again from the closed form with the biases alone (True: restarted)."""
+        worse = record["validation_kl"] > self.state["validation_kl_before"]
+        if not worse or not any(FALLBACK in k for k in self.translator.params):
+            self.state["trained"] = ""
+            return False
+        self.state["trained"] = FALLBACK
+        self.state["probe"] = self.state["history"] + [record]  # what every parameter did
+        self.state["history"], self.state["step"] = [], 0
+        self.frozen = frozen(self.translator.params, FALLBACK)
+        self.params = self.translator.parameters()
+        self.optimizer = optim.Adam(learning_rate=_schedule(self.config))
+        self.optimizer.init(self.params)
+        return True
+
     def summary(self) -> dict:
         validated = [r for r in self.state["history"] if "validation_kl" in r]
+        probe = self.state.get("probe")
         return {"stage": 2, "steps": self.state["step"], "config": asdict(self.config),
+                "trained": self.state.get("trained") or "all",
+                **({"probe": [{k: r[k] for k in ("step", "kl", "validation_kl") if k in r}
+                              for r in probe]} if probe else {}),
                 "minutes": round(self.state["seconds"] / 60, 2), "processes": self.size,
                 "validation_kl_before": self.state.get("validation_kl_before"),
                 "best": self.state.get("best"),  # what `keep` best returns
