@@ -17,7 +17,9 @@ The issue's bars are checked beside the figures: perplexity within 1.3x of the p
 texts, chat recall within 0.1 of the parent's at every length, zeroed states costing KL or
 recall measurably. Each member's figures are kept in FAMILY/bench.json as they are measured, with
 the build they measured, so a stopped run resumes and a rebuilt member is measured again; the
-results go to benchmarks/results/real-family.{json,md}.
+results go to benchmarks/results/real-family.{json,md}. A member this run does not measure keeps
+the figures the results file holds where it is not on disk or is built as they record (so a
+family rebuilt in part is measured in part), and so does a direction between such members.
 
     python benchmarks/real_family.py [--family runs/real-family] [--lengths 128,256,512,1024,2048]
                                      [--multi-lengths 256,1024] [--needles 12] [--windows 16]
@@ -255,6 +257,32 @@ def write_markdown(results: dict, path: Path) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
+def with_earlier_figures(results: dict, results_file: Path) -> dict:
+    """`results` beside the figures `results_file` holds, measured with the same settings, of
+    the members this run did not measure that are not on disk or are built as those figures
+    record, and of the directions between such members; their build records come along."""
+    previous = json.loads(results_file.read_text()) if results_file.is_file() else {}
+    settings = ("lengths", "multi_lengths", "ablate_lengths", "needles", "windows",
+                "direction_lengths", "prompts")
+    if not previous or any(previous.get(k) != results[k] for k in settings):
+        return results
+    now = results["family_record"]["members"]
+    then = previous["family_record"]["members"]
+    same = {n for n in MEMBERS if now.get(n) is None or now.get(n) == then.get(n)}
+    members = {n: previous["members"][n] for n in MEMBERS
+               if n in same and n in previous["members"] and n not in results["members"]}
+    directions = {n: previous["directions"][n] for n in DIRECTIONS
+                  if n in previous["directions"] and n not in results["directions"]
+                  and set(n.split("__")) <= same}
+    record = {**results["family_record"],
+              "members": {**{n: then[n] for n in members if n not in now}, **now}}
+    return {**results, "family_record": record,
+            "members": {n: ({**results["members"], **members})[n] for n in MEMBERS
+                        if n in results["members"] or n in members},
+            "directions": {n: ({**results["directions"], **directions})[n] for n in DIRECTIONS
+                           if n in results["directions"] or n in directions}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", type=Path, default=Path("runs/real-family"))
@@ -315,18 +343,18 @@ def main() -> None:
     # figures of a member rebuilt since they were measured are not its own: left out, named
     rows = {n: cache["members"][n] for n in MEMBERS
             if cache["members"].get(n, {}).get("built", False) == built.get(n)}
-    unmeasured = [n for n in MEMBERS if n in built and n not in rows]
     results = {"family_record": json.loads(record_file.read_text()), "lengths": args.lengths,
                "multi_lengths": args.multi_lengths,
                "ablate_lengths": args.ablate_lengths, "needles": args.needles,
                "windows": args.windows, "blas": str(blas_report()), "members": rows,
-               "bars": bars(rows) if PARENT in rows else {},
                "direction_lengths": args.direction_lengths, "prompts": args.prompts,
                "directions": {n: {"settings": [{**row, "bars": direction_bars(row)} for row in
                                                cache["directions"][n]["settings"]]}
-                              for n in DIRECTIONS if n in cache["directions"]},
-               "unmeasured": unmeasured,
-               "minutes": round((time.perf_counter() - started) / 60, 1)}
+                              for n in DIRECTIONS if n in cache["directions"]}}
+    results = with_earlier_figures(results, OUT / "real-family.json")
+    results.update(bars=bars(results["members"]) if PARENT in results["members"] else {},
+                   unmeasured=[n for n in MEMBERS if n in built and n not in results["members"]],
+                   minutes=round((time.perf_counter() - started) / 60, 1))
     OUT.mkdir(exist_ok=True)
     (OUT / "real-family.json").write_text(json.dumps(results, indent=2) + "\n")
     write_markdown(results, OUT / "real-family.md")

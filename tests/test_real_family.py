@@ -222,7 +222,10 @@ def test_real_translators_fit_distil_and_keep_what_is_built(short_pair):
                                text=held_out_split("validation"))
     entry = record["directions"][name]
     assert (out / "translators" / name / "manifest.json").is_file()
-    assert not (out / ".build" / "translators" / name).exists()  # checkpoints gone once written
+    built = out / ".build" / "translators" / name
+    assert sorted(p.name for p in built.iterdir()) == ["stage1"]  # checkpoints gone once written
+    assert kv.load_translator(str(built / "stage1"), kv.load(str(out / PARENT)),
+                              kv.load(str(out / SIBLING))).info.get("stage", 1) == 1
     before, kept = entry["validation_kl"]
     assert kept <= before  # the lowest held-out KL, the closed-form start included
     translator = kv.load_translator(str(out / "translators" / name), kv.load(str(out / PARENT)),

@@ -6,7 +6,8 @@ every served length, layers assigned by best fit), then distilled against the ta
 own cache (`workflows.distill_translator`, keeping the parameters of the lowest held-out KL, the
 closed-form start included), and written to DIR/translators/SOURCE__TARGET. Stage 1 and the
 distillation's checkpoints live in DIR/.build/translators/SOURCE__TARGET until then, so a stopped
-run resumes where it stopped; DIR/translators/record.json keeps what each direction cost.
+run resumes where it stopped; stage 1 stays there (`stage1`), so what stage 2 changed can be
+measured; DIR/translators/record.json keeps what each direction cost.
 """
 
 from __future__ import annotations
@@ -136,6 +137,7 @@ def build(family: Path, directions=DIRECTIONS, config: TranslatorConfig = Transl
                                         summary["best"]["validation_kl"]],
                       "kept_step": summary["best"]["step"]})
         record_file.write_text(json.dumps(record, indent=2) + "\n")
-        shutil.rmtree(build_dir, ignore_errors=True)
+        for checkpoints in (build_dir / "fit", workdir):
+            shutil.rmtree(checkpoints, ignore_errors=True)
         log(f"{name}: written to {final}")
     return record
