@@ -5,9 +5,11 @@ Each configuration runs `kvtrans bench` (warm switch, cold switch and re-reading
 one process, medians of repeats, peak memory, translation GFLOP/s against the measured matmul
 peak, and the bound a warm switch could reach, measured beside each row), which writes its JSON
 and PNG under benchmarks/results/. `--tabulate` only rebuilds the
-table from the JSON files already there.
+table from the JSON files already there. The real family's translators
+(`kvtrans zoo real-translators`, FAMILY/translators/NAME) run too where they are built.
 
     python benchmarks/switch.py [--only NAME ...] [--lengths 1024,2048,4096] [--tabulate]
+                                [--family runs/real-family]
 """
 
 from __future__ import annotations
@@ -36,9 +38,16 @@ RUNS = {  # name -> `kvtrans bench` arguments (lengths added unless given)
 }
 
 
-def run(names: list[str], lengths: str, repeats: int):
+def real_runs(family: Path) -> dict:
+    """name -> `kvtrans bench` arguments of each translator built in FAMILY/translators."""
+    built = sorted(p for p in (family / "translators").glob("*__*") if
+                   (p / "manifest.json").is_file())
+    return {p.name: ["--translator", str(p)] for p in built}
+
+
+def run(runs: dict, names: list[str], lengths: str, repeats: int):
     for name in names:
-        args = list(RUNS[name])
+        args = list(runs[name])
         if "--lengths" not in args:
             args += ["--lengths", lengths]
         command = [sys.executable, "-m", "mlx_kvtrans.cli", "bench", *args,
@@ -50,7 +59,8 @@ def run(names: list[str], lengths: str, repeats: int):
 
 def tabulate():
     lines = ["# Time to first token after a switch\n",
-             "Prompts are held-out text for the zoo's models, random ids for `realistic-*`. "
+             "Prompts are held-out text for the zoo's models and the real family's "
+             "(`smollm2*`, `kvtrans zoo real`), random ids for `realistic-*`. "
              "Warm switch: translate the source's cache and install it, then the target's first "
              "decode step. Gated switch: what a session does, all but the last R tokens "
              "translated (R: the gate's tail r = 8, or the fidelity dial's default setting "
@@ -130,13 +140,19 @@ def tabulate():
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", nargs="+", choices=list(RUNS), help="run only these")
+    parser.add_argument("--only", nargs="+", help="run only these (of RUNS and the family's)")
     parser.add_argument("--lengths", default="1024,2048,4096")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tabulate", action="store_true", help="only rebuild switch.md")
+    parser.add_argument("--family", type=Path, default=Path("runs/real-family"),
+                        help="the real family whose built translators run too")
     args = parser.parse_args()
+    runs = {**RUNS, **real_runs(args.family)}
+    unknown = sorted(set(args.only or ()) - set(runs))
+    if unknown:
+        parser.error(f"--only {unknown[0]}: choose among {', '.join(runs)}")
     if not args.tabulate:
-        run(args.only or list(RUNS), args.lengths, args.repeats)
+        run(runs, args.only or list(runs), args.lengths, args.repeats)
     tabulate()
 
 
