@@ -257,23 +257,32 @@ def write_markdown(results: dict, path: Path) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-def with_earlier_figures(results: dict, results_file: Path) -> dict:
+def measured(family: Path, name: str, entry: dict) -> bool:
+    """Whether a direction's figures `entry` are those of its translator on disk (if any)."""
+    weights = family / "translators" / name / "weights.safetensors"
+    return not weights.is_file() or entry.get("weights") == sha256_file(weights)
+
+
+def with_earlier_figures(results: dict, results_file: Path, family: Path) -> dict:
     """`results` beside the figures `results_file` holds, measured with the same settings, of
     the members this run did not measure that are not on disk or are built as those figures
-    record, and of the directions between such members; their build records come along."""
+    record, and of the directions between such members whose translators are not on disk or
+    are the ones measured; their build records come along."""
     previous = json.loads(results_file.read_text()) if results_file.is_file() else {}
-    settings = ("lengths", "multi_lengths", "ablate_lengths", "needles", "windows",
-                "direction_lengths", "prompts")
-    if not previous or any(previous.get(k) != results[k] for k in settings):
+    if not previous:
         return results
+    same_members = all(previous.get(k) == results[k] for k in
+                       ("lengths", "multi_lengths", "ablate_lengths", "needles", "windows"))
+    same_directions = all(previous.get(k) == results[k] for k in
+                          ("direction_lengths", "prompts", "needles"))
     now = results["family_record"]["members"]
     then = previous["family_record"]["members"]
     same = {n for n in MEMBERS if now.get(n) is None or now.get(n) == then.get(n)}
-    members = {n: previous["members"][n] for n in MEMBERS
-               if n in same and n in previous["members"] and n not in results["members"]}
-    directions = {n: previous["directions"][n] for n in DIRECTIONS
-                  if n in previous["directions"] and n not in results["directions"]
-                  and set(n.split("__")) <= same}
+    members = {n: previous["members"][n] for n in MEMBERS if same_members and n in same
+               and n in previous["members"] and n not in results["members"]}
+    directions = {n: previous["directions"][n] for n in DIRECTIONS if same_directions
+                  and n in previous["directions"] and n not in results["directions"]
+                  and set(n.split("__")) <= same and measured(family, n, previous["directions"][n])}
     record = {**results["family_record"],
               "members": {**{n: then[n] for n in members if n not in now}, **now}}
     return {**results, "family_record": record,
@@ -349,9 +358,11 @@ def main() -> None:
                "windows": args.windows, "blas": str(blas_report()), "members": rows,
                "direction_lengths": args.direction_lengths, "prompts": args.prompts,
                "directions": {n: {"settings": [{**row, "bars": direction_bars(row)} for row in
-                                               cache["directions"][n]["settings"]]}
-                              for n in DIRECTIONS if n in cache["directions"]}}
-    results = with_earlier_figures(results, OUT / "real-family.json")
+                                               cache["directions"][n]["settings"]],
+                                  "weights": cache["directions"][n]["weights"]}
+                              for n in DIRECTIONS if n in cache["directions"]
+                              and measured(args.family, n, cache["directions"][n])}}
+    results = with_earlier_figures(results, OUT / "real-family.json", args.family)
     results.update(bars=bars(results["members"]) if PARENT in results["members"] else {},
                    unmeasured=[n for n in MEMBERS if n in built and n not in results["members"]],
                    minutes=round((time.perf_counter() - started) / 60, 1))

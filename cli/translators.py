@@ -409,6 +409,10 @@ def _print_distill(run, out_dir: Path, as_json: bool) -> None:
         print(json.dumps({"out": str(out_dir), **{k: v for k, v in summary.items()
                                                   if k != "curve"}}, indent=2))
         return
+    if summary.get("probe"):
+        probe = summary["probe"][-1]
+        out.print(f"every parameter raised the held-out KL to {probe['validation_kl']:.4f} by "
+                  f"step {probe['step']}: trained the biases alone, from the start")
     out.print(f"held-out KL {summary['validation_kl_before']:.4f} -> "
               f"{summary['validation_kl_after']:.4f} nats/token after {summary['steps']} steps "
               f"({summary['minutes']:.1f} min, peak memory "

@@ -438,6 +438,15 @@ def test_auto_trains_every_parameter_unless_the_first_validation_is_worse_then_t
     assert moved and all("bias" in k for k in moved), moved
     resumed = Distiller(translator, S, T, ids[:15000], ids[15000:], config, tmp_path / "b")
     assert resumed.resume() and resumed.frozen == run.frozen and resumed.frozen
+    # a checkpoint of every parameter, as runs before auto wrote them, resumes under auto
+    earlier = Distiller(translator, S, T, ids[:15000], ids[15000:],
+                        replace(config, train_only=""), tmp_path / "c")
+    earlier.run(max_minutes=1e-9)
+    state = tmp_path / "c" / "state.json"
+    state.write_text(json.dumps({k: v for k, v in json.loads(state.read_text()).items()
+                                 if k != "trained"}))
+    later = Distiller(translator, S, T, ids[:15000], ids[15000:], config, tmp_path / "c")
+    assert later.resume() and later.state["trained"] == "" and not later.frozen
 
 
 def test_keep_best_returns_the_lowest_validated_parameters_and_resumes_them(loaded, tmp_path,

@@ -16,8 +16,8 @@ the likeliest tokens; `train_only` trains only the parameters named so (a residu
 closed form it must not move); `keep` best keeps those of the lowest validation KL measured.
 
 Which parameters move is measured on the pair by default (`train_only="auto"`): every one, unless
-the first held-out KL is above the start's. Then the run starts again from the closed form with
-the biases alone. Between real pretrained models Adam's equal-sized steps on every entry of a
+the first held-out KL is above the start's. Then the run starts again from its start (the closed
+form, for a stage-1 translator) with the biases alone. Between real pretrained models Adam's equal-sized steps on every entry of a
 map, summed over features of large magnitude, move the target's reading too far: held-out KL
 rises from the third step at 1e-4, and at 1e-6 falls 8% before rising, while the biases alone
 descend steadily. The zoo's small models improve under every parameter
@@ -228,9 +228,14 @@ class Distiller:
         if not path.exists():
             return False
         state = json.loads(path.read_text())
+        every = replace(self.config, train_only="").fingerprint()
+        if self.config.train_only == AUTO and state.get("config") == every:
+            state["config"], state["trained"] = self.config.fingerprint(), ""  # before auto
         if state.get("config") != self.config.fingerprint():
             raise KvtransError(f"the checkpoint in {self.workdir} was made with other settings; "
                                "use the same ones to resume, or another --workdir")
+        if "trained" not in state:  # written before auto: trained as its settings said
+            state["trained"] = None if self.config.train_only == AUTO else self.config.train_only
         if state.get("start") != self.state["start"]:
             raise KvtransError(f"the checkpoint in {self.workdir} started from another "
                                "translator; resume it from that one, or use another --workdir")
@@ -362,7 +367,9 @@ class Distiller:
     def choose_trained(self, record: dict) -> bool:
         """`auto` at its first validation: keep training every parameter where the held-out KL
         fell, else start again from the closed form with the biases alone (True: restarted)."""
-        worse = record["validation_kl"] > self.state["validation_kl_before"]
+        worse = not record["validation_kl"] <= self.state["validation_kl_before"]  # or NaN
+        if self.size > 1:  # one choice for every process: the run must stay one run
+            worse = mx.distributed.all_sum(mx.array(float(worse)), group=self.group).item() > 0
         if not worse or not any(FALLBACK in k for k in self.translator.params):
             self.state["trained"] = ""
             return False
@@ -373,6 +380,7 @@ class Distiller:
         self.params = self.translator.parameters()
         self.optimizer = optim.Adam(learning_rate=_schedule(self.config))
         self.optimizer.init(self.params)
+        self.save_checkpoint()  # a stop from here on resumes the biases' run
         return True
 
     def summary(self) -> dict:

@@ -135,7 +135,7 @@ def build(family: Path, directions=DIRECTIONS, config: TranslatorConfig = Transl
         entry.update({"distill_minutes": round((time.perf_counter() - started) / 60, 2),
                       "validation_kl": [summary["validation_kl_before"],
                                         summary["best"]["validation_kl"]],
-                      "kept_step": summary["best"]["step"]})
+                      "kept_step": summary["best"]["step"], "trained": summary["trained"]})
         record_file.write_text(json.dumps(record, indent=2) + "\n")
         for checkpoints in (build_dir / "fit", workdir):
             shutil.rmtree(checkpoints, ignore_errors=True)
