@@ -285,11 +285,10 @@ def with_earlier_figures(results: dict, results_file: Path, family: Path) -> dic
                   and set(n.split("__")) <= same and measured(family, n, previous["directions"][n])}
     record = {**results["family_record"],
               "members": {**{n: then[n] for n in members if n not in now}, **now}}
+    members, directions = {**results["members"], **members}, {**results["directions"], **directions}
     return {**results, "family_record": record,
-            "members": {n: ({**results["members"], **members})[n] for n in MEMBERS
-                        if n in results["members"] or n in members},
-            "directions": {n: ({**results["directions"], **directions})[n] for n in DIRECTIONS
-                           if n in results["directions"] or n in directions}}
+            "members": {n: members[n] for n in MEMBERS if n in members},
+            "directions": {n: directions[n] for n in DIRECTIONS if n in directions}}
 
 
 def main() -> None:

@@ -17,11 +17,11 @@ closed form it must not move); `keep` best keeps those of the lowest validation 
 
 Which parameters move is measured on the pair by default (`train_only="auto"`): every one, unless
 the first held-out KL is above the start's. Then the run starts again from its start (the closed
-form, for a stage-1 translator) with the biases alone. Between real pretrained models Adam's equal-sized steps on every entry of a
-map, summed over features of large magnitude, move the target's reading too far: held-out KL
-rises from the third step at 1e-4, and at 1e-6 falls 8% before rising, while the biases alone
-descend steadily. The zoo's small models improve under every parameter
-(docs/negative-results.md, "Stage 2 between real members").
+form, for a stage-1 translator) with the biases alone. Between real pretrained models Adam's
+equal-sized steps on every entry of a map, summed over features of large magnitude, move the
+target's reading too far: held-out KL rises from the third step at 1e-4, and at 1e-6 falls 8%
+before rising, while the biases alone descend steadily. The zoo's small models improve under
+every parameter (docs/negative-results.md, "Stage 2 between real members").
 
 Recurrences run through the chunkwise-parallel gated delta rule (it has a backward pass on every
 device; the Metal kernel has none). Each step's batch depends only on (seed, step), and the
@@ -234,8 +234,7 @@ class Distiller:
         if state.get("config") != self.config.fingerprint():
             raise KvtransError(f"the checkpoint in {self.workdir} was made with other settings; "
                                "use the same ones to resume, or another --workdir")
-        if "trained" not in state:  # written before auto: trained as its settings said
-            state["trained"] = None if self.config.train_only == AUTO else self.config.train_only
+        state.setdefault("trained", self.state["trained"])  # written before auto: as set
         if state.get("start") != self.state["start"]:
             raise KvtransError(f"the checkpoint in {self.workdir} started from another "
                                "translator; resume it from that one, or use another --workdir")
@@ -366,7 +365,7 @@ class Distiller:
 
     def choose_trained(self, record: dict) -> bool:
         """`auto` at its first validation: keep training every parameter where the held-out KL
-        fell, else start again from the closed form with the biases alone (True: restarted)."""
+        fell, else start again from the start with the biases alone (True: restarted)."""
         worse = not record["validation_kl"] <= self.state["validation_kl_before"]  # or NaN
         if self.size > 1:  # one choice for every process: the run must stay one run
             worse = mx.distributed.all_sum(mx.array(float(worse)), group=self.group).item() > 0
