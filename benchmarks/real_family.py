@@ -4,14 +4,17 @@ Per member: architecture, parameters, cache objects and bytes per token; the hea
 (from the family's record); perplexity on the corpus's test split and on a held-out text of
 another domain (Python's reference documentation, `chat_needles.other_domain_prose`), each
 against the parent's; chat needle recall (`chat_needles.ChatNeedles`: one fact per prompt length,
-with 95% Wilson intervals, and three facts with one asked for at two lengths); and for the hybrids what the
-recurrent states carry (`evaluation.ablate`: KL over 32 continuation tokens and chat needle
-recall with every recurrent state, or every conv history, zeroed).
+with 95% Wilson intervals, and three facts with one asked for at two lengths); and for the
+hybrids what the recurrent states carry (`evaluation.ablate`: KL over 32 continuation tokens
+and chat needle recall with every recurrent state, or every conv history, zeroed).
 
 Per translator of `kvtrans zoo real-translators` (FAMILY/translators/SOURCE__TARGET), through a
 `Session` at its default setting, and with the target's first k layers recomputed (`--recompute`):
 the history's worth recovered, first token, greedy match of 32 and chat needle recall native /
 switched per length, the share of switches applied and the switch's speed-up over re-reading.
+Beside them, each target's own cache quantized as mlx-lm's `--kv-bits 8` and `4` quantize it
+from the first token (`--quantized-kv-start 0`), scored on the same windows
+(`frontier.quantized_reference`): the fidelity users already accept for memory.
 
 The issue's bars are checked beside the figures: perplexity within 1.3x of the parent's on both
 texts, chat recall within 0.1 of the parent's at every length, zeroed states costing KL or
@@ -25,7 +28,8 @@ family rebuilt in part is measured in part), and so does a direction between suc
                                      [--multi-lengths 256,1024] [--needles 12] [--windows 16]
                                      [--ablate-lengths 256,1024] [--members a,b]
                                      [--directions A__B,...] [--direction-lengths 256,...]
-                                     [--prompts 8] [--recompute 0,2]
+                                     [--prompts 8] [--recompute 0,2] [--kv-bits 8,4]
+                                     [--kv-lengths 256,512,1024] [--kv-prompts 2]
 """
 
 from __future__ import annotations
@@ -113,6 +117,41 @@ def measure_direction(family: Path, name: str, args) -> list[dict]:
              "lengths": {str(r.length): {key: r.to_json()[key] for key in keys}
                          for r in frontier.rows if r.setting.recompute == k}}
             for k in args.recompute]
+
+
+def measure_kv_bits(path: Path, args) -> dict:
+    """The member's own cache at mlx-lm's KV quantization, no translation, on the windows a
+    direction into it reads: per bits and length, what `quantized_reference` gives."""
+    from mlx_kvtrans.evaluation.frontier import quantized_reference
+
+    lm = kv.load(str(path))
+    other = lm.tokenizer.encode(" ".join(other_domain_prose()))
+    out = {}
+    for bits in args.kv_bits:
+        try:
+            out[str(bits)] = {str(n): figures for n, figures in quantized_reference(
+                lm.model, other, args.kv_lengths, bits, args.kv_prompts).items()}
+        except (ValueError, NotImplementedError) as e:  # mlx-lm cannot quantize this cache
+            out[str(bits)] = {"error": str(e).splitlines()[0]}
+    return out
+
+
+def update_kv_bits(cache: dict, cache_file: Path, args, built: dict) -> None:
+    """Measure into `cache` (kept in `cache_file` as it goes) the own-cache reference of each
+    target of a built direction asked for, where its build has not been measured."""
+    targets = {n.split("__")[1] for n in args.directions.split(",")
+               if (args.family / "translators" / n / "weights.safetensors").is_file()}
+    asked = {str(b) for b in args.kv_bits}
+    scope = {"lengths": args.kv_lengths, "prompts": args.kv_prompts}
+    for name in sorted(targets) if asked else ():
+        entry = cache.setdefault("kv_bits", {}).get(name, {})
+        if (entry.get("built") == built.get(name) and set(entry.get("bits", {})) == asked
+                and entry.get("scope") == scope):
+            continue
+        print(f"{name}, own cache at {'/'.join(sorted(asked))} bits ...", flush=True)
+        cache["kv_bits"][name] = {"bits": measure_kv_bits(args.family / name, args),
+                                  "built": built.get(name), "scope": scope}
+        cache_file.write_text(json.dumps(cache, indent=2) + "\n")
 
 
 def direction_bars(row: dict) -> dict:
@@ -223,38 +262,69 @@ def write_markdown(results: dict, path: Path) -> None:
                      f"{g['1']:+.2f} / {g['3']:+.2f} | {mark(c['perplexity_met'])} | "
                      f"{mark(c['recall_met'])} | "
                      f"{mark(c['states_alive']) if 'states_alive' in c else '-'} |")
-    directions = results.get("directions", {})
-    if directions:
-        shown = results["direction_lengths"]
-        lines += ["", "## Translators between the members", "",
-                  "`kvtrans zoo real-translators` fits and distils each direction; measured "
-                  "through a `Session` at the default setting (the gate's 8 tokens re-read, "
-                  "the target's measured sink) on the other-domain text "
-                  f"({results['prompts']} windows a length) and {results['needles']} chat "
-                  "needles a length. Recovered: the history's worth kept over what the last 16 "
-                  "tokens give; match: greedy tokens of 32 equal to native's; recall native / "
-                  "switched; k: the target's first layers that read the span themselves.", "",
-                  "| direction | stage | sink tokens | k | " + " | ".join(
-                      f"recovered / first / match / recall @{n:,}" for n in shown) +
-                  " | applied | speed-up @2,048 | bars missed |",
-                  "|---|---|---|---|" + "---|" * len(shown) + "---|---|---|"]
-        for name, row in ((n, r) for n, rows in directions.items() for r in rows["settings"]):
-            cells = []
-            for n in shown:
-                r = row["lengths"].get(str(n))
-                cells.append("-" if r is None else
-                             f"{r['history_recovered']:.2f} / {r['first_token']:.2f} / "
-                             f"{r['greedy_match']:.1f} / {r['recall_native']:.2f} / "
-                             f"{r['recall_translated']:.2f}")
-            applied = min((r["applied"] or 0) for r in row["lengths"].values())
-            long = row["lengths"].get("2048")
-            speedup = f"{long['speedup']:.1f}x" if long else "-"
-            missed = [k for k, ok in direction_bars(row).items() if not ok]
-            sink = (row["sink"] or {}).get("tokens", 0)
-            lines.append(f"| {name} | {row['stage']} | {sink} | {row['recompute']} | " +
-                         " | ".join(cells) +
-                         f" | {applied:.2f} | {speedup} | {', '.join(missed) or 'none'} |")
+    write_directions(results, lines)
+    write_kv_bits(results, lines)
     path.write_text("\n".join(lines) + "\n")
+
+
+def write_directions(results: dict, lines: list[str]) -> None:
+    """Each direction's figures per setting and length, and the bars it misses."""
+    directions = results.get("directions", {})
+    if not directions:
+        return
+    shown = results["direction_lengths"]
+    lines += ["", "## Translators between the members", "",
+              "`kvtrans zoo real-translators` fits and distils each direction; measured "
+              "through a `Session` at the default setting (the gate's 8 tokens re-read, "
+              "the target's measured sink) on the other-domain text "
+              f"({results['prompts']} windows a length) and {results['needles']} chat "
+              "needles a length. Recovered: the history's worth kept over what the last 16 "
+              "tokens give; match: greedy tokens of 32 equal to native's; recall native / "
+              "switched; k: the target's first layers that read the span themselves.", "",
+              "| direction | stage | sink tokens | k | " + " | ".join(
+                  f"recovered / first / match / recall @{n:,}" for n in shown) +
+              " | applied | speed-up @2,048 | bars missed |",
+              "|---|---|---|---|" + "---|" * len(shown) + "---|---|---|"]
+    for name, row in ((n, r) for n, rows in directions.items() for r in rows["settings"]):
+        cells = []
+        for n in shown:
+            r = row["lengths"].get(str(n))
+            cells.append("-" if r is None else
+                         f"{r['history_recovered']:.2f} / {r['first_token']:.2f} / "
+                         f"{r['greedy_match']:.1f} / {r['recall_native']:.2f} / "
+                         f"{r['recall_translated']:.2f}")
+        applied = min((r["applied"] or 0) for r in row["lengths"].values())
+        long = row["lengths"].get("2048")
+        speedup = f"{long['speedup']:.1f}x" if long else "-"
+        missed = [k for k, ok in direction_bars(row).items() if not ok]
+        sink = (row["sink"] or {}).get("tokens", 0)
+        lines.append(f"| {name} | {row['stage']} | {sink} | {row['recompute']} | " +
+                     " | ".join(cells) +
+                     f" | {applied:.2f} | {speedup} | {', '.join(missed) or 'none'} |")
+
+
+def write_kv_bits(results: dict, lines: list[str]) -> None:
+    """The targets' own caches at mlx-lm's KV quantization, beside the directions' table."""
+    references, shown = results.get("kv_bits", {}), results["direction_lengths"]
+    if not references:
+        return
+    lines += ["", "Beside them, each target's own cache quantized as mlx-lm's `--kv-bits B "
+              "--quantized-kv-start 0` quantizes it (groups of 64, no translation), scored on "
+              f"the first {results['kv_prompts']} of the same windows a length: the "
+              "fidelity users already trade for memory.", "",
+              "| target | own cache | " + " | ".join(
+                  f"recovered / first / match / KL @{n:,}" for n in shown) + " |",
+              "|---|---|" + "---|" * len(shown)]
+    for name, per_bits in references.items():
+        for bits, figures in per_bits.items():
+            if "error" in figures:
+                error = figures["error"].replace("|", "\\|")
+                lines.append(f"| {name} | {bits}-bit | {error} |")
+                continue
+            cells = ["-" if figures.get(str(n)) is None else
+                     "{history_recovered:.2f} / {first_token:.2f} / {greedy_match:.1f} / "
+                     "{kl:.4f}".format(**figures[str(n)]) for n in shown]
+            lines.append(f"| {name} | {bits}-bit | " + " | ".join(cells) + " |")
 
 
 def measured(family: Path, name: str, entry: dict) -> bool:
@@ -283,15 +353,21 @@ def with_earlier_figures(results: dict, results_file: Path, family: Path) -> dic
     directions = {n: previous["directions"][n] for n in DIRECTIONS if same_directions
                   and n in previous["directions"] and n not in results["directions"]
                   and set(n.split("__")) <= same and measured(family, n, previous["directions"][n])}
+    same_kv = same_directions and all(previous.get(k) == results[k]
+                                      for k in ("kv_lengths", "kv_prompts"))
+    kv_bits = {n: previous.get("kv_bits", {})[n] for n in MEMBERS if same_kv
+               and n in same and n in previous.get("kv_bits", {})
+               and n not in results["kv_bits"]}
     record = {**results["family_record"],
               "members": {**{n: then[n] for n in members if n not in now}, **now}}
     members, directions = {**results["members"], **members}, {**results["directions"], **directions}
     return {**results, "family_record": record,
             "members": {n: members[n] for n in MEMBERS if n in members},
-            "directions": {n: directions[n] for n in DIRECTIONS if n in directions}}
+            "directions": {n: directions[n] for n in DIRECTIONS if n in directions},
+            "kv_bits": {**results["kv_bits"], **kv_bits}}
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", type=Path, default=Path("runs/real-family"))
     parser.add_argument("--lengths", default="128,256,512,1024,2048")
@@ -307,12 +383,25 @@ def main() -> None:
                         help="k: the target's first layers recomputed, per measured setting")
     parser.add_argument("--directions", default=",".join(DIRECTIONS),
                         help="measure these translators of FAMILY/translators where built")
+    parser.add_argument("--kv-bits", default="8,4",
+                        help="each target's own cache at these mlx-lm KV bits ('': none)")
+    # mlx-lm's quantized attention decodes slowly here (25 s a 1,024-token window)
+    parser.add_argument("--kv-lengths", default="256,512,1024")
+    parser.add_argument("--kv-prompts", type=int, default=2,
+                        help="the first of the directions' text windows a length")
     args = parser.parse_args()
     args.lengths = [int(n) for n in args.lengths.split(",")]
     args.ablate_lengths = [int(n) for n in args.ablate_lengths.split(",")]
     args.multi_lengths = [int(n) for n in args.multi_lengths.split(",")]
     args.direction_lengths = [int(n) for n in args.direction_lengths.split(",")]
     args.recompute = [int(k) for k in args.recompute.split(",")]
+    args.kv_bits = [int(b) for b in args.kv_bits.split(",") if b]
+    args.kv_lengths = [int(n) for n in args.kv_lengths.split(",")]
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     record_file = args.family / RECORD
     if not record_file.is_file():
         raise SystemExit(f"no family in {args.family}: build it with `kvtrans zoo real "
@@ -321,13 +410,14 @@ def main() -> None:
     cache_file = args.family / "bench.json"
     per_direction = ("direction_lengths", "prompts", "recompute", "needles")
     settings = {k: v for k, v in vars(args).items()
-                if k not in ("family", "members", "directions", *per_direction[:3])}
+                if k not in ("family", "members", "directions", *per_direction[:3],
+                             "kv_bits", "kv_lengths", "kv_prompts")}
     direction_settings = {k: getattr(args, k) for k in per_direction}
     cache = json.loads(cache_file.read_text()) if cache_file.is_file() else {}
     if cache.get("settings") != settings:
         cache = {"settings": settings, "members": {}}
     if cache.get("direction_settings") != direction_settings:
-        cache.update(direction_settings=direction_settings, directions={})
+        cache.update(direction_settings=direction_settings, directions={}, kv_bits={})
     built = json.loads(record_file.read_text())["members"]
     for name in args.members.split(","):
         if not (args.family / name / "config.json").is_file():
@@ -348,6 +438,7 @@ def main() -> None:
         cache["directions"][name] = {"settings": measure_direction(args.family, name, args),
                                      "weights": digest}
         cache_file.write_text(json.dumps(cache, indent=2) + "\n")
+    update_kv_bits(cache, cache_file, args, built)
     # figures of a member rebuilt since they were measured are not its own: left out, named
     rows = {n: cache["members"][n] for n in MEMBERS
             if cache["members"].get(n, {}).get("built", False) == built.get(n)}
@@ -360,7 +451,12 @@ def main() -> None:
                                                cache["directions"][n]["settings"]],
                                   "weights": cache["directions"][n]["weights"]}
                               for n in DIRECTIONS if n in cache["directions"]
-                              and measured(args.family, n, cache["directions"][n])}}
+                              and measured(args.family, n, cache["directions"][n])},
+               "kv_lengths": args.kv_lengths, "kv_prompts": args.kv_prompts,
+               "kv_bits": {n: entry["bits"] for n, entry in cache.get("kv_bits", {}).items()
+                           if entry["built"] == built.get(n)
+                           and entry.get("scope") == {"lengths": args.kv_lengths,
+                                                      "prompts": args.kv_prompts}}}
     results = with_earlier_figures(results, OUT / "real-family.json", args.family)
     results.update(bars=bars(results["members"]) if PARENT in results["members"] else {},
                    unmeasured=[n for n in MEMBERS if n in built and n not in results["members"]],

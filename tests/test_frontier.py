@@ -247,3 +247,20 @@ def test_cli_frontier_measures_each_recompute_with_every_reread(tmp_path):
     assert rows[1]["agreement"] == pytest.approx(rows[1]["agreement_native"], abs=1e-9)
     bad = CliRunner().invoke(app, args[:-1][:8] + ["--recompute", "5"])
     assert bad.exit_code == 2 and "has 4 layers" in bad.output
+
+
+def test_the_own_cache_at_8_bits_stays_nearer_native_than_at_4(zoo):
+    """mlx-lm's KV quantization of the target's own cache, scored as a switch is."""
+    lm = zoo("qwen3-small")
+    text = mx.random.randint(0, 259, (1000,), key=mx.random.key(3)).tolist()
+    eight, four = (fr.quantized_reference(lm.model, text, [LENGTH], bits, prompts=2)[LENGTH]
+                   for bits in (8, 4))
+    assert 0 <= eight["kl"] < 1e-3 and eight["kl"] < four["kl"]
+    assert eight["first_token"] == 1.0 and eight["agreement"] >= four["agreement"]
+    assert 0 <= eight["greedy_match"] <= fr.GENERATED
+
+
+def test_an_mla_cache_mlx_lm_cannot_quantize_is_refused(zoo):
+    lm = zoo("kimi-vl")
+    with pytest.raises(ValueError, match="MLA"):
+        fr.quantized_reference(lm.model, list(range(200)), [LENGTH], 8, prompts=1)

@@ -215,7 +215,7 @@ def test_real_translators_fit_distil_and_keep_what_is_built(short_pair):
 
     out = short_pair
     name = f"{PARENT}__{SIBLING}"
-    config = TranslatorConfig(lengths=(48, 96), tokens=2304, assign="relative", distill_steps=2,
+    config = TranslatorConfig(lengths=(48, 96), tokens=2304, distill_steps=2,
                               distill_batch=2, distill_max_prefix=64, validate_every=2,
                               validation_windows=2, gate_windows=1)
     record = build_translators(out, (name,), config, log=None,
@@ -231,6 +231,9 @@ def test_real_translators_fit_distil_and_keep_what_is_built(short_pair):
     translator = kv.load_translator(str(out / "translators" / name), kv.load(str(out / PARENT)),
                                     kv.load(str(out / SIBLING)))
     assert translator.info["fit"]["mix"] == [48, 96]  # windows of every length asked for
+    manifest = json.loads((out / "translators" / name / "manifest.json").read_text())
+    # members of different depths: each map reads the source layers around its relative depth
+    assert {len(o["sources"]) for o in manifest["objects"]} == {config.depth_nu}
     src, tgt = kv.load(str(out / PARENT)), kv.load(str(out / SIBLING))
     ids = tgt.tokenizer.encode(held_out_split("test").read_text()[:200_000])
     row, = fidelity(translator, src.model, tgt.model, ids,

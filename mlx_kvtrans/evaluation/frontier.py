@@ -48,7 +48,7 @@ from ..capture import capture
 from ..files import sha256_file
 from ..translators.gate import GATE_TOKENS
 from ..translators.install import install, recompute_first_layers
-from ..layouts import CapturePoint, layout_of
+from ..layouts import CapturePoint, ObjectKind, layout_of
 from ..translators.fidelity import greedy, kl_per_token
 # the record this module measures: re-exported, so one import serves a frontier's users
 from ..translators.frontier import (  # noqa: F401
@@ -183,6 +183,58 @@ class SessionSwitch(Switch):
             mx.eval([c.state for c in cache])
             self._last = (key, cache)
         return copy.deepcopy(self._last[1])  # the caller's forward must not grow ours
+
+
+class QuantizedOwnCache(Switch):
+    """No translation: the target's own cache quantized as mlx-lm's `--kv-bits B
+    --quantized-kv-start 0` quantizes it (groups of 64). Scored like a switch, it is the
+    fidelity users already trade for memory, to read a translation's figures beside."""
+
+    def __init__(self, target, bits: int):
+        super().__init__(None, target, target)
+        self.bits = bits
+
+    def read(self, setting: Setting, prefix: list[int]):
+        return None
+
+    def cache(self, setting: Setting, prefix: list[int], recorded=None) -> list:
+        from mlx_lm.generate import maybe_quantize_kv_cache
+
+        from mlx_lm.models.cache import ArraysCache, QuantizedKVCache
+
+        if ObjectKind.MLA_LATENT in self.target_layout.kinds():
+            raise ValueError("mlx-lm's quantized cache does not serve MLA attention")
+        cache = make_prompt_cache(self.target)
+        self.target(mx.array(prefix)[None], cache=cache)
+        maybe_quantize_kv_cache(cache, 0, KV_GROUP, self.bits)
+        if not all(isinstance(c, (QuantizedKVCache, ArraysCache)) for c in cache):
+            raise ValueError("mlx-lm cannot quantize every cache of this model")
+        mx.eval([c.state for c in cache])
+        return cache
+
+
+KV_GROUP = 64  # mlx-lm's default `--kv-group-size`
+
+
+def quantized_reference(target, text_ids: list[int], lengths: list[int], bits: int,
+                        prompts: int, seed: int = 0) -> dict[int, dict]:
+    """Per length, the target continuing from its own cache at `bits` (`QuantizedOwnCache`)
+    on the windows a frontier of the same `prompts` and `seed` reads: history recovered,
+    agreement, greedy match, first token and KL, averaged as `measure` averages them."""
+    switch = QuantizedOwnCache(target, bits)
+    out = {}
+    for length in lengths:
+        rows, floors = [], []
+        for start in window_starts(text_ids, length, prompts, seed):
+            ref = reference(switch, list(text_ids[start:start + length]))
+            rows.append(score(switch, Setting(), ref))
+            floors.append(ref.floor)
+        mean = {k: sum(r[k] for r in rows) / len(rows) for k in ("agree", "match", "first", "kl")}
+        out[length] = {"history_recovered": history_recovered(mean["agree"],
+                                                              sum(floors) / len(floors)),
+                       "agreement": mean["agree"], "greedy_match": mean["match"],
+                       "first_token": mean["first"], "kl": mean["kl"]}
+    return out
 
 
 def window_starts(text_ids: list[int], length: int, count: int, seed: int) -> list[int]:

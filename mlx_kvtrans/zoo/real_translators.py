@@ -2,12 +2,14 @@
 users send, on text rendered in the family's chat template: `kvtrans zoo real-translators DIR`.
 
 Each direction SOURCE__TARGET is fitted in closed form (`workflows.fit_translator`, windows of
-every served length, layers assigned by best fit), then distilled against the target reading its
-own cache (`workflows.distill_translator`, keeping the parameters of the lowest held-out KL, the
-closed-form start included), and written to DIR/translators/SOURCE__TARGET. Stage 1 and the
-distillation's checkpoints live in DIR/.build/translators/SOURCE__TARGET until then, so a stopped
-run resumes where it stopped; stage 1 stays there (`stage1`), so what stage 2 changed can be
-measured; DIR/translators/record.json keeps what each direction cost.
+every served length, layers assigned by best fit; between members of different depths, each map
+reads the `depth_nu` source layers around its relative depth instead), then distilled against
+the target reading its own cache (`workflows.distill_translator`, keeping the parameters of the
+lowest held-out KL, the closed-form start included), and written to
+DIR/translators/SOURCE__TARGET. Stage 1 and the distillation's checkpoints live in
+DIR/.build/translators/SOURCE__TARGET until then, so a stopped run resumes where it stopped;
+stage 1 stays there (`stage1`), so what stage 2 changed can be measured;
+DIR/translators/record.json keeps what each direction cost.
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ class TranslatorConfig:
     lengths: tuple[int, ...] = (256, 512, 1024, 2048)  # fitting windows of every served length
     tokens: int = 32_768  # fitting tokens, spread over the lengths
     assign: str = "best"  # each target layer's source layer: the one that fits it best
+    # members of different depths: the target layers past a dropped block read none of the
+    # source's layers alone as well as three around their relative depth (docs/real-checkpoints.md)
+    depth_nu: int = 3
     distill_steps: int = 20  # stage 2 within a few minutes a direction on 2 cores
     distill_batch: int = 4
     distill_max_prefix: int = 512
@@ -110,9 +115,12 @@ def build(family: Path, directions=DIRECTIONS, config: TranslatorConfig = Transl
         if not (stage1 / "manifest.json").is_file():
             log(f"{name}: fitting")
             started = time.perf_counter()
+            depths = {len(m.model.layers) for m in (source, target)}
+            layers = ({"assign": config.assign} if len(depths) == 1 else
+                      {"assign": "relative", "nu": config.depth_nu})
             fit = FitConfig(**{"windows": config.tokens // config.lengths[0],
                                "length": config.lengths[0], "mix": tuple(config.lengths),
-                               "assign": config.assign, **config.extra})
+                               **layers, **config.extra})
             # no gate for stage 1: the distilled translator is calibrated as it is saved
             fit_translator(source, target, [train], fit, out=stage1,
                            workdir=build_dir / "fit",
