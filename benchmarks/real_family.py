@@ -136,13 +136,18 @@ def measure_kv_bits(path: Path, args) -> dict:
     return out
 
 
+def kv_scope(args) -> dict:
+    """What a target's own-cache reference was measured over: kept with it, to match."""
+    return {"lengths": args.kv_lengths, "prompts": args.kv_prompts}
+
+
 def update_kv_bits(cache: dict, cache_file: Path, args, built: dict) -> None:
     """Measure into `cache` (kept in `cache_file` as it goes) the own-cache reference of each
     target of a built direction asked for, where its build has not been measured."""
     targets = {n.split("__")[1] for n in args.directions.split(",")
                if (args.family / "translators" / n / "weights.safetensors").is_file()}
     asked = {str(b) for b in args.kv_bits}
-    scope = {"lengths": args.kv_lengths, "prompts": args.kv_prompts}
+    scope = kv_scope(args)
     for name in sorted(targets) if asked else ():
         entry = cache.setdefault("kv_bits", {}).get(name, {})
         if (entry.get("built") == built.get(name) and set(entry.get("bits", {})) == asked
@@ -305,7 +310,7 @@ def write_directions(results: dict, lines: list[str]) -> None:
 
 def write_kv_bits(results: dict, lines: list[str]) -> None:
     """The targets' own caches at mlx-lm's KV quantization, beside the directions' table."""
-    references, shown = results.get("kv_bits", {}), results["direction_lengths"]
+    references, shown = results.get("kv_bits", {}), results.get("kv_lengths", [])
     if not references:
         return
     lines += ["", "Beside them, each target's own cache quantized as mlx-lm's `--kv-bits B "
@@ -321,8 +326,7 @@ def write_kv_bits(results: dict, lines: list[str]) -> None:
                 error = figures["error"].replace("|", "\\|")
                 lines.append(f"| {name} | {bits}-bit | {error} |")
                 continue
-            cells = ["-" if figures.get(str(n)) is None else
-                     "{history_recovered:.2f} / {first_token:.2f} / {greedy_match:.1f} / "
+            cells = ["{history_recovered:.2f} / {first_token:.2f} / {greedy_match:.1f} / "
                      "{kl:.4f}".format(**figures[str(n)]) for n in shown]
             lines.append(f"| {name} | {bits}-bit | " + " | ".join(cells) + " |")
 
@@ -455,8 +459,7 @@ def main() -> None:
                "kv_lengths": args.kv_lengths, "kv_prompts": args.kv_prompts,
                "kv_bits": {n: entry["bits"] for n, entry in cache.get("kv_bits", {}).items()
                            if entry["built"] == built.get(n)
-                           and entry.get("scope") == {"lengths": args.kv_lengths,
-                                                      "prompts": args.kv_prompts}}}
+                           and entry.get("scope") == kv_scope(args)}}
     results = with_earlier_figures(results, OUT / "real-family.json", args.family)
     results.update(bars=bars(results["members"]) if PARENT in results["members"] else {},
                    unmeasured=[n for n in MEMBERS if n in built and n not in results["members"]],

@@ -199,7 +199,6 @@ class QuantizedOwnCache(Switch):
 
     def cache(self, setting: Setting, prefix: list[int], recorded=None) -> list:
         from mlx_lm.generate import maybe_quantize_kv_cache
-
         from mlx_lm.models.cache import ArraysCache, QuantizedKVCache
 
         if ObjectKind.MLA_LATENT in self.target_layout.kinds():
