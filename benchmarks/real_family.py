@@ -22,7 +22,9 @@ recall measurably. Each member's figures are kept in FAMILY/bench.json as they a
 the build they measured, so a stopped run resumes and a rebuilt member is measured again; the
 results go to benchmarks/results/real-family.{json,md}. A member this run does not measure keeps
 the figures the results file holds where it is not on disk or is built as they record (so a
-family rebuilt in part is measured in part), and so does a direction between such members.
+family rebuilt in part is measured in part), and so does a direction between such members
+whose translator is not on disk or is the one measured: its weights and its gate's calibration,
+which decides which switches apply.
 
     python benchmarks/real_family.py [--family runs/real-family] [--lengths 128,256,512,1024,2048]
                                      [--multi-lengths 256,1024] [--needles 12] [--windows 16]
@@ -35,6 +37,7 @@ family rebuilt in part is measured in part), and so does a direction between suc
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import time
 from pathlib import Path
@@ -331,10 +334,21 @@ def write_kv_bits(results: dict, lines: list[str]) -> None:
             lines.append(f"| {name} | {bits}-bit | " + " | ".join(cells) + " |")
 
 
+def translator_digest(directory: Path) -> str | None:
+    """What a direction's figures are of: its translator's weights and its gate's calibration
+    (which decides what applies); None when it is not on disk."""
+    weights = directory / "weights.safetensors"
+    if not weights.is_file():
+        return None
+    gate = json.loads((directory / "manifest.json").read_text()).get("gate")
+    return hashlib.sha256((sha256_file(weights) + json.dumps(gate, sort_keys=True)).encode()
+                          ).hexdigest()
+
+
 def measured(family: Path, name: str, entry: dict) -> bool:
     """Whether a direction's figures `entry` are those of its translator on disk (if any)."""
-    weights = family / "translators" / name / "weights.safetensors"
-    return not weights.is_file() or entry.get("weights") == sha256_file(weights)
+    digest = translator_digest(family / "translators" / name)
+    return digest is None or entry.get("translator") == digest
 
 
 def with_earlier_figures(results: dict, results_file: Path, family: Path) -> dict:
@@ -432,15 +446,12 @@ def main() -> None:
         cache["members"][name] = {**measure(args.family / name, args), "built": built.get(name)}
         cache_file.write_text(json.dumps(cache, indent=2) + "\n")
     for name in args.directions.split(","):
-        weights = args.family / "translators" / name / "weights.safetensors"
-        if not weights.is_file():
-            continue
-        digest = sha256_file(weights)
-        if cache["directions"].get(name, {}).get("weights") == digest:
-            continue  # measured since it was last fitted
+        digest = translator_digest(args.family / "translators" / name)
+        if digest is None or cache["directions"].get(name, {}).get("translator") == digest:
+            continue  # not built, or measured since it was last fitted and calibrated
         print(f"{name} ...", flush=True)
         cache["directions"][name] = {"settings": measure_direction(args.family, name, args),
-                                     "weights": digest}
+                                     "translator": digest}
         cache_file.write_text(json.dumps(cache, indent=2) + "\n")
     update_kv_bits(cache, cache_file, args, built)
     # figures of a member rebuilt since they were measured are not its own: left out, named
@@ -453,7 +464,7 @@ def main() -> None:
                "direction_lengths": args.direction_lengths, "prompts": args.prompts,
                "directions": {n: {"settings": [{**row, "bars": direction_bars(row)} for row in
                                                cache["directions"][n]["settings"]],
-                                  "weights": cache["directions"][n]["weights"]}
+                                  "translator": cache["directions"][n]["translator"]}
                               for n in DIRECTIONS if n in cache["directions"]
                               and measured(args.family, n, cache["directions"][n])},
                "kv_lengths": args.kv_lengths, "kv_prompts": args.kv_prompts,

@@ -13,6 +13,7 @@ import typer
 from rich.table import Table
 
 from mlx_kvtrans.training.calibrate import NEEDLE_SHARE, WINDOWS
+from mlx_kvtrans.translators.gate import COPY_LOSS
 from mlx_kvtrans.errors import KvtransError
 from mlx_kvtrans.layouts import CapturePoint
 from mlx_kvtrans.training.fit import FitConfig
@@ -101,8 +102,17 @@ def _stages():
 def _gate_line(calibration: dict) -> str:
     bands = ", ".join(f"{b['threshold']['read']:+.2f} / {b['threshold']['generated']:+.2f} at "
                       f"{b['prefix'][0]}-{b['prefix'][1]} tokens" for b in calibration["bands"])
-    return (f"fidelity gate (last {calibration['tail']} tokens) fires over {bands} (nats/token, "
+    line = (f"fidelity gate (last {calibration['tail']} tokens) fires over {bands} (nats/token, "
             f"on text the source read / on its own reply)")
+    copies = [b for b in calibration["bands"] if "copy" in b]
+    if copies:
+        bands = " / ".join(f"{b['prefix'][0]}-{b['prefix'][1]}" for b in copies)
+        line += ("; copy probe: translations copy the history "
+                 + " / ".join(f"{b['copy']['loss']:+.2f}" for b in copies)
+                 + f" nats/token worse than the target's own cache at {bands} tokens (over "
+                 f"{COPY_LOSS:.2f} every switch re-reads), and one switch re-reads over "
+                 + " / ".join(f"{b['copy']['threshold']:+.2f}" for b in copies))
+    return line
 
 
 @app.command()

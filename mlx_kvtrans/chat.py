@@ -127,7 +127,9 @@ def gate_summary(s: SwitchStatus) -> str:
     gap = f"gap {s.gate_gap:+.2f} nats/token" if s.gate_gap is not None else ""
     if s.gate_threshold is not None:
         gap += f", threshold {s.gate_threshold:.2f}"
-    why = "; ".join(x for x in (gap, s.gate_note) if x)
+    copied = (f"copy gap {s.copy_gap:+.2f}, threshold {s.copy_threshold:.2f}"
+              if s.copy_gap is not None else "")
+    why = "; ".join(x for x in (gap, copied, s.gate_note) if x)
     return f"; gate {s.gate}" + (f" ({why})" if why else "")
 
 

@@ -393,7 +393,7 @@ def test_serve_reports_the_sessions_switch_record_in_body_and_headers():
     from mlx_kvtrans.session import SwitchStatus
 
     switch = SwitchStatus("a", "b", gate="passed", gate_gap=0.25, gate_threshold=1.1,
-                          tokens_translated=40, tokens_tail=8, tokens_sink=4,
+                          copy_gap=-0.125, copy_threshold=0.5, tokens_translated=40, tokens_tail=8, tokens_sink=4,
                           translate_seconds=0.0123)
     h = RequestHistory(status="applied", switch=switch, ttft_seconds=0.5)
     assert h.fields()["switch"] == switch.to_json()
@@ -401,6 +401,7 @@ def test_serve_reports_the_sessions_switch_record_in_body_and_headers():
     assert h.fields()["switch"]["tokens_reread"] == 12 == h.tokens_reread
     assert h.headers()["x-kvtrans-gate"] == "passed"
     assert h.headers()["x-kvtrans-gate-gap"] == "0.2500"
+    assert h.headers()["x-kvtrans-copy-gap"] == "-0.1250"
     assert h.headers()["x-kvtrans-source-model"] == "a"
     assert float(h.headers()["x-kvtrans-translate-seconds"]) == pytest.approx(0.0123)
     assert not any(key.endswith("_ms") for key in h.fields())

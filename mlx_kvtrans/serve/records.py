@@ -77,6 +77,8 @@ class RequestHistory:
             out["x-kvtrans-gate"] = s.gate.value
         if s.gate_gap is not None:
             out["x-kvtrans-gate-gap"] = f"{s.gate_gap:.4f}"
+        if s.copy_gap is not None:
+            out["x-kvtrans-copy-gap"] = f"{s.copy_gap:.4f}"
         if s.reason:  # header values are one line of latin-1
             out["x-kvtrans-reason"] = " ".join(s.reason.split()).encode(
                 "latin-1", "replace").decode("latin-1")

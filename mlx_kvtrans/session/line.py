@@ -178,6 +178,28 @@ class CacheLine:
         self.cut(start)
         self.seen = start
 
+    def peek(self, ids: list[int]) -> mx.array | None:
+        """(len(ids), V) logits of the model reading `ids` after what it holds, its cache left
+        as it was (trimmed back, its fixed-size states put back); None when a cache can be
+        neither (a rotating window that has wrapped)."""
+        from mlx_lm.models.cache import ArraysCache
+
+        def restorable(c) -> bool:  # a rotating window must not wrap while it reads them
+            return isinstance(c, ArraysCache) or c.is_trimmable() and (
+                getattr(c, "max_size", None) is None or c.offset + len(ids) <= c.max_size)
+
+        if self.cache is None or not all(restorable(c) for c in self.cache):
+            return None
+        fixed = fixed_slots(self.cache)
+        logits = self.lm.model(mx.array(ids)[None], cache=self.cache)[0]
+        mx.eval(logits)
+        for c in self.cache:
+            if c.is_trimmable():
+                c.trim(len(ids))
+        for c, slots in zip((c for c in self.cache if not c.is_trimmable()), fixed):
+            c.cache = slots
+        return logits
+
     def keep(self, start: int, part: Capture, own: bool) -> None:
         """Hold `part` (conversation tokens from `start`) as recorded (`own`: this line's model
         computed it, rather than a translator)."""

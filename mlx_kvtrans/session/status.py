@@ -57,7 +57,10 @@ class SwitchStatus:
     gate_threshold: float | None = None
     gate_tokens: int = 0  # tokens the gap is taken over
     gate_agreement: float | None = None  # share of them both models predict alike (argmax)
-    gate_seconds: float = 0.0  # the read tail and the comparison
+    gate_seconds: float = 0.0  # the read tail, the comparison and the copy probe
+    copy_gap: float | None = None  # nats/token: target's NLL of the history's repeats - source's
+    copy_threshold: float | None = None
+    copy_tokens: int = 0  # repeated tokens the copy gap is taken over
     reread: int = 0  # the fidelity dial's setting R (`tokens_tail` is what was read)
     expected_agreement: float | None = None  # R's held-out agreement, from the frontier
     expected_speedup: float | None = None  # R's measured speed-up over re-reading

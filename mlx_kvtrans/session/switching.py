@@ -157,6 +157,9 @@ def plan_switch(conversation: Conversation, src: CacheLine, tgt: CacheLine, tran
     if settings.max_context is not None and n > settings.max_context:
         return replace(plan, reason=f"context {n} tokens is longer than the translator "
                                     f"allows ({settings.max_context})")
+    lost = gate.copy_refusal(translator.info.get("gate"), n) if settings.gate_tokens else None
+    if lost is not None:
+        return replace(plan, reason=lost)
     start = 0 if settings.strategy == "naive" else tgt.seen
     if conversation.mapped(target, start, source) < src.recorded_from:
         return replace(plan, reason="the source did not record the span the target has not "
@@ -278,20 +281,50 @@ def _translate_and_gate(conversation: Conversation, translator, src: CacheLine, 
     status.gate_agreement = reading.agreement
     if threshold is None:
         status.gate, status.gate_note = Verdict.UNCALIBRATED, why
-    elif reading.gap <= threshold:
-        status.gate = Verdict.PASSED
+        return
+    fired = None
+    if reading.gap > threshold:
+        fired = (f"fidelity gate: the target's NLL on the last {reading.tokens} tokens is "
+                 f"{reading.gap:+.2f} nats/token from the source's, over the translator's "
+                 f"threshold {threshold:.2f}")
     else:
-        status.gate = Verdict.FIRED
-        tgt.rewind(start, before)
-        status.tokens_translated = status.tokens_tail = 0
-        if escalate and _escalated(conversation, translator, src, tgt, replace(plan, start=start),
-                                   status, read_fallback):
-            return
-        _fallback(conversation, tgt, n, status, f"fidelity gate: the target's NLL on the last "
-                                           f"{reading.tokens} tokens is {reading.gap:+.2f} "
-                                           f"nats/token from the source's, over the "
-                                           f"translator's threshold {threshold:.2f}",
-                  read=read_fallback)
+        started = time.perf_counter()
+        fired = _copy_check(conversation, translator, src, tgt, range(start, stop_at), status)
+        status.gate_seconds += time.perf_counter() - started
+    if fired is None:
+        status.gate = Verdict.PASSED
+        return
+    status.gate = Verdict.FIRED
+    tgt.rewind(start, before)
+    status.tokens_translated = status.tokens_tail = 0
+    # a wider tail reads the history no better: only the tail's verdict escalates
+    if escalate and status.copy_gap is None and _escalated(
+            conversation, translator, src, tgt, replace(plan, start=start), status,
+            read_fallback):
+        return
+    _fallback(conversation, tgt, n, status, fired, read=read_fallback)
+
+
+def _copy_check(conversation: Conversation, translator, src: CacheLine, tgt: CacheLine,
+                span: range, status: SwitchStatus) -> str | None:
+    """The gate's copy probe over the translated `span`, where the translator's calibration
+    has a threshold for it: why the switch re-reads, or None (the status keeps the reading, or
+    a note where the probe could not run)."""
+    band = gate.copy_band(translator.info.get("gate"), tgt.seen)
+    if band is None:
+        return None
+    reading = ("the models read different tokens" if conversation.across(src.name, tgt.name)
+               else gate.read_copy(src, tgt, conversation.view(tgt.name), span))
+    if isinstance(reading, str):
+        status.gate_note = f"history not probed: {reading}"
+        return None
+    status.copy_gap, status.copy_threshold = reading.gap, band["threshold"]
+    status.copy_tokens = reading.tokens
+    if reading.gap <= band["threshold"]:
+        return None
+    return (f"fidelity gate: the target copies the history {reading.gap:+.2f} nats/token "
+            f"worse than the source, over the translator's threshold {band['threshold']:.2f} "
+            "(facts in it may be lost)")
 
 
 def _translate_span(conversation: Conversation, translator, src: CacheLine, tgt: CacheLine,

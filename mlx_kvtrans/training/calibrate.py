@@ -7,7 +7,9 @@ and `workflows` (the commands' library calls) or a caller adds one with `calibra
 
 Per band of prefix lengths and per kind of tail (text the source read, its own reply), the
 threshold is a high quantile of the gaps over `windows` held-out windows plus a margin; the
-record is what a manifest keeps under "gate" and what `gate.threshold` reads.
+record is what a manifest keeps under "gate" and what `gate.threshold` reads. Per band, too,
+the copy probe's figures (`copy_gaps`): how much worse the translations copy the history than
+the target's own cache, and the native gap's high quantile plus a margin (`gate.copy_band`).
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 
 from ..errors import KvtransError
-from ..translators.gate import GATE_TOKENS, KINDS
+from ..translators.gate import COPY_MARGIN, GATE_TOKENS, KINDS
 
 # needles drawn for calibration: apart from the held-out ones (evaluation.needles.HELD_OUT_SEED
 # and above, which the frontier's draws are) and from distillation's (NEEDLE_SEED)
@@ -67,6 +70,29 @@ def window_switch(translator, source, target, tokens: list[int], prefix: int, ki
     return session
 
 
+def copy_gaps(session) -> tuple[float, float]:
+    """(the copy gap of a calibration window's switch, the same probe's gap with the target
+    reading from its own cache of the window): NaN where the probe cannot run (a span too short
+    to probe, models that tokenize differently, a cache that cannot be put back)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from ..translators.gate import copy_nll, copy_probe, copy_spans, read_copy
+
+    status = session.switches[-1]
+    src, tgt = session.lines["source"], session.lines["target"]
+    span = range(status.tokens_sink, status.tokens_sink + status.tokens_translated)
+    view = session.view("target")
+    reading = None if session.across("source", "target") else read_copy(src, tgt, view, span)
+    if reading is None or isinstance(reading, str):
+        return np.nan, np.nan
+    probe = copy_probe(view, copy_spans(span.start, span.stop))
+    model = tgt.lm.model
+    own = make_prompt_cache(model)
+    model(mx.array(view[:tgt.seen])[None], cache=own)
+    native = copy_nll(model(mx.array(probe)[None], cache=own)[0], probe).item()
+    return reading.gap, native - reading.source_nll
+
+
 def gap_summary(gaps: list[float]) -> dict:
     """The spread of a band's gaps, as the manifest records it."""
     a = np.asarray(gaps)
@@ -83,7 +109,8 @@ class CalibrationConfig:
     the threshold is the gaps' `quantile` + `margin`; `needle_share`: about this share of the
     "read" windows are needles instead of prose, in the target's chat template where it has
     one: their tail is the question, which reads unlike prose, and a gate calibrated on prose
-    alone re-reads such switches that needed no re-read."""
+    alone re-reads such switches that needed no re-read. `copy_margin`: over the native copy
+    gap's `quantile`, one switch's copy threshold."""
 
     windows: int = WINDOWS
     tail: int = GATE_TOKENS
@@ -92,6 +119,7 @@ class CalibrationConfig:
     quantile: float = QUANTILE
     margin: float = MARGIN
     needle_share: float = NEEDLE_SHARE
+    copy_margin: float = COPY_MARGIN
 
 
 def calibrate(translator, source, target, token_ids: list[int],
@@ -138,15 +166,15 @@ def calibrate(translator, source, target, token_ids: list[int],
             if needle_share and draws[-1][0] == "read" and picks.random() < needle_share:
                 draws[-1] = ("read", *_needle(target, NEEDLE_SEED + 10_000 * lo + i, length))
             digest.update(np.asarray(draws[-1][2], dtype=np.int32).tobytes())
-        measured = np.full(count, np.nan)
+        measured = np.full((count, 3), np.nan)  # the tail's gap, the copy gap, its native
         failure = None
         try:
             for i in range(rank, count, size):
                 kind, length, window = draws[i]
-                status = window_switch(bare, source, target, window, length, kind,
-                                       tail).switches[-1]
+                session = window_switch(bare, source, target, window, length, kind, tail)
+                status = session.switches[-1]
                 if status.gate_gap is not None:
-                    measured[i] = status.gate_gap
+                    measured[i] = (status.gate_gap, *copy_gaps(session))
                 done += 1
                 if progress:
                     progress(done, total)
@@ -159,21 +187,37 @@ def calibrate(translator, source, target, token_ids: list[int],
                                    "in its output)")
         if failure is not None:
             raise failure
-        gaps = {kind: [float(measured[i]) for i in range(count)
-                       if draws[i][0] == kind and not np.isnan(measured[i])] for kind in KINDS}
+        gaps = {kind: [float(measured[i, 0]) for i in range(count)
+                       if draws[i][0] == kind and not np.isnan(measured[i, 0])]
+                for kind in KINDS}
         if not all(gaps.values()):
             raise KvtransError("no window could be compared: the gate needs a translator a "
                                "session can switch with")
-        record["bands"].append({
-            "prefix": [lo, hi],
-            "threshold": {k: round(float(np.quantile(g, config.quantile)) + config.margin, 4)
-                          for k, g in gaps.items()},
-            "gap": {k: gap_summary(g) for k, g in gaps.items()}})
+        record["bands"].append(_band((lo, hi), gaps, measured[:, 1:], config))
     record.update(seed=seed, data_sha256=digest.hexdigest(),
                   seconds=round(time.perf_counter() - started, 2))
     if size > 1:
         record["processes"] = size
     return record
+
+
+def _band(prefix: tuple[int, int], gaps: dict[str, list[float]], copies: np.ndarray,
+          config: CalibrationConfig) -> dict:
+    """A band's record: per kind of tail its gaps and threshold; where the copy probe read
+    windows (`copies`: their translated and native copy gaps, NaN where not), its loss against
+    the target's own cache and one switch's threshold."""
+    band = {"prefix": list(prefix),
+            "threshold": {k: round(float(np.quantile(g, config.quantile)) + config.margin, 4)
+                          for k, g in gaps.items()},
+            "gap": {k: gap_summary(g) for k, g in gaps.items()}}
+    probed = copies[~np.isnan(copies[:, 1])]
+    if len(probed):
+        native = float(np.quantile(probed[:, 1], config.quantile))
+        band["copy"] = {"threshold": round(native + config.copy_margin, 4),
+                        "loss": round(float((probed[:, 0] - probed[:, 1]).mean()), 4),
+                        "native": gap_summary(probed[:, 1]),
+                        "translated": gap_summary(probed[:, 0])}
+    return band
 
 
 def _needle(target, seed: int, length: int) -> tuple[int, list[int]]:
@@ -201,10 +245,12 @@ def _shared(measured: np.ndarray, failed: bool, group) -> tuple[np.ndarray, bool
     whether any process failed."""
     from ..backend.processes import summed
 
-    read = ~np.isnan(measured)
-    both = summed(np.concatenate([np.where(read, measured, 0.0), read, [failed]]), group)
-    n = len(measured)
-    return np.where(both[n:2 * n] > 0, both[:n], np.nan), bool(both[-1])
+    flat = measured.reshape(-1)
+    read = ~np.isnan(flat)
+    both = summed(np.concatenate([np.where(read, flat, 0.0), read, [failed]]), group)
+    n = len(flat)
+    shared = np.where(both[n:2 * n] > 0, both[:n], np.nan)
+    return shared.reshape(measured.shape), bool(both[-1])
 
 
 def calibrate_directory(directory: str | Path, text: str | Path | None = None,

@@ -18,6 +18,20 @@ A model's NLL on the tokens it sampled itself is lower than on text it read (gre
 picks its most likely token), so the gap runs higher when the tail is the source's own reply;
 calibration measures both kinds of tail and a switch takes the threshold of the mix it holds.
 
+The tail shows how the target reads on, not what it can still find in the history: a
+translation that blurs exact tokens (a number, a name) reads prose as well as a good one and
+loses the facts. So the gate also probes the history (`copy_spans`): both models read a few
+spans of the translated part again on top of what they hold, their caches left as they were
+after (`CacheLine.peek`), and a model that holds the history predicts such a repeat from it (an
+induction head's copy). The target's mean NLL of the repeats beside the source's is the copy
+gap. Models copy unequally even from their own caches, so calibration measures the same gap
+with the target reading its own cache of each window, and records two figures per band:
+- `loss`: the mean of translated - native gap over the windows. A translator whose target
+  copies the history this much worse than from its own cache loses facts as a rule, not by
+  chance: over `COPY_LOSS` its switches re-read (`copy_refusal`), saying why.
+- `threshold`: a high quantile of the native gap plus `COPY_MARGIN`: a switch over it copies
+  worse than the target ever does from its own cache, and re-reads.
+
 Between models that tokenize differently (`compare_across`) each reads its own tokens of the
 same text: the tail's text is cut to places where both split, each model's NLL of its tokens
 of it summed, and the gap is their difference per target token.
@@ -35,6 +49,17 @@ from ..capture.instrument import output_head
 
 GATE_TOKENS = 8  # r: the span's last tokens the target reads itself
 KINDS = ("read", "generated")  # a tail the source read, or one it wrote: thresholds per kind
+# the copy probe: spans of the translated history read again, and their first tokens, which
+# the model cannot yet tell from any other place they could continue, not scored
+COPY_SPANS = 4
+COPY_WIDTH = 16
+COPY_SKIP = 3
+# nats/token a translator's target may copy the history worse than from its own cache, on
+# average over the calibration's windows: the SmolLM2 parent -> continued sibling translators
+# copy within 0.02 of native and recall every needle native does; parent -> pruned copies
+# 0.3-0.4 worse and loses half of them or more
+COPY_LOSS = 0.25
+COPY_MARGIN = 0.25  # nats/token over the native gap's high quantile: one switch's threshold
 
 
 @dataclass(frozen=True)
@@ -174,3 +199,78 @@ def compare_across(source_model, source: Tail | None, source_tokens: list[int],
     share = sum(source.generated[q - 1 - source.start] for q in s) / len(s)
     return Reading((t_sum - s_sum) / len(t), len(t), share, t_sum / len(t), s_sum / len(t),
                    None)
+
+
+# -- the copy probe -----------------------------------------------------------------------------
+def copy_spans(start: int, stop: int, spans: int = COPY_SPANS, width: int = COPY_WIDTH
+               ) -> list[range]:
+    """The history's spans the probe reads again: up to `spans` of `width` tokens, evenly
+    across [start, stop); none when it is shorter than one."""
+    k = min(spans, (stop - start) // width)
+    return [range(start + (stop - start) * i // k, start + (stop - start) * i // k + width)
+            for i in range(k)]
+
+
+def copy_probe(tokens: list[int], spans: list[range]) -> list[int]:
+    """The spans' tokens, one after another: what each model reads on top of its cache."""
+    return [tokens[p] for span in spans for p in span]
+
+
+def copy_nll(logits: mx.array, probe: list[int], width: int = COPY_WIDTH,
+             skip: int = COPY_SKIP) -> mx.array:
+    """Mean NLL of each span's tokens after its first `skip`, predicted by `logits` (len(probe),
+    V): a model's logits reading `probe` on top of its cache."""
+    nll = nll_of(logits[:-1].astype(mx.float32), mx.array(probe[1:]))
+    scored = [i for i in range(len(probe) - 1) if (i + 1) % width >= skip]
+    return nll[mx.array(scored)].mean()
+
+
+@dataclass(frozen=True)
+class CopyReading:
+    gap: float  # nats/token: the target's mean NLL of the repeats - the source's
+    tokens: int  # tokens scored
+    target_nll: float
+    source_nll: float
+
+
+def compare_copy(source_logits: mx.array, target_logits: mx.array, probe: list[int]
+                 ) -> CopyReading:
+    """The copy gap from each model's logits reading `probe` (`copy_probe`)."""
+    s, t = mx.stack([copy_nll(source_logits, probe), copy_nll(target_logits, probe)]).tolist()
+    tokens = sum(1 for i in range(1, len(probe)) if i % COPY_WIDTH >= COPY_SKIP)
+    return CopyReading(t - s, tokens, t, s)
+
+
+def read_copy(source, target, tokens: list[int], span: range) -> CopyReading | str:
+    """The copy gap of two cache lines (`CacheLine`: they `peek`) that read the same `tokens`,
+    over spans of `span`; or why it cannot be read."""
+    spans = copy_spans(span.start, span.stop)
+    if not spans:
+        return "the translated span is shorter than a probe"
+    if source.seen < span.stop:
+        return "the source no longer holds the span"
+    probe = copy_probe(tokens, spans)
+    s, t = source.peek(probe), target.peek(probe)
+    if s is None or t is None:
+        return "a cache cannot be put back after a probe"
+    return compare_copy(s, t, probe)
+
+
+def copy_band(calibration: dict | None, length: int) -> dict | None:
+    """The copy probe's calibration for a switch after `length` tokens: its band's `threshold`
+    and `loss` (None: the translator's gate was calibrated without the probe)."""
+    bands = [b for b in (calibration or {}).get("bands", []) if "copy" in b]
+    if not bands:
+        return None
+    return next((b for b in bands if length <= b["prefix"][1]), bands[-1])["copy"]
+
+
+def copy_refusal(calibration: dict | None, length: int) -> str | None:
+    """Why a switch after `length` tokens re-reads without translating: the translator's target
+    copied the history worse than from its own cache by over `COPY_LOSS` on held-out text."""
+    band = copy_band(calibration, length)
+    if band is None or band["loss"] <= COPY_LOSS:
+        return None
+    return (f"fidelity gate: on held-out text this translator's target copies the history "
+            f"{band['loss']:+.2f} nats/token worse than from its own cache (over "
+            f"{COPY_LOSS:.2f}): its translations lose facts")

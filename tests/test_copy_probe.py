@@ -1,0 +1,127 @@
+"""The gate's copy probe: both models read spans of the translated history again, and a target
+that lost the history's exact tokens copies them worse than the source. A probe leaves every
+cache as it was; noise the tail misses is caught; a translator that copies worse than its
+target's own cache by over `COPY_LOSS` on held-out text re-reads every switch, and one switch
+over its threshold re-reads and continues as native."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+
+import mlx.core as mx
+import pytest
+
+from mlx_kvtrans.session import Session
+from mlx_kvtrans.session.line import CacheLine
+from mlx_kvtrans.tools.verify import max_abs_diff
+from mlx_kvtrans.training import calibrate
+from mlx_kvtrans.translators import gate
+from test_gate import held_out, native_cache, noise, shipped, used
+
+
+def with_copy_band(translator, **copy_band):
+    """The translator with a copy probe calibration of `copy_band` in every band."""
+    calibration = translator.info["gate"]
+    band = {"threshold": 0.5, "loss": 0.0, **copy_band}
+    bands = [{**b, "copy": band} for b in calibration["bands"]]
+    return replace(translator, info={**translator.info, "gate": {**calibration, "bands": bands}})
+
+
+def test_copy_spans_lie_evenly_within_the_translated_span():
+    spans = gate.copy_spans(10, 210)
+    assert [s.start for s in spans] == [10, 60, 110, 160]
+    assert all(len(s) == gate.COPY_WIDTH and 10 <= s.start and s.stop <= 210 for s in spans)
+    assert len(gate.copy_spans(0, 40)) == 2 and gate.copy_spans(0, 15) == []
+
+
+@pytest.mark.parametrize("name", ["qwen3-small", "qwen3.5-a", "kimi-vl"])
+def test_a_peek_leaves_the_cache_as_it_was(name, zoo):
+    """Attention caches are trimmed back and recurrent states put back: the logits of the peek
+    are a forward's, and the next forward is as if there had been none."""
+    lm = zoo(name)
+    tokens = held_out(lm.tokenizer, 48, 1)
+    line = CacheLine("m", lm, cache=native_cache(lm, tokens[:40]), seen=40)
+    probe = tokens[5:25]
+    expected = lm.model(mx.array([probe]), cache=native_cache(lm, tokens[:40]))[0]
+    assert max_abs_diff(line.peek(probe), expected) <= 1e-5
+    x = mx.array([tokens[40:48]])
+    assert max_abs_diff(lm.model(x, cache=line.cache),
+                        lm.model(x, cache=native_cache(lm, tokens[:40]))) <= 1e-5
+
+
+def test_the_probe_sees_noise_the_tail_misses(zoo):
+    """Into an MLA target a noise latent is normalised on install and the tail's NLL barely
+    moves; copying the history shows it. A good translation copies as its target's own cache
+    does."""
+    tr, src, tgt = shipped(used("kimi-linear", "kimi-vl"), zoo)
+    bare = replace(tr, info={k: v for k, v in tr.info.items() if k != "gate"})
+    losses = {"good": [], "noise": []}
+    for seed in range(3):
+        window = held_out(tgt.tokenizer, 250, seed)
+        for name, t in (("good", bare), ("noise", noise(bare, 10.0))):
+            session = calibrate.window_switch(t, src, tgt, window, 240, "read")
+            translated, native = calibrate.copy_gaps(session)
+            losses[name].append(translated - native)
+    assert max(abs(x) for x in losses["good"]) < 0.05, losses
+    assert min(losses["noise"]) > 0.4, losses
+
+
+def test_a_translator_that_copies_worse_than_native_rereads_every_switch(zoo):
+    tr, src, tgt = shipped(used("qwen3-small", "qwen3-large"), zoo)
+    lossy = with_copy_band(tr, loss=gate.COPY_LOSS + 0.1)
+    s = Session({"a": src, "b": tgt}, {("a", "b"): lossy}, active="a")
+    s.add(held_out(src.tokenizer, 120, 3))
+    list(s.generate(4))
+    status = s.switch("b")
+    assert (status.status, status.tokens_translated) == ("fallback", 0), status
+    assert "copies the history" in status.reason and "lose facts" in status.reason
+    x = mx.array([[s.tokens[-1], 11, 12]])
+    assert max_abs_diff(tgt.model(x, cache=copy.deepcopy(s.lines["b"].cache)),
+                        tgt.model(x, cache=native_cache(tgt, s.tokens[:-1]))) <= 1e-4
+    off = Session({"a": src, "b": tgt}, {("a", "b"): lossy}, active="a", gate_tokens=0)
+    off.add(held_out(src.tokenizer, 120, 3))
+    list(off.generate(4))
+    assert off.switch("b").status == "applied"  # no gate, no probe
+
+
+@pytest.mark.parametrize("threshold,outcome", [(1e9, "applied"), (-1e9, "fallback")])
+def test_one_switch_over_the_copy_threshold_rereads(threshold, outcome, zoo):
+    """The probe runs where the tail passed; over its threshold the switch re-reads at once (a
+    wider tail would copy no better) and the conversation continues as native."""
+    tr, src, tgt = shipped(used("qwen3.5-a", "qwen3.5-b"), zoo)
+    s = Session({"a": src, "b": tgt}, {("a", "b"): with_copy_band(tr, threshold=threshold)},
+                active="a", escalate=True)
+    s.add(held_out(src.tokenizer, 150, 4))
+    list(s.generate(4))
+    status = s.switch("b")
+    assert status.status == outcome and status.copy_threshold == threshold, status
+    assert status.copy_tokens == 4 * (gate.COPY_WIDTH - gate.COPY_SKIP)
+    if outcome == "fallback":
+        assert status.gate == "fired" and "copies the history" in status.reason
+        assert "R = 32" not in status.setting_note and status.tokens_translated == 0
+    else:
+        assert status.gate == "passed" and status.gate_gap <= status.gate_threshold
+    x = mx.array([[s.tokens[-1], 11, 12]])
+    line = s.lines["b"]
+    if outcome == "fallback":
+        assert max_abs_diff(tgt.model(x, cache=copy.deepcopy(line.cache)),
+                            tgt.model(x, cache=native_cache(tgt, s.tokens[:-1]))) <= 1e-4
+    s.add([7, 8, 9])
+    list(s.generate(4))  # the line reads on after the probe
+
+
+def test_calibration_records_the_copy_probe(zoo):
+    """Per band: the mean loss against the target's own cache, and a native quantile plus the
+    margin as one switch's threshold."""
+    tr, src, tgt = shipped(used("qwen3-small", "qwen3-large"), zoo)
+    record = calibrate.calibrate(tr, src, tgt, held_out(tgt.tokenizer, 4000, 2),
+                                 calibrate.CalibrationConfig(windows=3))
+    for band in record["bands"]:
+        probe = band["copy"]
+        assert probe["native"]["windows"] == probe["translated"]["windows"] >= 4
+        assert probe["loss"] == pytest.approx(
+            probe["translated"]["mean"] - probe["native"]["mean"], abs=2e-4)
+        assert abs(probe["loss"]) < gate.COPY_LOSS  # a good translator copies as native
+        assert probe["threshold"] == pytest.approx(
+            probe["native"]["q99"] + calibrate.COPY_MARGIN, abs=1e-3)
