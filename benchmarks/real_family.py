@@ -337,10 +337,10 @@ def write_kv_bits(results: dict, lines: list[str]) -> None:
 def translator_digest(directory: Path) -> str | None:
     """What a direction's figures are of: its translator's weights and its gate's calibration
     (which decides what applies); None when it is not on disk."""
-    weights = directory / "weights.safetensors"
-    if not weights.is_file():
+    weights, manifest = directory / "weights.safetensors", directory / "manifest.json"
+    if not (weights.is_file() and manifest.is_file()):
         return None
-    gate = json.loads((directory / "manifest.json").read_text()).get("gate")
+    gate = json.loads(manifest.read_text()).get("gate")
     return hashlib.sha256((sha256_file(weights) + json.dumps(gate, sort_keys=True)).encode()
                           ).hexdigest()
 

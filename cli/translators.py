@@ -13,10 +13,10 @@ import typer
 from rich.table import Table
 
 from mlx_kvtrans.training.calibrate import NEEDLE_SHARE, WINDOWS
-from mlx_kvtrans.translators.gate import COPY_LOSS
 from mlx_kvtrans.errors import KvtransError
 from mlx_kvtrans.layouts import CapturePoint
 from mlx_kvtrans.training.fit import FitConfig
+from mlx_kvtrans.translators.gate import COPY_LOSS
 
 from .common import (DISTILL, FIT, FORCE_HELP, SEEDS, DistillConfig, Limit, app, err, finite,
                      in_range, int_list, key_values, model_configs, out, output_dir, position_limit,

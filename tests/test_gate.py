@@ -393,8 +393,8 @@ def test_serve_reports_the_sessions_switch_record_in_body_and_headers():
     from mlx_kvtrans.session import SwitchStatus
 
     switch = SwitchStatus("a", "b", gate="passed", gate_gap=0.25, gate_threshold=1.1,
-                          copy_gap=-0.125, copy_threshold=0.5, tokens_translated=40, tokens_tail=8, tokens_sink=4,
-                          translate_seconds=0.0123)
+                          copy_gap=-0.125, copy_threshold=0.5, tokens_translated=40,
+                          tokens_tail=8, tokens_sink=4, translate_seconds=0.0123)
     h = RequestHistory(status="applied", switch=switch, ttft_seconds=0.5)
     assert h.fields()["switch"] == switch.to_json()
     assert h.fields()["switch"]["gate"] == "passed" and h.fields()["switch"]["gate_gap"] == 0.25

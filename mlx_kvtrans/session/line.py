@@ -180,24 +180,29 @@ class CacheLine:
 
     def peek(self, ids: list[int]) -> mx.array | None:
         """(len(ids), V) logits of the model reading `ids` after what it holds, its cache left
-        as it was (trimmed back, its fixed-size states put back); None when a cache can be
-        neither (a rotating window that has wrapped)."""
+        as it was (attention caches trimmed back, fixed-size states put back) and nothing else
+        of the line changed. None where that cannot be promised: a cache that is neither
+        trimmable nor an `ArraysCache` (a rotating window, a list holding a state), or a
+        sharded model (each process would decide alone whether to read)."""
         from mlx_lm.models.cache import ArraysCache
 
-        def restorable(c) -> bool:  # a rotating window must not wrap while it reads them
-            return isinstance(c, ArraysCache) or c.is_trimmable() and (
-                getattr(c, "max_size", None) is None or c.offset + len(ids) <= c.max_size)
+        from ..capture.instrument import fastest_recurrence, short_reads
 
-        if self.cache is None or not all(restorable(c) for c in self.cache):
+        if self.cache is None or self.shards is not None:
             return None
-        fixed = fixed_slots(self.cache)
-        logits = self.lm.model(mx.array(ids)[None], cache=self.cache)[0]
-        mx.eval(logits)
-        for c in self.cache:
-            if c.is_trimmable():
+        states = [isinstance(c, ArraysCache) for c in self.cache]
+        if not all(state or c.is_trimmable() and not hasattr(c, "max_size")
+                   for c, state in zip(self.cache, states)):
+            return None
+        before = [list(c.cache) if state else None for c, state in zip(self.cache, states)]
+        with short_reads(self.lm.model), fastest_recurrence():  # as a turn is read
+            logits = self.lm.model(mx.array(ids)[None], cache=self.cache)[0]
+            mx.eval(logits)
+        for c, slots in zip(self.cache, before):
+            if slots is None:
                 c.trim(len(ids))
-        for c, slots in zip((c for c in self.cache if not c.is_trimmable()), fixed):
-            c.cache = slots
+            else:
+                c.cache = slots
         return logits
 
     def keep(self, start: int, part: Capture, own: bool) -> None:

@@ -11,10 +11,11 @@ The fidelity dial (`dial`) and the gate: the translation covers the span except 
 max(R, r) tokens (R: the dial's setting, r = `gate_tokens`), which the target then reads itself;
 its NLL on the last of them is compared with the source's, and over the translator's
 calibrated threshold the target re-reads the span instead (with `Session(escalate=True)` it
-first tries once more reading 4 max(R, r) tokens itself, `dial.escalated`). The source's side
-comes from the final-norm rows every model keeps of the last tokens it read (`CacheLine.tail`).
-A translator that copies the source's recurrent state needs that state where the translation
-stops, so the translation stops at one of the source's state snapshots.
+first tries once more reading 4 max(R, r) tokens itself, `dial.escalated`); so it does where
+the gate's copy probe finds the history blurred (`gate.read_copy`). The source's side comes
+from the final-norm rows every model keeps of the last tokens it read (`CacheLine.tail`). A
+translator that copies the source's recurrent state needs that state where the translation
+stops: it stops at one of the source's state snapshots.
 
 The attention sink (`Session(sink=s)`, by default what the translator's fit measured): a
 pretrained model's attention rests much of its weight on the first tokens of its context
@@ -25,9 +26,8 @@ nothing before them), and the translation covers the rest. The zoo's small model
 (their fits record s = 0); a real pretrained pair does (`research/results/real.md`).
 
 The target reads those last tokens and whatever the conversation holds after them (the next
-prompt, when it was added before the switch) in one forward, and keeps that forward's last
-logits: its first token costs no further forward (`decode`). A caller that adds the next prompt
-before switching pays one forward for the gate, the prompt and the first token together.
+prompt, when added before the switch) in one forward, and keeps its last logits: the first
+token costs no further forward (`decode`), and the gate, the prompt and it one forward.
 
 Across tokenizers (`views`) positions are the target's: the switch gives the target's tokens
 of the text the source has read, up to the last place where both split; each of them reads its
@@ -128,6 +128,7 @@ class SwitchPlan:
     full: bool = False
     choice: dial.Choice | None = None
     translator_note: str = ""
+    refused_by_gate: bool = False  # the gate's calibration says the translator loses facts
 
     @property
     def gives_nothing(self) -> bool:
@@ -157,9 +158,9 @@ def plan_switch(conversation: Conversation, src: CacheLine, tgt: CacheLine, tran
     if settings.max_context is not None and n > settings.max_context:
         return replace(plan, reason=f"context {n} tokens is longer than the translator "
                                     f"allows ({settings.max_context})")
-    lost = gate.copy_refusal(translator.info.get("gate"), n) if settings.gate_tokens else None
+    lost = gate.copy_refusal(translator.info.get("gate"), settings.gate_tokens, n)
     if lost is not None:
-        return replace(plan, reason=lost)
+        return replace(plan, reason=lost, refused_by_gate=True)
     start = 0 if settings.strategy == "naive" else tgt.seen
     if conversation.mapped(target, start, source) < src.recorded_from:
         return replace(plan, reason="the source did not record the span the target has not "
@@ -182,6 +183,7 @@ def carry_out(plan: SwitchPlan, conversation: Conversation, src: CacheLine, tgt:
                           translator_note=plan.translator_note)
     started = time.perf_counter()
     if plan.reason is not None:
+        status.gate = Verdict.FIRED if plan.refused_by_gate else status.gate
         _fallback(conversation, tgt, plan.upto, status, plan.reason, full=plan.full,
                   read=read_fallback)
     elif plan.choice is not None:
@@ -282,15 +284,14 @@ def _translate_and_gate(conversation: Conversation, translator, src: CacheLine, 
     if threshold is None:
         status.gate, status.gate_note = Verdict.UNCALIBRATED, why
         return
-    fired = None
-    if reading.gap > threshold:
+    tail_fired = reading.gap > threshold
+    if tail_fired:
         fired = (f"fidelity gate: the target's NLL on the last {reading.tokens} tokens is "
                  f"{reading.gap:+.2f} nats/token from the source's, over the translator's "
                  f"threshold {threshold:.2f}")
     else:
-        started = time.perf_counter()
-        fired = _copy_check(conversation, translator, src, tgt, range(start, stop_at), status)
-        status.gate_seconds += time.perf_counter() - started
+        fired = _copy_check(conversation, translator, src, tgt, range(start, stop_at), n,
+                            status)
     if fired is None:
         status.gate = Verdict.PASSED
         return
@@ -298,7 +299,7 @@ def _translate_and_gate(conversation: Conversation, translator, src: CacheLine, 
     tgt.rewind(start, before)
     status.tokens_translated = status.tokens_tail = 0
     # a wider tail reads the history no better: only the tail's verdict escalates
-    if escalate and status.copy_gap is None and _escalated(
+    if escalate and tail_fired and _escalated(
             conversation, translator, src, tgt, replace(plan, start=start), status,
             read_fallback):
         return
@@ -306,15 +307,16 @@ def _translate_and_gate(conversation: Conversation, translator, src: CacheLine, 
 
 
 def _copy_check(conversation: Conversation, translator, src: CacheLine, tgt: CacheLine,
-                span: range, status: SwitchStatus) -> str | None:
-    """The gate's copy probe over the translated `span`, where the translator's calibration
-    has a threshold for it: why the switch re-reads, or None (the status keeps the reading, or
-    a note where the probe could not run)."""
-    band = gate.copy_band(translator.info.get("gate"), tgt.seen)
+                span: range, n: int, status: SwitchStatus) -> str | None:
+    """The gate's copy probe of the translated `span` (calibrated where the band of `n` has it):
+    why the switch re-reads, or None; the status keeps the reading, or why there is none."""
+    band = gate.copy_band(translator.info.get("gate"), conversation.settings.gate_tokens, n)
     if band is None:
         return None
+    started = time.perf_counter()
     reading = ("the models read different tokens" if conversation.across(src.name, tgt.name)
                else gate.read_copy(src, tgt, conversation.view(tgt.name), span))
+    status.gate_seconds += time.perf_counter() - started
     if isinstance(reading, str):
         status.gate_note = f"history not probed: {reading}"
         return None
@@ -322,9 +324,8 @@ def _copy_check(conversation: Conversation, translator, src: CacheLine, tgt: Cac
     status.copy_tokens = reading.tokens
     if reading.gap <= band["threshold"]:
         return None
-    return (f"fidelity gate: the target copies the history {reading.gap:+.2f} nats/token "
-            f"worse than the source, over the translator's threshold {band['threshold']:.2f} "
-            "(facts in it may be lost)")
+    return (f"fidelity gate: the target copies the history {reading.gap:+.2f} nats/token worse "
+            f"than the source, over the threshold {band['threshold']:.2f}: facts may be lost")
 
 
 def _translate_span(conversation: Conversation, translator, src: CacheLine, tgt: CacheLine,

@@ -76,6 +76,7 @@ def copy_gaps(session) -> tuple[float, float]:
     to probe, models that tokenize differently, a cache that cannot be put back)."""
     from mlx_lm.models.cache import make_prompt_cache
 
+    from ..session.line import CacheLine
     from ..translators.gate import copy_nll, copy_probe, copy_spans, read_copy
 
     status = session.switches[-1]
@@ -86,10 +87,9 @@ def copy_gaps(session) -> tuple[float, float]:
     if reading is None or isinstance(reading, str):
         return np.nan, np.nan
     probe = copy_probe(view, copy_spans(span.start, span.stop))
-    model = tgt.lm.model
-    own = make_prompt_cache(model)
-    model(mx.array(view[:tgt.seen])[None], cache=own)
-    native = copy_nll(model(mx.array(probe)[None], cache=own)[0], probe).item()
+    own = CacheLine("native", tgt.lm, cache=make_prompt_cache(tgt.lm.model), seen=tgt.seen)
+    tgt.lm.model(mx.array(view[:tgt.seen])[None], cache=own.cache)
+    native = copy_nll(own.peek(probe), probe).item()  # read as the switch's probe is
     return reading.gap, native - reading.source_nll
 
 
@@ -152,7 +152,7 @@ def calibrate(translator, source, target, token_ids: list[int],
     bands = [(max(lo, 2 * tail + 1), min(hi, longest)) for lo, hi in bands if lo <= longest]
     digest = hashlib.sha256()
     record = {"tail": tail, "quantile": config.quantile, "margin": config.margin,
-              "bands": []}
+              "copy_margin": config.copy_margin, "bands": []}
     if needle_share:
         record["needle_share"] = needle_share
     count = config.windows * len(KINDS)
@@ -187,13 +187,13 @@ def calibrate(translator, source, target, token_ids: list[int],
                                    "in its output)")
         if failure is not None:
             raise failure
-        gaps = {kind: [float(measured[i, 0]) for i in range(count)
-                       if draws[i][0] == kind and not np.isnan(measured[i, 0])]
-                for kind in KINDS}
+        tails, copies = measured[:, 0], measured[:, 1:]
+        gaps = {kind: [float(tails[i]) for i in range(count)
+                       if draws[i][0] == kind and not np.isnan(tails[i])] for kind in KINDS}
         if not all(gaps.values()):
             raise KvtransError("no window could be compared: the gate needs a translator a "
                                "session can switch with")
-        record["bands"].append(_band((lo, hi), gaps, measured[:, 1:], config))
+        record["bands"].append(_band((lo, hi), gaps, copies, config))
     record.update(seed=seed, data_sha256=digest.hexdigest(),
                   seconds=round(time.perf_counter() - started, 2))
     if size > 1:
@@ -205,13 +205,14 @@ def _band(prefix: tuple[int, int], gaps: dict[str, list[float]], copies: np.ndar
           config: CalibrationConfig) -> dict:
     """A band's record: per kind of tail its gaps and threshold; where the copy probe read
     windows (`copies`: their translated and native copy gaps, NaN where not), its loss against
-    the target's own cache and one switch's threshold."""
+    the target's own cache and one switch's threshold, where it read half the windows or
+    more."""
     band = {"prefix": list(prefix),
             "threshold": {k: round(float(np.quantile(g, config.quantile)) + config.margin, 4)
                           for k, g in gaps.items()},
             "gap": {k: gap_summary(g) for k, g in gaps.items()}}
     probed = copies[~np.isnan(copies[:, 1])]
-    if len(probed):
+    if len(probed) >= len(copies) / 2:  # a quantile of a few windows is not a threshold
         native = float(np.quantile(probed[:, 1], config.quantile))
         band["copy"] = {"threshold": round(native + config.copy_margin, 4),
                         "loss": round(float((probed[:, 0] - probed[:, 1]).mean()), 4),

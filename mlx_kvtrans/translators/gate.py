@@ -55,9 +55,9 @@ COPY_SPANS = 4
 COPY_WIDTH = 16
 COPY_SKIP = 3
 # nats/token a translator's target may copy the history worse than from its own cache, on
-# average over the calibration's windows: the SmolLM2 parent -> continued sibling translators
-# copy within 0.02 of native and recall every needle native does; parent -> pruned copies
-# 0.3-0.4 worse and loses half of them or more
+# average over the calibration's windows: well above what the real family's continued sibling's
+# translations lose, well below its pruned sibling's, which lose needles (each manifest's
+# gate bands' `copy`; `benchmarks/results/real-family.md`)
 COPY_LOSS = 0.25
 COPY_MARGIN = 0.25  # nats/token over the native gap's high quantile: one switch's threshold
 
@@ -216,13 +216,16 @@ def copy_probe(tokens: list[int], spans: list[range]) -> list[int]:
     return [tokens[p] for span in spans for p in span]
 
 
-def copy_nll(logits: mx.array, probe: list[int], width: int = COPY_WIDTH,
-             skip: int = COPY_SKIP) -> mx.array:
-    """Mean NLL of each span's tokens after its first `skip`, predicted by `logits` (len(probe),
-    V): a model's logits reading `probe` on top of its cache."""
+def _scored(length: int, width: int = COPY_WIDTH, skip: int = COPY_SKIP) -> list[int]:
+    """The probe's positions whose next token is scored: each span's after its first `skip`."""
+    return [i for i in range(length - 1) if (i + 1) % width >= skip]
+
+
+def copy_nll(logits: mx.array, probe: list[int]) -> mx.array:
+    """Mean NLL of each span's tokens after its first `COPY_SKIP`, predicted by `logits`
+    (len(probe), V): a model's logits reading `probe` on top of its cache."""
     nll = nll_of(logits[:-1].astype(mx.float32), mx.array(probe[1:]))
-    scored = [i for i in range(len(probe) - 1) if (i + 1) % width >= skip]
-    return nll[mx.array(scored)].mean()
+    return nll[mx.array(_scored(len(probe)))].mean()
 
 
 @dataclass(frozen=True)
@@ -237,8 +240,7 @@ def compare_copy(source_logits: mx.array, target_logits: mx.array, probe: list[i
                  ) -> CopyReading:
     """The copy gap from each model's logits reading `probe` (`copy_probe`)."""
     s, t = mx.stack([copy_nll(source_logits, probe), copy_nll(target_logits, probe)]).tolist()
-    tokens = sum(1 for i in range(1, len(probe)) if i % COPY_WIDTH >= COPY_SKIP)
-    return CopyReading(t - s, tokens, t, s)
+    return CopyReading(t - s, len(_scored(len(probe))), t, s)
 
 
 def read_copy(source, target, tokens: list[int], span: range) -> CopyReading | str:
@@ -247,28 +249,33 @@ def read_copy(source, target, tokens: list[int], span: range) -> CopyReading | s
     spans = copy_spans(span.start, span.stop)
     if not spans:
         return "the translated span is shorter than a probe"
-    if source.seen < span.stop:
-        return "the source no longer holds the span"
+    if not span.stop <= source.seen <= target.seen:
+        return "the source holds another part of the conversation"
     probe = copy_probe(tokens, spans)
-    s, t = source.peek(probe), target.peek(probe)
-    if s is None or t is None:
+    # the target has read the next prompt too: the source reads it first, so that both read
+    # the probe after the same tokens
+    behind = tokens[source.seen:target.seen]
+    s = source.peek(behind + probe)
+    t = target.peek(probe) if s is not None else None
+    if t is None:
         return "a cache cannot be put back after a probe"
-    return compare_copy(s, t, probe)
+    return compare_copy(s[len(behind):], t, probe)
 
 
-def copy_band(calibration: dict | None, length: int) -> dict | None:
-    """The copy probe's calibration for a switch after `length` tokens: its band's `threshold`
-    and `loss` (None: the translator's gate was calibrated without the probe)."""
-    bands = [b for b in (calibration or {}).get("bands", []) if "copy" in b]
-    if not bands:
+def copy_band(calibration: dict | None, tail: int, length: int) -> dict | None:
+    """The copy probe's calibration (`threshold`, `loss`) of the band a switch after `length`
+    tokens falls in, as `threshold` picks it; None where the gate is calibrated for another
+    tail, or without the probe in that band."""
+    if not calibration or calibration.get("tail") != tail:
         return None
-    return next((b for b in bands if length <= b["prefix"][1]), bands[-1])["copy"]
+    bands = calibration["bands"]
+    return next((b for b in bands if length <= b["prefix"][1]), bands[-1]).get("copy")
 
 
-def copy_refusal(calibration: dict | None, length: int) -> str | None:
+def copy_refusal(calibration: dict | None, tail: int, length: int) -> str | None:
     """Why a switch after `length` tokens re-reads without translating: the translator's target
     copied the history worse than from its own cache by over `COPY_LOSS` on held-out text."""
-    band = copy_band(calibration, length)
+    band = copy_band(calibration, tail, length)
     if band is None or band["loss"] <= COPY_LOSS:
         return None
     return (f"fidelity gate: on held-out text this translator's target copies the history "
