@@ -148,6 +148,13 @@ def compare(source_model, source: Tail | None, target_model, target: Tail | None
     return Reading(t_mean - s_mean, len(positions), share, t_mean, s_mean, agree)
 
 
+def band_of(calibration: dict, length: int) -> dict:
+    """The calibration's band of prefix lengths a switch after `length` tokens takes (a longer
+    switch the last)."""
+    bands = calibration["bands"]
+    return next((b for b in bands if length <= b["prefix"][1]), bands[-1])
+
+
 def threshold(calibration: dict | None, tail: int, generated: float, length: int
               ) -> tuple[float | None, str]:
     """(the threshold for a switch after `length` tokens whose tail of `tail` tokens the source
@@ -158,8 +165,7 @@ def threshold(calibration: dict | None, tail: int, generated: float, length: int
     if calibration.get("tail") != tail:
         return None, (f"the translator's gate is calibrated for a tail of "
                       f"{calibration.get('tail')} tokens, not {tail}")
-    bands = calibration["bands"]
-    t = next((b for b in bands if length <= b["prefix"][1]), bands[-1])["threshold"]
+    t = band_of(calibration, length)["threshold"]
     return generated * t["generated"] + (1 - generated) * t["read"], ""
 
 
@@ -268,8 +274,7 @@ def copy_band(calibration: dict | None, tail: int, length: int) -> dict | None:
     tail, or without the probe in that band."""
     if not calibration or calibration.get("tail") != tail:
         return None
-    bands = calibration["bands"]
-    return next((b for b in bands if length <= b["prefix"][1]), bands[-1]).get("copy")
+    return band_of(calibration, length).get("copy")
 
 
 def copy_refusal(calibration: dict | None, tail: int, length: int) -> str | None:
