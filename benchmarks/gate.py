@@ -136,7 +136,14 @@ def switch_row(session, src, tgt) -> dict:
     status = session.switches[-1]
     return {"gate": status.gate, "gap": status.gate_gap, "threshold": status.gate_threshold,
             "status": status.status, "gate_ms": status.gate_seconds * 1000,
-            "damage": damage(session, src, tgt)}
+            "damage": damage(session, src, tgt), "copy_gap": status.copy_gap,
+            "by_copy": status.gate == "fired" and not tail_over(status)}
+
+
+def tail_over(status) -> bool:
+    """Whether the tail's gap crossed its threshold (else a fired gate is the copy probe's)."""
+    return (status.gate_gap is not None and status.gate_threshold is not None
+            and status.gate_gap > status.gate_threshold)
 
 
 def summary(rows: list[dict]) -> dict:
@@ -146,6 +153,7 @@ def summary(rows: list[dict]) -> dict:
     harm = [r["damage"] for r in rows if r["damage"] is not None]
     return {"windows": len(rows), "judged": len(judged),
             "fired": sum(r["gate"] == "fired" for r in rows),
+            "by_copy": sum(bool(r.get("by_copy")) for r in rows),
             "gap_mean": round(statistics.mean(gaps), 3) if gaps else None,
             "damage_mean": round(statistics.mean(harm), 3) if harm else None,
             "gate_ms_median": (round(statistics.median(r["gate_ms"] for r in rows), 2)
@@ -429,8 +437,9 @@ def markdown(result: dict) -> str:
         "every one a `Session` switch on the zoo with the gate's tail of "
         f"{result['gate_tokens']} tokens; in brackets, the mean damage: the target's NLL on "
         "the tail from the translated cache minus its NLL reading the conversation itself "
-        "(nats/token; what the fault really cost). Gate ms: the tail the target reads itself and "
-        "the comparison, the part of a switch the gate adds.",
+        "(nats/token; what the fault really cost). Gate ms: the tail the target reads itself, "
+        "the comparison and the copy probe (where the translator is calibrated with it), the "
+        "part of a switch the gate adds.",
         "",
         "## False alarms on held-out text (test split)",
         "",
@@ -458,7 +467,7 @@ def markdown(result: dict) -> str:
                  if k.startswith("wrong pair")]
         lines.append(f"| {name} | " + " | ".join(_cell(r[f]) for f in faults) + " | "
                      + ("; ".join(wrong) or "none of the same shapes") + " |")
-    total = {k: [0, 0] for k in ("held-out", "faults", "far")}
+    total = {k: [0, 0, 0] for k in ("held-out", "faults", "far")}
     for r in result["translators"].values():
         for key, case in cases(r).items():
             bucket = ("held-out" if key.startswith("held-out") else
@@ -466,11 +475,15 @@ def markdown(result: dict) -> str:
             for kind in gate.KINDS:
                 total[bucket][0] += case[kind]["fired"]
                 total[bucket][1] += case[kind]["windows"]
-    lines += ["", f"In all: false alarms {total['held-out'][0]}/{total['held-out'][1]}; "
-                  f"faulty translations (noise, cut short, wrong pair) caught "
-                  f"{total['faults'][0]}/{total['faults'][1]}; far text (random tokens, digits) "
-                  f"sent to a re-read {total['far'][0]}/{total['far'][1]} "
-                  f"({result['seconds']:.0f} s).", ""]
+                total[bucket][2] += case[kind].get("by_copy", 0)
+
+    def count(bucket):
+        fired, windows, by_copy = total[bucket]
+        return f"{fired}/{windows} ({by_copy} by the copy probe)"
+
+    lines += ["", f"In all: false alarms {count('held-out')}; faulty translations (noise, cut "
+                  f"short, wrong pair) caught {count('faults')}; far text (random tokens, "
+                  f"digits) sent to a re-read {count('far')} ({result['seconds']:.0f} s).", ""]
     if "behaviour" in result:
         lines += behaviour_markdown(result)
     return "\n".join(lines)

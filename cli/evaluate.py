@@ -146,7 +146,8 @@ def eval_ablate(model: str = typer.Option(None, "--model", help="zoo alias, dire
     """What each cache object carries: per layer and object, the model continuing from its own
     cache with that object zeroed (and, with --translator, with only it, only its layer,
     everything, or every layer from one up translated): KL against native, greedy agreement,
-    the history's worth recovered (the fidelity bars' measure) and needle recall, beside the
+    the history's worth recovered (the fidelity bars' measure), needle recall and the copy
+    loss (the gate's copy probe read from this cache, minus from the model's own), beside the
     no-cache floor."""
     from mlx_kvtrans.evaluation.ablate import AblateConfig, ablate
 
@@ -180,15 +181,16 @@ def eval_ablate(model: str = typer.Option(None, "--model", help="zoo alias, dire
     # each prompt length heads its cases, so more lengths add rows, not columns
     table = FitTable(f"ablation · {model} · {windows} windows, {needles} needles per length")
     table.add_column("case")
-    for col in ("KL", "greedy agreement", "recovered", "needle recall"):
+    for col in ("KL", "greedy agreement", "recovered", "needle recall", "copy loss"):
         table.add_column(col, right=True)
+    formats = {"kl": ".3f", "agreement": ".2f", "recovered": ".2f", "recall": ".2f",
+               "copy": "+.2f"}
     for n in sizes:
         table.add_row(f"{n:,} tokens", style="bold")
         for r in rows:
-            table.add_row(r["label"], *("-" if r["lengths"][str(n)][k] is None else
-                                        f"{r['lengths'][str(n)][k]:.{3 if k == 'kl' else 2}f}"
-                                        for k in ("kl", "agreement", "recovered", "recall")),
-                          style="not bold")
+            figures = r["lengths"][str(n)]
+            table.add_row(r["label"], *("-" if figures[k] is None else format(figures[k], f)
+                                        for k, f in formats.items()), style="not bold")
     out.print(table)
 
 

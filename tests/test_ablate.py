@@ -8,6 +8,7 @@ import mlx_kvtrans as kv
 from mlx_kvtrans.evaluation.ablate import AblateConfig, Ablation, Case, ablate
 from mlx_kvtrans.translators import artifact
 from mlx_kvtrans.zoo.gates import reference_gate_init
+from test_gate import held_out, noise
 
 TEXT = ("The lighthouse keeper counted the ships that passed each night and wrote their names in "
         "a book, and every morning he read the list again. ") * 30
@@ -42,6 +43,7 @@ def test_translated_cases_swap_in_exactly_what_they_name():
     rows = {r["label"]: r for r in ablate(tgt.model, tgt.tokenizer.encode, ids,
                                           AblateConfig([64], windows=1, needles=1),
                                           translator=translator, source=src.model)}
+    assert rows["native"]["lengths"]["64"]["copy"] == pytest.approx(0.0, abs=1e-5)
     objects = [k for k in rows if k.startswith("translated ") and "." in k]
     assert len(objects) == sum(len(l.objects) for l in layout.layers)
     assert all(rows[k]["lengths"]["64"]["kl"] > 0 for k in objects)
@@ -103,3 +105,20 @@ def test_the_recovered_share_is_one_natively_and_falls_without_the_history():
     assert rows["native"] >= 0.9
     assert rows["no cache"] < 0.0
     assert rows["no cache"] < rows["zero 2.keys"] < rows["native"]
+
+
+def test_the_copy_loss_sees_a_history_the_model_reads_worse_than_its_own():
+    """The gate's copy probe per case: zero on the model's own cache, well above it where a
+    noised translation's latents replace the history (the tail alone lets such a switch stand,
+    `test_copy_probe`), and near it for the shipped translation."""
+    src, tgt = kv.load("kimi-linear"), kv.load("kimi-vl")
+    translator = artifact.load(artifact.shipped("kimi-linear", "kimi-vl"), src, tgt)
+    ids = held_out(tgt.tokenizer, 600, 0)
+    config = AblateConfig([240], windows=2, needles=1, only={"native", "translated all"})
+    copies = {}
+    for name, t in (("good", translator), ("noise", noise(translator, 10.0))):
+        rows = ablate(tgt.model, tgt.tokenizer.encode, ids, config, translator=t,
+                      source=src.model)
+        copies[name] = {r["label"]: r["lengths"]["240"]["copy"] for r in rows}
+    assert copies["good"]["native"] == pytest.approx(0.0, abs=1e-5)
+    assert abs(copies["good"]["translated all"]) < 0.1 < 0.4 < copies["noise"]["translated all"]

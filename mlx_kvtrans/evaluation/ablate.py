@@ -3,8 +3,10 @@
 For each layer and cache object of a model: the model continues held-out text (and answers
 held-out needles) from its own cache with that one object zeroed, and, given a translator into
 the model, from its own cache with only that object translated. Each case reports the KL against
-the native continuation (nats/token), greedy agreement, the history's worth recovered and exact
-needle recall; the no-cache floor sits beside them. Recovered is the frontier's measure, taken
+the native continuation (nats/token), greedy agreement, the history's worth recovered, exact
+needle recall and the copy loss (the fidelity gate's copy probe: the model's NLL reading spans of
+the prompt again from the case's cache, minus from its own; where a translation blurs the
+history's tokens); the no-cache floor sits beside them. Recovered is the frontier's measure, taken
 as it takes it: teacher-forced agreement with the native target's `GENERATED` greedy tokens,
 above what the last `FLOOR_TOKENS` prompt tokens alone give. This is the hybrid-translation
 paper's swap-in analysis for any model or pair.
@@ -30,6 +32,7 @@ from ..capture import capture
 from ..translators.install import install
 from ..layouts import CapturePoint, layout_of
 from ..translators.fidelity import agreement, greedy, kl_per_token
+from ..translators.gate import copy_nll, copy_probe, copy_spans
 from ..translators.frontier import GENERATED, history_recovered
 from .frontier import floor_agreement
 from .needles import needle_scores
@@ -129,7 +132,7 @@ class AblateConfig:
 def ablate(model, encode, token_ids: list[int], config: AblateConfig, translator=None,
            source=None, progress=None, make=None) -> list[dict]:
     """Per case: {"case", "layer", "object", "lengths": {L: {"kl", "agreement", "recovered",
-    "recall"}}} (recovered None where the floor already agrees everywhere).
+    "recall", "copy"}}} (recovered None where the floor already agrees everywhere).
     `encode`: the model's tokenizer encode (for the needles); `token_ids`: held-out text;
     `make`: the needles' format (`needles.needle_report`)."""
     lengths, generated = config.lengths, config.generated
@@ -149,6 +152,7 @@ def ablate(model, encode, token_ids: list[int], config: AblateConfig, translator
         natives = []
         fed = []
         floors = []
+        probes = []  # per window: the copy probe's tokens and the native reading of them
         for start in starts:
             window = mx.array(token_ids[start:start + span])
             prefix, inputs = window[:length - 1], window[length - 1:span - 1][None]
@@ -160,6 +164,9 @@ def ablate(model, encode, token_ids: list[int], config: AblateConfig, translator
             natives.append((ablation.model(inputs, cache=native_cache), said))
             fed.append(mx.array([last] + said[:GENERATED - 1])[None])  # teacher forcing
             floors.append(floor_agreement(model, prefix.tolist() + [last], said[:GENERATED]))
+            probe = copy_probe(prefix.tolist(), copy_spans(0, length - 1))
+            probes.append((probe, copy_reading(model, ablation.cache(Case("native"), prefix),
+                                               probe)))
         for case, row in zip(todo, rows):
             if progress:
                 progress(done, total, f"{case.label} at {length:,} tokens")
@@ -167,8 +174,9 @@ def ablate(model, encode, token_ids: list[int], config: AblateConfig, translator
             kls = []
             agrees = []
             forced = []
-            for (prefix, inputs, last), (native_logits, said), tokens in zip(
-                    prefixes, natives, fed):
+            copies = []
+            for (prefix, inputs, last), (native_logits, said), tokens, (probe, native_copy) in zip(
+                    prefixes, natives, fed, probes):
                 built = ablation.cache(case, prefix)  # once: each use below grows a copy
                 logits = model(inputs, cache=copy.deepcopy(built))
                 kls.append(float(kl_per_token(native_logits, logits).mean()))
@@ -176,6 +184,8 @@ def ablate(model, encode, token_ids: list[int], config: AblateConfig, translator
                     model, last, copy.deepcopy(built), generated)))
                 predicted = mx.argmax(model(tokens, cache=copy.deepcopy(built))[0], -1)
                 forced.append(agreement(said[:GENERATED], predicted.tolist()))
+                if probe:
+                    copies.append(copy_reading(model, copy.deepcopy(built), probe) - native_copy)
             recall, _ = needle_scores(
                 model, encode, length, config.needles, make=make,
                 cache_for=lambda ids, case=case: ablation.cache(case, mx.array(ids)))
@@ -184,5 +194,11 @@ def ablate(model, encode, token_ids: list[int], config: AblateConfig, translator
                                            "recovered": history_recovered(
                                                sum(forced) / len(forced),
                                                sum(floors) / len(floors)),
-                                           "recall": recall}
+                                           "recall": recall,
+                                           "copy": sum(copies) / len(copies) if copies else None}
     return rows
+
+
+def copy_reading(model, cache, probe: list[int]) -> float:
+    """The model's NLL of the copy probe's repeats (`gate.copy_nll`) read on top of `cache`."""
+    return float(copy_nll(model(mx.array(probe)[None], cache=cache)[0], probe))
