@@ -137,13 +137,14 @@ def switch_row(session, src, tgt) -> dict:
     return {"gate": status.gate, "gap": status.gate_gap, "threshold": status.gate_threshold,
             "status": status.status, "gate_ms": status.gate_seconds * 1000,
             "damage": damage(session, src, tgt), "copy_gap": status.copy_gap,
-            "by_copy": status.gate == "fired" and not tail_over(status)}
+            "by_copy": status.gate == "fired" and copy_over(status)}
 
 
-def tail_over(status) -> bool:
-    """Whether the tail's gap crossed its threshold (else a fired gate is the copy probe's)."""
-    return (status.gate_gap is not None and status.gate_threshold is not None
-            and status.gate_gap > status.gate_threshold)
+def copy_over(status) -> bool:
+    """Whether this switch's copy gap crossed its threshold (a translator refused as a rule by
+    its calibrated copy loss reads no probe at a switch, and is not counted)."""
+    return (status.copy_gap is not None and status.copy_threshold is not None
+            and status.copy_gap > status.copy_threshold)
 
 
 def summary(rows: list[dict]) -> dict:

@@ -16,7 +16,7 @@ from mlx_kvtrans.training.calibrate import NEEDLE_SHARE, WINDOWS
 from mlx_kvtrans.errors import KvtransError
 from mlx_kvtrans.layouts import CapturePoint
 from mlx_kvtrans.training.fit import FitConfig
-from mlx_kvtrans.translators.gate import COPY_LOSS
+from mlx_kvtrans.translators.gate import COPY_LOSS, COPY_WORTH
 
 from .common import (DISTILL, FIT, FORCE_HELP, SEEDS, DistillConfig, Limit, app, err, finite,
                      in_range, int_list, key_values, model_configs, out, output_dir, position_limit,
@@ -110,8 +110,13 @@ def _gate_line(calibration: dict) -> str:
         line += ("; copy probe: translations copy the history "
                  + " / ".join(f"{b['copy']['loss']:+.2f}" for b in copies)
                  + f" nats/token worse than the target's own cache at {bands} tokens (over "
-                 f"{COPY_LOSS:.2f} every switch re-reads), and one switch re-reads over "
-                 + " / ".join(f"{b['copy']['threshold']:+.2f}" for b in copies))
+                 f"{COPY_LOSS:.2f} every switch re-reads); one switch re-reads over "
+                 + " / ".join("-" if b["copy"].get("threshold") is None else
+                              f"{b['copy']['threshold']:+.2f}" for b in copies))
+        worth = [b["copy"]["worth"] for b in copies if "worth" in b["copy"]]
+        if worth:
+            line += (f" (-: the target's history lowers its NLL of the repeats by under "
+                     f"{COPY_WORTH:.2f}; by " + " / ".join(f"{w:+.2f}" for w in worth) + ")")
     return line
 
 

@@ -10,6 +10,7 @@ import copy
 from dataclasses import replace
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm.generate import maybe_quantize_kv_cache
 from mlx_lm.models.cache import RotatingKVCache
@@ -92,7 +93,7 @@ def test_the_probe_sees_noise_the_tail_misses(zoo):
         window = held_out(tgt.tokenizer, 250, seed)
         for name, t in (("good", bare), ("noise", noise(bare, 10.0))):
             session = calibrate.window_switch(t, src, tgt, window, 240, "read")
-            translated, native = calibrate.copy_gaps(session)
+            translated, native, _ = calibrate.copy_gaps(session)
             losses[name].append(translated - native)
             tail, _ = gate.threshold(tr.info["gate"], gate.GATE_TOKENS, 0.0, 240)
             assert session.switches[-1].gate_gap <= tail  # the tail alone lets it stand
@@ -126,10 +127,12 @@ def test_a_translator_that_copies_worse_than_native_rereads_every_switch(zoo):
     assert off.switch("b").status == "applied"  # no gate, no probe
 
 
-@pytest.mark.parametrize("threshold,outcome", [(1e9, "applied"), (-1e9, "fallback")])
+@pytest.mark.parametrize("threshold,outcome", [(1e9, "applied"), (-1e9, "fallback"),
+                                               (None, "applied")])
 def test_one_switch_over_the_copy_threshold_rereads(threshold, outcome, zoo):
     """The probe runs where the tail passed; over its threshold the switch re-reads at once (a
-    wider tail would copy no better) and the conversation continues as native."""
+    wider tail would copy no better) and the conversation continues as native. A band with no
+    threshold (the target barely copies from its history) is not probed."""
     tr, src, tgt = shipped(used("qwen3.5-a", "qwen3.5-b"), zoo)
     s = Session({"a": src, "b": tgt}, {("a", "b"): with_copy_band(tr, threshold=threshold)},
                 active="a", escalate=True)
@@ -137,6 +140,9 @@ def test_one_switch_over_the_copy_threshold_rereads(threshold, outcome, zoo):
     list(s.generate(4))
     status = s.switch("b")
     assert status.status == outcome and status.copy_threshold == threshold, status
+    if threshold is None:
+        assert (status.copy_gap, status.copy_tokens, status.gate) == (None, 0, "passed")
+        return
     assert status.copy_tokens == 4 * (gate.COPY_WIDTH - gate.COPY_SKIP)
     if outcome == "fallback":
         assert status.gate == "fired" and "copies the history" in status.reason
@@ -153,8 +159,8 @@ def test_one_switch_over_the_copy_threshold_rereads(threshold, outcome, zoo):
 
 
 def test_calibration_records_the_copy_probe(zoo):
-    """Per band: the mean loss against the target's own cache, and a native quantile plus the
-    margin as one switch's threshold."""
+    """Per band: the mean loss against the target's own cache and the history's worth to the
+    target's copying, too small on the zoo's models to judge one switch by."""
     tr, src, tgt = shipped(used("qwen3-small", "qwen3-large"), zoo)
     record = calibrate.calibrate(tr, src, tgt, held_out(tgt.tokenizer, 4000, 2),
                                  calibrate.CalibrationConfig(windows=3))
@@ -164,8 +170,25 @@ def test_calibration_records_the_copy_probe(zoo):
         assert probe["loss"] == pytest.approx(
             probe["translated"]["mean"] - probe["native"]["mean"], abs=2e-4)
         assert abs(probe["loss"]) < gate.COPY_LOSS  # a good translator copies as native
-        assert probe["threshold"] == pytest.approx(
-            probe["native"]["q99"] + calibrate.COPY_MARGIN, abs=1e-3)
+        # the zoo's small models barely copy from their history: no switch is judged by it
+        assert probe["worth"] < gate.COPY_WORTH and "threshold" not in probe
+
+
+def test_one_switch_is_judged_by_copying_where_the_history_is_worth_it():
+    """A band's threshold (the native gap's quantile plus the margin) is recorded only where
+    the target's own history lowers its NLL of the repeats by `COPY_WORTH` or more."""
+    config = calibrate.CalibrationConfig(windows=4)
+    gaps = {k: [0.1, 0.2, 0.3, 0.4] for k in gate.KINDS}
+    native = np.array([-0.2, -0.1, 0.0, 0.1])
+    for worth, judged in ((gate.COPY_WORTH + 0.5, True), (gate.COPY_WORTH - 0.1, False)):
+        copies = np.stack([native + 0.05, native, native + worth], axis=1)
+        band = calibrate._band((32, 256), gaps, copies, config)["copy"]
+        assert band["worth"] == pytest.approx(worth, abs=1e-4)
+        assert band["loss"] == pytest.approx(0.05, abs=1e-4)
+        assert ("threshold" in band) == judged
+        if judged:
+            assert band["threshold"] == pytest.approx(
+                np.quantile(native, config.quantile) + calibrate.COPY_MARGIN, abs=1e-4)
 
 
 def test_the_probe_is_not_run_across_tokenizers(zoo):

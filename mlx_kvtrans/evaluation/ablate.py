@@ -164,9 +164,10 @@ def ablate(model, encode, token_ids: list[int], config: AblateConfig, translator
             natives.append((ablation.model(inputs, cache=native_cache), said))
             fed.append(mx.array([last] + said[:GENERATED - 1])[None])  # teacher forcing
             floors.append(floor_agreement(model, prefix.tolist() + [last], said[:GENERATED]))
-            probe = copy_probe(prefix.tolist(), copy_spans(0, length - 1))
-            probes.append((probe, copy_reading(model, ablation.cache(Case("native"), prefix),
-                                               probe)))
+            probe = copy_probe(prefix.tolist(), copy_spans(0, length - 1))  # none under a span
+            native_copy = (copy_reading(model, ablation.cache(Case("native"), prefix), probe)
+                           if probe else None)
+            probes.append((probe, native_copy))
         for case, row in zip(todo, rows):
             if progress:
                 progress(done, total, f"{case.label} at {length:,} tokens")

@@ -311,7 +311,7 @@ def _copy_check(conversation: Conversation, translator, src: CacheLine, tgt: Cac
     """The gate's copy probe of the translated `span` (calibrated where the band of `n` has it):
     why the switch re-reads, or None; the status keeps the reading, or why there is none."""
     band = gate.copy_band(translator.info.get("gate"), conversation.settings.gate_tokens, n)
-    if band is None:
+    if band is None or band.get("threshold") is None:  # not judged where the target barely copies
         return None
     started = time.perf_counter()
     reading = ("the models read different tokens" if conversation.across(src.name, tgt.name)

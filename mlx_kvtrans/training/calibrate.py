@@ -9,7 +9,9 @@ Per band of prefix lengths and per kind of tail (text the source read, its own r
 threshold is a high quantile of the gaps over `windows` held-out windows plus a margin; the
 record is what a manifest keeps under "gate" and what `gate.threshold` reads. Per band, too,
 the copy probe's figures (`copy_gaps`): how much worse the translations copy the history than
-the target's own cache, and the native gap's high quantile plus a margin (`gate.copy_band`).
+the target's own cache, how much the target's own history lowers its NLL of the repeats (its
+worth), and, where that is worth judging one switch by, the native gap's high quantile plus a
+margin (`gate.copy_band`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import KvtransError
-from ..translators.gate import COPY_MARGIN, GATE_TOKENS, KINDS
+from ..translators.gate import COPY_MARGIN, COPY_WORTH, GATE_TOKENS, KINDS
 
 # needles drawn for calibration: apart from the held-out ones (evaluation.needles.HELD_OUT_SEED
 # and above, which the frontier's draws are) and from distillation's (NEEDLE_SEED)
@@ -70,10 +72,11 @@ def window_switch(translator, source, target, tokens: list[int], prefix: int, ki
     return session
 
 
-def copy_gaps(session) -> tuple[float, float]:
+def copy_gaps(session) -> tuple[float, float, float]:
     """(the copy gap of a calibration window's switch, the same probe's gap with the target
-    reading from its own cache of the window): NaN where the probe cannot run (a span too short
-    to probe, models that tokenize differently, a cache that cannot be put back)."""
+    reading from its own cache of the window, and with the target reading the probe alone):
+    NaN where the probe cannot run (a span too short to probe, models that tokenize
+    differently, a cache that cannot be put back)."""
     from mlx_lm.models.cache import make_prompt_cache
 
     from ..session.line import CacheLine
@@ -85,12 +88,13 @@ def copy_gaps(session) -> tuple[float, float]:
     view = session.view("target")
     reading = None if session.across("source", "target") else read_copy(src, tgt, view, span)
     if reading is None or isinstance(reading, str):
-        return np.nan, np.nan
+        return np.nan, np.nan, np.nan
     probe = copy_probe(view, copy_spans(span.start, span.stop))
     own = CacheLine("native", tgt.lm, cache=make_prompt_cache(tgt.lm.model), seen=tgt.seen)
     tgt.lm.model(mx.array(view[:tgt.seen])[None], cache=own.cache)
     native = copy_nll(own.peek(probe), probe).item()  # read as the switch's probe is
-    return reading.gap, native - reading.source_nll
+    alone = copy_nll(tgt.lm.model(mx.array(probe)[None])[0], probe).item()
+    return reading.gap, native - reading.source_nll, alone - reading.source_nll
 
 
 def gap_summary(gaps: list[float]) -> dict:
@@ -166,7 +170,8 @@ def calibrate(translator, source, target, token_ids: list[int],
             if needle_share and draws[-1][0] == "read" and picks.random() < needle_share:
                 draws[-1] = ("read", *_needle(target, NEEDLE_SEED + 10_000 * lo + i, length))
             digest.update(np.asarray(draws[-1][2], dtype=np.int32).tobytes())
-        measured = np.full((count, 3), np.nan)  # the tail's gap, the copy gap, its native
+        # the tail's gap; the copy gap, translated, native and with no history
+        measured = np.full((count, 4), np.nan)
         failure = None
         try:
             for i in range(rank, count, size):
@@ -204,20 +209,23 @@ def calibrate(translator, source, target, token_ids: list[int],
 def _band(prefix: tuple[int, int], gaps: dict[str, list[float]], copies: np.ndarray,
           config: CalibrationConfig) -> dict:
     """A band's record: per kind of tail its gaps and threshold; where the copy probe read
-    windows (`copies`: their translated and native copy gaps, NaN where not), its loss against
-    the target's own cache and one switch's threshold, where it read half the windows or
-    more."""
+    half the windows or more (`copies`: their translated, native and no-history copy gaps, NaN
+    where not), its loss against the target's own cache, the history's worth to the target's
+    copying, and one switch's threshold where that worth is `COPY_WORTH` or more."""
     band = {"prefix": list(prefix),
             "threshold": {k: round(float(np.quantile(g, config.quantile)) + config.margin, 4)
                           for k, g in gaps.items()},
             "gap": {k: gap_summary(g) for k, g in gaps.items()}}
-    probed = copies[~np.isnan(copies[:, 1])]
+    probed = copies[~np.isnan(copies).any(axis=1)]
     if len(probed) >= len(copies) / 2:  # a quantile of a few windows is not a threshold
         native = float(np.quantile(probed[:, 1], config.quantile))
-        band["copy"] = {"threshold": round(native + config.copy_margin, 4),
-                        "loss": round(float((probed[:, 0] - probed[:, 1]).mean()), 4),
+        worth = float((probed[:, 2] - probed[:, 1]).mean())
+        band["copy"] = {"loss": round(float((probed[:, 0] - probed[:, 1]).mean()), 4),
+                        "worth": round(worth, 4),
                         "native": gap_summary(probed[:, 1]),
                         "translated": gap_summary(probed[:, 0])}
+        if worth >= COPY_WORTH:
+            band["copy"]["threshold"] = round(native + config.copy_margin, 4)
     return band
 
 

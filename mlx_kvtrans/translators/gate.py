@@ -25,12 +25,15 @@ spans of the translated part again on top of what they hold, their caches left a
 after (`CacheLine.peek`), and a model that holds the history predicts such a repeat from it (an
 induction head's copy). The target's mean NLL of the repeats beside the source's is the copy
 gap. Models copy unequally even from their own caches, so calibration measures the same gap
-with the target reading its own cache of each window, and records two figures per band:
+with the target reading its own cache of each window, and records per band:
 - `loss`: the mean of translated - native gap over the windows. A translator whose target
   copies the history this much worse than from its own cache loses facts as a rule, not by
   chance: over `COPY_LOSS` its switches re-read (`copy_refusal`), saying why.
-- `threshold`: a high quantile of the native gap plus `COPY_MARGIN`: a switch over it copies
-  worse than the target ever does from its own cache, and re-reads.
+- `worth`: how much the target's own history lowers its NLL of the repeats against reading
+  them alone (with no history before them, so no sink either).
+- `threshold`, where `worth` is `COPY_WORTH` or more: a high quantile of the native gap plus
+  `COPY_MARGIN`: a switch over it copies worse than the target ever does from its own cache,
+  and re-reads. A band calibrated before `worth` was measured keeps its threshold.
 
 Between models that tokenize differently (`compare_across`) each reads its own tokens of the
 same text: the tail's text is cut to places where both split, each model's NLL of its tokens
@@ -60,6 +63,11 @@ COPY_SKIP = 3
 # gate bands' `copy`; `benchmarks/results/real-family.md`)
 COPY_LOSS = 0.25
 COPY_MARGIN = 0.25  # nats/token over the native gap's high quantile: one switch's threshold
+# nats/token the target's own history must lower its NLL of the repeats by, on average over the
+# calibration's windows, for one switch's copy gap to be judged: where the target barely copies
+# from its history (the zoo's small models), the gap is how two models read a text, which moves
+# with the text (chat against prose) more than with what a translation lost
+COPY_WORTH = 0.5
 
 
 @dataclass(frozen=True)
@@ -269,9 +277,9 @@ def read_copy(source, target, tokens: list[int], span: range) -> CopyReading | s
 
 
 def copy_band(calibration: dict | None, tail: int, length: int) -> dict | None:
-    """The copy probe's calibration (`threshold`, `loss`) of the band a switch after `length`
-    tokens falls in, as `threshold` picks it; None where the gate is calibrated for another
-    tail, or without the probe in that band."""
+    """The copy probe's calibration (`loss`, and `threshold` where one switch is judged) of the
+    band a switch after `length` tokens falls in, as `threshold` picks it; None where the gate
+    is calibrated for another tail, or without the probe in that band."""
     if not calibration or calibration.get("tail") != tail:
         return None
     return band_of(calibration, length).get("copy")
