@@ -439,7 +439,7 @@ def markdown(result: dict) -> str:
         f"{result['gate_tokens']} tokens; in brackets, the mean damage: the target's NLL on "
         "the tail from the translated cache minus its NLL reading the conversation itself "
         "(nats/token; what the fault really cost). Gate ms: the tail the target reads itself, "
-        "the comparison and the copy probe (where the translator is calibrated with it), the "
+        "the comparison and the copy probe (where the calibration judges one switch by it), the "
         "part of a switch the gate adds.",
         "",
         "## False alarms on held-out text (test split)",
