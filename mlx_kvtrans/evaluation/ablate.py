@@ -157,16 +157,15 @@ def ablate(model, encode, token_ids: list[int], config: AblateConfig, translator
             window = mx.array(token_ids[start:start + span])
             prefix, inputs = window[:length - 1], window[length - 1:span - 1][None]
             last = int(window[length - 1])
-            native_cache = ablation.cache(Case("native"), prefix)
+            native_cache = ablation.cache(Case("native"), prefix)  # once: each use reads a copy
             prefixes.append((prefix, inputs, last))
-            said = greedy(model, last, ablation.cache(Case("native"), prefix),
+            said = greedy(model, last, copy.deepcopy(native_cache),
                           max(generated, GENERATED))  # the native greedy continuation
-            natives.append((ablation.model(inputs, cache=native_cache), said))
+            natives.append((ablation.model(inputs, cache=copy.deepcopy(native_cache)), said))
             fed.append(mx.array([last] + said[:GENERATED - 1])[None])  # teacher forcing
             floors.append(floor_agreement(model, prefix.tolist() + [last], said[:GENERATED]))
             probe = copy_probe(prefix.tolist(), copy_spans(0, length - 1))  # none under a span
-            native_copy = (copy_reading(model, ablation.cache(Case("native"), prefix), probe)
-                           if probe else None)
+            native_copy = copy_reading(model, native_cache, probe) if probe else None
             probes.append((probe, native_copy))
         for case, row in zip(todo, rows):
             if progress:
