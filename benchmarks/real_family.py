@@ -116,6 +116,7 @@ def measure_direction(family: Path, name: str, args) -> list[dict]:
     keys = ("history_recovered", "agreement", "agreement_last16", "greedy_match",
             "first_token", "kl", "recall_native", "recall_translated", "applied", "speedup")
     return [{"stage": translator.info.get("stage", 1), "sink": translator.info.get("sink"),
+             "relay": (translator.info.get("relay") or {}).get("chosen"),
              "reread": reread, "recompute": k,
              "lengths": {str(r.length): {key: r.to_json()[key] for key in keys}
                          for r in frontier.rows if r.setting.recompute == k}}
@@ -302,11 +303,13 @@ def write_directions(results: dict, lines: list[str]) -> None:
               f"({results['prompts']} windows a length) and {results['needles']} chat "
               "needles a length. Recovered: the history's worth kept over what the last 16 "
               "tokens give; match: greedy tokens of 32 equal to native's; recall native / "
-              "switched; k: the target's first layers that read the span themselves.", "",
-              "| direction | stage | sink tokens | k | " + " | ".join(
+              "switched; relay: the target's layers that read the span again from the "
+              "source's hidden state entering the layer named (`relay`); k: the target's "
+              "first layers that read the span themselves.", "",
+              "| direction | stage | sink tokens | relay | k | " + " | ".join(
                   f"recovered / first / match / recall @{n:,}" for n in shown) +
               " | applied | speed-up @2,048 (a fallback re-reads) | bars missed |",
-              "|---|---|---|---|" + "---|" * len(shown) + "---|---|---|"]
+              "|---|---|---|---|---|" + "---|" * len(shown) + "---|---|---|"]
     for name, row in ((n, r) for n, rows in directions.items() for r in rows["settings"]):
         cells = []
         for n in shown:
@@ -320,7 +323,9 @@ def write_directions(results: dict, lines: list[str]) -> None:
         speedup = f"{speedup_as_used(long):.1f}x" if long else "-"
         missed = [k for k, ok in direction_bars(row).items() if not ok]
         sink = (row["sink"] or {}).get("tokens", 0)
-        lines.append(f"| {name} | {row['stage']} | {sink} | {row['recompute']} | " +
+        chosen = row.get("relay")
+        relay = "-" if not chosen else f"{chosen[0]}-{chosen[1]} from {chosen[2]}"
+        lines.append(f"| {name} | {row['stage']} | {sink} | {relay} | {row['recompute']} | " +
                      " | ".join(cells) +
                      f" | {applied:.2f} | {speedup} | {', '.join(missed) or 'none'} |")
 
@@ -349,13 +354,15 @@ def write_kv_bits(results: dict, lines: list[str]) -> None:
 
 
 def translator_digest(directory: Path) -> str | None:
-    """What a direction's figures are of: its translator's weights and its gate's calibration
-    (which decides what applies); None when it is not on disk."""
+    """What a direction's figures are of: its translator's weights, its gate's calibration
+    (which decides what applies) and its relay; None when it is not on disk."""
     weights, manifest = directory / "weights.safetensors", directory / "manifest.json"
     if not (weights.is_file() and manifest.is_file()):
         return None
-    gate = json.loads(manifest.read_text()).get("gate")
-    return hashlib.sha256((sha256_file(weights) + json.dumps(gate, sort_keys=True)).encode()
+    found = json.loads(manifest.read_text())
+    relay = (found.get("relay") or {}).get("chosen")
+    chosen = [found.get("gate"), relay] if relay else found.get("gate")
+    return hashlib.sha256((sha256_file(weights) + json.dumps(chosen, sort_keys=True)).encode()
                           ).hexdigest()
 
 

@@ -305,6 +305,7 @@ def calibrate(translator_dir: Path = typer.Option(..., "--translator", help="a t
 
     from mlx_kvtrans.training.calibrate import CalibrationConfig, calibrate_directory
     from mlx_kvtrans.translators import artifact
+    from mlx_kvtrans.translators.relay import describe as relay_line
 
     path = artifact.resolve(translator_dir)
     if "gate" in artifact.read_manifest(path) and not force:
@@ -318,6 +319,7 @@ def calibrate(translator_dir: Path = typer.Option(..., "--translator", help="a t
     if as_json:
         print(json.dumps(record, indent=2))
         return
+    out.print(relay_line(artifact.read_manifest(path).get("relay")))
     out.print(f"{_gate_line(record)} · wrote {path / 'manifest.json'}")
 
 

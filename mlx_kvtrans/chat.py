@@ -345,6 +345,8 @@ class Chat:
             read = f", {' and '.join(own)} read by {s.target}" if own else ""
             if s.layers_recomputed:
                 read += f", its first {counted(s.layers_recomputed, 'layer')} on the span too"
+            if s.layers_relayed:
+                read += f", {counted(s.layers_relayed, 'layer')} relayed"
             ahead = (f" ({s.tokens_translated_ahead} of them ahead, "
                      f"{s.ahead_seconds * 1000:.1f} ms)" if s.tokens_translated_ahead else "")
             fallback = (f", {counted(s.tokens_fallback, 'token')} re-read in its place"

@@ -6,6 +6,6 @@ raw, normed, engine (`capture`, `Capture`, `tapped`), and joins recorded parts o
 the library use (module and function hooks, the final-norm rows, the chunkwise recurrence).
 """
 
-from .prefill import PREFILL_CHUNK, Capture, capture, join_recorded, tapped
+from .prefill import PREFILL_CHUNK, RESIDUAL, Capture, capture, join_recorded, tapped
 
-__all__ = ["PREFILL_CHUNK", "Capture", "capture", "join_recorded", "tapped"]
+__all__ = ["PREFILL_CHUNK", "RESIDUAL", "Capture", "capture", "join_recorded", "tapped"]

@@ -9,14 +9,19 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from ..layouts import CapturePoint, ModelLayout, layout_of
 from ..layouts.linear_attention import RecurrentInputs
-from .instrument import head_on_last_token, hook_module, observe_function, running_layer
+from .instrument import (head_on_last_token, hook_module, language_model, observe_function,
+                         running_layer)
+
+# the hidden state entering a layer (B, T, hidden), recorded as `objects[layer][RESIDUAL]` where
+# asked for: what a relay's target layers read in place of their own earlier layers
+RESIDUAL = ("residual", CapturePoint.RAW)
 
 
 @dataclass
@@ -81,12 +86,11 @@ class _Recorder:
 
         def record(name: str, point: int, value: Any) -> None:
             if point in points and (wanted is None or (name, point) in wanted):
-                values = parts.get((name, point))
-                if values is None:
-                    parts[(name, point)] = [value]
-                else:
-                    values.append(value)
+                parts.setdefault((name, point), []).append(value)
         return record
+
+    def keep_residual(self, layer: int, value: mx.array) -> None:
+        self.parts[layer].setdefault(RESIDUAL, []).append(value)
 
     def drop_last(self) -> None:
         """Forget the last forward's objects (each forward appends one of each)."""
@@ -110,12 +114,20 @@ class _Recorder:
 
 @contextlib.contextmanager
 def tapped(model: nn.Module, layout: ModelLayout, points: set[int],
-           select: set[tuple[int, str, int]] | None = None):
+           select: set[tuple[int, str, int]] | None = None, residuals: Iterable[int] = ()):
     """Within the block, running `model` records cache objects at `points` into the recorder
     (every forward appends; `rec.joined()` concatenates them). `select`: record only these
-    (layer, object name, point) triples; no hook is installed where nothing is selected."""
+    (layer, object name, point) triples; no hook is installed where nothing is selected.
+    The hidden state entering each of the `residuals` layers, and each layer `select` names
+    with `RESIDUAL`, is recorded too."""
     rec = _Recorder(layout, set(points), select)
+    residuals = set(residuals) | {l for l, n, p in select or () if (n, p) == RESIDUAL}
     with contextlib.ExitStack() as stack:
+        stack_layers = language_model(model).model.layers if residuals else []
+        for index in sorted(residuals):
+            stack.enter_context(hook_module(
+                stack_layers[index],
+                before=lambda m, args, kw, i=index: rec.keep_residual(i, args[0])))
         records = [rec.recorder(index) for index in range(len(layout.layers))]
         for index, layer in enumerate(layout.layers):
             if not rec.wants(index):
@@ -148,14 +160,16 @@ PREFILL_CHUNK = 2048  # mlx-lm generation's default prefill step
 
 def capture(model: nn.Module, tokens, points=tuple(CapturePoint), chunk_size: int | None = None,
             layout: ModelLayout | None = None, cache: list | None = None,
-            select: set[tuple[int, str, int]] | None = None) -> Capture:
+            select: set[tuple[int, str, int]] | None = None,
+            residuals: Iterable[int] = ()) -> Capture:
     """Prefill `tokens` ((T,) or (B, T) ids) and capture every cache object at `points`.
 
     `chunk_size` prefills in chunks (as mlx-lm's generation does), which bounds memory on long
     prompts; the captured objects are the same. With `cache` (an mlx-lm cache that has read
     earlier tokens) the prefill continues it: raw/normed objects cover the new tokens, engine objects
     are the whole cache. `select`: capture only these (layer, object name, point) triples
-    (None: every object at `points`).
+    (None: every object at `points`). `residuals`: layers whose entering hidden state is
+    recorded too (`RESIDUAL`).
     """
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -166,7 +180,7 @@ def capture(model: nn.Module, tokens, points=tuple(CapturePoint), chunk_size: in
     points = {CapturePoint(p) for p in points}
     engine = cache if cache is not None else make_prompt_cache(model)
     step = chunk_size or tokens.shape[1]
-    with tapped(model, layout, points - {CapturePoint.ENGINE}, select) as rec, \
+    with tapped(model, layout, points - {CapturePoint.ENGINE}, select, residuals) as rec, \
             head_on_last_token(model):
         for start in range(0, tokens.shape[1], step):
             logits = model(tokens[:, start:start + step], cache=engine)

@@ -47,7 +47,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from ..capture import capture
 from ..files import sha256_file
 from ..translators.gate import GATE_TOKENS
-from ..translators.install import install, recompute_first_layers
+from ..translators.install import recompute_first_layers, translate_into
 from ..layouts import CapturePoint, ObjectKind, layout_of
 from ..translators.fidelity import greedy, kl_per_token
 # the record this module measures: re-exported, so one import serves a frontier's users
@@ -106,7 +106,8 @@ class Switch:
         if self.tokenizers is not None:
             return self._read_across(prefix[:n])
         return capture(self.source, mx.array(prefix[:n])[None],
-                       points=self.translator.source_points(), layout=self.source_layout)
+                       points=self.translator.source_points(), layout=self.source_layout,
+                       residuals=self.translator.residuals())
 
     def _read_across(self, head: list[int]):
         """(the source's capture of its own tokens of `head`'s text, the groups that pool it
@@ -123,9 +124,7 @@ class Switch:
             from ..translators.cross_tokenizer import realigned
 
             recorded = realigned(*recorded)
-        objects, points = self.translator.translate(recorded, self.target, self.target_layout,
-                                                    mx.array(head)[None])
-        return install(self.target_layout, objects, points)
+        return translate_into(self.translator, recorded, self.target, mx.array(head)[None])[2]
 
     def cache(self, setting: Setting, prefix: list[int], recorded=None) -> list:
         """The target's cache of `prefix` after a switch at `setting`, evaluated."""

@@ -51,6 +51,7 @@ class SwitchStatus:
     tokens_tail: int = 0  # the span's last tokens, read by the target on the translated cache
     tokens_sink: int = 0  # the conversation's first tokens, read by the target before it
     layers_recomputed: int = 0  # the target's first layers that read the translated span
+    layers_relayed: int = 0  # its layers that read it again from the source's hidden state
     gate: Verdict = Verdict.NONE
     gate_note: str = ""  # why the gate did not judge (uncalibrated, unchecked)
     gate_gap: float | None = None  # nats/token: target's mean NLL on the tail - the source's

@@ -20,9 +20,9 @@ stops: it stops at one of the source's state snapshots.
 The attention sink (`Session(sink=s)`, by default what the translator's fit measured): a
 pretrained model's attention rests much of its weight on the first tokens of its context
 (StreamingLLM), where its keys and values are least like any other position's, so a token-wise
-map errs most there. A target that receives the conversation
-from its start then reads its first s tokens itself (exact, and s tokens' prefill: they see
-nothing before them), and the translation covers the rest. The zoo's small models have no sink
+map errs most there. A target that receives the conversation from its start then reads its first
+s tokens itself (exact, and s tokens' prefill: they see nothing before them), and the
+translation covers the rest. The zoo's small models have no sink
 (their fits record s = 0); a real pretrained pair does (`research/results/real.md`).
 
 The target reads those last tokens and whatever the conversation holds after them (the next
@@ -35,8 +35,7 @@ alignment group's source tokens pooled, as its translator was fitted (`_across`)
 compares each model's NLL of its own tokens of the same text (`gate.compare_across`).
 
 `receive_span` is the one switch: `plan_switch` decides from values what it does (`SwitchPlan`),
-`carry_out` does it. `Session.switch`, the server (through it) and the switch benchmark's gated
-switch all run it.
+`carry_out` does it. `Session.switch`, the server and the switch benchmark all run it.
 """
 
 from __future__ import annotations
@@ -47,7 +46,7 @@ from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
-from ..translators import gate
+from ..translators import gate, relay
 from ..capture import PREFILL_CHUNK, Capture
 from ..translators.install import NotFinite, recompute_first_layers, translate_into
 from ..translators.cross_tokenizer import AlignedText, pooling, realigned
@@ -335,6 +334,7 @@ def _translate_span(conversation: Conversation, translator, src: CacheLine, tgt:
     own = _own_layers(tgt, span.start, recompute)
     try:
         _translate(conversation, translator, src, tgt, span.start, span.stop, status)
+        status.layers_relayed = len(getattr(relay.relay_of(translator), "layers", ()))
         if own:
             ids = conversation.view(tgt.name)[span.start:span.stop]
             recompute_first_layers(tgt.lm.model, tgt.cache, own, mx.array(ids)[None], len(own))

@@ -43,7 +43,7 @@ from ..capture import PREFILL_CHUNK, Capture, capture
 from ..translators.gate import GATE_TOKENS
 from ..capture.instrument import chunked_recurrence, fastest_recurrence
 from ..translators.cross_tokenizer import realigned
-from ..translators.install import install
+from ..translators.install import translate_into
 from ..layouts import ObjectKind, layout_of
 from ..models import LoadedModel
 from ..session import Session, SwitchStatus, receive_span
@@ -135,7 +135,8 @@ def source_prefill(translator: Translator, source, prompt: mx.array, source_layo
     `fastest_recurrence`)."""
     with fastest_recurrence() if fast else contextlib.nullcontext():
         return capture(source, prompt, points=translator.source_points(),
-                       layout=source_layout or layout_of(source), chunk_size=PREFILL_CHUNK)
+                       layout=source_layout or layout_of(source), chunk_size=PREFILL_CHUNK,
+                       residuals=translator.residuals())
 
 
 def gated_session(translator: Translator, source, target, prompt: list[int], last: int,
@@ -177,9 +178,9 @@ def gated_switch(session: Session) -> tuple[SwitchStatus, mx.array]:
 
 def switch_cache(translator: Translator, recorded: Capture, target, target_layout,
                  prompt: mx.array) -> list:
-    """Translate the recorded source objects and install them: the target's cache, evaluated."""
-    objects, points = translator.translate(recorded, target, target_layout, prompt)
-    cache = install(target_layout, objects, points)
+    """Translate the recorded source objects and install them (and run the translator's relay):
+    the target's cache, evaluated."""
+    cache = translate_into(translator, recorded, target, prompt)[2]
     mx.eval([c.state for c in cache])
     return cache
 

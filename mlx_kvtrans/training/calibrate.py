@@ -27,6 +27,7 @@ import numpy as np
 
 from ..errors import KvtransError
 from ..translators.gate import COPY_MARGIN, COPY_WORTH, GATE_TOKENS, KINDS
+from .relay_choice import choose as choose_relay
 
 # needles drawn for calibration: apart from the held-out ones (evaluation.needles.HELD_OUT_SEED
 # and above, which the frontier's draws are) and from distillation's (NEEDLE_SEED)
@@ -265,8 +266,9 @@ def _shared(measured: np.ndarray, failed: bool, group) -> tuple[np.ndarray, bool
 def calibrate_directory(directory: str | Path, text: str | Path | None = None,
                         config: CalibrationConfig = CalibrationConfig()) -> dict:
     """Calibrate the gate of a translator directory (or shipped name) on held-out text
-    (default: the zoo corpus's validation split) and write it into its manifest, replacing any
-    calibration there; its weights are not touched. Returns the calibration. Under
+    (default: the zoo corpus's validation split), under the relay measured on it first
+    (`relay.choose`), and write both into its manifest, replacing what is there; its weights
+    are not touched. Returns the calibration. Under
     `mlx.launch`, the windows are dealt among the processes and the first one writes."""
     from ..models import held_out_split, load
     from ..translators import artifact
@@ -280,7 +282,8 @@ def calibrate_directory(directory: str | Path, text: str | Path | None = None,
         raise KvtransError("no held-out text to calibrate on: give one, or build the zoo corpus")
     ids = target.tokenizer.encode(path.read_text(errors="replace"))
     group = launched_group()
+    translator.info["relay"] = choose_relay(translator, source.model, target.model, ids)
     record = calibrate(translator, source, target, ids, config, group=group)
     if group is None or group.rank() == 0:
-        artifact.update_manifest(directory, gate=record)
+        artifact.update_manifest(directory, gate=record, relay=translator.info["relay"])
     return record

@@ -27,6 +27,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .calibrate import WINDOWS, CalibrationConfig, calibrate
+from .relay_choice import choose as choose_relay
 from ..errors import KvtransError
 from .machines import Machine, this_machine
 from ..models import LoadedModel, embedding_dims, load, model_identity
@@ -334,11 +335,16 @@ def _fit_progress(progress: Progress | None, total: int):
 def gate_of(translator: Translator, src: LoadedModel, tgt: LoadedModel, held_out: list[int],
             windows: int = WINDOWS, progress: Progress | None = None, group=None) -> dict:
     """The fidelity gate's calibration on held-out token ids, its windows followed (dealt
-    among `group`'s processes, when given)."""
+    among `group`'s processes, when given), under the relay measured on them first
+    (`relay.choose`, recorded in `translator.info["relay"]`)."""
     def step(done: int, total: int) -> None:
         if progress:
             progress("calibrating", done, total, "held-out switches")
 
+    translator.info["relay"] = choose_relay(
+        translator, src.model, tgt.model, held_out,
+        progress=progress and (lambda done, total: progress("choosing a relay", done, total,
+                                                            "held-out windows")))
     return calibrate(translator, src, tgt, held_out, CalibrationConfig(windows=windows),
                      progress=step, group=group)
 

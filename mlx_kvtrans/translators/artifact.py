@@ -36,7 +36,7 @@ FORMAT_VERSION = 2
 SELECTIVE_EXPANSION_VERSION = 3
 READABLE_VERSIONS = (1, 2, 3)
 INFO_FIELDS = ("fit", "metrics", "source", "target", "stage", "distill", "features", "gate",
-               "alignment", "sink")
+               "alignment", "sink", "relay")
 FILES = ("weights.safetensors", "manifest.json")
 
 

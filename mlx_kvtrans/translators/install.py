@@ -14,7 +14,9 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..capture import RESIDUAL
 from ..layouts import CapturePoint, ModelLayout, layout_of
+from . import relay
 from .sharding import shards_of
 
 
@@ -159,14 +161,26 @@ def translate_into(translator, source, target_model, tokens, offset: int = 0,
     `target_model`, whole or sharded: (the translated objects, their capture points, the
     caches: fresh ones, or `cache` grown in place). For a sharded target the objects are the
     whole model's layers this process holds (the others empty) and the caches its share;
-    `finite` raises `NotFinite` on every process when any process's share is not."""
+    `finite` raises `NotFinite` on every process when any process's share is not. A
+    translator's relay (`relay`) then reruns its layers from the source's recorded hidden
+    state."""
+    chosen = relay.relay_of(translator)
     shards = shards_of(target_model)
     if shards is None:
         layout = layout_of(target_model)
         objects, points = translator.translate(source, target_model, layout, tokens,
                                                all_rows=all_rows)
-        return objects, points, install(layout, objects, points, offset=offset, cache=cache,
-                                        finite=finite)
+        cache = install(layout, objects, points, offset=offset, cache=cache, finite=finite)
+        if chosen is not None:
+            residual = source.objects[chosen.source_layer].get(RESIDUAL)
+            if residual is None:
+                raise ValueError(f"the source's hidden state entering its layer "
+                                 f"{chosen.source_layer} was not recorded: the relay reads it")
+            relay.run(target_model, cache, residual, chosen)
+        return objects, points, cache
+    if chosen is not None:
+        raise ValueError("a translator with a relay switches into a whole model, not a "
+                         "sharded one")
     failed = None
     try:
         objects, points = translator.translate(source, shards.skeleton, shards.whole, tokens,

@@ -252,8 +252,9 @@ def _from_owners(mine: dict, group) -> dict:
     return out
 
 
-def capture_whole(model: nn.Module, tokens, points) -> Capture:
-    """`capture` of a source whole or sharded: the whole model's objects on every process."""
+def capture_whole(model: nn.Module, tokens, points, residuals=()) -> Capture:
+    """`capture` of a source whole or sharded: the whole model's objects on every process
+    (with the hidden state entering each of the `residuals` layers, of a whole model)."""
     shards = shards_of(model)
-    part = capture(model, tokens, points=points)
+    part = capture(model, tokens, points=points, residuals=() if shards else residuals)
     return part if shards is None else shards.whole_capture(part)

@@ -14,7 +14,7 @@ from typing import Any, Collection
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..capture import Capture, join_recorded
+from ..capture import RESIDUAL, Capture, join_recorded
 from ..errors import KvtransError
 from ..layouts import CapturePoint, ModelLayout, layout_of
 from ..models import input_embedding
@@ -104,7 +104,15 @@ class Translator:
                     continue
                 if feature_point(obj, self.source_point) is not None:
                     out.add((layer, obj.name, self.source_point))
+        out |= {(j, *RESIDUAL) for j in self.residuals()}
         return out | self.identity.reads(source_layout)
+
+    def residuals(self) -> set[int]:
+        """The source layers whose entering hidden state a switch reads: its relay's."""
+        from .relay import relay_of
+
+        chosen = relay_of(self)
+        return set() if chosen is None else {chosen.source_layer}
 
     def features(self, source: Capture, params: dict | None = None,
                  recipes: list[Recipe] | None = None) -> dict:
@@ -234,7 +242,8 @@ def translate_cache(translator: Translator, source_model, target_model, tokens,
     if translator.across_tokenizers:
         source = _source_of_text(translator, source_model, tokens)
     else:
-        source = capture_whole(source_model, tokens, translator.source_points())
+        source = capture_whole(source_model, tokens, translator.source_points(),
+                               translator.residuals())
     sink = measured_sink(translator) if sink is None else sink
     if not 0 < sink < tokens.shape[1]:
         return translate_into(translator, source, target_model, tokens)[2]
