@@ -126,9 +126,9 @@ def _real_rows(family: dict) -> list[str]:
     if not directions:
         return []
     at = " / ".join(str(n) for n in REAL_LENGTHS)
-    lines = ["", f"| real translator (built) | stage | sink tokens | history recovered @{at} | "
-             f"first token @{at} | greedy match @{at} | recall @{at} (native) | applied | "
-             "switch speed-up @2K |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["", f"| real translator (built) | stage | sink tokens | relay | history recovered "
+             f"@{at} | first token @{at} | greedy match @{at} | recall @{at} (native) | "
+             "applied | switch speed-up @2K |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name, entry in directions.items():
         row = next(r for r in entry["settings"] if r["recompute"] == 0)
         rows = {int(n): r for n, r in row["lengths"].items()}
@@ -138,7 +138,10 @@ def _real_rows(family: dict) -> list[str]:
         applied = min((r["applied"] or 0) for r in rows.values())
         speedup = (_times(rows[2048].get("speedup_as_used", rows[2048]["speedup"]))
                    if 2048 in rows else "-")
+        chosen = row.get("relay")
+        relay = f"{chosen[0]}-{chosen[1]} from {chosen[2]}" if chosen else "-"
         lines.append(f"| `{name}` | {row['stage']} | {(row['sink'] or {}).get('tokens', 0)} | "
+                     f"{relay} | "
                      f"{_pair(rows, 'history_recovered', lengths=REAL_LENGTHS)} | "
                      f"{_pair(rows, 'first_token', lengths=REAL_LENGTHS)} | "
                      f"{_pair(rows, 'greedy_match', '.1f', REAL_LENGTHS)} | {recall} | "
@@ -147,7 +150,9 @@ def _real_rows(family: dict) -> list[str]:
               "`kvtrans zoo real`): each direction through a `Session` at its default setting on "
               "a held-out text of another domain and chat needles in the model's template, "
               f"{family.get('prompts', '-')} windows and {family.get('needles', '-')} needles per "
-              "length; the switch's speed-up counts a switch the gate re-reads as a re-read. "
+              "length; relay: the target's layers that read the span again from the source's "
+              "hidden state entering the layer named (docs/fidelity.md); the switch's speed-up "
+              "counts a switch the gate re-reads as a re-read. "
               "Rendered from `benchmarks/results/real-family.json` "
               "(`python benchmarks/real_family.py`)."]
     return lines

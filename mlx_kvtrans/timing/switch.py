@@ -19,9 +19,9 @@ For each prompt length, with medians over repeats:
   comparisons are visible: source prefill + switch vs re-reading (what switching saves a user
   today) and vs chunked re-reading (same recurrence on both sides);
 - bound: the least a warm switch could cost here, measured beside it: (a) the target's first
-  decode step on the installed cache alone, (b) the translation's arithmetic at the matmul peak
-  measured in the bench's dtype, (c) the installed cache's bytes at the measured memory
-  bandwidth. `warm_over_bound` = warm switch / bound.
+  decode step on the installed cache alone, (b) the translation's arithmetic (and its relay's
+  layers', `relay`) at the matmul peak measured in the bench's dtype, (c) the installed cache's
+  bytes at the measured memory bandwidth. `warm_over_bound` = warm switch / bound.
 Peak memory of each path, the translation's arithmetic rate, the BLAS in use and the dtype are
 recorded with the timings.
 """
@@ -41,9 +41,10 @@ from mlx.utils import tree_flatten
 from ..backend.blas import matmul_gflops, memory_bandwidth_gbs
 from ..capture import PREFILL_CHUNK, Capture, capture
 from ..translators.gate import GATE_TOKENS
-from ..capture.instrument import chunked_recurrence, fastest_recurrence
+from ..capture.instrument import chunked_recurrence, fastest_recurrence, language_model
 from ..translators.cross_tokenizer import realigned
 from ..translators.install import translate_into
+from ..translators.relay import relay_of
 from ..layouts import ObjectKind, layout_of
 from ..models import LoadedModel
 from ..session import Session, SwitchStatus, receive_span
@@ -117,10 +118,21 @@ class BenchRow:
                 "speedup_prefill_and_switch": self.speedup_prefill_and_switch}
 
 
-def translation_flops(translator: Translator, length: int, target_layout) -> float:
+def translation_flops(translator: Translator, length: int, target_layout, target=None
+                      ) -> float:
     """Arithmetic (2 x multiply-adds) of the translator over a `length`-token prompt (a conv
-    history maps only the K-1 rows it keeps)."""
-    return translator.flops(length, target_layout)
+    history maps only the K-1 rows it keeps), and of its relay's layers of `target` reading
+    the prompt (their weights once a token, their attention's scores and sums)."""
+    flops = translator.flops(length, target_layout)
+    chosen = relay_of(translator)
+    if chosen is None or target is None:
+        return flops
+    stack = language_model(target).model.layers
+    for i in chosen.layers:
+        weights = sum(v.size for _, v in tree_flatten(stack[i].parameters()))
+        width = stack[i].self_attn.q_proj.weight.shape[0]  # heads x head dim
+        flops += 2.0 * weights * length + 2.0 * length * length * width
+    return flops
 
 
 def cache_nbytes(cache: list) -> int:
@@ -444,7 +456,7 @@ def bench_switch(translator: Translator, source, target, config: BenchConfig, pr
         if target_is_hybrid:
             step("chunked re-reading", length)
         t_chunked = _median(paths.reread_chunked, repeats)[0] if target_is_hybrid else None
-        flops = translation_flops(translator, length, target_layout)
+        flops = translation_flops(translator, length, target_layout, target)
         rows.append(BenchRow(
             length=length, cold_switch_s=t_cold, reread_s=t_full, peak_mb_reread=peak_full,
             reread_chunked_s=t_chunked, gate_tokens=tail,

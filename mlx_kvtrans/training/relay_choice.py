@@ -118,8 +118,8 @@ def _as_good(blocks: dict, best: tuple) -> list[tuple]:
     out = []
     for b, v in blocks.items():
         diff = v - blocks[best]
-        if diff.mean() <= 2 * diff.std(ddof=1) / np.sqrt(len(diff)) if len(diff) > 1 \
-                else diff.mean() <= 0:
+        noise = 2 * diff.std(ddof=1) / np.sqrt(len(diff)) if len(diff) > 1 else 0.0
+        if diff.mean() <= noise:
             out.append(b)
     return out
 

@@ -72,5 +72,3 @@ def _mask(h: mx.array, cache):
     from mlx_lm.models.base import create_attention_mask
 
     return create_attention_mask(h, cache)
-
-
