@@ -299,8 +299,9 @@ def calibrate(translator_dir: Path = typer.Option(..., "--translator", help="a t
               force: bool = typer.Option(False, "--force", help="replace the calibration the "
                                          "translator already holds"),
               as_json: bool = typer.Option(False, "--json", help=JSON_HELP)):
-    """Calibrate a translator's fidelity gate on held-out text and write it into its manifest
-    (its weights are not touched). Under mlx.launch the processes share the windows."""
+    """Choose a translator's relay and calibrate its fidelity gate under it on held-out text,
+    and write both into its manifest (its weights are not touched). Under mlx.launch the
+    processes share the gate's windows."""
     import mlx.core as mx
 
     from mlx_kvtrans.training.calibrate import CalibrationConfig, calibrate_directory
@@ -317,7 +318,8 @@ def calibrate(translator_dir: Path = typer.Option(..., "--translator", help="a t
     if mx.distributed.init().rank() != 0:  # under mlx.launch the first process reports
         return
     if as_json:
-        print(json.dumps(record, indent=2))
+        print(json.dumps({**record, "relay": artifact.read_manifest(path).get("relay")},
+                         indent=2))
         return
     out.print(relay_line(artifact.read_manifest(path).get("relay")))
     out.print(f"{_gate_line(record)} · wrote {path / 'manifest.json'}")

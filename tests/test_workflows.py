@@ -5,6 +5,7 @@ session reads, and no command replaces an existing output unless told to."""
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -158,6 +159,7 @@ def test_existing_outputs_are_refused_untouched_unless_forced(fitted, model_dirs
     forced = runner.invoke(app, [*commands["calibrate"], "--windows", "1", "--force", "--json"])
     assert forced.exit_code == 0, forced.output
     assert artifact.read_manifest(out)["gate"]["bands"][0]["gap"]["read"]["windows"] == 1
+    assert json.loads(forced.output)["relay"] == artifact.read_manifest(out)["relay"]
     assert hashlib.sha256((out / "weights.safetensors").read_bytes()).hexdigest() == \
         before["weights.safetensors"][0]
 
