@@ -124,3 +124,19 @@ def test_a_manifest_keeps_the_relay(self_translator, tmp_path):
     assert (1, *RESIDUAL) in loaded.reads(mlx_kvtrans.layout_of(lm.model))
     assert "layers 1-2" in relay.describe(record)
     np.testing.assert_equal(relay.describe(None), "relay: not measured")
+
+
+def test_a_conversation_switches_back_and_forth_with_relays(self_translator):
+    """A model that is one relay's source and another's target records the hidden state its
+    relay reads, and switches both ways."""
+    lm, translator = self_translator
+    relayed = replace(translator, info={**translator.info, "relay": {"chosen": [1, 2, 1]}})
+    session = Session({"a": lm, "b": lm}, {("a", "b"): relayed, ("b", "a"): relayed},
+                      active="a", gate_tokens=0)
+    session.add(prompt_of(lm), model="a")
+    list(session.generate(4))
+    assert session.switch("b").layers_relayed == 2
+    session.add(prompt_of(lm, 16, seed=2), model="b")
+    list(session.generate(4))
+    back = session.switch("a")
+    assert back.layers_relayed == 2 and not back.reason

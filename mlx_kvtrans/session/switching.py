@@ -47,7 +47,7 @@ from dataclasses import dataclass, replace
 import mlx.core as mx
 
 from ..translators import gate, relay
-from ..capture import PREFILL_CHUNK, Capture
+from ..capture import PREFILL_CHUNK, RESIDUAL, Capture
 from ..translators.install import NotFinite, recompute_first_layers, translate_into
 from ..translators.cross_tokenizer import AlignedText, pooling, realigned
 from ..errors import KvtransError
@@ -431,7 +431,7 @@ def _translate(conversation: Conversation, translator, src: CacheLine, tgt: Cach
     select = set(tgt.recording.select)
     layers = tgt.layout.layers
     all_rows = any(layers[i].cache.object(name).kind == ObjectKind.CONV_HISTORY
-                   for i, name, _ in select)
+                   for i, name, p in select if (name, p) != RESIDUAL)
     # the conv histories before the span: a replay's raw rows are recorded convolved after them
     raw = any(getattr(r, "convolve", False) for r in translator.recipes)
     before = ([{}] * len(layers) if fresh or not raw else [None] * len(layers)

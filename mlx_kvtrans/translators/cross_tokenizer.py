@@ -20,7 +20,7 @@ import mlx.core as mx
 import numpy as np
 
 from .alignment import POOLINGS, align, char_spans
-from ..capture import Capture, capture
+from ..capture import RESIDUAL, Capture, capture
 from ..layouts import CapturePoint
 from ..layouts.linear_attention import RecurrentInputs
 from .features import feature_point
@@ -146,6 +146,8 @@ def realigned(capture: Capture, text: AlignedText) -> Capture:
     for layer, found in zip(capture.layout.layers, capture.objects):
         pooled = {}
         for (name, point), value in found.items():
+            if (name, point) == RESIDUAL:  # a relay's, which runs on one tokenizer only
+                continue
             per_token = feature_point(layer.cache.object(name), point) is not None
             pooled[(name, point)] = (_pooled(value, text, 2 if point == CapturePoint.ENGINE
                                              else 1) if per_token else value)

@@ -170,12 +170,12 @@ def translate_into(translator, source, target_model, tokens, offset: int = 0,
         layout = layout_of(target_model)
         objects, points = translator.translate(source, target_model, layout, tokens,
                                                all_rows=all_rows)
+        residual = None if chosen is None else source.objects[chosen.source_layer].get(RESIDUAL)
+        if chosen is not None and residual is None:  # before the cache grows
+            raise ValueError(f"the source's hidden state entering its layer "
+                             f"{chosen.source_layer} was not recorded: the relay reads it")
         cache = install(layout, objects, points, offset=offset, cache=cache, finite=finite)
         if chosen is not None:
-            residual = source.objects[chosen.source_layer].get(RESIDUAL)
-            if residual is None:
-                raise ValueError(f"the source's hidden state entering its layer "
-                                 f"{chosen.source_layer} was not recorded: the relay reads it")
             relay.run(target_model, cache, residual, chosen)
         return objects, points, cache
     if chosen is not None:
