@@ -18,7 +18,8 @@ from mlx_lm.models.base import create_attention_mask
 
 from ..capture import RESIDUAL, capture
 from ..capture.instrument import language_model
-from ..translators.gate import COPY_LOSS, copy_nll, copy_probe, copy_spans
+from ..evaluation.ablate import copy_reading
+from ..translators.gate import COPY_LOSS, copy_probe, copy_spans
 
 # the most of the target's layers a relay reruns: with the translation's few percent of a prefill
 # beside it, a switch stays 5x faster than a re-read
@@ -46,7 +47,7 @@ def applicable(source, target) -> str | None:
 def _copy_loss(model, cache: list, probe: list[int], native: float) -> float:
     """The model's copy NLL of `probe` on `cache` minus `native`; every layer's cache goes
     back after the read."""
-    nll = copy_nll(model(mx.array(probe)[None], cache=cache)[0], probe).item()
+    nll = copy_reading(model, cache, probe)
     for c in cache:
         c.trim(len(probe))
     return nll - native
@@ -93,7 +94,7 @@ def choose(translator, source, target, token_ids: list[int], windows: int = WIND
         probe = copy_probe(prefix, copy_spans(sink, length))
         own = make_prompt_cache(target)
         target(mx.array(prefix)[None], cache=own)
-        native = copy_nll(target(mx.array(probe)[None], cache=own)[0], probe).item()
+        native = copy_reading(target, own, probe)
         cases.append((prefix, probe, native, translate_cache(bare, source, target, prefix)))
     translated = float(np.mean([_copy_loss(target, c, p, n) for _, p, n, c in cases]))
     record["translated"] = round(translated, 4)

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import mlx.core as mx
+from mlx_lm.models.base import create_attention_mask
 
 from ..capture.instrument import language_model
 
@@ -62,13 +63,7 @@ def run(model, cache: list, residual: mx.array, relay: Relay) -> None:
     for i in relay.layers:
         cache[i].trim(n)
     h = residual
-    mask = _mask(h, cache[relay.first])
+    mask = create_attention_mask(h, cache[relay.first])
     for i in relay.layers:
         h = stack[i](h, mask, cache[i])
     mx.eval([cache[i].state for i in relay.layers])
-
-
-def _mask(h: mx.array, cache):
-    from mlx_lm.models.base import create_attention_mask
-
-    return create_attention_mask(h, cache)
